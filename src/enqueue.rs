@@ -1,0 +1,340 @@
+//! Accepting deliveries: validation, idempotency, and the insert.
+
+use rusqlite::{Connection, OptionalExtension, params};
+use serde::Serialize;
+
+use crate::lane::{self, LaneHead};
+use crate::{DeliveryId, Error, LaneOrder, Outbox, OutboxOptions, Result};
+
+/// Longest accepted channel name, in bytes.
+pub const MAX_CHANNEL_BYTES: usize = 128;
+/// Longest accepted chat id, in bytes.
+pub const MAX_CHAT_ID_BYTES: usize = 512;
+/// Longest accepted caller idempotency key or sender name, in bytes.
+pub const MAX_KEY_BYTES: usize = 1024;
+/// Most chunks one delivery may have.
+pub const MAX_CHUNKS: usize = 10_000;
+/// Largest accepted delivery: the full text plus all chunk texts, in bytes.
+pub const MAX_DELIVERY_BYTES: usize = 16 * 1024 * 1024;
+
+/// A delivery to enqueue: one logical message to one chat, already split into chunks.
+///
+/// ```
+/// use chunked_outbox::NewDelivery;
+///
+/// let reply = NewDelivery::chunked("telegram", "42", "Hello\n\nWorld", ["Hello", "World"])
+///     .with_idempotency_key("reply-to-update-9001")
+///     .with_sender("assistant");
+/// assert_eq!(reply.chunks().len(), 2);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewDelivery {
+    channel: String,
+    chat_id: String,
+    text: String,
+    chunks: Vec<String>,
+    idempotency_key: Option<String>,
+    sender: Option<String>,
+}
+
+impl NewDelivery {
+    /// A delivery sent as one chunk holding the whole text.
+    pub fn single(
+        channel: impl Into<String>,
+        chat_id: impl Into<String>,
+        text: impl Into<String>,
+    ) -> Self {
+        let text = text.into();
+        NewDelivery::chunked(channel, chat_id, text.clone(), [text])
+    }
+
+    /// A delivery of `text` sent as the given chunks, in order. `text` is what is written
+    /// to `messages` once every chunk is delivered.
+    pub fn chunked<I, S>(
+        channel: impl Into<String>,
+        chat_id: impl Into<String>,
+        text: impl Into<String>,
+        chunks: I,
+    ) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        NewDelivery {
+            channel: channel.into(),
+            chat_id: chat_id.into(),
+            text: text.into(),
+            chunks: chunks.into_iter().map(Into::into).collect(),
+            idempotency_key: None,
+            sender: None,
+        }
+    }
+
+    /// A caller key: enqueueing the same key again returns the first delivery's id and
+    /// writes nothing (while that delivery is retained; see [`Outbox::purge`]).
+    pub fn with_idempotency_key(mut self, key: impl Into<String>) -> Self {
+        self.idempotency_key = Some(key.into());
+        self
+    }
+
+    /// The sender name written to `messages` at finalization.
+    pub fn with_sender(mut self, sender: impl Into<String>) -> Self {
+        self.sender = Some(sender.into());
+        self
+    }
+
+    /// The chunk texts.
+    pub fn chunks(&self) -> &[String] {
+        &self.chunks
+    }
+
+    fn validate(&self) -> Result<()> {
+        fn bounded(what: &'static str, value: &str, max: usize) -> Result<()> {
+            if value.trim().is_empty() {
+                return Err(Error::invalid(what, "must not be empty or whitespace"));
+            }
+            if value.len() > max {
+                return Err(Error::invalid(
+                    what,
+                    format!("{} bytes is longer than the limit of {max}", value.len()),
+                ));
+            }
+            Ok(())
+        }
+        bounded("channel", &self.channel, MAX_CHANNEL_BYTES)?;
+        if self.channel.chars().any(char::is_control) {
+            return Err(Error::invalid(
+                "channel",
+                "must not contain control characters",
+            ));
+        }
+        bounded("chat id", &self.chat_id, MAX_CHAT_ID_BYTES)?;
+        if let Some(key) = &self.idempotency_key {
+            bounded("idempotency key", key, MAX_KEY_BYTES)?;
+        }
+        if let Some(sender) = &self.sender {
+            bounded("sender", sender, MAX_KEY_BYTES)?;
+        }
+        if self.text.trim().is_empty() {
+            return Err(Error::invalid("text", "must not be empty or whitespace"));
+        }
+        if self.chunks.is_empty() {
+            return Err(Error::invalid(
+                "chunks",
+                "a delivery needs at least one chunk",
+            ));
+        }
+        if self.chunks.len() > MAX_CHUNKS {
+            return Err(Error::invalid(
+                "chunks",
+                format!(
+                    "{} chunks is more than the limit of {MAX_CHUNKS}",
+                    self.chunks.len()
+                ),
+            ));
+        }
+        if let Some(i) = self.chunks.iter().position(|c| c.trim().is_empty()) {
+            return Err(Error::invalid(
+                "chunks",
+                format!("chunk {i} is empty or whitespace; platforms reject empty messages"),
+            ));
+        }
+        let size = self.text.len() + self.chunks.iter().map(String::len).sum::<usize>();
+        if size > MAX_DELIVERY_BYTES {
+            return Err(Error::invalid(
+                "text",
+                format!("{size} bytes is more than the limit of {MAX_DELIVERY_BYTES}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What [`Outbox::enqueue`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[must_use]
+pub struct Enqueued {
+    /// The delivery's id.
+    pub id: DeliveryId,
+    /// False when the idempotency key named an existing delivery with the same content,
+    /// so nothing was written.
+    pub created: bool,
+}
+
+impl Outbox {
+    /// Stores a delivery and its chunks in one transaction, before any network call.
+    ///
+    /// ```
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// let first = outbox.enqueue(&NewDelivery::single("slack", "C042", "deploy finished").with_idempotency_key("k1"))?;
+    /// let again = outbox.enqueue(&NewDelivery::single("slack", "C042", "deploy finished").with_idempotency_key("k1"))?;
+    /// assert_eq!(first.id, again.id);
+    /// assert!(first.created && !again.created);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for an empty channel, chat id or text, no chunks, an
+    /// empty or whitespace-only chunk, or anything over the `MAX_*` limits of this
+    /// module; [`Error::IdempotencyConflict`] if the key names a delivery with different
+    /// content. Nothing is written in either case.
+    pub fn enqueue(&self, delivery: &NewDelivery) -> Result<Enqueued> {
+        delivery.validate()?;
+        self.write(|tx| insert(tx, self.options(), delivery))
+    }
+
+    /// Enqueues inside a transaction the caller already holds on the same database file
+    /// (the transactional-outbox pattern): the delivery exists exactly if the caller's
+    /// transaction commits.
+    ///
+    /// `conn` must be a connection to the file this outbox was opened on (which applied
+    /// the schema), inside an open transaction — typically a
+    /// [`rusqlite::Transaction`], which dereferences to a connection. Start it with
+    /// `BEGIN IMMEDIATE` to avoid lock upgrades failing under contention.
+    ///
+    /// ```
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let path = dir.path().join("app.db");
+    /// let outbox = Outbox::open(&path, OutboxOptions::default())?;
+    /// let mut app = rusqlite::Connection::open(&path)?;
+    /// app.execute_batch("CREATE TABLE IF NOT EXISTS replies_sent (n INTEGER)")?;
+    ///
+    /// let tx = app.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    /// tx.execute("INSERT INTO replies_sent VALUES (1)", [])?;
+    /// outbox.enqueue_in(&tx, &NewDelivery::single("telegram", "42", "hi"))?;
+    /// tx.commit()?; // the reply and the application's own row land together
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`enqueue`](Self::enqueue), and [`Error::InvalidInput`] if `conn` is not inside
+    /// a transaction.
+    pub fn enqueue_in(&self, conn: &Connection, delivery: &NewDelivery) -> Result<Enqueued> {
+        delivery.validate()?;
+        if conn.is_autocommit() {
+            return Err(Error::invalid(
+                "connection",
+                "enqueue_in needs an open transaction on the caller's connection",
+            ));
+        }
+        // A savepoint makes our writes all-or-nothing even if the caller goes on to
+        // commit after we returned an error.
+        conn.execute_batch("SAVEPOINT chunked_outbox_enqueue")?;
+        match insert(conn, self.options(), delivery) {
+            Ok(enqueued) => {
+                conn.execute_batch("RELEASE chunked_outbox_enqueue")?;
+                Ok(enqueued)
+            }
+            Err(e) => {
+                conn.execute_batch(
+                    "ROLLBACK TO chunked_outbox_enqueue; RELEASE chunked_outbox_enqueue",
+                )?;
+                Err(e)
+            }
+        }
+    }
+}
+
+fn insert(tx: &Connection, options: &OutboxOptions, d: &NewDelivery) -> Result<Enqueued> {
+    if let Some(key) = &d.idempotency_key {
+        if let Some(existing) = find_by_key(tx, key)? {
+            return if same_content(tx, existing.0, d)? {
+                Ok(Enqueued {
+                    id: existing.1,
+                    created: false,
+                })
+            } else {
+                Err(Error::IdempotencyConflict {
+                    key: key.clone(),
+                    existing: existing.1,
+                })
+            };
+        }
+    }
+
+    let now = options.now_ms();
+    let id = DeliveryId::new_v7();
+    let active = match options.lane_order {
+        LaneOrder::Parallel => true,
+        LaneOrder::Fifo => match lane::head(tx, options, &d.channel, &d.chat_id)? {
+            LaneHead::Idle => true,
+            LaneHead::Busy => false,
+            // A queued delivery with nothing in front of it: start that one first.
+            LaneHead::Next(waiting) => {
+                lane::activate(tx, waiting, &d.channel, &d.chat_id, now)?;
+                false
+            }
+        },
+    };
+    let rowid: i64 = tx
+        .prepare_cached(
+            "INSERT INTO outbound_deliveries
+                 (uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
+                  created_at, updated_at, text)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, ?9) RETURNING id",
+        )?
+        .query_row(
+            params![
+                id.to_string(),
+                d.channel,
+                d.chat_id,
+                d.sender,
+                d.idempotency_key,
+                if active { "pending" } else { "queued" },
+                d.chunks.len() as i64,
+                now,
+                d.text,
+            ],
+            |r| r.get(0),
+        )?;
+    let mut chunk = tx.prepare_cached(
+        "INSERT INTO outbound_delivery_chunks (delivery_id, chunk_index, status, text)
+         VALUES (?1, ?2, 'pending', ?3)",
+    )?;
+    for (index, text) in d.chunks.iter().enumerate() {
+        chunk.execute(params![rowid, index as i64, text])?;
+    }
+    if active {
+        lane::make_due(tx, rowid, 0, &d.channel, &d.chat_id, now)?;
+    }
+    tx.prepare_cached(
+        "INSERT INTO outbound_channel_stats (channel, deliveries) VALUES (?1, 1)
+         ON CONFLICT (channel) DO UPDATE SET deliveries = deliveries + 1",
+    )?
+    .execute([&d.channel])?;
+    Ok(Enqueued { id, created: true })
+}
+
+fn find_by_key(tx: &Connection, key: &str) -> Result<Option<(i64, DeliveryId)>> {
+    let row = tx
+        .prepare_cached("SELECT id, uid FROM outbound_deliveries WHERE idempotency_key = ?1")?
+        .query_row([key], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))
+        .optional()?;
+    row.map(|(rowid, uid)| Ok((rowid, uid.parse()?)))
+        .transpose()
+}
+
+fn same_content(tx: &Connection, rowid: i64, d: &NewDelivery) -> Result<bool> {
+    let (channel, chat_id, sender, text): (String, String, Option<String>, String) = tx
+        .prepare_cached(
+            "SELECT channel, chat_id, sender, text FROM outbound_deliveries WHERE id = ?1",
+        )?
+        .query_row([rowid], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+        })?;
+    if channel != d.channel || chat_id != d.chat_id || sender != d.sender || text != d.text {
+        return Ok(false);
+    }
+    let mut stmt = tx.prepare_cached(
+        "SELECT text FROM outbound_delivery_chunks WHERE delivery_id = ?1 ORDER BY chunk_index",
+    )?;
+    let chunks = stmt
+        .query_map([rowid], |r| r.get::<_, String>(0))?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(chunks == d.chunks)
+}

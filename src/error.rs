@@ -1,0 +1,167 @@
+//! The crate's error type.
+
+use std::path::PathBuf;
+
+use crate::{ChunkId, ChunkStatus, DeliveryId};
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the outbox.
+///
+/// Every variant says what happened; the docs of each say what to do about it. An
+/// operation that returns an error has changed nothing: each one runs in a single
+/// transaction that is rolled back on failure.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Input was refused before anything was written (empty chunk, empty channel, a
+    /// limit out of range, ...). Fix the input; retrying the same call fails again.
+    #[error("invalid {what}: {reason}")]
+    InvalidInput {
+        /// Which argument or field was refused.
+        what: &'static str,
+        /// Why it was refused.
+        reason: String,
+    },
+
+    /// The caller's idempotency key already names a delivery with different content.
+    /// Use a new key for new content, or resend exactly the original content.
+    #[error("idempotency key {key:?} already names delivery {existing} with different content")]
+    IdempotencyConflict {
+        /// The key that was reused.
+        key: String,
+        /// The delivery the key already belongs to.
+        existing: DeliveryId,
+    },
+
+    /// The claim no longer owns its chunk: its lease expired and the chunk was recovered
+    /// or claimed again, or an outcome was already recorded. Drop the claim; the chunk is
+    /// in someone else's hands (or already settled).
+    #[error(
+        "claim on chunk {chunk} is stale: its lease expired or its outcome was already recorded"
+    )]
+    StaleClaim {
+        /// The chunk the claim was for.
+        chunk: ChunkId,
+    },
+
+    /// No delivery with this id exists (it may have been purged).
+    #[error("delivery {0} not found")]
+    DeliveryNotFound(DeliveryId),
+
+    /// No chunk with this id exists (it may have been purged).
+    #[error("chunk {0} not found")]
+    ChunkNotFound(ChunkId),
+
+    /// An operator action does not apply to the chunk's current status, e.g. resolving a
+    /// chunk that is not `uncertain`.
+    #[error("chunk {chunk} is {status}; {action} needs {expected}")]
+    InvalidState {
+        /// The chunk acted on.
+        chunk: ChunkId,
+        /// Its current status.
+        status: ChunkStatus,
+        /// The action that was refused.
+        action: &'static str,
+        /// The status(es) the action needs.
+        expected: &'static str,
+    },
+
+    /// The database was written by a newer version of this crate. Upgrade the crate;
+    /// nothing was changed in the file.
+    #[error(
+        "database schema version {found} is newer than this build supports ({supported}); upgrade chunked-outbox"
+    )]
+    SchemaTooNew {
+        /// The schema version found in the file.
+        found: i64,
+        /// The newest schema version this build knows.
+        supported: i64,
+    },
+
+    /// The file exists but is not an SQLite database (or is corrupt). It was left
+    /// untouched; restore it from a backup or point the outbox at another path.
+    #[error("{} is not an outbox database (not SQLite, or corrupt); it was left untouched", path.display())]
+    NotADatabase {
+        /// The offending file.
+        path: PathBuf,
+    },
+
+    /// The database file does not exist and the options say not to create it.
+    #[error("database {} does not exist", path.display())]
+    DatabaseMissing {
+        /// The path that was looked for.
+        path: PathBuf,
+    },
+
+    /// Another connection held the write lock for longer than the busy timeout. Retry
+    /// later, or raise [`OutboxOptions::with_busy_timeout`](crate::OutboxOptions::with_busy_timeout).
+    #[error("database is busy: another connection held the lock beyond the busy timeout")]
+    Busy,
+
+    /// The disk (or the database's `max_page_count`) is full. The transaction was rolled
+    /// back; free space and retry.
+    #[error("database or disk is full; the write was rolled back")]
+    DiskFull,
+
+    /// The database file or its directory is read-only for this process.
+    #[error("database is read-only for this process: {0}")]
+    ReadOnly(String),
+
+    /// A filesystem operation on the database path failed.
+    #[error("i/o error on {}: {source}", path.display())]
+    Io {
+        /// The path involved.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// SQLite did not accept a pragma the outbox depends on (for example WAL mode on a
+    /// filesystem that cannot share memory between processes).
+    #[error("pragma {pragma} is {got:?} after setting it to {wanted:?}")]
+    PragmaNotApplied {
+        /// The pragma's name.
+        pragma: &'static str,
+        /// The value that was set.
+        wanted: String,
+        /// The value read back.
+        got: String,
+    },
+
+    /// Applying the embedded schema migrations failed.
+    #[error("schema migration failed: {0}")]
+    Migration(#[from] rusqlite_migration::Error),
+
+    /// The connection pool could not hand out a connection.
+    #[error("connection pool error: {0}")]
+    Pool(#[from] r2d2::Error),
+
+    /// Any other SQLite error.
+    #[error("sqlite error: {0}")]
+    Sqlite(rusqlite::Error),
+}
+
+impl From<rusqlite::Error> for Error {
+    /// Maps the SQLite failures a caller can act on to their own variants.
+    fn from(err: rusqlite::Error) -> Self {
+        use rusqlite::ErrorCode as C;
+        match err.sqlite_error_code() {
+            Some(C::DatabaseBusy | C::DatabaseLocked) => Error::Busy,
+            Some(C::DiskFull) => Error::DiskFull,
+            Some(C::ReadOnly) => Error::ReadOnly(err.to_string()),
+            _ => Error::Sqlite(err),
+        }
+    }
+}
+
+impl Error {
+    pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidInput {
+            what,
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! The health snapshot. It reads maintained counters and unfinished work only, never
+//! delivered history, so its cost does not grow as history accumulates.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use rusqlite::Connection;
+use serde::Serialize;
+
+use crate::Outbox;
+use crate::Result;
+use crate::clock::to_datetime;
+use crate::status::{ChunkStatus, DeliveryStatus};
+
+/// Counts for one channel.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ChannelHealth {
+    /// Deliveries stored (enqueued and not purged).
+    pub total_deliveries: u64,
+    /// Deliveries finalized and still stored.
+    pub delivered_deliveries: u64,
+    /// Deliveries queued or active with nothing delivered yet.
+    pub pending_deliveries: u64,
+    /// Deliveries with some chunks delivered.
+    pub partial_deliveries: u64,
+    /// Deliveries holding an `uncertain` chunk.
+    pub uncertain_deliveries: u64,
+    /// Dead letters, acknowledged or not.
+    pub failed_deliveries: u64,
+    /// Dead letters nobody acknowledged yet.
+    pub unacknowledged_dead_letters: u64,
+    /// Chunks not yet sent (due, waiting for their turn, or queued in their lane).
+    pub pending_chunks: u64,
+    /// Chunks claimed by a worker.
+    pub sending_chunks: u64,
+    /// Chunks waiting for a retry.
+    pub retry_chunks: u64,
+    /// Chunks failed for good.
+    pub failed_chunks: u64,
+    /// Chunks that may have been sent, waiting for a decision.
+    pub uncertain_chunks: u64,
+    /// `sending` chunks whose lease has expired (a worker died or hangs).
+    pub expired_leases: u64,
+    /// Chunks due now.
+    pub due_chunks: u64,
+    /// Enqueue time of the oldest delivery still in flight.
+    pub oldest_unfinished_at: Option<DateTime<Utc>>,
+    /// How long the most overdue chunk has been due, in milliseconds.
+    pub oldest_due_age_ms: Option<u64>,
+    /// The latest finalization.
+    pub last_delivered_at: Option<DateTime<Utc>>,
+}
+
+/// A point-in-time summary of the outbox for monitoring; `serde::Serialize`.
+///
+/// The top-level counts cover all channels; [`channels`](Self::channels) has the
+/// same counts per channel.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Health {
+    /// When the snapshot was taken.
+    pub generated_at: DateTime<Utc>,
+    /// Totals over all channels.
+    #[serde(flatten)]
+    pub totals: ChannelHealth,
+    /// Per channel, by name.
+    pub channels: BTreeMap<String, ChannelHealth>,
+}
+
+impl Outbox {
+    /// Takes a health snapshot in one read transaction.
+    ///
+    /// ```
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// let _ = outbox.enqueue(&NewDelivery::chunked("discord", "7", "a b", ["a", "b"]))?;
+    /// let health = outbox.health()?;
+    /// assert_eq!(health.totals.pending_chunks, 2);
+    /// assert_eq!(health.channels["discord"].due_chunks, 1);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// Database errors.
+    pub fn health(&self) -> Result<Health> {
+        let now = self.options().now_ms();
+        self.read(|tx| snapshot(tx, now))
+    }
+}
+
+/// Counted per channel and delivery status, over unfinished deliveries only.
+pub(crate) const OPEN_DELIVERIES_SQL: &str =
+    "SELECT channel, status, acknowledged_at IS NULL, count(*), min(created_at)
+ FROM outbound_deliveries INDEXED BY outbound_deliveries_open
+ WHERE status <> 'delivered'
+ GROUP BY channel, status, acknowledged_at IS NULL";
+
+/// Counted per channel and chunk status, over the chunks of unfinished deliveries only.
+pub(crate) const OPEN_CHUNKS_SQL: &str = "SELECT d.channel, c.status, count(*),
+        sum(c.due_at IS NOT NULL AND c.due_at <= ?1),
+        min(CASE WHEN c.status <> 'sending' THEN c.due_at END)
+ FROM outbound_deliveries d INDEXED BY outbound_deliveries_open
+ JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
+ WHERE d.status <> 'delivered' AND c.status <> 'delivered'
+ GROUP BY d.channel, c.status";
+
+fn snapshot(tx: &Connection, now: i64) -> Result<Health> {
+    let mut channels: BTreeMap<String, ChannelHealth> = BTreeMap::new();
+
+    let mut stats = tx.prepare_cached(
+        "SELECT channel, deliveries, delivered, last_delivered_at FROM outbound_channel_stats",
+    )?;
+    let mut rows = stats.query([])?;
+    while let Some(r) = rows.next()? {
+        let h = channels.entry(r.get(0)?).or_default();
+        h.total_deliveries = count(r, 1)?;
+        h.delivered_deliveries = count(r, 2)?;
+        h.last_delivered_at = r.get::<_, Option<i64>>(3)?.map(to_datetime);
+    }
+
+    let mut open = tx.prepare_cached(OPEN_DELIVERIES_SQL)?;
+    let mut rows = open.query([])?;
+    while let Some(r) = rows.next()? {
+        let h = channels.entry(r.get(0)?).or_default();
+        let status: DeliveryStatus = r.get(1)?;
+        let unacknowledged: bool = r.get(2)?;
+        let n = count(r, 3)?;
+        match status {
+            DeliveryStatus::Queued | DeliveryStatus::Pending => h.pending_deliveries += n,
+            DeliveryStatus::Partial => h.partial_deliveries += n,
+            DeliveryStatus::Uncertain => h.uncertain_deliveries += n,
+            DeliveryStatus::Failed => {
+                h.failed_deliveries += n;
+                if unacknowledged {
+                    h.unacknowledged_dead_letters += n;
+                }
+            }
+            _ => {}
+        }
+        if status.is_in_flight() {
+            let oldest = to_datetime(r.get(4)?);
+            h.oldest_unfinished_at = Some(h.oldest_unfinished_at.map_or(oldest, |o| o.min(oldest)));
+        }
+    }
+
+    let mut chunks = tx.prepare_cached(OPEN_CHUNKS_SQL)?;
+    let mut rows = chunks.query([now])?;
+    while let Some(r) = rows.next()? {
+        let h = channels.entry(r.get(0)?).or_default();
+        let status: ChunkStatus = r.get(1)?;
+        let n = count(r, 2)?;
+        let due_now = count(r, 3)?;
+        match status {
+            ChunkStatus::Pending => h.pending_chunks += n,
+            ChunkStatus::Sending => {
+                h.sending_chunks += n;
+                h.expired_leases += due_now;
+            }
+            ChunkStatus::Retry => h.retry_chunks += n,
+            ChunkStatus::Failed => h.failed_chunks += n,
+            ChunkStatus::Uncertain => h.uncertain_chunks += n,
+            _ => {}
+        }
+        if status != ChunkStatus::Sending {
+            h.due_chunks += due_now;
+            if let Some(due) = r.get::<_, Option<i64>>(4)?.filter(|due| *due <= now) {
+                let age = (now - due) as u64;
+                h.oldest_due_age_ms = Some(h.oldest_due_age_ms.map_or(age, |a| a.max(age)));
+            }
+        }
+    }
+
+    let mut totals = ChannelHealth::default();
+    for h in channels.values() {
+        totals.add(h);
+    }
+    Ok(Health {
+        generated_at: to_datetime(now),
+        totals,
+        channels,
+    })
+}
+
+impl ChannelHealth {
+    fn add(&mut self, o: &ChannelHealth) {
+        self.total_deliveries += o.total_deliveries;
+        self.delivered_deliveries += o.delivered_deliveries;
+        self.pending_deliveries += o.pending_deliveries;
+        self.partial_deliveries += o.partial_deliveries;
+        self.uncertain_deliveries += o.uncertain_deliveries;
+        self.failed_deliveries += o.failed_deliveries;
+        self.unacknowledged_dead_letters += o.unacknowledged_dead_letters;
+        self.pending_chunks += o.pending_chunks;
+        self.sending_chunks += o.sending_chunks;
+        self.retry_chunks += o.retry_chunks;
+        self.failed_chunks += o.failed_chunks;
+        self.uncertain_chunks += o.uncertain_chunks;
+        self.expired_leases += o.expired_leases;
+        self.due_chunks += o.due_chunks;
+        self.oldest_unfinished_at = min_opt(self.oldest_unfinished_at, o.oldest_unfinished_at);
+        self.oldest_due_age_ms = self.oldest_due_age_ms.max(o.oldest_due_age_ms);
+        self.last_delivered_at = self.last_delivered_at.max(o.last_delivered_at);
+    }
+}
+
+/// A non-negative count column (SQLite integers are signed).
+fn count(r: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<u64> {
+    Ok(r.get::<_, Option<i64>>(i)?.unwrap_or(0).max(0) as u64)
+}
+
+fn min_opt<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}

@@ -1,0 +1,217 @@
+//! Read-only inspection of deliveries and chunks.
+
+use chrono::{DateTime, Utc};
+use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter, types::Value};
+use serde::Serialize;
+
+use crate::clock::to_datetime;
+use crate::status::{ChunkStatus, DeliveryStatus};
+use crate::{ChunkId, DeliveryId, Error, Outbox, Result, chunk_idempotency_key};
+
+/// Most rows one [`Outbox::list`] returns.
+pub const MAX_LIST_LIMIT: usize = 10_000;
+
+/// One delivery as stored, with its chunks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeliveryView {
+    /// Public id.
+    pub id: DeliveryId,
+    /// Channel name.
+    pub channel: String,
+    /// Destination chat.
+    pub chat_id: String,
+    /// Sender name for `messages`.
+    pub sender: Option<String>,
+    /// The caller's idempotency key.
+    pub idempotency_key: Option<String>,
+    /// Current status.
+    pub status: DeliveryStatus,
+    /// Full text.
+    pub text: String,
+    /// Number of chunks.
+    pub chunk_count: u32,
+    /// Chunks delivered so far.
+    pub delivered_count: u32,
+    /// When it was enqueued.
+    pub created_at: DateTime<Utc>,
+    /// Last change.
+    pub updated_at: DateTime<Utc>,
+    /// When it was finalized or failed.
+    pub finished_at: Option<DateTime<Utc>>,
+    /// When an operator acknowledged it as a dead letter.
+    pub acknowledged_at: Option<DateTime<Utc>>,
+    /// Its chunks in order (empty in [`Outbox::list`] results).
+    pub chunks: Vec<ChunkView>,
+}
+
+/// One chunk as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChunkView {
+    /// Chunk id.
+    pub id: ChunkId,
+    /// 0-based position.
+    pub index: u32,
+    /// Current status.
+    pub status: ChunkStatus,
+    /// Attempts counted so far.
+    pub attempts: u32,
+    /// When it is due (`pending`/`retry` chunks that may be claimed).
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// When the current claim's lease ends (`sending` chunks).
+    pub lease_until: Option<DateTime<Utc>>,
+    /// Last error reported for it.
+    pub last_error: Option<String>,
+    /// The platform's id, once delivered.
+    pub platform_message_id: Option<String>,
+    /// When it was delivered.
+    pub delivered_at: Option<DateTime<Utc>>,
+    /// The key every send of it carries.
+    pub idempotency_key: String,
+    /// Its text.
+    pub text: String,
+}
+
+/// Which deliveries [`Outbox::list`] returns: all filters must match; newest first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListFilter {
+    /// Only this status.
+    pub status: Option<DeliveryStatus>,
+    /// Only this channel.
+    pub channel: Option<String>,
+    /// Only this chat.
+    pub chat_id: Option<String>,
+    /// At most this many (default 100, at most [`MAX_LIST_LIMIT`]).
+    pub limit: usize,
+}
+
+impl Default for ListFilter {
+    fn default() -> Self {
+        ListFilter {
+            status: None,
+            channel: None,
+            chat_id: None,
+            limit: 100,
+        }
+    }
+}
+
+impl Outbox {
+    /// One delivery with its chunks, or `None` if there is no such delivery.
+    ///
+    /// # Errors
+    ///
+    /// Database errors.
+    pub fn delivery(&self, id: DeliveryId) -> Result<Option<DeliveryView>> {
+        self.read(|tx| {
+            let Some((rowid, mut view)) = tx
+                .prepare_cached(&format!("{DELIVERY_SELECT} WHERE uid = ?1"))?
+                .query_row([id.to_string()], delivery_row)
+                .optional()?
+            else {
+                return Ok(None);
+            };
+            view.chunks = chunks_of(tx, rowid, &view.id)?;
+            Ok(Some(view))
+        })
+    }
+
+    /// Deliveries matching `filter`, newest first, without their chunks.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for a limit of 0 or above [`MAX_LIST_LIMIT`].
+    pub fn list(&self, filter: &ListFilter) -> Result<Vec<DeliveryView>> {
+        if filter.limit == 0 || filter.limit > MAX_LIST_LIMIT {
+            return Err(Error::invalid(
+                "limit",
+                format!("{} is outside 1..={MAX_LIST_LIMIT}", filter.limit),
+            ));
+        }
+        let mut sql = format!("{DELIVERY_SELECT} WHERE 1");
+        let mut values = Vec::new();
+        if let Some(status) = filter.status {
+            values.push(Value::Text(status.as_str().to_owned()));
+            sql.push_str(&format!(" AND status = ?{}", values.len()));
+            if status != DeliveryStatus::Delivered {
+                // Lets SQLite use the partial index of unfinished deliveries.
+                sql.push_str(" AND status <> 'delivered'");
+            }
+        }
+        if let Some(channel) = &filter.channel {
+            values.push(Value::Text(channel.clone()));
+            sql.push_str(&format!(" AND channel = ?{}", values.len()));
+        }
+        if let Some(chat_id) = &filter.chat_id {
+            values.push(Value::Text(chat_id.clone()));
+            sql.push_str(&format!(" AND chat_id = ?{}", values.len()));
+        }
+        values.push(Value::Integer(filter.limit as i64));
+        sql.push_str(&format!(" ORDER BY id DESC LIMIT ?{}", values.len()));
+        self.read(|tx| {
+            let mut stmt = tx.prepare_cached(&sql)?;
+            let rows = stmt.query_map(params_from_iter(values), delivery_row)?;
+            Ok(rows
+                .map(|r| r.map(|(_, view)| view))
+                .collect::<rusqlite::Result<_>>()?)
+        })
+    }
+}
+
+const DELIVERY_SELECT: &str =
+    "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
+        chunk_count, delivered_count, created_at, updated_at, finished_at, acknowledged_at
+ FROM outbound_deliveries";
+
+fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
+    let uid: String = r.get(1)?;
+    let id = uid.parse::<DeliveryId>().map_err(|e| {
+        rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Text, Box::new(e))
+    })?;
+    Ok((
+        r.get(0)?,
+        DeliveryView {
+            id,
+            channel: r.get(2)?,
+            chat_id: r.get(3)?,
+            sender: r.get(4)?,
+            idempotency_key: r.get(5)?,
+            status: r.get(6)?,
+            text: r.get(7)?,
+            chunk_count: r.get(8)?,
+            delivered_count: r.get(9)?,
+            created_at: to_datetime(r.get(10)?),
+            updated_at: to_datetime(r.get(11)?),
+            finished_at: r.get::<_, Option<i64>>(12)?.map(to_datetime),
+            acknowledged_at: r.get::<_, Option<i64>>(13)?.map(to_datetime),
+            chunks: Vec::new(),
+        },
+    ))
+}
+
+fn chunks_of(tx: &Connection, delivery: i64, id: &DeliveryId) -> Result<Vec<ChunkView>> {
+    let mut stmt = tx.prepare_cached(
+        "SELECT id, chunk_index, status, attempts, due_at, last_error, platform_message_id,
+                delivered_at, text
+         FROM outbound_delivery_chunks WHERE delivery_id = ?1 ORDER BY chunk_index",
+    )?;
+    let rows = stmt.query_map(params![delivery], |r| {
+        let index: u32 = r.get(1)?;
+        let status: ChunkStatus = r.get(2)?;
+        let due = r.get::<_, Option<i64>>(4)?.map(to_datetime);
+        let sending = status == ChunkStatus::Sending;
+        Ok(ChunkView {
+            id: ChunkId(r.get(0)?),
+            index,
+            status,
+            attempts: r.get(3)?,
+            next_attempt_at: if sending { None } else { due },
+            lease_until: if sending { due } else { None },
+            last_error: r.get(5)?,
+            platform_message_id: r.get(6)?,
+            delivered_at: r.get::<_, Option<i64>>(7)?.map(to_datetime),
+            idempotency_key: chunk_idempotency_key(id, index),
+            text: r.get(8)?,
+        })
+    })?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}

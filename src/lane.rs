@@ -1,0 +1,172 @@
+//! Lanes: which delivery of a chat may send next, and when.
+//!
+//! A chunk becomes claimable by getting a `due_at`. Only this module (and the outcome
+//! code that moves a chunk's own `due_at`) hands one out, so the ordering rules live in
+//! one place:
+//!
+//! * the head chunk of a delivery is the one at `chunk_index = delivered_count`; later
+//!   chunks have no `due_at` until the one before them is delivered;
+//! * with [`LaneOrder::Fifo`] a lane `(channel, chat_id)` has at most one active
+//!   delivery (`pending`/`partial`); the others are `queued` and wait for
+//!   [`advance`] to activate the oldest one;
+//! * a lane paused by a rate limit hands out nothing due before the pause ends.
+
+use rusqlite::{Connection, OptionalExtension, params};
+
+use crate::status::DeliveryStatus;
+use crate::{LaneFailurePolicy, LaneOrder, OutboxOptions, Result};
+
+/// Where a lane stands for scheduling purposes.
+pub(crate) enum LaneHead {
+    /// A delivery is active, or a failed/uncertain head blocks the lane.
+    Busy,
+    /// Nothing is active; this queued delivery should go next.
+    Next(i64),
+    /// Nothing active and nothing queued.
+    Idle,
+}
+
+/// Reads the lane's unfinished deliveries (never its delivered history) and decides.
+pub(crate) fn head(
+    tx: &Connection,
+    options: &OutboxOptions,
+    channel: &str,
+    chat_id: &str,
+) -> Result<LaneHead> {
+    let mut stmt = tx.prepare_cached(
+        "SELECT id, status, acknowledged_at IS NOT NULL FROM outbound_deliveries
+         WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered' ORDER BY id",
+    )?;
+    let mut rows = stmt.query(params![channel, chat_id])?;
+    let mut next = None;
+    let mut blocked = false;
+    while let Some(row) = rows.next()? {
+        let id: i64 = row.get(0)?;
+        let status: DeliveryStatus = row.get(1)?;
+        let acknowledged: bool = row.get(2)?;
+        match status {
+            DeliveryStatus::Pending | DeliveryStatus::Partial => return Ok(LaneHead::Busy),
+            DeliveryStatus::Queued if next.is_none() && !blocked => next = Some(id),
+            DeliveryStatus::Failed | DeliveryStatus::Uncertain
+                if !(status == DeliveryStatus::Failed && acknowledged)
+                    && options.lane_failure == LaneFailurePolicy::Block
+                    && next.is_none() =>
+            {
+                blocked = true
+            }
+            _ => {}
+        }
+    }
+    Ok(match next {
+        Some(id) => LaneHead::Next(id),
+        None if blocked => LaneHead::Busy,
+        None => LaneHead::Idle,
+    })
+}
+
+/// Activates the next queued delivery of a FIFO lane if the lane is free, making its
+/// head chunk due no earlier than `earliest`. Does nothing for parallel lanes, whose
+/// deliveries are active from the start.
+pub(crate) fn advance(
+    tx: &Connection,
+    options: &OutboxOptions,
+    channel: &str,
+    chat_id: &str,
+    earliest: i64,
+) -> Result<()> {
+    if options.lane_order == LaneOrder::Parallel {
+        return Ok(());
+    }
+    if let LaneHead::Next(delivery) = head(tx, options, channel, chat_id)? {
+        activate(tx, delivery, channel, chat_id, earliest)?;
+    }
+    Ok(())
+}
+
+/// Marks a delivery active and makes its head chunk due.
+pub(crate) fn activate(
+    tx: &Connection,
+    delivery: i64,
+    channel: &str,
+    chat_id: &str,
+    earliest: i64,
+) -> Result<()> {
+    let head_index: i64 = tx
+        .prepare_cached(
+            "UPDATE outbound_deliveries
+             SET status = CASE WHEN delivered_count > 0 THEN 'partial' ELSE 'pending' END
+             WHERE id = ?1 RETURNING delivered_count",
+        )?
+        .query_row([delivery], |r| r.get(0))?;
+    make_due(tx, delivery, head_index, channel, chat_id, earliest)
+}
+
+/// Gives chunk `index` of `delivery` a due time: `earliest`, or the end of the lane's
+/// rate-limit pause if that is later.
+pub(crate) fn make_due(
+    tx: &Connection,
+    delivery: i64,
+    index: i64,
+    channel: &str,
+    chat_id: &str,
+    earliest: i64,
+) -> Result<()> {
+    let due = earliest.max(paused_until(tx, channel, chat_id)?.unwrap_or(i64::MIN));
+    tx.prepare_cached(
+        "UPDATE outbound_delivery_chunks SET due_at = ?3
+         WHERE delivery_id = ?1 AND chunk_index = ?2",
+    )?
+    .execute(params![delivery, index, due])?;
+    Ok(())
+}
+
+/// The end of the lane's rate-limit pause, if one was ever recorded.
+pub(crate) fn paused_until(tx: &Connection, channel: &str, chat_id: &str) -> Result<Option<i64>> {
+    Ok(tx
+        .prepare_cached(
+            "SELECT paused_until FROM outbound_lane_pauses WHERE channel = ?1 AND chat_id = ?2",
+        )?
+        .query_row(params![channel, chat_id], |r| r.get(0))
+        .optional()?)
+}
+
+/// Pauses a lane until `until`: records the pause for chunks that become due later,
+/// and pushes back the chunks of the lane that are already due.
+pub(crate) fn pause(tx: &Connection, channel: &str, chat_id: &str, until: i64) -> Result<()> {
+    tx.prepare_cached(
+        "INSERT INTO outbound_lane_pauses (channel, chat_id, paused_until) VALUES (?1, ?2, ?3)
+         ON CONFLICT (channel, chat_id) DO UPDATE
+         SET paused_until = max(paused_until, excluded.paused_until)",
+    )?
+    .execute(params![channel, chat_id, until])?;
+    tx.prepare_cached(
+        "UPDATE outbound_delivery_chunks SET due_at = ?3
+         WHERE due_at < ?3 AND status IN ('pending', 'retry') AND delivery_id IN (
+             SELECT id FROM outbound_deliveries
+             WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered')",
+    )?
+    .execute(params![channel, chat_id, until])?;
+    Ok(())
+}
+
+/// Puts a delivery that was held aside (requeued, or resolved with chunks left) back
+/// into its lane: active at once for parallel lanes; queued behind whatever is active
+/// for FIFO lanes, and activated if the lane is free.
+pub(crate) fn rejoin(
+    tx: &Connection,
+    options: &OutboxOptions,
+    delivery: i64,
+    channel: &str,
+    chat_id: &str,
+    earliest: i64,
+) -> Result<()> {
+    if options.lane_order == LaneOrder::Parallel {
+        return activate(tx, delivery, channel, chat_id, earliest);
+    }
+    tx.prepare_cached(
+        "UPDATE outbound_deliveries
+         SET status = 'queued', finished_at = NULL, acknowledged_at = NULL WHERE id = ?1",
+    )?
+    .execute([delivery])?;
+    advance(tx, options, channel, chat_id, earliest)
+}

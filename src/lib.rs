@@ -1,0 +1,121 @@
+//! A durable outbox for outbound chat replies, split into independently retried chunks
+//! and stored in SQLite before the first network call.
+//!
+//! A chat engine hands the outbox a logical message ("the reply to user 42 on
+//! Telegram") already split into chunks that fit the platform. The outbox stores it,
+//! hands the chunks out in order under a lease, retries each one with backoff, survives
+//! crashes at any instant, and writes the complete message into a `messages` table
+//! exactly once, in the same transaction as the last chunk's acknowledgement.
+//!
+//! ```
+//! use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome};
+//!
+//! let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+//! let reply = NewDelivery::chunked("telegram", "42", "Hello\n\nWorld", ["Hello", "World"]);
+//! let delivery = outbox.enqueue(&reply)?.id;
+//!
+//! // A worker loop: claim due chunks, send each with its stable key, record the outcome.
+//! while let Some(claim) = outbox.claim(16)?.into_iter().next() {
+//!     // send_to_platform(&claim.chat_id, &claim.text, &claim.idempotency_key) ...
+//!     let recorded = outbox.record(&claim, Outcome::delivered(Some("msg-1".into())))?;
+//!     if recorded.finalized {
+//!         println!("{} fully delivered", claim.delivery_id);
+//!     }
+//! }
+//! assert_eq!(outbox.delivery(delivery)?.unwrap().status, chunked_outbox::DeliveryStatus::Delivered);
+//! # Ok::<(), chunked_outbox::Error>(())
+//! ```
+//!
+//! # Chunk states
+//!
+//! ```text
+//! pending ──claim──▶ sending ──ack──────────────▶ delivered
+//! retry   ──claim──▶ sending ──transient error──▶ retry (due after backoff)
+//!                    sending ──permanent error──▶ failed (dead letter)
+//!                    sending ──attempts exhausted▶ failed
+//!                    sending ──rate limited─────▶ retry (lane paused; attempt refunded)
+//!                    sending ──lease expired / ambiguous ─▶ retry      if the channel may replay
+//!                                                         ─▶ uncertain  otherwise
+//! failed | uncertain ──requeue──▶ retry
+//! uncertain ──resolve as delivered──▶ delivered
+//! ```
+//!
+//! # Guarantees
+//!
+//! * **Nothing is lost.** An enqueue that returned `Ok` survives any crash of the
+//!   process. Rows leave only through [`Outbox::purge`].
+//! * **Order.** Chunk *k+1* of a delivery is never handed out before chunk *k* is
+//!   delivered. With [`LaneOrder::Fifo`] (the default) one delivery per chat is in flight
+//!   at a time, so replies leave in enqueue order; [`LaneFailurePolicy`] says what
+//!   happens when the head fails for good.
+//! * **One key per chunk.** Every send of a chunk carries the same idempotency key,
+//!   derived only by [`chunk_idempotency_key`].
+//! * **Exactly-once finalization.** A delivery is written to `messages` in the
+//!   transaction that records its last ack, and `messages.delivery_id` is UNIQUE.
+//! * **Fenced claims.** Every outcome checks the claim's token: a worker whose lease
+//!   expired cannot settle a chunk that was recovered or claimed again
+//!   ([`Error::StaleClaim`]). Expired leases are reclaimed by ordinary claiming.
+//! * **Attempts are counted before I/O**, in the claim transaction, so a chunk that
+//!   crashes the process every time still runs out of attempts.
+//! * **Bad input changes nothing.** Invalid input is refused with
+//!   [`Error::InvalidInput`] before any write; every operation is one transaction.
+//!
+//! What the outbox cannot promise is that a platform without idempotent sends never
+//! sees a duplicate: when a send may have reached the platform (a timeout after the
+//! request was written, or a crash while `sending`), the channel's [`ReplayPolicy`]
+//! decides between replaying it (at-least-once) and holding it as `uncertain` for a
+//! decision (at-most-once until resolved).
+//!
+//! # Durability
+//!
+//! The database runs in WAL mode with a busy timeout and `foreign_keys=ON`. With
+//! [`Synchronous::Normal`] (the default) every committed transaction survives a crash of
+//! the process; a power loss may lose the last few commits but never corrupts the file.
+//! [`Synchronous::Full`] also survives power loss, at the cost of an fsync per commit.
+//! The file is created with mode 0600. Message text is never logged.
+//!
+//! # Concurrency
+//!
+//! An [`Outbox`] serialises its writes through one connection (SQLite has one writer)
+//! and reads through a pool. Several threads may share one `Outbox`; several processes
+//! may open the same file. Concurrent claimers never receive the same chunk.
+
+mod claim;
+mod classify;
+mod clock;
+mod enqueue;
+mod error;
+mod finalize;
+mod health;
+mod ids;
+mod inspect;
+mod lane;
+mod operator;
+mod options;
+mod outbox;
+mod outcome;
+mod retention;
+mod schema;
+mod status;
+
+pub use claim::{Claim, MAX_CLAIM_BATCH, RecoverScope, RecoveryReport};
+pub use classify::{ErrorClass, classify_error};
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use enqueue::{
+    Enqueued, MAX_CHANNEL_BYTES, MAX_CHAT_ID_BYTES, MAX_CHUNKS, MAX_DELIVERY_BYTES, MAX_KEY_BYTES,
+    NewDelivery,
+};
+pub use error::{Error, Result};
+pub use health::{ChannelHealth, Health};
+pub use ids::{ChunkId, DeliveryId, chunk_idempotency_key};
+pub use inspect::{ChunkView, DeliveryView, ListFilter, MAX_LIST_LIMIT};
+pub use operator::Resolution;
+pub use options::{
+    Backoff, ChannelPolicy, LaneFailurePolicy, LaneOrder, OutboxOptions, ReplayPolicy, RetryPolicy,
+    Synchronous,
+};
+pub use outbox::Outbox;
+pub use outcome::{MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES, Outcome, Recorded};
+pub use retention::PurgeReport;
+pub use schema::{SCHEMA_VERSION, StorageSettings};
+pub use status::{ChunkStatus, DeliveryStatus};

@@ -1,0 +1,215 @@
+//! Operator actions: requeue dead letters and uncertain chunks, resolve, acknowledge.
+
+use std::collections::BTreeSet;
+
+use rusqlite::{Connection, OptionalExtension, params};
+
+use crate::outcome::{ChunkRef, Recorded, deliver_chunk};
+use crate::status::ChunkStatus;
+use crate::{ChunkId, DeliveryId, Error, Outbox, OutboxOptions, Result, lane};
+
+/// How to settle a chunk held as `uncertain`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Resolution {
+    /// It did reach the platform: mark it delivered (finalizing the delivery if it was
+    /// the last chunk) and carry on with the next chunk.
+    Delivered {
+        /// The platform's id for the message, if known.
+        platform_message_id: Option<String>,
+    },
+    /// It did not arrive (or a duplicate is acceptable): send it again, with the same
+    /// idempotency key and a fresh attempt budget.
+    Resend,
+}
+
+impl Outbox {
+    /// Sends a `failed` or `uncertain` chunk again with a fresh attempt budget. Its
+    /// delivery rejoins its lane: in a FIFO lane it waits until the lane's active
+    /// delivery (if any) is done.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ChunkNotFound`]; [`Error::InvalidState`] if the chunk is neither
+    /// `failed` nor `uncertain`.
+    pub fn requeue_chunk(&self, chunk: ChunkId) -> Result<()> {
+        let options = self.options();
+        self.write(|tx| {
+            let chunk = ChunkRef::load(tx, chunk)?;
+            requeue(tx, options, &chunk, "requeue", options.now_ms())
+        })
+    }
+
+    /// Requeues the `failed` or `uncertain` chunk of a delivery (see
+    /// [`requeue_chunk`](Self::requeue_chunk)).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::DeliveryNotFound`]; [`Error::InvalidState`] (naming the delivery's
+    /// current head chunk) if nothing in it is failed or uncertain.
+    pub fn requeue_delivery(&self, delivery: DeliveryId) -> Result<()> {
+        let options = self.options();
+        self.write(|tx| {
+            let chunk = held_or_head_chunk(tx, delivery)?;
+            requeue(tx, options, &chunk, "requeue", options.now_ms())
+        })
+    }
+
+    /// Requeues every dead letter (`failed` delivery), oldest first. Returns how many.
+    ///
+    /// # Errors
+    ///
+    /// Database errors; nothing is changed then.
+    pub fn requeue_dead_letters(&self) -> Result<u64> {
+        let options = self.options();
+        self.write(|tx| {
+            let now = options.now_ms();
+            let mut stmt = tx.prepare_cached(&format!(
+                "{} WHERE d.status = 'failed' AND d.status <> 'delivered' AND c.status = 'failed'
+                 ORDER BY d.id",
+                ChunkRef::SELECT
+            ))?;
+            let chunks = stmt
+                .query_map([], ChunkRef::from_row)?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            for chunk in &chunks {
+                requeue(tx, options, chunk, "requeue", now)?;
+            }
+            Ok(chunks.len() as u64)
+        })
+    }
+
+    /// Settles a chunk held as `uncertain` (see [`Resolution`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ChunkNotFound`]; [`Error::InvalidState`] if the chunk is not
+    /// `uncertain`.
+    pub fn resolve_uncertain(&self, chunk: ChunkId, resolution: Resolution) -> Result<Recorded> {
+        let options = self.options();
+        self.write(|tx| {
+            let chunk = ChunkRef::load(tx, chunk)?;
+            expect_status(&chunk, &[ChunkStatus::Uncertain], "resolve", "uncertain")?;
+            let now = options.now_ms();
+            match resolution {
+                Resolution::Delivered {
+                    platform_message_id,
+                } => {
+                    let finalized = deliver_chunk(
+                        tx,
+                        options,
+                        &chunk,
+                        platform_message_id.as_deref(),
+                        now,
+                        false,
+                    )?;
+                    Ok(Recorded {
+                        status: ChunkStatus::Delivered,
+                        next_attempt_at: None,
+                        finalized,
+                    })
+                }
+                Resolution::Resend => {
+                    requeue(tx, options, &chunk, "resolve", now)?;
+                    Ok(Recorded {
+                        status: ChunkStatus::Retry,
+                        next_attempt_at: None,
+                        finalized: false,
+                    })
+                }
+            }
+        })
+    }
+
+    /// Marks every unacknowledged dead letter as seen. They stay listed (and
+    /// requeueable) until purged, but no longer count as unacknowledged in health, and a
+    /// lane blocked by one ([`LaneFailurePolicy::Block`](crate::LaneFailurePolicy::Block))
+    /// moves on. Returns how many were acknowledged.
+    ///
+    /// # Errors
+    ///
+    /// Database errors; nothing is changed then.
+    pub fn acknowledge_dead_letters(&self) -> Result<u64> {
+        let options = self.options();
+        self.write(|tx| {
+            let now = options.now_ms();
+            let mut stmt = tx.prepare_cached(
+                "UPDATE outbound_deliveries SET acknowledged_at = ?1
+                 WHERE status = 'failed' AND status <> 'delivered' AND acknowledged_at IS NULL
+                 RETURNING channel, chat_id",
+            )?;
+            let lanes = stmt
+                .query_map([now], |r| {
+                    Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            let count = lanes.len() as u64;
+            for (channel, chat_id) in lanes.into_iter().collect::<BTreeSet<_>>() {
+                lane::advance(tx, options, &channel, &chat_id, now)?;
+            }
+            Ok(count)
+        })
+    }
+}
+
+fn expect_status(
+    chunk: &ChunkRef,
+    allowed: &[ChunkStatus],
+    action: &'static str,
+    expected: &'static str,
+) -> Result<()> {
+    if allowed.contains(&chunk.status) {
+        Ok(())
+    } else {
+        Err(Error::InvalidState {
+            chunk: ChunkId(chunk.id),
+            status: chunk.status,
+            action,
+            expected,
+        })
+    }
+}
+
+fn requeue(
+    tx: &Connection,
+    options: &OutboxOptions,
+    chunk: &ChunkRef,
+    action: &'static str,
+    now: i64,
+) -> Result<()> {
+    expect_status(
+        chunk,
+        &[ChunkStatus::Failed, ChunkStatus::Uncertain],
+        action,
+        "failed or uncertain",
+    )?;
+    tx.prepare_cached(
+        "UPDATE outbound_delivery_chunks
+         SET status = 'retry', attempts = 0, due_at = NULL, claim_token = NULL WHERE id = ?1",
+    )?
+    .execute([chunk.id])?;
+    lane::rejoin(
+        tx,
+        options,
+        chunk.delivery,
+        &chunk.channel,
+        &chunk.chat_id,
+        now,
+    )
+}
+
+/// The failed or uncertain chunk of a delivery, or else its current head chunk (for the
+/// error message).
+fn held_or_head_chunk(tx: &Connection, delivery: DeliveryId) -> Result<ChunkRef> {
+    let chunk = tx
+        .prepare_cached(&format!(
+            "{} WHERE d.uid = ?1
+             ORDER BY c.status IN ('failed', 'uncertain') DESC,
+                      c.chunk_index = min(d.delivered_count, d.chunk_count - 1) DESC
+             LIMIT 1",
+            ChunkRef::SELECT
+        ))?
+        .query_row(params![delivery.to_string()], ChunkRef::from_row)
+        .optional()?;
+    chunk.ok_or(Error::DeliveryNotFound(delivery))
+}

@@ -1,0 +1,367 @@
+//! The options struct and the policies it carries.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::{Clock, SystemClock, duration_ms};
+
+/// SQLite's `synchronous` setting for the database.
+///
+/// Both settings keep every committed transaction across a crash of the *process*. They
+/// differ on power loss or an operating-system crash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Synchronous {
+    /// `synchronous=NORMAL`: in WAL mode, commits are not fsynced one by one; a power
+    /// loss may roll back the most recent transactions, but never corrupts the file.
+    /// Several times faster. The default.
+    #[default]
+    Normal,
+    /// `synchronous=FULL`: every commit is fsynced; committed transactions also survive
+    /// power loss.
+    Full,
+}
+
+impl Synchronous {
+    pub(crate) fn pragma_value(self) -> i64 {
+        match self {
+            Synchronous::Normal => 1,
+            Synchronous::Full => 2,
+        }
+    }
+}
+
+/// What happens to a chunk whose send may have reached the platform: the adapter
+/// reported an ambiguous outcome, or the lease expired while it was `sending` (a crash or
+/// a hung worker).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ReplayPolicy {
+    /// Hold the chunk as `uncertain` until an operator or the application resolves it
+    /// (as delivered, or to be resent). No duplicate can reach the user; the chat waits.
+    /// The default, and the right choice for platforms without idempotent sends
+    /// (Telegram, Slack).
+    #[default]
+    Hold,
+    /// Send it again with the same idempotency key. Right for platforms that deduplicate
+    /// by key (Matrix `txnId`, Discord `nonce`), or where the application chose
+    /// at-least-once delivery.
+    Replay,
+}
+
+/// Per-channel settings.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ChannelPolicy {
+    /// What to do with chunks that may have been sent. Default [`ReplayPolicy::Hold`].
+    pub replay: ReplayPolicy,
+    /// Minimum time between two sends in one lane of this channel (e.g. about 1 s for
+    /// Telegram). Applied when the next chunk or delivery of a lane becomes due. Default
+    /// zero.
+    pub min_interval: Duration,
+}
+
+impl ChannelPolicy {
+    /// A policy for platforms that deduplicate by idempotency key: ambiguous sends are
+    /// replayed.
+    pub fn replayable() -> Self {
+        ChannelPolicy {
+            replay: ReplayPolicy::Replay,
+            ..Self::default()
+        }
+    }
+
+    /// Sets the minimum interval between sends in one lane.
+    pub fn with_min_interval(mut self, interval: Duration) -> Self {
+        self.min_interval = interval;
+        self
+    }
+}
+
+/// How deliveries to the same chat `(channel, chat_id)` are ordered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum LaneOrder {
+    /// One delivery in flight per lane: replies to a chat leave in enqueue order. The
+    /// default.
+    #[default]
+    Fifo,
+    /// Deliveries of a lane proceed independently (chunks within a delivery stay in
+    /// order). Higher throughput for one busy chat, but replies may interleave.
+    Parallel,
+}
+
+/// What a FIFO lane does when its head delivery fails for good (dead letter) or is held
+/// `uncertain`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum LaneFailurePolicy {
+    /// The next delivery of the lane goes ahead; the failed one stays listed as a dead
+    /// letter. If it is later requeued, it waits until the lane is idle and may then
+    /// arrive after newer replies. The default: one bad reply does not silence a chat.
+    #[default]
+    Skip,
+    /// The lane waits until the failed delivery is requeued, resolved or acknowledged
+    /// ([`Outbox::acknowledge_dead_letters`](crate::Outbox::acknowledge_dead_letters)). Strict order, at the cost of a stalled chat.
+    Block,
+}
+
+/// How long to wait before retry number `n` after a transient failure.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Backoff {
+    /// Fixed delays; the last one repeats.
+    Schedule(Vec<Duration>),
+    /// `base * factor^(n-1)`, capped at `cap`.
+    Exponential {
+        /// Delay before the first retry.
+        base: Duration,
+        /// Growth per retry.
+        factor: f64,
+        /// Upper bound.
+        cap: Duration,
+    },
+}
+
+impl Backoff {
+    /// Delay before the retry that follows failed attempt number `attempt` (1-based).
+    pub fn delay(&self, attempt: u32) -> Duration {
+        let n = attempt.max(1);
+        match self {
+            Backoff::Schedule(steps) => {
+                let i = (n as usize - 1).min(steps.len().saturating_sub(1));
+                steps.get(i).copied().unwrap_or(Duration::ZERO)
+            }
+            Backoff::Exponential { base, factor, cap } => {
+                let exp = factor.max(1.0).powi(n.saturating_sub(1).min(1024) as i32);
+                let secs = (base.as_secs_f64() * exp).min(cap.as_secs_f64());
+                Duration::try_from_secs_f64(secs).unwrap_or(*cap)
+            }
+        }
+    }
+}
+
+/// When and how often a chunk is retried.
+///
+/// The default is 5 s, 25 s, 2 min, 10 min, then 10 min; 5 attempts, then the chunk
+/// fails (dead letter); ±10 % jitter so that a recovered outage does not release every
+/// retry at the same instant; no maximum age.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryPolicy {
+    /// Delay schedule.
+    pub backoff: Backoff,
+    /// Attempts (claims) a chunk gets before it fails. An attempt is counted when the
+    /// chunk is claimed, before any I/O, so a chunk that crashes the process every time
+    /// still runs out.
+    pub max_attempts: u32,
+    /// Relative jitter applied to each delay, in `0.0..=1.0` (0.1 = ±10 %).
+    pub jitter: f64,
+    /// A chunk whose delivery is older than this is failed instead of retried.
+    pub max_age: Option<Duration>,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            backoff: Backoff::Schedule(vec![
+                Duration::from_secs(5),
+                Duration::from_secs(25),
+                Duration::from_secs(120),
+                Duration::from_secs(600),
+            ]),
+            max_attempts: 5,
+            jitter: 0.1,
+            max_age: None,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Delay in milliseconds before the retry after attempt `attempt`, with jitter.
+    pub(crate) fn delay_ms(&self, attempt: u32) -> i64 {
+        let base = duration_ms(self.backoff.delay(attempt));
+        let jitter = self.jitter.clamp(0.0, 1.0);
+        if jitter == 0.0 || base == 0 {
+            return base;
+        }
+        let factor = 1.0 + jitter * (fastrand::f64() * 2.0 - 1.0);
+        (base as f64 * factor).round() as i64
+    }
+}
+
+/// Options for [`Outbox::open`](crate::Outbox::open) and
+/// [`Outbox::open_in_memory`](crate::Outbox::open_in_memory).
+///
+/// | option | default |
+/// |---|---|
+/// | busy timeout | 5 s |
+/// | `synchronous` | [`Synchronous::Normal`] |
+/// | lease | 60 s |
+/// | retry | [`RetryPolicy::default`] (5 s, 25 s, 2 min, 10 min; 5 attempts; ±10 %) |
+/// | channel policy | [`ChannelPolicy::default`] (hold ambiguous sends, no pacing) for every channel |
+/// | lane order | [`LaneOrder::Fifo`] |
+/// | lane failure | [`LaneFailurePolicy::Skip`] |
+/// | create if missing | yes |
+/// | reader connections | 4 |
+/// | clock | [`SystemClock`] |
+///
+/// ```
+/// use std::time::Duration;
+/// use chunked_outbox::{ChannelPolicy, OutboxOptions, Synchronous};
+///
+/// let options = OutboxOptions::default()
+///     .with_synchronous(Synchronous::Full)
+///     .with_lease(Duration::from_secs(30))
+///     .with_channel("matrix", ChannelPolicy::replayable())
+///     .with_channel("telegram", ChannelPolicy::default().with_min_interval(Duration::from_secs(1)));
+/// ```
+#[derive(Debug, Clone)]
+pub struct OutboxOptions {
+    pub(crate) busy_timeout: Duration,
+    pub(crate) synchronous: Synchronous,
+    pub(crate) lease: Duration,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) default_channel: ChannelPolicy,
+    pub(crate) channels: HashMap<String, ChannelPolicy>,
+    pub(crate) lane_order: LaneOrder,
+    pub(crate) lane_failure: LaneFailurePolicy,
+    pub(crate) create_if_missing: bool,
+    pub(crate) readers: u32,
+    pub(crate) clock: Arc<dyn Clock>,
+}
+
+impl Default for OutboxOptions {
+    fn default() -> Self {
+        OutboxOptions {
+            busy_timeout: Duration::from_secs(5),
+            synchronous: Synchronous::Normal,
+            lease: Duration::from_secs(60),
+            retry: RetryPolicy::default(),
+            default_channel: ChannelPolicy::default(),
+            channels: HashMap::new(),
+            lane_order: LaneOrder::Fifo,
+            lane_failure: LaneFailurePolicy::Skip,
+            create_if_missing: true,
+            readers: 4,
+            clock: Arc::new(SystemClock),
+        }
+    }
+}
+
+impl OutboxOptions {
+    /// How long a connection waits for another one's write lock before giving up with
+    /// [`Error::Busy`](crate::Error::Busy).
+    pub fn with_busy_timeout(mut self, timeout: Duration) -> Self {
+        self.busy_timeout = timeout;
+        self
+    }
+
+    /// Durability of commits; see [`Synchronous`].
+    pub fn with_synchronous(mut self, synchronous: Synchronous) -> Self {
+        self.synchronous = synchronous;
+        self
+    }
+
+    /// How long a claim owns its chunk. A claim whose lease expired can be recovered by
+    /// any claimer; choose it well above the slowest send.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Retry schedule and attempt budget.
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Settings for one channel, by name.
+    pub fn with_channel(mut self, channel: impl Into<String>, policy: ChannelPolicy) -> Self {
+        self.channels.insert(channel.into(), policy);
+        self
+    }
+
+    /// Settings for channels not named with [`with_channel`](Self::with_channel).
+    pub fn with_default_channel(mut self, policy: ChannelPolicy) -> Self {
+        self.default_channel = policy;
+        self
+    }
+
+    /// Ordering of deliveries within a chat.
+    pub fn with_lane_order(mut self, order: LaneOrder) -> Self {
+        self.lane_order = order;
+        self
+    }
+
+    /// What a FIFO lane does when its head fails for good.
+    pub fn with_lane_failure(mut self, policy: LaneFailurePolicy) -> Self {
+        self.lane_failure = policy;
+        self
+    }
+
+    /// Whether [`Outbox::open`](crate::Outbox::open) may create a missing file. When
+    /// false, a missing file is [`Error::DatabaseMissing`](crate::Error::DatabaseMissing)
+    /// and nothing appears on disk.
+    pub fn with_create_if_missing(mut self, create: bool) -> Self {
+        self.create_if_missing = create;
+        self
+    }
+
+    /// Number of pooled read-only connections (at least 1).
+    pub fn with_readers(mut self, readers: u32) -> Self {
+        self.readers = readers.max(1);
+        self
+    }
+
+    /// The clock every timestamp is read from.
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    pub(crate) fn channel(&self, channel: &str) -> &ChannelPolicy {
+        self.channels.get(channel).unwrap_or(&self.default_channel)
+    }
+
+    pub(crate) fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_schedule_matches_the_documented_one() {
+        let b = RetryPolicy::default().backoff;
+        let secs: Vec<u64> = (1..=6).map(|n| b.delay(n).as_secs()).collect();
+        assert_eq!(secs, [5, 25, 120, 600, 600, 600]);
+    }
+
+    #[test]
+    fn exponential_backoff_grows_and_caps() {
+        let b = Backoff::Exponential {
+            base: Duration::from_secs(1),
+            factor: 2.0,
+            cap: Duration::from_secs(10),
+        };
+        let secs: Vec<u64> = (1..=6).map(|n| b.delay(n).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 10, 10]);
+        assert_eq!(b.delay(u32::MAX), Duration::from_secs(10));
+    }
+
+    #[test]
+    fn jitter_stays_within_its_band() {
+        let policy = RetryPolicy::default();
+        for _ in 0..1000 {
+            let d = policy.delay_ms(1);
+            assert!((4_500..=5_500).contains(&d), "{d}");
+        }
+        let exact = RetryPolicy {
+            jitter: 0.0,
+            ..RetryPolicy::default()
+        };
+        assert_eq!(exact.delay_ms(2), 25_000);
+    }
+}

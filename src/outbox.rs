@@ -1,0 +1,195 @@
+//! The [`Outbox`] handle: opening, and the one writer / pooled readers discipline.
+
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use r2d2_sqlite::SqliteConnectionManager;
+use rusqlite::{Connection, Transaction, TransactionBehavior};
+
+use crate::schema::{self, StorageSettings};
+use crate::{Error, OutboxOptions, Result};
+
+/// A durable outbox on one SQLite database. Cheap to clone; `Send + Sync`.
+///
+/// All writes of one `Outbox` go through a single connection behind a mutex, in
+/// `BEGIN IMMEDIATE` transactions: SQLite has one writer, and more writer connections
+/// only add lock contention. Reads (inspection, health) use a small pool of read-only
+/// connections, which WAL mode lets run beside the writer. Other processes may open the
+/// same file; SQLite's locking and the busy timeout serialise their writes with ours.
+#[derive(Clone)]
+pub struct Outbox {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    writer: Mutex<Connection>,
+    readers: Option<r2d2::Pool<SqliteConnectionManager>>,
+    options: OutboxOptions,
+    path: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox")
+            .field("path", &self.inner.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Outbox {
+    /// Opens (creating if allowed) the outbox database at `path` and brings its schema
+    /// up to date.
+    ///
+    /// A new file is created with mode 0600 (owner only): it holds private
+    /// conversations. SQLite gives its `-wal` and `-shm` files the same mode.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::DatabaseMissing`] if the file is missing and creation is off;
+    /// [`Error::NotADatabase`] if the file is not an SQLite database (it is not
+    /// modified); [`Error::SchemaTooNew`] if a newer version of this crate wrote it;
+    /// [`Error::PragmaNotApplied`] if WAL mode or another pragma could not be set;
+    /// [`Error::Io`] if the file could not be created.
+    pub fn open(path: impl AsRef<Path>, options: OutboxOptions) -> Result<Outbox> {
+        let path = path.as_ref().to_owned();
+        create_private_file(&path, options.create_if_missing)?;
+        let mut writer = Connection::open(&path).map_err(Error::from)?;
+        let setup =
+            schema::configure(&writer, &options, false).and_then(|()| schema::migrate(&mut writer));
+        setup.map_err(|e| schema::name_path(e, &path))?;
+
+        let reader_options = options.clone();
+        let manager = SqliteConnectionManager::file(&path)
+            .with_init(move |c| schema::configure_reader(c, &reader_options));
+        let readers = r2d2::Pool::builder()
+            .max_size(options.readers)
+            .min_idle(Some(0))
+            .build(manager)?;
+        Ok(Outbox::from_parts(
+            writer,
+            Some(readers),
+            options,
+            Some(path),
+        ))
+    }
+
+    /// Opens a private in-memory outbox: nothing reaches disk, everything is gone when
+    /// the last clone is dropped. Meant for tests and examples.
+    ///
+    /// # Errors
+    ///
+    /// Only if SQLite itself fails to start.
+    pub fn open_in_memory(options: OutboxOptions) -> Result<Outbox> {
+        let mut writer = Connection::open_in_memory()?;
+        schema::configure(&writer, &options, true)?;
+        schema::migrate(&mut writer)?;
+        Ok(Outbox::from_parts(writer, None, options, None))
+    }
+
+    /// The pragmas the writer connection runs with, read back from SQLite.
+    ///
+    /// # Errors
+    ///
+    /// Database errors.
+    pub fn writer_settings(&self) -> Result<StorageSettings> {
+        schema::read_settings(&self.writer())
+    }
+
+    /// The pragmas a pooled read connection runs with (the writer's, in memory).
+    ///
+    /// # Errors
+    ///
+    /// Database and pool errors.
+    pub fn reader_settings(&self) -> Result<StorageSettings> {
+        self.read(|tx| schema::read_settings(tx))
+    }
+
+    fn from_parts(
+        writer: Connection,
+        readers: Option<r2d2::Pool<SqliteConnectionManager>>,
+        options: OutboxOptions,
+        path: Option<PathBuf>,
+    ) -> Outbox {
+        Outbox {
+            inner: Arc::new(Inner {
+                writer: Mutex::new(writer),
+                readers,
+                options,
+                path,
+            }),
+        }
+    }
+
+    /// The database file, or `None` for an in-memory outbox.
+    pub fn path(&self) -> Option<&Path> {
+        self.inner.path.as_deref()
+    }
+
+    /// The options this outbox was opened with.
+    pub fn options(&self) -> &OutboxOptions {
+        &self.inner.options
+    }
+
+    pub(crate) fn writer(&self) -> MutexGuard<'_, Connection> {
+        // A panic while holding the lock cannot leave the connection inside a
+        // transaction: `Transaction` rolls back on drop. So the poison is harmless.
+        self.inner
+            .writer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Runs `f` in one `BEGIN IMMEDIATE` transaction on the writer connection; commits
+    /// if it returns `Ok`, rolls back otherwise.
+    pub(crate) fn write<T>(&self, f: impl FnOnce(&Transaction<'_>) -> Result<T>) -> Result<T> {
+        let mut conn = self.writer();
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let value = f(&tx)?;
+        tx.commit()?;
+        Ok(value)
+    }
+
+    /// Runs `f` on a read-only connection (the writer, for an in-memory outbox), inside
+    /// one read transaction so that everything `f` reads is one consistent snapshot.
+    pub(crate) fn read<T>(&self, f: impl FnOnce(&Transaction<'_>) -> Result<T>) -> Result<T> {
+        match &self.inner.readers {
+            Some(pool) => {
+                let mut conn = pool.get()?;
+                let tx = conn.transaction()?;
+                f(&tx)
+            }
+            None => {
+                let mut conn = self.writer();
+                let tx = conn.transaction()?;
+                f(&tx)
+            }
+        }
+    }
+}
+
+/// Creates `path` with mode 0600 if it does not exist, so that SQLite never creates it
+/// with the process umask.
+fn create_private_file(path: &Path, create: bool) -> Result<()> {
+    if path.exists() {
+        return Ok(());
+    }
+    if !create {
+        return Err(Error::DatabaseMissing {
+            path: path.to_owned(),
+        });
+    }
+    let mut open = OpenOptions::new();
+    open.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut open, 0o600);
+    match open.open(path) {
+        Ok(_) => Ok(()),
+        // Another process created it between our check and our create: fine.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(source) => Err(Error::Io {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}

@@ -1,0 +1,474 @@
+//! Recording what happened to a claimed chunk: every transition out of `sending`.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use rusqlite::{Connection, OptionalExtension, Row, params};
+use serde::Serialize;
+
+use crate::classify::{ErrorClass, classify_error};
+use crate::clock::{duration_ms, to_datetime};
+use crate::status::ChunkStatus;
+use crate::{ChunkId, Claim, Error, Outbox, OutboxOptions, ReplayPolicy, Result, finalize, lane};
+
+/// Longest error text kept with a chunk; longer texts are cut at a character boundary.
+pub const MAX_ERROR_BYTES: usize = 4096;
+/// Longest platform message id accepted with an ack.
+pub const MAX_PLATFORM_ID_BYTES: usize = 1024;
+
+/// What the channel adapter reports for one send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The platform accepted the chunk.
+    Delivered {
+        /// The platform's id for the sent message, if it returned one.
+        platform_message_id: Option<String>,
+    },
+    /// A failure worth retrying (timeout before sending, 5xx, network down): `retry`
+    /// after the backoff, or `failed` when no attempts are left.
+    Transient {
+        /// What went wrong, kept as the chunk's last error.
+        error: String,
+    },
+    /// A failure that retrying cannot fix (chat not found, bot blocked): `failed` at
+    /// once, a dead letter.
+    Permanent {
+        /// What went wrong.
+        error: String,
+    },
+    /// The platform asked to slow down: `retry` at `retry_after` from now, the whole lane
+    /// paused until then, and the attempt is given back.
+    RateLimited {
+        /// How long the platform asked to wait.
+        retry_after: Duration,
+        /// What the platform said.
+        error: String,
+    },
+    /// The send may or may not have reached the platform (timeout after the request was
+    /// written). Follows the channel's [`ReplayPolicy`].
+    Ambiguous {
+        /// What went wrong.
+        error: String,
+    },
+}
+
+impl Outcome {
+    /// Delivered, with an optional platform message id.
+    pub fn delivered(platform_message_id: Option<String>) -> Self {
+        Outcome::Delivered {
+            platform_message_id,
+        }
+    }
+
+    /// The outcome for a plain error text, classified by [`classify_error`].
+    pub fn from_error_text(error: impl Into<String>) -> Self {
+        let error = error.into();
+        match classify_error(&error) {
+            ErrorClass::Permanent => Outcome::Permanent { error },
+            ErrorClass::RateLimited { retry_after } => Outcome::RateLimited {
+                retry_after: retry_after.unwrap_or(Duration::from_secs(1)),
+                error,
+            },
+            ErrorClass::Transient => Outcome::Transient { error },
+        }
+    }
+}
+
+/// The state a chunk was left in by [`Outbox::record`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Recorded {
+    /// The chunk's new status.
+    pub status: ChunkStatus,
+    /// When it is due again (`retry`, or `pending` after a release).
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// True when this ack delivered the delivery's last chunk and the delivery was
+    /// written to `messages` in the same transaction.
+    pub finalized: bool,
+}
+
+impl Recorded {
+    fn settled(status: ChunkStatus) -> Self {
+        Recorded {
+            status,
+            next_attempt_at: None,
+            finalized: false,
+        }
+    }
+
+    fn due(status: ChunkStatus, at: i64) -> Self {
+        Recorded {
+            status,
+            next_attempt_at: Some(to_datetime(at)),
+            finalized: false,
+        }
+    }
+}
+
+impl Outbox {
+    /// Records the outcome of a claimed send and moves the chunk on (see [`Outcome`]).
+    ///
+    /// The claim's token is checked first: if the lease expired and the chunk was
+    /// recovered or claimed again, or an outcome was already recorded, nothing changes
+    /// and the call fails with [`Error::StaleClaim`]. An ack of the last chunk writes the
+    /// delivery to `messages` in the same transaction.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StaleClaim`]; [`Error::InvalidInput`] for a platform id over
+    /// [`MAX_PLATFORM_ID_BYTES`]; database errors. Nothing is changed on error.
+    pub fn record(&self, claim: &Claim, outcome: Outcome) -> Result<Recorded> {
+        if let Outcome::Delivered {
+            platform_message_id: Some(id),
+        } = &outcome
+            && id.len() > MAX_PLATFORM_ID_BYTES
+        {
+            return Err(Error::invalid(
+                "platform message id",
+                format!("{} bytes is more than {MAX_PLATFORM_ID_BYTES}", id.len()),
+            ));
+        }
+        let options = self.options();
+        self.write(|tx| {
+            let chunk = claimed(tx, claim)?;
+            apply(tx, options, &chunk, outcome, options.now_ms())
+        })
+    }
+
+    /// Records a successful send: shorthand for [`record`](Self::record) with
+    /// [`Outcome::Delivered`].
+    ///
+    /// # Errors
+    ///
+    /// As [`record`](Self::record).
+    pub fn ack(&self, claim: &Claim, platform_message_id: Option<&str>) -> Result<Recorded> {
+        self.record(
+            claim,
+            Outcome::delivered(platform_message_id.map(str::to_owned)),
+        )
+    }
+
+    /// Records a failed send described only by its error text, classified by
+    /// [`classify_error`] into permanent, rate-limited or transient.
+    ///
+    /// # Errors
+    ///
+    /// As [`record`](Self::record).
+    pub fn fail(&self, claim: &Claim, error: &str) -> Result<Recorded> {
+        self.record(claim, Outcome::from_error_text(error))
+    }
+
+    /// Gives a claim back unstarted: the chunk is due again at once and the attempt is
+    /// refunded.
+    ///
+    /// # Errors
+    ///
+    /// As [`record`](Self::record).
+    pub fn release(&self, claim: &Claim) -> Result<Recorded> {
+        let options = self.options();
+        self.write(|tx| {
+            let chunk = claimed(tx, claim)?;
+            let now = options.now_ms();
+            let attempts = chunk.attempts.saturating_sub(1);
+            let status = if attempts == 0 {
+                ChunkStatus::Pending
+            } else {
+                ChunkStatus::Retry
+            };
+            reschedule(tx, &chunk, status, attempts, now, None)?;
+            Ok(Recorded::due(status, now))
+        })
+    }
+}
+
+/// A chunk with the delivery facts its transitions need.
+#[derive(Debug, Clone)]
+pub(crate) struct ChunkRef {
+    pub id: i64,
+    pub delivery: i64,
+    pub index: i64,
+    pub status: ChunkStatus,
+    pub attempts: u32,
+    pub channel: String,
+    pub chat_id: String,
+    pub created_at: i64,
+}
+
+impl ChunkRef {
+    pub const SELECT: &'static str =
+        "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
+            d.channel, d.chat_id, d.created_at
+     FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id";
+
+    pub fn from_row(r: &Row<'_>) -> rusqlite::Result<Self> {
+        Ok(ChunkRef {
+            id: r.get(0)?,
+            delivery: r.get(1)?,
+            index: r.get(2)?,
+            status: r.get(3)?,
+            attempts: r.get(4)?,
+            channel: r.get(5)?,
+            chat_id: r.get(6)?,
+            created_at: r.get(7)?,
+        })
+    }
+
+    /// Loads a chunk by id.
+    pub fn load(tx: &Connection, id: ChunkId) -> Result<ChunkRef> {
+        tx.prepare_cached(&format!("{} WHERE c.id = ?1", Self::SELECT))?
+            .query_row([id.0], Self::from_row)
+            .optional()?
+            .ok_or(Error::ChunkNotFound(id))
+    }
+}
+
+/// The claimed chunk, if the claim still owns it: `sending` with the claim's token.
+fn claimed(tx: &Connection, claim: &Claim) -> Result<ChunkRef> {
+    let chunk = tx
+        .prepare_cached(&format!(
+            "{} WHERE c.id = ?1 AND c.status = 'sending' AND c.claim_token = ?2",
+            ChunkRef::SELECT
+        ))?
+        .query_row(params![claim.chunk_id.0, claim.token], ChunkRef::from_row)
+        .optional()?;
+    chunk.ok_or(Error::StaleClaim {
+        chunk: claim.chunk_id,
+    })
+}
+
+fn apply(
+    tx: &Connection,
+    options: &OutboxOptions,
+    chunk: &ChunkRef,
+    outcome: Outcome,
+    now: i64,
+) -> Result<Recorded> {
+    match outcome {
+        Outcome::Delivered {
+            platform_message_id,
+        } => {
+            let finalized = deliver_chunk(
+                tx,
+                options,
+                chunk,
+                platform_message_id.as_deref(),
+                now,
+                true,
+            )?;
+            Ok(Recorded {
+                finalized,
+                ..Recorded::settled(ChunkStatus::Delivered)
+            })
+        }
+        Outcome::Transient { error } => retry_or_fail(tx, options, chunk, &error, now),
+        Outcome::Ambiguous { error } => match options.channel(&chunk.channel).replay {
+            ReplayPolicy::Replay => retry_or_fail(tx, options, chunk, &error, now),
+            _ => {
+                hold_uncertain(tx, options, chunk, &error, now)?;
+                Ok(Recorded::settled(ChunkStatus::Uncertain))
+            }
+        },
+        Outcome::Permanent { error } => {
+            fail_chunk(tx, options, chunk, &error, now)?;
+            Ok(Recorded::settled(ChunkStatus::Failed))
+        }
+        Outcome::RateLimited { retry_after, error } => {
+            let until = now.saturating_add(duration_ms(retry_after));
+            let attempts = chunk.attempts.saturating_sub(1);
+            reschedule(tx, chunk, ChunkStatus::Retry, attempts, until, Some(&error))?;
+            lane::pause(tx, &chunk.channel, &chunk.chat_id, until)?;
+            Ok(Recorded::due(ChunkStatus::Retry, until))
+        }
+    }
+}
+
+/// Why a chunk may not be sent (again), if it may not.
+pub(crate) fn out_of_budget(options: &OutboxOptions, chunk: &ChunkRef, now: i64) -> Option<String> {
+    let max = options.retry.max_attempts;
+    if chunk.attempts >= max {
+        return Some(format!(
+            "no attempts left ({} of {max} used)",
+            chunk.attempts
+        ));
+    }
+    let max_age = options.retry.max_age?;
+    (now.saturating_sub(chunk.created_at) > duration_ms(max_age))
+        .then(|| format!("delivery is older than the maximum age of {max_age:?}"))
+}
+
+fn retry_or_fail(
+    tx: &Connection,
+    options: &OutboxOptions,
+    chunk: &ChunkRef,
+    error: &str,
+    now: i64,
+) -> Result<Recorded> {
+    if let Some(reason) = out_of_budget(options, chunk, now) {
+        fail_chunk(tx, options, chunk, &format!("{error} ({reason})"), now)?;
+        return Ok(Recorded::settled(ChunkStatus::Failed));
+    }
+    let backoff = now.saturating_add(options.retry.delay_ms(chunk.attempts));
+    let due = backoff
+        .max(earliest_send(options, &chunk.channel, now))
+        .max(lane::paused_until(tx, &chunk.channel, &chunk.chat_id)?.unwrap_or(i64::MIN));
+    reschedule(
+        tx,
+        chunk,
+        ChunkStatus::Retry,
+        chunk.attempts,
+        due,
+        Some(error),
+    )?;
+    Ok(Recorded::due(ChunkStatus::Retry, due))
+}
+
+/// The earliest time the next send of a lane may start after one that ends `now`.
+pub(crate) fn earliest_send(options: &OutboxOptions, channel: &str, now: i64) -> i64 {
+    now.saturating_add(duration_ms(options.channel(channel).min_interval))
+}
+
+/// Puts a chunk back in the claimable set (or keeps it there) with the given status,
+/// attempt count and due time.
+pub(crate) fn reschedule(
+    tx: &Connection,
+    chunk: &ChunkRef,
+    status: ChunkStatus,
+    attempts: u32,
+    due: i64,
+    error: Option<&str>,
+) -> Result<()> {
+    tx.prepare_cached(
+        "UPDATE outbound_delivery_chunks
+         SET status = ?2, attempts = ?3, due_at = ?4, claim_token = NULL,
+             last_error = coalesce(?5, last_error)
+         WHERE id = ?1",
+    )?
+    .execute(params![
+        chunk.id,
+        status.as_str(),
+        attempts,
+        due,
+        error.map(truncate_error)
+    ])?;
+    Ok(())
+}
+
+/// Marks a chunk delivered and moves its delivery on: the next chunk becomes due, or
+/// the delivery is finalized. `active` says whether the delivery currently holds its
+/// lane (an ack) or was held aside (resolving an `uncertain` chunk), in which case it
+/// queues up in its lane again. Returns whether the delivery was finalized.
+pub(crate) fn deliver_chunk(
+    tx: &Connection,
+    options: &OutboxOptions,
+    chunk: &ChunkRef,
+    platform_message_id: Option<&str>,
+    now: i64,
+    active: bool,
+) -> Result<bool> {
+    tx.prepare_cached(
+        "UPDATE outbound_delivery_chunks
+         SET status = 'delivered', due_at = NULL, claim_token = NULL,
+             platform_message_id = ?2, delivered_at = ?3
+         WHERE id = ?1",
+    )?
+    .execute(params![chunk.id, platform_message_id, now])?;
+    let (delivered, total): (i64, i64) = tx
+        .prepare_cached(
+            "UPDATE outbound_deliveries
+             SET delivered_count = delivered_count + 1, updated_at = ?2
+             WHERE id = ?1 RETURNING delivered_count, chunk_count",
+        )?
+        .query_row(params![chunk.delivery, now], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    if delivered >= total {
+        finalize::finalize(
+            tx,
+            options,
+            chunk.delivery,
+            &chunk.channel,
+            &chunk.chat_id,
+            now,
+        )?;
+        return Ok(true);
+    }
+    let earliest = earliest_send(options, &chunk.channel, now);
+    if active {
+        tx.prepare_cached("UPDATE outbound_deliveries SET status = 'partial' WHERE id = ?1")?
+            .execute([chunk.delivery])?;
+        lane::make_due(
+            tx,
+            chunk.delivery,
+            delivered,
+            &chunk.channel,
+            &chunk.chat_id,
+            earliest,
+        )?;
+    } else {
+        lane::rejoin(
+            tx,
+            options,
+            chunk.delivery,
+            &chunk.channel,
+            &chunk.chat_id,
+            earliest,
+        )?;
+    }
+    Ok(false)
+}
+
+/// Fails a chunk for good and its delivery with it (a dead letter); the lane moves on
+/// according to the [`LaneFailurePolicy`](crate::LaneFailurePolicy).
+pub(crate) fn fail_chunk(
+    tx: &Connection,
+    options: &OutboxOptions,
+    chunk: &ChunkRef,
+    error: &str,
+    now: i64,
+) -> Result<()> {
+    set_held(tx, chunk, ChunkStatus::Failed, error, now)?;
+    lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now)
+}
+
+/// Holds a chunk that may have been sent as `uncertain` until someone decides.
+pub(crate) fn hold_uncertain(
+    tx: &Connection,
+    options: &OutboxOptions,
+    chunk: &ChunkRef,
+    error: &str,
+    now: i64,
+) -> Result<()> {
+    set_held(tx, chunk, ChunkStatus::Uncertain, error, now)?;
+    lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now)
+}
+
+fn set_held(
+    tx: &Connection,
+    chunk: &ChunkRef,
+    status: ChunkStatus,
+    error: &str,
+    now: i64,
+) -> Result<()> {
+    tx.prepare_cached(
+        "UPDATE outbound_delivery_chunks
+         SET status = ?2, due_at = NULL, claim_token = NULL, last_error = ?3
+         WHERE id = ?1",
+    )?
+    .execute(params![chunk.id, status.as_str(), truncate_error(error)])?;
+    let finished = (status == ChunkStatus::Failed).then_some(now);
+    tx.prepare_cached(
+        "UPDATE outbound_deliveries SET status = ?2, updated_at = ?3, finished_at = ?4
+         WHERE id = ?1",
+    )?
+    .execute(params![chunk.delivery, status.as_str(), now, finished])?;
+    Ok(())
+}
+
+fn truncate_error(error: &str) -> &str {
+    if error.len() <= MAX_ERROR_BYTES {
+        return error;
+    }
+    let mut end = MAX_ERROR_BYTES;
+    while !error.is_char_boundary(end) {
+        end -= 1;
+    }
+    &error[..end]
+}

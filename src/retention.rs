@@ -1,0 +1,105 @@
+//! Retention: purging finished deliveries and checkpointing the WAL.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use rusqlite::params;
+use serde::Serialize;
+
+use crate::{Outbox, Result};
+
+/// Deliveries purged per transaction, so a large purge never holds the write lock long.
+const PURGE_BATCH: i64 = 1000;
+
+/// What [`Outbox::purge`] removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PurgeReport {
+    /// Deliveries removed.
+    pub deliveries: u64,
+    /// Chunks removed with them.
+    pub chunks: u64,
+}
+
+impl Outbox {
+    /// Removes deliveries (and their chunks) that finished before `finished_before`:
+    /// delivered ones, and dead letters that were acknowledged. Their `messages` rows
+    /// stay. Unacknowledged dead letters and unfinished deliveries are never purged.
+    ///
+    /// The retention window is also the idempotency window: once a delivery is purged,
+    /// its caller key may be used again.
+    ///
+    /// Runs in batches of 1000 deliveries, one transaction each; an error stops it with
+    /// the earlier batches committed (each one is complete on its own).
+    ///
+    /// # Errors
+    ///
+    /// Database errors.
+    pub fn purge(&self, finished_before: DateTime<Utc>) -> Result<PurgeReport> {
+        let cutoff = finished_before.timestamp_millis();
+        let mut report = PurgeReport::default();
+        let mut cursor = 0_i64;
+        loop {
+            let batch = self.write(|tx| {
+                let mut stmt = tx.prepare_cached(
+                    "SELECT id, channel, status = 'delivered' FROM outbound_deliveries
+                     WHERE id > ?1 AND finished_at < ?2
+                       AND (status = 'delivered' OR (status = 'failed' AND acknowledged_at IS NOT NULL))
+                     ORDER BY id LIMIT ?3",
+                )?;
+                let rows = stmt
+                    .query_map(params![cursor, cutoff, PURGE_BATCH], |r| {
+                        Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, bool>(2)?))
+                    })?
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                let mut chunks = 0;
+                let mut per_channel: BTreeMap<&str, (i64, i64)> = BTreeMap::new();
+                for (id, channel, delivered) in &rows {
+                    chunks += tx
+                        .prepare_cached("DELETE FROM outbound_delivery_chunks WHERE delivery_id = ?1")?
+                        .execute([id])? as u64;
+                    tx.prepare_cached("DELETE FROM outbound_deliveries WHERE id = ?1")?
+                        .execute([id])?;
+                    let counts = per_channel.entry(channel).or_default();
+                    counts.0 += 1;
+                    counts.1 += i64::from(*delivered);
+                }
+                for (channel, (deliveries, delivered)) in per_channel {
+                    tx.prepare_cached(
+                        "UPDATE outbound_channel_stats
+                         SET deliveries = deliveries - ?2, delivered = delivered - ?3
+                         WHERE channel = ?1",
+                    )?
+                    .execute(params![channel, deliveries, delivered])?;
+                }
+                if rows.is_empty() {
+                    tx.prepare_cached("DELETE FROM outbound_lane_pauses WHERE paused_until < ?1")?
+                        .execute([self.options().now_ms()])?;
+                }
+                Ok((rows.last().map(|r| r.0), rows.len() as u64, chunks))
+            })?;
+            report.deliveries += batch.1;
+            report.chunks += batch.2;
+            match batch.0 {
+                Some(last) => cursor = last,
+                None => return Ok(report),
+            }
+        }
+    }
+
+    /// Copies the WAL back into the database file and truncates it. SQLite also does
+    /// this automatically every 1000 pages; call it after a large purge or during quiet
+    /// periods to bound the `-wal` file's size.
+    ///
+    /// # Errors
+    ///
+    /// Database errors; [`Error::Busy`](crate::Error::Busy) if readers kept the
+    /// checkpoint from completing.
+    pub fn checkpoint(&self) -> Result<()> {
+        let conn = self.writer();
+        let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
+        if busy != 0 {
+            return Err(crate::Error::Busy);
+        }
+        Ok(())
+    }
+}

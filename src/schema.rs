@@ -1,0 +1,163 @@
+//! The embedded schema, its migrations, and the per-connection pragmas.
+
+use std::path::Path;
+
+use rusqlite::{Connection, TransactionBehavior};
+use rusqlite_migration::{M, Migrations};
+
+use crate::{Error, OutboxOptions, Result};
+
+/// Every migration, in order. `migrations/NNNN_name.sql` is embedded in the binary.
+const MIGRATIONS: &[M<'static>] = &[M::up(include_str!("../migrations/0001_initial.sql"))];
+
+/// The schema version this build writes (SQLite `user_version`).
+pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+fn user_version(conn: &Connection) -> Result<i64> {
+    Ok(conn.query_row("PRAGMA user_version", [], |r| r.get(0))?)
+}
+
+/// Brings the schema to [`SCHEMA_VERSION`], refusing a newer one before writing.
+///
+/// Several processes may open a new file at once: whoever loses the race finds the
+/// schema already current after its own attempt failed, and that is success.
+pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
+    let found = user_version(conn)?;
+    if found > SCHEMA_VERSION {
+        return Err(Error::SchemaTooNew {
+            found,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    if found == SCHEMA_VERSION {
+        return Ok(());
+    }
+    conn.set_transaction_behavior(TransactionBehavior::Immediate);
+    let result = Migrations::from_slice(MIGRATIONS).to_latest(conn);
+    conn.set_transaction_behavior(TransactionBehavior::Deferred);
+    match result {
+        Ok(()) => Ok(()),
+        Err(_) if user_version(conn)? == SCHEMA_VERSION => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Sets the connection's pragmas and reads each one back.
+///
+/// `journal_mode` is persistent in the file; the others are per connection. A pragma
+/// that did not take (effectum once shipped a misspelled WAL pragma and silently ran in
+/// rollback-journal mode) is an error, not a surprise in production.
+pub(crate) fn configure(conn: &Connection, options: &OutboxOptions, in_memory: bool) -> Result<()> {
+    conn.busy_timeout(options.busy_timeout)?;
+    let wanted_journal = if in_memory { "memory" } else { "wal" };
+    let journal: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
+    expect_pragma("journal_mode", wanted_journal, &journal)?;
+    conn.pragma_update(None, "synchronous", options.synchronous.pragma_value())?;
+    conn.pragma_update(None, "foreign_keys", true)?;
+    let sync: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
+    expect_pragma(
+        "synchronous",
+        &options.synchronous.pragma_value().to_string(),
+        &sync.to_string(),
+    )?;
+    let fk: i64 = conn.query_row("PRAGMA foreign_keys", [], |r| r.get(0))?;
+    expect_pragma("foreign_keys", "1", &fk.to_string())?;
+    Ok(())
+}
+
+/// The settings a connection actually runs with, read back from SQLite.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct StorageSettings {
+    /// `PRAGMA journal_mode`: `wal` for files, `memory` in memory.
+    pub journal_mode: String,
+    /// `PRAGMA synchronous`: 1 = NORMAL, 2 = FULL.
+    pub synchronous: i64,
+    /// `PRAGMA foreign_keys`.
+    pub foreign_keys: bool,
+    /// `PRAGMA busy_timeout`, in milliseconds.
+    pub busy_timeout_ms: i64,
+    /// `PRAGMA query_only`: true for the pooled read connections.
+    pub query_only: bool,
+}
+
+pub(crate) fn read_settings(conn: &Connection) -> Result<StorageSettings> {
+    let get = |pragma: &str| -> Result<rusqlite::types::Value> {
+        Ok(conn.query_row(&format!("PRAGMA {pragma}"), [], |r| r.get(0))?)
+    };
+    let int = |pragma: &str| -> Result<i64> {
+        match get(pragma)? {
+            rusqlite::types::Value::Integer(n) => Ok(n),
+            other => Err(Error::PragmaNotApplied {
+                pragma: "read back",
+                wanted: format!("an integer for {pragma}"),
+                got: format!("{other:?}"),
+            }),
+        }
+    };
+    Ok(StorageSettings {
+        journal_mode: conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?,
+        synchronous: int("synchronous")?,
+        foreign_keys: int("foreign_keys")? == 1,
+        busy_timeout_ms: int("busy_timeout")?,
+        query_only: int("query_only")? == 1,
+    })
+}
+
+/// Pragmas of a pooled read connection. The writer already verified the file's
+/// journal mode; `query_only` guarantees a reader can never write.
+pub(crate) fn configure_reader(conn: &Connection, options: &OutboxOptions) -> rusqlite::Result<()> {
+    conn.busy_timeout(options.busy_timeout)?;
+    conn.pragma_update(None, "synchronous", options.synchronous.pragma_value())?;
+    conn.pragma_update(None, "foreign_keys", true)?;
+    conn.pragma_update(None, "query_only", true)
+}
+
+fn expect_pragma(name: &'static str, wanted: &str, got: &str) -> Result<()> {
+    if wanted.eq_ignore_ascii_case(got) {
+        Ok(())
+    } else {
+        Err(Error::PragmaNotApplied {
+            pragma: name,
+            wanted: wanted.to_owned(),
+            got: got.to_owned(),
+        })
+    }
+}
+
+/// Maps "file is not a database" on first contact to an error that names the path.
+pub(crate) fn name_path(err: Error, path: &Path) -> Error {
+    match &err {
+        Error::Sqlite(e) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::NotADatabase) => {
+            Error::NotADatabase {
+                path: path.to_owned(),
+            }
+        }
+        _ => err,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migrations_are_valid() {
+        Migrations::from_slice(MIGRATIONS).validate().unwrap();
+    }
+
+    #[test]
+    fn newer_schema_is_refused_and_left_alone() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        conn.pragma_update(None, "user_version", SCHEMA_VERSION + 1)
+            .unwrap();
+        let err = migrate(&mut conn).unwrap_err();
+        assert!(
+            matches!(err, Error::SchemaTooNew { found, supported } if found == SCHEMA_VERSION + 1 && supported == SCHEMA_VERSION),
+            "{err:?}"
+        );
+        let tables: i64 = conn
+            .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(tables, 0);
+    }
+}

@@ -1,0 +1,124 @@
+//! Chunk and delivery statuses, as stored and as shown.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rusqlite::types::{FromSql, FromSqlError, FromSqlResult, ValueRef};
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+
+macro_rules! status_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal,)+ }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(rename_all = "lowercase")]
+        #[non_exhaustive]
+        pub enum $name {
+            $($(#[$vmeta])* $variant,)+
+        }
+
+        impl $name {
+            /// Every status, in lifecycle order.
+            pub const ALL: &'static [$name] = &[$($name::$variant,)+];
+
+            /// The word stored in the database and printed by `Display`.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text,)+
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = Error;
+
+            fn from_str(s: &str) -> Result<Self, Error> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    other => Err(Error::invalid(
+                        stringify!($name),
+                        format!("unknown status {other:?}"),
+                    )),
+                }
+            }
+        }
+
+        impl FromSql for $name {
+            fn column_result(value: ValueRef<'_>) -> FromSqlResult<Self> {
+                value
+                    .as_str()?
+                    .parse()
+                    .map_err(|e: Error| FromSqlError::Other(Box::new(e)))
+            }
+        }
+    };
+}
+
+status_enum! {
+    /// Where one chunk stands. See the state machine in the crate docs.
+    ChunkStatus {
+        /// Not sent yet: waiting to become due, or due now.
+        Pending = "pending",
+        /// Claimed by a worker whose lease has not been settled.
+        Sending = "sending",
+        /// A send failed transiently (or was rate limited); due again at `next_attempt_at`.
+        Retry = "retry",
+        /// Dead letter: a permanent error or no attempts left.
+        Failed = "failed",
+        /// The platform accepted it.
+        Delivered = "delivered",
+        /// It may have been sent; held until resolved (see [`ReplayPolicy::Hold`](crate::ReplayPolicy::Hold)).
+        Uncertain = "uncertain",
+    }
+}
+
+status_enum! {
+    /// Where one delivery stands, derived from its chunks and its lane.
+    DeliveryStatus {
+        /// Waiting behind an earlier delivery to the same chat.
+        Queued = "queued",
+        /// Active in its lane; no chunk delivered yet.
+        Pending = "pending",
+        /// Some chunks delivered, the rest on their way.
+        Partial = "partial",
+        /// A chunk may have been sent and waits for a decision.
+        Uncertain = "uncertain",
+        /// A chunk failed for good: a dead letter.
+        Failed = "failed",
+        /// Every chunk delivered and the message written to `messages`.
+        Delivered = "delivered",
+    }
+}
+
+impl DeliveryStatus {
+    /// Whether this delivery still has work ahead of it without operator action.
+    pub fn is_in_flight(self) -> bool {
+        matches!(
+            self,
+            DeliveryStatus::Queued | DeliveryStatus::Pending | DeliveryStatus::Partial
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_round_trip_through_text() {
+        for s in ChunkStatus::ALL {
+            assert_eq!(s.as_str().parse::<ChunkStatus>().unwrap(), *s);
+        }
+        for s in DeliveryStatus::ALL {
+            assert_eq!(s.as_str().parse::<DeliveryStatus>().unwrap(), *s);
+        }
+        assert!("bogus".parse::<ChunkStatus>().is_err());
+    }
+}
