@@ -7,7 +7,9 @@ use serde::Serialize;
 use crate::clock::{duration_ms, to_datetime};
 use crate::outcome::{self, ChunkRef};
 use crate::status::ChunkStatus;
-use crate::{ChunkId, DeliveryId, Error, Outbox, ReplayPolicy, Result, chunk_idempotency_key};
+use crate::{
+    ChunkId, DeliveryId, Error, Outbox, ReplayPolicy, Result, chunk_idempotency_key, lane,
+};
 
 /// Most chunks one [`Outbox::claim`] may hand out: one claim transaction holds the
 /// database's write lock, so it must stay short.
@@ -191,14 +193,9 @@ impl Outbox {
             for chunk in sending_chunks(tx, limit)? {
                 match expire(tx, options, &chunk, now)? {
                     Expired::Replayable => {
-                        outcome::reschedule(
-                            tx,
-                            &chunk,
-                            ChunkStatus::Retry,
-                            chunk.attempts,
-                            now,
-                            None,
-                        )?;
+                        let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, now)?;
+                        let attempts = chunk.attempts;
+                        outcome::reschedule(tx, &chunk, ChunkStatus::Retry, attempts, due, None)?;
                         report.retried += 1;
                     }
                     Expired::Held => report.held_uncertain += 1,

@@ -152,7 +152,6 @@ impl NewDelivery {
 
 /// What [`Outbox::enqueue`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[must_use]
 pub struct Enqueued {
     /// The delivery's id.
     pub id: DeliveryId,
@@ -241,20 +240,20 @@ impl Outbox {
 }
 
 fn insert(tx: &Connection, options: &OutboxOptions, d: &NewDelivery) -> Result<Enqueued> {
-    if let Some(key) = &d.idempotency_key {
-        if let Some(existing) = find_by_key(tx, key)? {
-            return if same_content(tx, existing.0, d)? {
-                Ok(Enqueued {
-                    id: existing.1,
-                    created: false,
-                })
-            } else {
-                Err(Error::IdempotencyConflict {
-                    key: key.clone(),
-                    existing: existing.1,
-                })
-            };
-        }
+    if let Some(key) = &d.idempotency_key
+        && let Some((rowid, existing)) = find_by_key(tx, key)?
+    {
+        return if same_content(tx, rowid, d)? {
+            Ok(Enqueued {
+                id: existing,
+                created: false,
+            })
+        } else {
+            Err(Error::IdempotencyConflict {
+                key: key.clone(),
+                existing,
+            })
+        };
     }
 
     let now = options.now_ms();

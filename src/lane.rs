@@ -26,6 +26,12 @@ pub(crate) enum LaneHead {
     Idle,
 }
 
+/// The lane's unfinished deliveries in enqueue order: a search on the partial index
+/// of unfinished deliveries, never touching delivered history.
+pub(crate) const HEAD_SQL: &str =
+    "SELECT id, status, acknowledged_at IS NOT NULL FROM outbound_deliveries
+     WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered' ORDER BY id";
+
 /// Reads the lane's unfinished deliveries (never its delivered history) and decides.
 pub(crate) fn head(
     tx: &Connection,
@@ -33,10 +39,7 @@ pub(crate) fn head(
     channel: &str,
     chat_id: &str,
 ) -> Result<LaneHead> {
-    let mut stmt = tx.prepare_cached(
-        "SELECT id, status, acknowledged_at IS NOT NULL FROM outbound_deliveries
-         WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered' ORDER BY id",
-    )?;
+    let mut stmt = tx.prepare_cached(HEAD_SQL)?;
     let mut rows = stmt.query(params![channel, chat_id])?;
     let mut next = None;
     let mut blocked = false;
@@ -111,7 +114,7 @@ pub(crate) fn make_due(
     chat_id: &str,
     earliest: i64,
 ) -> Result<()> {
-    let due = earliest.max(paused_until(tx, channel, chat_id)?.unwrap_or(i64::MIN));
+    let due = due_time(tx, channel, chat_id, earliest)?;
     tx.prepare_cached(
         "UPDATE outbound_delivery_chunks SET due_at = ?3
          WHERE delivery_id = ?1 AND chunk_index = ?2",
@@ -120,14 +123,21 @@ pub(crate) fn make_due(
     Ok(())
 }
 
-/// The end of the lane's rate-limit pause, if one was ever recorded.
-pub(crate) fn paused_until(tx: &Connection, channel: &str, chat_id: &str) -> Result<Option<i64>> {
-    Ok(tx
+/// `earliest`, or the end of the lane's rate-limit pause if that is later. Every due
+/// time handed to a chunk goes through here, so no send of a paused lane starts early.
+pub(crate) fn due_time(
+    tx: &Connection,
+    channel: &str,
+    chat_id: &str,
+    earliest: i64,
+) -> Result<i64> {
+    let paused: Option<i64> = tx
         .prepare_cached(
             "SELECT paused_until FROM outbound_lane_pauses WHERE channel = ?1 AND chat_id = ?2",
         )?
         .query_row(params![channel, chat_id], |r| r.get(0))
-        .optional()?)
+        .optional()?;
+    Ok(paused.map_or(earliest, |p| p.max(earliest)))
 }
 
 /// Pauses a lane until `until`: records the pause for chunks that become due later,

@@ -55,8 +55,9 @@ impl Outbox {
         let path = path.as_ref().to_owned();
         create_private_file(&path, options.create_if_missing)?;
         let mut writer = Connection::open(&path).map_err(Error::from)?;
-        let setup =
-            schema::configure(&writer, &options, false).and_then(|()| schema::migrate(&mut writer));
+        let setup = schema::refuse_newer(&writer)
+            .and_then(|()| schema::configure(&writer, &options, false))
+            .and_then(|()| schema::migrate(&mut writer));
         setup.map_err(|e| schema::name_path(e, &path))?;
 
         let reader_options = options.clone();

@@ -168,15 +168,15 @@ impl Outbox {
         let options = self.options();
         self.write(|tx| {
             let chunk = claimed(tx, claim)?;
-            let now = options.now_ms();
+            let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, options.now_ms())?;
             let attempts = chunk.attempts.saturating_sub(1);
             let status = if attempts == 0 {
                 ChunkStatus::Pending
             } else {
                 ChunkStatus::Retry
             };
-            reschedule(tx, &chunk, status, attempts, now, None)?;
-            Ok(Recorded::due(status, now))
+            reschedule(tx, &chunk, status, attempts, due, None)?;
+            Ok(Recorded::due(status, due))
         })
     }
 }
@@ -308,9 +308,8 @@ fn retry_or_fail(
         return Ok(Recorded::settled(ChunkStatus::Failed));
     }
     let backoff = now.saturating_add(options.retry.delay_ms(chunk.attempts));
-    let due = backoff
-        .max(earliest_send(options, &chunk.channel, now))
-        .max(lane::paused_until(tx, &chunk.channel, &chunk.chat_id)?.unwrap_or(i64::MIN));
+    let earliest = backoff.max(earliest_send(options, &chunk.channel, now));
+    let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, earliest)?;
     reschedule(
         tx,
         chunk,

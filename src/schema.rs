@@ -17,11 +17,9 @@ fn user_version(conn: &Connection) -> Result<i64> {
     Ok(conn.query_row("PRAGMA user_version", [], |r| r.get(0))?)
 }
 
-/// Brings the schema to [`SCHEMA_VERSION`], refusing a newer one before writing.
-///
-/// Several processes may open a new file at once: whoever loses the race finds the
-/// schema already current after its own attempt failed, and that is success.
-pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
+/// Refuses a file written by a newer version. Called before anything (even a pragma
+/// such as `journal_mode`) is written, so a refused file is left byte for byte as it was.
+pub(crate) fn refuse_newer(conn: &Connection) -> Result<()> {
     let found = user_version(conn)?;
     if found > SCHEMA_VERSION {
         return Err(Error::SchemaTooNew {
@@ -29,7 +27,16 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             supported: SCHEMA_VERSION,
         });
     }
-    if found == SCHEMA_VERSION {
+    Ok(())
+}
+
+/// Brings the schema to [`SCHEMA_VERSION`], refusing a newer one before writing.
+///
+/// Several processes may open a new file at once: whoever loses the race finds the
+/// schema already current after its own attempt failed, and that is success.
+pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
+    refuse_newer(conn)?;
+    if user_version(conn)? == SCHEMA_VERSION {
         return Ok(());
     }
     conn.set_transaction_behavior(TransactionBehavior::Immediate);
@@ -159,5 +166,109 @@ mod tests {
             .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
             .unwrap();
         assert_eq!(tables, 0);
+    }
+}
+
+/// Query-plan checks: the hot and monitoring queries must be index searches whose cost
+/// does not grow with delivered history or backlog.
+#[cfg(test)]
+mod plan_tests {
+    use crate::{NewDelivery, Outbox, OutboxOptions};
+
+    fn explain(outbox: &Outbox, sql: &str, params: usize) -> String {
+        let conn = outbox.writer();
+        let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+        let values: Vec<rusqlite::types::Value> = (0..params).map(|_| 0_i64.into()).collect();
+        let rows = stmt
+            .query_map(rusqlite::params_from_iter(values), |r| {
+                r.get::<_, String>(3)
+            })
+            .unwrap();
+        rows.map(Result::unwrap).collect::<Vec<_>>().join("\n")
+    }
+
+    /// An outbox with delivered history, failures and a backlog, so the planner sees
+    /// every kind of row (no ANALYZE, as in production).
+    fn populated() -> Outbox {
+        let ob = Outbox::open_in_memory(OutboxOptions::default()).unwrap();
+        for i in 0..300 {
+            let chat = format!("c{}", i % 7);
+            let _ = ob
+                .enqueue(&NewDelivery::chunked("telegram", chat, "a b", ["a", "b"]))
+                .unwrap();
+        }
+        for _ in 0..3 {
+            for c in ob.claim(100).unwrap() {
+                ob.ack(&c, None).unwrap();
+            }
+        }
+        ob
+    }
+
+    fn assert_no_full_scan(plan: &str, table_alias: &str) {
+        for line in plan.lines() {
+            let scans_table = line.starts_with(&format!("SCAN {table_alias}"))
+                && !line.contains("USING INDEX")
+                && !line.contains("USING COVERING INDEX");
+            assert!(!scans_table, "full scan of {table_alias}:\n{plan}");
+        }
+        assert!(
+            !plan.contains("TEMP B-TREE"),
+            "sort in a temp b-tree:\n{plan}"
+        );
+    }
+
+    #[test]
+    fn claim_is_an_ordered_range_search_on_the_due_index() {
+        let ob = populated();
+        for channels in [0, 1, 3] {
+            let plan = explain(&ob, &crate::claim::claim_sql(channels), 2 + channels);
+            assert!(
+                plan.contains("USING INDEX outbound_delivery_chunks_due (due_at>? AND due_at<?)")
+                    || plan.contains("USING INDEX outbound_delivery_chunks_due (due_at<?)"),
+                "claim does not range-search the due index:\n{plan}"
+            );
+            assert!(
+                plan.contains("SEARCH d USING INTEGER PRIMARY KEY"),
+                "{plan}"
+            );
+            assert_no_full_scan(&plan, "c");
+            assert_no_full_scan(&plan, "d");
+        }
+    }
+
+    #[test]
+    fn health_reads_only_unfinished_deliveries() {
+        let ob = populated();
+        let plan = explain(&ob, crate::health::OPEN_DELIVERIES_SQL, 0);
+        assert!(plan.contains("outbound_deliveries_open"), "{plan}");
+        assert_no_full_scan(
+            &plan.replace("USE TEMP B-TREE FOR GROUP BY", ""),
+            "outbound_deliveries",
+        );
+
+        let plan = explain(&ob, crate::health::OPEN_CHUNKS_SQL, 1);
+        assert!(
+            plan.contains("SCAN d USING INDEX outbound_deliveries_open"),
+            "{plan}"
+        );
+        assert!(
+            plan.contains(
+                "SEARCH c USING INDEX sqlite_autoindex_outbound_delivery_chunks_1 (delivery_id=?)"
+            ),
+            "{plan}"
+        );
+        assert!(!plan.contains("messages"), "{plan}");
+    }
+
+    #[test]
+    fn lane_lookup_searches_the_open_index() {
+        let ob = populated();
+        let plan = explain(&ob, crate::lane::HEAD_SQL, 2);
+        assert!(
+            plan.contains("SEARCH outbound_deliveries USING INDEX outbound_deliveries_open (channel=? AND chat_id=?)"),
+            "{plan}"
+        );
+        assert_no_full_scan(&plan, "outbound_deliveries");
     }
 }

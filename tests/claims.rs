@@ -1,0 +1,331 @@
+//! Claims and outcomes: fencing by token, attempts counted before I/O (poison chunks
+//! run out), rate limits that pause the lane without using an attempt, releases,
+//! ambiguous sends per replay policy, expired leases reclaimed by ordinary claiming, and
+//! concurrent claimers that never share a chunk.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use chunked_outbox::{
+    ChannelPolicy, ChunkStatus, DeliveryStatus, Error, NewDelivery, OutboxOptions, Outcome,
+    RecoverScope, Result,
+};
+use common::*;
+
+#[test]
+fn stale_token_cannot_settle_a_reclaimed_chunk() -> Result<()> {
+    let options = OutboxOptions::default()
+        .with_channel("telegram", ChannelPolicy::replayable())
+        .with_lease(Duration::from_secs(10));
+    let db = TestDb::new(options);
+    let ob = &db.outbox;
+    let id = enqueue(ob, "1", &["hi"]);
+    let slow = claim_one(ob);
+    db.advance(Duration::from_secs(11));
+    let fresh = claim_one(ob); // reclaims the expired lease
+    assert_eq!(fresh.chunk_id, slow.chunk_id);
+    assert_eq!(fresh.attempt, 2);
+
+    // The slow worker wakes up: every transition is refused and changes nothing.
+    for outcome in [
+        Outcome::delivered(Some("late".into())),
+        Outcome::Transient { error: "x".into() },
+        Outcome::Permanent { error: "x".into() },
+        Outcome::Ambiguous { error: "x".into() },
+        Outcome::RateLimited {
+            retry_after: Duration::from_secs(1),
+            error: "x".into(),
+        },
+    ] {
+        let err = ob.record(&slow, outcome).unwrap_err();
+        assert!(
+            matches!(err, Error::StaleClaim { chunk } if chunk == slow.chunk_id),
+            "{err:?}"
+        );
+    }
+    assert!(matches!(ob.release(&slow), Err(Error::StaleClaim { .. })));
+    let v = view(ob, id);
+    assert_eq!(
+        (v.chunks[0].status, v.chunks[0].attempts),
+        (ChunkStatus::Sending, 2)
+    );
+
+    // The current owner settles it; a second outcome on the same claim is stale too.
+    assert!(ob.ack(&fresh, Some("m"))?.finalized);
+    assert!(matches!(
+        ob.ack(&fresh, None),
+        Err(Error::StaleClaim { .. })
+    ));
+    assert_eq!(messages_for(&db.raw(), id)?.len(), 1);
+    Ok(())
+}
+
+#[test]
+fn poison_chunk_exhausts_attempts_without_any_outcome() -> Result<()> {
+    // The worker "crashes" on every claim: no outcome is ever recorded.
+    let options = OutboxOptions::default()
+        .with_channel("telegram", ChannelPolicy::replayable())
+        .with_lease(Duration::from_secs(10));
+    let db = TestDb::new(options);
+    let ob = &db.outbox;
+    let id = enqueue(ob, "1", &["boom"]);
+    let mut attempts = Vec::new();
+    for _ in 0..10 {
+        for claim in claim_all(ob) {
+            attempts.push(claim.attempt);
+        }
+        db.advance(Duration::from_secs(11));
+    }
+    let _ = claim_all(ob);
+    assert_eq!(attempts, [1, 2, 3, 4, 5], "five claims, then no more");
+    let v = view(ob, id);
+    assert_eq!(v.status, DeliveryStatus::Failed);
+    assert_eq!(v.chunks[0].status, ChunkStatus::Failed);
+    assert!(
+        v.chunks[0]
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("lease expired")
+    );
+    Ok(())
+}
+
+#[test]
+fn transient_failures_exhaust_the_budget() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    let id = enqueue(ob, "1", &["x"]);
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        let claim = claim_one(ob);
+        statuses.push(
+            ob.record(
+                &claim,
+                Outcome::Transient {
+                    error: "503".into(),
+                },
+            )?
+            .status,
+        );
+        db.advance(Duration::from_secs(601));
+    }
+    assert_eq!(statuses[..4], [ChunkStatus::Retry; 4]);
+    assert_eq!(statuses[4], ChunkStatus::Failed);
+    assert!(claim_all(ob).is_empty());
+    assert_eq!(view(ob, id).chunks[0].attempts, 5);
+    Ok(())
+}
+
+#[test]
+fn rate_limit_pauses_the_lane_without_using_an_attempt() -> Result<()> {
+    let db =
+        TestDb::new(OutboxOptions::default().with_lane_order(chunked_outbox::LaneOrder::Parallel));
+    let ob = &db.outbox;
+    let a = enqueue(ob, "busy", &["a"]);
+    let b = enqueue(ob, "busy", &["b"]);
+    let other = enqueue(ob, "calm", &["c"]);
+    let claims = claim_all(ob);
+    let ca = claims.iter().find(|c| c.delivery_id == a).unwrap();
+    let recorded = ob.record(
+        ca,
+        Outcome::RateLimited {
+            retry_after: Duration::from_secs(30),
+            error: "429".into(),
+        },
+    )?;
+    assert_eq!(recorded.status, ChunkStatus::Retry);
+    assert_eq!(
+        view(ob, a).chunks[0].attempts,
+        0,
+        "a rate limit gives the attempt back"
+    );
+    for c in claims.iter().filter(|c| c.delivery_id != a) {
+        ob.release(c)?;
+    }
+
+    // The whole "busy" lane waits 30 s; the "calm" lane does not.
+    db.advance(Duration::from_secs(29));
+    let due: Vec<_> = claim_all(ob).iter().map(|c| c.delivery_id).collect();
+    assert_eq!(due, [other]);
+    db.advance(Duration::from_secs(1));
+    let mut due: Vec<_> = claim_all(ob).iter().map(|c| c.delivery_id).collect();
+    due.sort();
+    let mut want = vec![a, b];
+    want.sort();
+    assert_eq!(due, want);
+    Ok(())
+}
+
+#[test]
+fn enqueue_into_a_paused_lane_waits_for_the_pause() -> Result<()> {
+    let db =
+        TestDb::new(OutboxOptions::default().with_lane_order(chunked_outbox::LaneOrder::Parallel));
+    let ob = &db.outbox;
+    enqueue(ob, "c", &["a"]);
+    let claim = claim_one(ob);
+    ob.record(
+        &claim,
+        Outcome::RateLimited {
+            retry_after: Duration::from_secs(10),
+            error: "slow down".into(),
+        },
+    )?;
+    enqueue(ob, "c", &["b"]);
+    assert!(claim_all(ob).is_empty());
+    db.advance(Duration::from_secs(10));
+    assert_eq!(claim_all(ob).len(), 2);
+    Ok(())
+}
+
+#[test]
+fn release_refunds_the_attempt_and_keeps_the_chunk_due() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    let id = enqueue(ob, "1", &["x"]);
+    let claim = claim_one(ob);
+    let recorded = ob.release(&claim)?;
+    assert_eq!(recorded.status, ChunkStatus::Pending);
+    let again = claim_one(ob);
+    assert_eq!(again.attempt, 1);
+    assert_ne!(again, claim, "a new claim carries a new token");
+    assert_eq!(view(ob, id).chunks[0].attempts, 1);
+    Ok(())
+}
+
+#[test]
+fn ambiguous_outcome_follows_the_replay_policy() -> Result<()> {
+    let options = OutboxOptions::default().with_channel("matrix", ChannelPolicy::replayable());
+    let db = TestDb::new(options);
+    let ob = &db.outbox;
+    let held = enqueue(ob, "t", &["x"]);
+    let replayed = ob.enqueue(&NewDelivery::single("matrix", "!room", "y"))?.id;
+    for claim in claim_all(ob) {
+        ob.record(
+            &claim,
+            Outcome::Ambiguous {
+                error: "timeout after write".into(),
+            },
+        )?;
+    }
+    assert_eq!(view(ob, held).chunks[0].status, ChunkStatus::Uncertain);
+    assert_eq!(view(ob, held).status, DeliveryStatus::Uncertain);
+    assert_eq!(view(ob, replayed).chunks[0].status, ChunkStatus::Retry);
+    db.advance(Duration::from_secs(5));
+    let claim = claim_one(ob);
+    assert_eq!(claim.delivery_id, replayed);
+    assert_eq!(
+        claim.idempotency_key,
+        format!("{replayed}:1"),
+        "the replay carries the same key"
+    );
+    assert_eq!(ob.health()?.totals.uncertain_chunks, 1);
+    Ok(())
+}
+
+#[test]
+fn expired_lease_on_a_hold_channel_becomes_uncertain_during_claiming() -> Result<()> {
+    let db = TestDb::new(OutboxOptions::default().with_lease(Duration::from_secs(10)));
+    let ob = &db.outbox;
+    let id = enqueue(ob, "1", &["x"]);
+    let lost = claim_one(ob);
+    assert_eq!(ob.health()?.totals.expired_leases, 0);
+    db.advance(Duration::from_secs(10));
+    assert_eq!(ob.health()?.totals.expired_leases, 1);
+    assert!(claim_all(ob).is_empty(), "not replayed blindly");
+    let v = view(ob, id);
+    assert_eq!(v.chunks[0].status, ChunkStatus::Uncertain);
+    assert!(matches!(ob.ack(&lost, None), Err(Error::StaleClaim { .. })));
+    Ok(())
+}
+
+#[test]
+fn recover_defers_to_live_leases_unless_told_otherwise() -> Result<()> {
+    let options = OutboxOptions::default().with_channel("telegram", ChannelPolicy::replayable());
+    let db = TestDb::new(options);
+    let ob = &db.outbox;
+    enqueue(ob, "1", &["x"]);
+    let live = claim_one(ob);
+    assert_eq!(ob.recover(RecoverScope::ExpiredLeases)?.retried, 0);
+    ob.ack(&live, None)?;
+    enqueue(ob, "2", &["y"]);
+    let _orphan = claim_one(ob);
+    assert_eq!(ob.recover(RecoverScope::AllSending)?.retried, 1);
+    Ok(())
+}
+
+#[test]
+fn claim_limits_and_channel_filter() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    assert!(matches!(ob.claim(0), Err(Error::InvalidInput { .. })));
+    assert!(matches!(
+        ob.claim(usize::MAX),
+        Err(Error::InvalidInput { .. })
+    ));
+    assert!(matches!(
+        ob.claim_channels(&[], 1),
+        Err(Error::InvalidInput { .. })
+    ));
+    enqueue(ob, "1", &["x"]);
+    ob.enqueue(&NewDelivery::single("slack", "C1", "y"))?;
+    assert!(ob.claim_channels(&["discord"], 10)?.is_empty());
+    let slack = ob.claim_channels(&["slack", "line"], 10)?;
+    assert_eq!(slack.len(), 1);
+    assert_eq!(slack[0].channel, "slack");
+    assert_eq!(ob.health()?.channels["telegram"].due_chunks, 1);
+    Ok(())
+}
+
+#[test]
+fn eight_threads_never_receive_the_same_chunk() -> Result<()> {
+    let db =
+        TestDb::new(OutboxOptions::default().with_lane_order(chunked_outbox::LaneOrder::Parallel));
+    let total = 2_000;
+    for i in 0..total {
+        enqueue(&db.outbox, &format!("chat-{}", i % 50), &["x"]);
+    }
+    let barrier = Arc::new(Barrier::new(8));
+    let handles: Vec<_> = (0..8)
+        .map(|t| {
+            // Half the threads share the handle, half open their own connections.
+            let ob = if t % 2 == 0 {
+                db.outbox.clone()
+            } else {
+                db.reopen(OutboxOptions::default())
+            };
+            let barrier = barrier.clone();
+            std::thread::spawn(move || -> Result<Vec<i64>> {
+                barrier.wait();
+                let mut mine = Vec::new();
+                loop {
+                    let claims = ob.claim(7)?;
+                    if claims.is_empty() {
+                        return Ok(mine);
+                    }
+                    for c in claims {
+                        mine.push(c.chunk_id.get());
+                        ob.ack(&c, None)?;
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut seen = HashSet::new();
+    let mut count = 0;
+    for h in handles {
+        for id in h.join().expect("thread")? {
+            count += 1;
+            assert!(seen.insert(id), "chunk {id} handed out twice");
+        }
+    }
+    assert_eq!(count, total);
+    assert_eq!(
+        db.outbox.health()?.totals.delivered_deliveries,
+        total as u64
+    );
+    Ok(())
+}

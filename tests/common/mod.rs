@@ -1,0 +1,114 @@
+//! Shared test helpers: a database in its own temp dir, a manual clock, shortcuts.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chunked_outbox::{
+    Claim, DeliveryId, DeliveryView, ManualClock, NewDelivery, Outbox, OutboxOptions, Result,
+    RetryPolicy,
+};
+
+/// 2026-01-01T00:00:00Z, a fixed start so failures reproduce.
+pub const T0: i64 = 1_767_225_600_000;
+
+/// An outbox file in a temp dir that lives as long as this value, with a manual clock.
+pub struct TestDb {
+    pub dir: tempfile::TempDir,
+    pub clock: ManualClock,
+    pub outbox: Outbox,
+}
+
+impl TestDb {
+    /// A new database with `options` (jitter off so due times are exact).
+    pub fn new(options: OutboxOptions) -> TestDb {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let clock = ManualClock::new(T0);
+        let outbox = Outbox::open(
+            dir.path().join("outbox.db"),
+            Self::with_clock(options, &clock),
+        )
+        .expect("open outbox");
+        TestDb { dir, clock, outbox }
+    }
+
+    pub fn default() -> TestDb {
+        TestDb::new(OutboxOptions::default())
+    }
+
+    fn with_clock(options: OutboxOptions, clock: &ManualClock) -> OutboxOptions {
+        options
+            .with_retry(RetryPolicy {
+                jitter: 0.0,
+                ..RetryPolicy::default()
+            })
+            .with_clock(Arc::new(clock.clone()))
+    }
+
+    pub fn path(&self) -> PathBuf {
+        self.dir.path().join("outbox.db")
+    }
+
+    /// A second handle on the same file (another "process" for locking purposes is
+    /// emulated by separate connections).
+    pub fn reopen(&self, options: OutboxOptions) -> Outbox {
+        Outbox::open(self.path(), Self::with_clock(options, &self.clock)).expect("reopen")
+    }
+
+    pub fn now_ms(&self) -> i64 {
+        chunked_outbox::Clock::now_ms(&self.clock)
+    }
+
+    pub fn advance(&self, by: Duration) {
+        self.clock.advance(by);
+    }
+
+    /// A raw connection for checks the public API does not expose.
+    pub fn raw(&self) -> rusqlite::Connection {
+        raw(&self.path())
+    }
+}
+
+pub fn raw(path: &Path) -> rusqlite::Connection {
+    rusqlite::Connection::open(path).expect("raw connection")
+}
+
+pub fn enqueue(outbox: &Outbox, chat: &str, chunks: &[&str]) -> DeliveryId {
+    let text = chunks.join("\n\n");
+    outbox
+        .enqueue(&NewDelivery::chunked(
+            "telegram",
+            chat,
+            text,
+            chunks.iter().copied(),
+        ))
+        .expect("enqueue")
+        .id
+}
+
+/// Claims everything due (up to 100).
+pub fn claim_all(outbox: &Outbox) -> Vec<Claim> {
+    outbox.claim(100).expect("claim")
+}
+
+/// Claims exactly one due chunk, failing the test if there is not exactly one.
+pub fn claim_one(outbox: &Outbox) -> Claim {
+    let mut claims = claim_all(outbox);
+    assert_eq!(
+        claims.len(),
+        1,
+        "expected exactly one due chunk, got {claims:?}"
+    );
+    claims.pop().unwrap()
+}
+
+pub fn view(outbox: &Outbox, id: DeliveryId) -> DeliveryView {
+    outbox.delivery(id).expect("read").expect("delivery exists")
+}
+
+pub fn messages_for(conn: &rusqlite::Connection, id: DeliveryId) -> Result<Vec<String>> {
+    let mut stmt = conn.prepare("SELECT content FROM messages WHERE delivery_id = ?1")?;
+    let rows = stmt.query_map([id.to_string()], |r| r.get(0))?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}

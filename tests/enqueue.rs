@@ -1,0 +1,206 @@
+//! Enqueue: idempotency on the caller's key (same content → same id, nothing written;
+//! different content → conflict), the transactional-outbox entry point that commits or
+//! rolls back with the caller, and invalid input refused before any write.
+
+mod common;
+
+use chunked_outbox::{Error, NewDelivery, OutboxOptions, Result};
+use common::*;
+
+/// Row counts of every table, to prove that a refused call wrote nothing.
+fn row_counts(conn: &rusqlite::Connection) -> Vec<i64> {
+    [
+        "outbound_deliveries",
+        "outbound_delivery_chunks",
+        "messages",
+        "outbound_channel_stats",
+        "outbound_lane_pauses",
+    ]
+    .iter()
+    .map(|t| {
+        conn.query_row(&format!("SELECT count(*) FROM {t}"), [], |r| r.get(0))
+            .unwrap()
+    })
+    .collect()
+}
+
+#[test]
+fn same_key_same_content_returns_the_same_delivery_and_writes_nothing() -> Result<()> {
+    let db = TestDb::default();
+    let d = NewDelivery::chunked("telegram", "1", "a b", ["a", "b"]).with_idempotency_key("k");
+    let first = db.outbox.enqueue(&d)?;
+    let before = row_counts(&db.raw());
+    let again = db.outbox.enqueue(&d)?;
+    assert_eq!(again.id, first.id);
+    assert!(first.created);
+    assert!(!again.created);
+    assert_eq!(row_counts(&db.raw()), before);
+    assert_eq!(db.outbox.health()?.totals.total_deliveries, 1);
+    Ok(())
+}
+
+#[test]
+fn same_key_different_content_is_a_conflict() -> Result<()> {
+    let db = TestDb::default();
+    let base =
+        || NewDelivery::chunked("telegram", "1", "a b", ["a", "b"]).with_idempotency_key("k");
+    let first = db.outbox.enqueue(&base())?;
+    let before = row_counts(&db.raw());
+    for changed in [
+        NewDelivery::chunked("slack", "1", "a b", ["a", "b"]).with_idempotency_key("k"),
+        NewDelivery::chunked("telegram", "2", "a b", ["a", "b"]).with_idempotency_key("k"),
+        NewDelivery::chunked("telegram", "1", "a  b", ["a", "b"]).with_idempotency_key("k"),
+        NewDelivery::chunked("telegram", "1", "a b", ["a b"]).with_idempotency_key("k"),
+        base().with_sender("bot"),
+    ] {
+        let err = db.outbox.enqueue(&changed).unwrap_err();
+        assert!(
+            matches!(&err, Error::IdempotencyConflict { key, existing } if key == "k" && *existing == first.id),
+            "{err:?}"
+        );
+    }
+    assert_eq!(row_counts(&db.raw()), before);
+    Ok(())
+}
+
+#[test]
+fn enqueue_in_commits_and_rolls_back_with_the_caller() -> Result<()> {
+    let db = TestDb::default();
+    let mut app = db.raw();
+    app.execute_batch("CREATE TABLE app_state (v TEXT)")?;
+
+    // Rolled back: neither the application's row nor the delivery exists.
+    {
+        let tx = app.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        tx.execute("INSERT INTO app_state VALUES ('rolled back')", [])?;
+        let id = db
+            .outbox
+            .enqueue_in(&tx, &NewDelivery::single("telegram", "1", "ghost"))?
+            .id;
+        tx.rollback()?;
+        assert!(db.outbox.delivery(id)?.is_none());
+    }
+    assert!(claim_all(&db.outbox).is_empty());
+    assert_eq!(db.outbox.health()?.totals.total_deliveries, 0);
+
+    // Committed: both land together and the chunk is claimable.
+    let tx = app.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    tx.execute("INSERT INTO app_state VALUES ('committed')", [])?;
+    let id = db
+        .outbox
+        .enqueue_in(&tx, &NewDelivery::single("telegram", "1", "real"))?
+        .id;
+    tx.commit()?;
+    let claim = claim_one(&db.outbox);
+    assert_eq!((claim.delivery_id, claim.text.as_str()), (id, "real"));
+
+    // Outside a transaction it is refused.
+    let err = db
+        .outbox
+        .enqueue_in(&app, &NewDelivery::single("telegram", "1", "x"))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidInput {
+                what: "connection",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn failed_enqueue_in_leaves_the_callers_transaction_usable() -> Result<()> {
+    let db = TestDb::default();
+    let mut app = db.raw();
+    let d = NewDelivery::single("telegram", "1", "x").with_idempotency_key("k");
+    let _ = db.outbox.enqueue(&d)?;
+    let tx = app.transaction()?;
+    let conflicting = NewDelivery::single("telegram", "1", "y").with_idempotency_key("k");
+    assert!(db.outbox.enqueue_in(&tx, &conflicting).is_err());
+    let _ = db
+        .outbox
+        .enqueue_in(&tx, &NewDelivery::single("telegram", "2", "z"))?;
+    tx.commit()?;
+    assert_eq!(db.outbox.health()?.totals.total_deliveries, 2);
+    Ok(())
+}
+
+#[test]
+fn invalid_input_is_refused_before_any_write() -> Result<()> {
+    let db = TestDb::default();
+    let before = row_counts(&db.raw());
+    let none: [&str; 0] = [];
+    let cases: Vec<(NewDelivery, &str)> = vec![
+        (NewDelivery::chunked("telegram", "1", "x", none), "chunks"),
+        (
+            NewDelivery::chunked("telegram", "1", "x", ["x", ""]),
+            "chunks",
+        ),
+        (
+            NewDelivery::chunked("telegram", "1", "x", [" \n\t "]),
+            "chunks",
+        ),
+        (NewDelivery::single("", "1", "x"), "channel"),
+        (NewDelivery::single("   ", "1", "x"), "channel"),
+        (NewDelivery::single("tele\ngram", "1", "x"), "channel"),
+        (NewDelivery::single("x".repeat(129), "1", "x"), "channel"),
+        (NewDelivery::single("telegram", "", "x"), "chat id"),
+        (NewDelivery::single("telegram", "1", " "), "text"),
+        (
+            NewDelivery::single("telegram", "1", "x").with_idempotency_key(""),
+            "idempotency key",
+        ),
+        (
+            NewDelivery::single("telegram", "1", "x").with_idempotency_key("k".repeat(10 * 1024)),
+            "idempotency key",
+        ),
+        (
+            NewDelivery::single("telegram", "1", "x").with_sender(""),
+            "sender",
+        ),
+        (
+            NewDelivery::single("telegram", "1", "x".repeat(9 * 1024 * 1024)),
+            "text",
+        ),
+        (
+            NewDelivery::chunked("telegram", "1", "x", vec!["x"; 10_001]),
+            "chunks",
+        ),
+    ];
+    for (delivery, field) in cases {
+        match db.outbox.enqueue(&delivery) {
+            Err(Error::InvalidInput { what, .. }) => assert_eq!(what, field),
+            other => panic!("{field}: expected InvalidInput, got {other:?}"),
+        }
+    }
+    assert_eq!(row_counts(&db.raw()), before);
+    Ok(())
+}
+
+#[test]
+fn awkward_but_valid_input_round_trips_exactly() -> Result<()> {
+    let db = TestDb::new(OutboxOptions::default());
+    let channel = "tg'; DROP TABLE messages; --\"";
+    let chat = i64::MIN.to_string();
+    let text = "nul\0byte and emoji 👩‍👩‍👧 and ' \" quotes";
+    let id = db
+        .outbox
+        .enqueue(&NewDelivery::single(channel, chat.clone(), text).with_idempotency_key("k\0'\""))?
+        .id;
+    let claim = claim_one(&db.outbox);
+    assert_eq!(
+        (
+            claim.channel.as_str(),
+            claim.chat_id.as_str(),
+            claim.text.as_str()
+        ),
+        (channel, chat.as_str(), text)
+    );
+    db.outbox.ack(&claim, None)?;
+    assert_eq!(messages_for(&db.raw(), id)?, [text]);
+    Ok(())
+}

@@ -1,0 +1,157 @@
+//! The two scenarios of the original outbox design, with its ordering defect fixed:
+//! a single chunk's lifecycle through retry, delivery and terminal failure; and a
+//! three-chunk delivery interrupted mid-send, recovered, and finalized exactly once.
+
+mod common;
+
+use std::time::Duration;
+
+use chunked_outbox::{
+    ChannelPolicy, ChunkStatus, DeliveryStatus, Health, OutboxOptions, Outcome, RecoverScope,
+    Result,
+};
+use common::*;
+
+fn counts(h: &Health) -> (u64, u64, u64, u64, u64, u64) {
+    let t = &h.totals;
+    (
+        t.total_deliveries,
+        t.delivered_deliveries,
+        t.pending_chunks,
+        t.sending_chunks,
+        t.retry_chunks,
+        t.failed_chunks,
+    )
+}
+
+#[test]
+fn single_chunk_lifecycle() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+
+    // Due at once after enqueue.
+    let id = enqueue(ob, "42", &["hello"]);
+    assert_eq!(ob.health()?.totals.due_chunks, 1);
+    let claim = claim_one(ob);
+    assert_eq!(claim.attempt, 1);
+    assert_eq!(claim.index, 0);
+    assert_eq!(claim.total, 1);
+
+    // A transient failure schedules a retry 5 s out: not due before, due after.
+    let recorded = ob.record(
+        &claim,
+        Outcome::Transient {
+            error: "HTTP 502".into(),
+        },
+    )?;
+    assert_eq!(recorded.status, ChunkStatus::Retry);
+    assert_eq!(
+        recorded.next_attempt_at.unwrap().timestamp_millis(),
+        T0 + 5_000
+    );
+    db.advance(Duration::from_millis(4_999));
+    assert!(
+        claim_all(ob).is_empty(),
+        "retry must not be due before its time"
+    );
+    assert_eq!(counts(&ob.health()?), (1, 0, 0, 0, 1, 0));
+    db.advance(Duration::from_millis(1));
+    let claim = claim_one(ob);
+    assert_eq!(claim.attempt, 2);
+    assert_eq!(counts(&ob.health()?), (1, 0, 0, 1, 0, 0));
+
+    // Delivered: leaves the queue and the pending counts.
+    let recorded = ob.ack(&claim, Some("tg-1"))?;
+    assert!(recorded.finalized);
+    assert!(claim_all(ob).is_empty());
+    assert_eq!(counts(&ob.health()?), (1, 1, 0, 0, 0, 0));
+    assert_eq!(view(ob, id).status, DeliveryStatus::Delivered);
+    assert_eq!(messages_for(&db.raw(), id)?, ["hello"]);
+
+    // A terminal failure also leaves the queue, as a dead letter.
+    let dead = enqueue(ob, "43", &["bye"]);
+    let claim = claim_one(ob);
+    let recorded = ob.record(
+        &claim,
+        Outcome::Permanent {
+            error: "Bad Request: chat not found".into(),
+        },
+    )?;
+    assert_eq!(recorded.status, ChunkStatus::Failed);
+    db.advance(Duration::from_secs(3600));
+    assert!(claim_all(ob).is_empty());
+    let h = ob.health()?;
+    assert_eq!(counts(&h), (2, 1, 0, 0, 0, 1));
+    assert_eq!(h.totals.unacknowledged_dead_letters, 1);
+    let v = view(ob, dead);
+    assert_eq!(v.status, DeliveryStatus::Failed);
+    assert_eq!(
+        v.chunks[0].last_error.as_deref(),
+        Some("Bad Request: chat not found")
+    );
+    assert!(messages_for(&db.raw(), dead)?.is_empty());
+    Ok(())
+}
+
+#[test]
+fn three_chunks_interrupted_recovered_and_finalized_once() -> Result<()> {
+    let options = OutboxOptions::default()
+        .with_channel("telegram", ChannelPolicy::replayable())
+        .with_lease(Duration::from_secs(30));
+    let db = TestDb::new(options.clone());
+    let ob = &db.outbox;
+    let id = enqueue(ob, "7", &["one", "two", "three"]);
+    let h = ob.health()?;
+    assert_eq!(counts(&h), (1, 0, 3, 0, 0, 0));
+
+    // Chunk 0 delivered; chunk 1 becomes the only due chunk.
+    let c0 = claim_one(ob);
+    assert_eq!(c0.idempotency_key, format!("{id}:1"));
+    ob.ack(&c0, Some("m0"))?;
+    assert_eq!(counts(&ob.health()?), (1, 0, 2, 0, 0, 0));
+    assert_eq!(view(ob, id).status, DeliveryStatus::Partial);
+
+    // Chunk 1 is claimed, then the process "dies": the claim is dropped unrecorded.
+    let c1 = claim_one(ob);
+    assert_eq!(
+        (c1.index, c1.idempotency_key.clone()),
+        (1, format!("{id}:2"))
+    );
+    assert_eq!(counts(&ob.health()?), (1, 0, 1, 1, 0, 0));
+    drop(c1);
+
+    // A new process opens the file and recovers at start-up.
+    let restarted = db.reopen(options);
+    let report = restarted.recover(RecoverScope::AllSending)?;
+    assert_eq!(report.retried, 1);
+    assert_eq!(counts(&restarted.health()?), (1, 0, 1, 0, 1, 0));
+
+    // Chunks 1 and 2 are then delivered strictly in order, with their stable keys.
+    let c1 = claim_one(&restarted);
+    assert_eq!((c1.index, c1.attempt), (1, 2));
+    assert_eq!(c1.idempotency_key, format!("{id}:2"));
+    assert!(!restarted.ack(&c1, Some("m1"))?.finalized);
+    let c2 = claim_one(&restarted);
+    assert_eq!(
+        (c2.index, c2.idempotency_key.clone()),
+        (2, format!("{id}:3"))
+    );
+    assert!(restarted.ack(&c2, Some("m2"))?.finalized);
+
+    assert_eq!(counts(&restarted.health()?), (1, 1, 0, 0, 0, 0));
+    let v = view(&restarted, id);
+    assert_eq!(v.status, DeliveryStatus::Delivered);
+    let platform_ids: Vec<_> = v
+        .chunks
+        .iter()
+        .map(|c| c.platform_message_id.clone().unwrap())
+        .collect();
+    assert_eq!(platform_ids, ["m0", "m1", "m2"]);
+    assert_eq!(messages_for(&db.raw(), id)?, ["one\n\ntwo\n\nthree"]);
+
+    // Recovery and its finalization sweep have nothing left to do, and finalize nothing twice.
+    let again = restarted.recover(RecoverScope::AllSending)?;
+    assert_eq!((again.retried, again.finalized), (0, 0));
+    assert_eq!(messages_for(&db.raw(), id)?.len(), 1);
+    Ok(())
+}

@@ -1,0 +1,212 @@
+//! Storage: pragmas read back on writer and readers, owner-only files, refusal of a
+//! newer schema and of non-database files without touching them, a missing file that
+//! is not created when creation is off, a busy database, and retention that keeps
+//! `messages` and the maintained counters right.
+
+mod common;
+
+use std::time::Duration;
+
+use chrono::{TimeZone, Utc};
+use chunked_outbox::{
+    Error, NewDelivery, Outbox, OutboxOptions, Result, SCHEMA_VERSION, Synchronous,
+};
+use common::*;
+
+#[test]
+fn pragmas_are_read_back_on_writer_and_readers() -> Result<()> {
+    for sync in [Synchronous::Normal, Synchronous::Full] {
+        let db = TestDb::new(
+            OutboxOptions::default()
+                .with_synchronous(sync)
+                .with_busy_timeout(Duration::from_millis(1234)),
+        );
+        let w = db.outbox.writer_settings()?;
+        let r = db.outbox.reader_settings()?;
+        let want_sync = if sync == Synchronous::Full { 2 } else { 1 };
+        for s in [&w, &r] {
+            assert_eq!(s.journal_mode, "wal");
+            assert_eq!(s.synchronous, want_sync);
+            assert!(s.foreign_keys);
+            assert_eq!(s.busy_timeout_ms, 1234);
+        }
+        assert!(!w.query_only);
+        assert!(r.query_only, "pooled readers can never write");
+    }
+    let mem = Outbox::open_in_memory(OutboxOptions::default())?;
+    assert_eq!(mem.writer_settings()?.journal_mode, "memory");
+    Ok(())
+}
+
+#[cfg(unix)]
+#[test]
+fn database_and_wal_files_are_owner_only() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let db = TestDb::default();
+    let _ = enqueue(&db.outbox, "1", &["private"]);
+    let _ = db.outbox.health()?; // opens a reader, so the -shm file exists
+    for suffix in ["", "-wal", "-shm"] {
+        let path = format!("{}{suffix}", db.path().display());
+        let mode = std::fs::metadata(&path).expect(&path).permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{path} has mode {mode:o}");
+    }
+    Ok(())
+}
+
+#[test]
+fn newer_schema_is_refused_and_the_file_left_untouched() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("future.db");
+    {
+        let conn = raw(&path);
+        conn.execute_batch(&format!(
+            "PRAGMA journal_mode=DELETE; CREATE TABLE future (x); PRAGMA user_version = {};",
+            SCHEMA_VERSION + 1
+        ))?;
+    }
+    let before = std::fs::read(&path).unwrap();
+    let err = Outbox::open(&path, OutboxOptions::default()).unwrap_err();
+    assert!(
+        matches!(err, Error::SchemaTooNew { found, supported } if found == SCHEMA_VERSION + 1 && supported == SCHEMA_VERSION),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("upgrade"));
+    assert!(
+        std::fs::read(&path).unwrap() == before,
+        "the file is byte for byte unchanged"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "no -wal or -shm appeared"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_file_that_is_not_a_database_is_refused_and_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("notes.txt");
+    let content = b"these are my notes, not an SQLite database\n".repeat(200);
+    std::fs::write(&path, &content).unwrap();
+    let err = Outbox::open(&path, OutboxOptions::default()).unwrap_err();
+    match &err {
+        Error::NotADatabase { path: p } => assert_eq!(p, &path),
+        other => panic!("expected NotADatabase, got {other:?}"),
+    }
+    assert!(err.to_string().contains("notes.txt"));
+    assert!(
+        std::fs::read(&path).unwrap() == content,
+        "the file was modified"
+    );
+}
+
+#[test]
+fn missing_file_is_not_created_when_creation_is_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("absent.db");
+    let err = Outbox::open(
+        &path,
+        OutboxOptions::default().with_create_if_missing(false),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::DatabaseMissing { path: p } if p == &path),
+        "{err:?}"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "no file appeared"
+    );
+}
+
+#[test]
+fn busy_database_is_a_typed_error_and_recovers() -> Result<()> {
+    let db = TestDb::new(OutboxOptions::default().with_busy_timeout(Duration::from_millis(50)));
+    let mut blocker = db.raw();
+    let tx = blocker.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let err = db
+        .outbox
+        .enqueue(&NewDelivery::single("telegram", "1", "x"))
+        .unwrap_err();
+    assert!(matches!(err, Error::Busy), "{err:?}");
+    assert!(matches!(db.outbox.claim(1), Err(Error::Busy)));
+    // Readers are not blocked by a writer in WAL mode.
+    assert_eq!(db.outbox.health()?.totals.total_deliveries, 0);
+    tx.rollback()?;
+    let _ = db
+        .outbox
+        .enqueue(&NewDelivery::single("telegram", "1", "x"))?;
+    assert_eq!(claim_all(&db.outbox).len(), 1);
+    Ok(())
+}
+
+#[test]
+fn purge_removes_old_finished_deliveries_and_keeps_messages() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    let old = ob
+        .enqueue(
+            &NewDelivery::chunked("telegram", "1", "a b", ["a", "b"]).with_idempotency_key("k"),
+        )?
+        .id;
+    while let Some(c) = claim_all(ob).pop() {
+        ob.ack(&c, None)?;
+    }
+    let dead = enqueue(ob, "2", &["x"]);
+    let c = claim_one(ob);
+    ob.record(
+        &c,
+        chunked_outbox::Outcome::Permanent {
+            error: "chat not found".into(),
+        },
+    )?;
+    db.advance(Duration::from_secs(3600));
+    let recent = enqueue(ob, "3", &["new"]);
+    let c = claim_one(ob);
+    ob.ack(&c, None)?;
+    let unfinished = enqueue(ob, "4", &["pending"]);
+
+    let cutoff = Utc.timestamp_millis_opt(db.now_ms() - 1_000).unwrap();
+    // The unacknowledged dead letter is kept.
+    let report = ob.purge(cutoff)?;
+    assert_eq!((report.deliveries, report.chunks), (1, 2));
+    assert!(ob.delivery(old)?.is_none());
+    assert!(ob.delivery(dead)?.is_some());
+    assert!(ob.delivery(recent)?.is_some());
+    assert!(ob.delivery(unfinished)?.is_some());
+    assert_eq!(messages_for(&db.raw(), old)?, ["a b"]);
+
+    // Once acknowledged, the dead letter goes too.
+    assert_eq!(ob.acknowledge_dead_letters()?, 1);
+    assert_eq!(ob.purge(cutoff)?.deliveries, 1);
+    assert!(ob.delivery(dead)?.is_none());
+
+    let h = ob.health()?;
+    assert_eq!(
+        (h.totals.total_deliveries, h.totals.delivered_deliveries),
+        (2, 1)
+    );
+    assert_eq!(h.totals.failed_chunks, 0);
+
+    // The retention window is the idempotency window: the key is free again.
+    let reused =
+        ob.enqueue(&NewDelivery::single("telegram", "1", "other").with_idempotency_key("k"))?;
+    assert!(reused.created);
+    assert_ne!(reused.id, old);
+    Ok(())
+}
+
+#[test]
+fn several_handles_on_one_file_share_the_schema() -> Result<()> {
+    let db = TestDb::default();
+    let second = db.reopen(OutboxOptions::default());
+    let id = enqueue(&second, "1", &["hi"]);
+    let claim = claim_one(&db.outbox);
+    assert_eq!(claim.delivery_id, id);
+    second.ack(&claim, None)?;
+    assert_eq!(db.outbox.health()?.totals.delivered_deliveries, 1);
+    db.outbox.checkpoint()?;
+    Ok(())
+}
