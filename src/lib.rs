@@ -80,6 +80,10 @@
 //! and reads through a pool. Several threads may share one `Outbox`; several processes
 //! may open the same file. Concurrent claimers never receive the same chunk.
 
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 mod claim;
 mod classify;
 mod clock;

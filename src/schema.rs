@@ -10,6 +10,9 @@ use crate::{Error, OutboxOptions, Result};
 /// Every migration, in order. `migrations/NNNN_name.sql` is embedded in the binary.
 const MIGRATIONS: &[M<'static>] = &[M::up(include_str!("../migrations/0001_initial.sql"))];
 
+/// Prepared statements kept per connection.
+const STATEMENT_CACHE: usize = 128;
+
 /// The schema version this build writes (SQLite `user_version`).
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
@@ -55,6 +58,9 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
 /// that did not take (effectum once shipped a misspelled WAL pragma and silently ran in
 /// rollback-journal mode) is an error, not a surprise in production.
 pub(crate) fn configure(conn: &Connection, options: &OutboxOptions, in_memory: bool) -> Result<()> {
+    // Every statement of the crate is prepared once per connection and kept; the
+    // default cache of 16 is smaller than the set of statements the writer uses.
+    conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     conn.busy_timeout(options.busy_timeout)?;
     let wanted_journal = if in_memory { "memory" } else { "wal" };
     let journal: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
@@ -113,6 +119,7 @@ pub(crate) fn read_settings(conn: &Connection) -> Result<StorageSettings> {
 /// Pragmas of a pooled read connection. The writer already verified the file's
 /// journal mode; `query_only` guarantees a reader can never write.
 pub(crate) fn configure_reader(conn: &Connection, options: &OutboxOptions) -> rusqlite::Result<()> {
+    conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     conn.busy_timeout(options.busy_timeout)?;
     conn.pragma_update(None, "synchronous", options.synchronous.pragma_value())?;
     conn.pragma_update(None, "foreign_keys", true)?;
