@@ -70,6 +70,32 @@ impl NewDelivery {
         }
     }
 
+    /// A delivery of `text`, split into chunks by `splitter` (see
+    /// [`Splitter`](crate::Splitter) for its presets).
+    ///
+    /// ```
+    /// use chunked_outbox::{NewDelivery, Splitter};
+    ///
+    /// let long = "word ".repeat(1000);
+    /// let reply = NewDelivery::split("discord", "123", long, &Splitter::discord())?;
+    /// assert_eq!(reply.chunks().len(), 3);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`Splitter::split`](crate::Splitter::split).
+    pub fn split(
+        channel: impl Into<String>,
+        chat_id: impl Into<String>,
+        text: impl Into<String>,
+        splitter: &crate::Splitter,
+    ) -> Result<Self> {
+        let text = text.into();
+        let chunks = splitter.split(&text)?;
+        Ok(NewDelivery::chunked(channel, chat_id, text, chunks))
+    }
+
     /// A caller key: enqueueing the same key again returns the first delivery's id and
     /// writes nothing (while that delivery is retained; see [`Outbox::purge`]).
     pub fn with_idempotency_key(mut self, key: impl Into<String>) -> Self {
@@ -183,6 +209,30 @@ impl Outbox {
     pub fn enqueue(&self, delivery: &NewDelivery) -> Result<Enqueued> {
         delivery.validate()?;
         self.write(|tx| insert(tx, self.options(), delivery))
+    }
+
+    /// Splits `text` with `splitter` and enqueues the chunks in one call.
+    ///
+    /// ```
+    /// use chunked_outbox::{Outbox, OutboxOptions, Splitter};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// let id = outbox.enqueue_text("telegram", "42", &"long reply ".repeat(800), &Splitter::telegram())?.id;
+    /// assert_eq!(outbox.delivery(id)?.unwrap().chunk_count, 3);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`Splitter::split`](crate::Splitter::split) and [`enqueue`](Self::enqueue).
+    pub fn enqueue_text(
+        &self,
+        channel: &str,
+        chat_id: &str,
+        text: &str,
+        splitter: &crate::Splitter,
+    ) -> Result<Enqueued> {
+        self.enqueue(&NewDelivery::split(channel, chat_id, text, splitter)?)
     }
 
     /// Enqueues inside a transaction the caller already holds on the same database file

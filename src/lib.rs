@@ -100,6 +100,7 @@ mod outbox;
 mod outcome;
 mod retention;
 mod schema;
+mod split;
 mod status;
 
 pub use claim::{Claim, MAX_CLAIM_BATCH, RecoverScope, RecoveryReport};
@@ -122,4 +123,5 @@ pub use outbox::Outbox;
 pub use outcome::{MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES, Outcome, Recorded};
 pub use retention::PurgeReport;
 pub use schema::{SCHEMA_VERSION, StorageSettings};
+pub use split::{LengthUnit, Splitter};
 pub use status::{ChunkStatus, DeliveryStatus};

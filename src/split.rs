@@ -1,0 +1,548 @@
+//! Splitting a reply into chunks that fit a platform's message limit.
+//!
+//! Cuts prefer, in order, a paragraph break, a line break, the end of a sentence and a
+//! space, looking in the last half of the room a chunk has; only a text with none of
+//! those is cut between two grapheme clusters. A grapheme cluster (an emoji with its
+//! modifiers, a letter with its combining marks) is never cut. A fenced code block that
+//! a cut falls into is closed at the end of the chunk and reopened, with the same fence
+//! and language tag, at the start of the next, so every chunk renders as code.
+
+use std::ops::Range;
+
+use unicode_segmentation::UnicodeSegmentation;
+
+use crate::{Error, Result};
+
+/// How a platform counts the length of a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LengthUnit {
+    /// UTF-8 bytes.
+    Bytes,
+    /// Unicode scalar values (Rust `char`s).
+    Chars,
+    /// UTF-16 code units (JavaScript string length; what Telegram and LINE count).
+    Utf16,
+}
+
+impl LengthUnit {
+    /// The length of `s` in this unit.
+    pub fn len(self, s: &str) -> usize {
+        match self {
+            LengthUnit::Bytes => s.len(),
+            LengthUnit::Chars => s.chars().count(),
+            LengthUnit::Utf16 => s.chars().map(char::len_utf16).sum(),
+        }
+    }
+}
+
+/// Splits text into chunks of at most `limit` units.
+///
+/// ```
+/// use chunked_outbox::{LengthUnit, Splitter};
+///
+/// let splitter = Splitter::new(20, LengthUnit::Chars)?;
+/// let chunks = splitter.split("First paragraph.\n\nSecond one, a bit longer.")?;
+/// assert_eq!(chunks, ["First paragraph.\n\n", "Second one, a bit ", "longer."]);
+/// # Ok::<(), chunked_outbox::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Splitter {
+    limit: usize,
+    unit: LengthUnit,
+}
+
+impl Splitter {
+    /// A splitter for `limit` units of `unit`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for a limit of 0.
+    pub fn new(limit: usize, unit: LengthUnit) -> Result<Splitter> {
+        if limit == 0 {
+            return Err(Error::invalid("limit", "must be at least 1"));
+        }
+        Ok(Splitter { limit, unit })
+    }
+
+    const fn preset(limit: usize, unit: LengthUnit) -> Splitter {
+        Splitter { limit, unit }
+    }
+
+    /// Telegram: 4096 characters per message after entity parsing, counted in UTF-16
+    /// code units like entity offsets (Bot API, `sendMessage`: "1-4096 characters").
+    pub const fn telegram() -> Splitter {
+        Self::preset(4096, LengthUnit::Utf16)
+    }
+
+    /// Discord: 2000 characters of message `content` (API reference, "Create
+    /// Message"); counted in UTF-16 units, which is never fewer than characters.
+    pub const fn discord() -> Splitter {
+        Self::preset(2000, LengthUnit::Utf16)
+    }
+
+    /// Slack: `chat.postMessage` recommends at most 4000 characters of `text` (longer
+    /// texts are truncated at 40,000).
+    pub const fn slack() -> Splitter {
+        Self::preset(4000, LengthUnit::Chars)
+    }
+
+    /// WhatsApp Business (Cloud API): text message `body` up to 4096 characters.
+    pub const fn whatsapp() -> Splitter {
+        Self::preset(4096, LengthUnit::Chars)
+    }
+
+    /// WeCom (WeChat Work) group robot: markdown/text `content` at most 2048 bytes of
+    /// UTF-8.
+    pub const fn wecom() -> Splitter {
+        Self::preset(2048, LengthUnit::Bytes)
+    }
+
+    /// LINE Messaging API: text message up to 5000 characters, counted in UTF-16 code
+    /// units.
+    pub const fn line() -> Splitter {
+        Self::preset(5000, LengthUnit::Utf16)
+    }
+
+    /// Matrix: a whole event must stay within 65,536 bytes (client-server spec, "Size
+    /// limits"), including JSON, `formatted_body` and signatures; half of that for the
+    /// `body` leaves room for all of them.
+    pub const fn matrix() -> Splitter {
+        Self::preset(32_768, LengthUnit::Bytes)
+    }
+
+    /// The limit, in [`unit`](Self::unit)s.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// How length is counted.
+    pub fn unit(&self) -> LengthUnit {
+        self.unit
+    }
+
+    /// Splits `text` into chunks, each at most [`limit`](Self::limit) long and none
+    /// empty or whitespace-only. Concatenated (less the fence lines the splitter added),
+    /// the chunks give back `text`, except trailing whitespace and whitespace runs too
+    /// long to share a chunk with any text, which are dropped.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] if `text` is empty or whitespace-only, or if the limit is
+    /// too small to hold one grapheme cluster (plus the fence markers a code block
+    /// needs).
+    pub fn split(&self, text: &str) -> Result<Vec<String>> {
+        Ok(self
+            .pieces(text)?
+            .into_iter()
+            .map(|p| format!("{}{}{}", p.prefix, &text[p.body], p.suffix))
+            .collect())
+    }
+
+    /// The chunks as added prefix + a slice of the original + added suffix; the
+    /// slices are contiguous and, concatenated, give back the text (less trailing
+    /// whitespace).
+    pub(crate) fn pieces(&self, text: &str) -> Result<Vec<Piece>> {
+        if text.trim().is_empty() {
+            return Err(Error::invalid("text", "must not be empty or whitespace"));
+        }
+        let reserve = self.close_reserve(text);
+        let mut fence = FenceState::default();
+        let mut pieces = Vec::new();
+        let mut start = 0;
+        while !text[start..].trim().is_empty() {
+            let prefix = fence.reopen_line();
+            let rest = &text[start..];
+            let whole_fits = self.unit.len(&prefix) + self.unit.len(rest) <= self.limit
+                && !FenceState::after(&fence, rest).is_open();
+            let end = if whole_fits {
+                rest.len()
+            } else {
+                let room = self.limit.saturating_sub(self.unit.len(&prefix) + reserve);
+                self.cut(rest, room)?
+            };
+            let body = start..start + end;
+            start += end;
+            fence.scan(&text[body.clone()]);
+            let suffix = fence.close_line(&text[body.clone()]);
+            if prefix.is_empty() && suffix.is_empty() && text[body.clone()].trim().is_empty() {
+                // A whitespace run longer than a chunk: nothing a platform would show.
+                continue;
+            }
+            pieces.push(Piece {
+                prefix,
+                body,
+                suffix,
+            });
+        }
+        Ok(pieces)
+    }
+
+    /// Room to keep for a closing fence line, if the text has fences at all.
+    fn close_reserve(&self, text: &str) -> usize {
+        let longest = text
+            .lines()
+            .filter_map(fence_marker)
+            .map(|(m, _)| m.len())
+            .max();
+        longest.map_or(0, |n| self.unit.len("\n") + n)
+    }
+
+    /// Where to cut `rest` so the cut-off part measures at most `room`.
+    fn cut(&self, rest: &str, room: usize) -> Result<usize> {
+        // Grapheme boundaries that fit, and the one at half the room.
+        let mut used = 0;
+        let mut boundaries = Vec::new();
+        let mut half_end = 0;
+        for (at, g) in rest.grapheme_indices(true) {
+            used += self.unit.len(g);
+            if used > room {
+                break;
+            }
+            boundaries.push(at + g.len());
+            if used <= room / 2 {
+                half_end = at + g.len();
+            }
+        }
+        let Some(&max_end) = boundaries.last() else {
+            return Err(Error::invalid(
+                "limit",
+                format!(
+                    "{} {:?} units cannot hold the next grapheme cluster plus fence markers",
+                    self.limit, self.unit
+                ),
+            ));
+        };
+        let is_boundary = |cut: &usize| boundaries.binary_search(cut).is_ok();
+        let window = half_end..max_end;
+        let cut = [paragraph_end, line_end, sentence_end, space_end]
+            .iter()
+            .find_map(|find| find(rest, window.clone()).filter(is_boundary))
+            .unwrap_or(max_end);
+        Ok(avoid_fence_line(rest, cut))
+    }
+}
+
+/// One chunk: markers the splitter added around a slice of the original text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Piece {
+    pub prefix: String,
+    pub body: Range<usize>,
+    pub suffix: String,
+}
+
+/// The last cut in `window` after a blank line.
+fn paragraph_end(s: &str, window: Range<usize>) -> Option<usize> {
+    s[..window.end]
+        .rfind("\n\n")
+        .map(|i| i + 2)
+        .filter(|i| *i > window.start)
+}
+
+/// The last cut in `window` after a line break.
+fn line_end(s: &str, window: Range<usize>) -> Option<usize> {
+    s[..window.end]
+        .rfind('\n')
+        .map(|i| i + 1)
+        .filter(|i| *i > window.start)
+}
+
+/// The last cut in `window` after sentence punctuation and a space.
+fn sentence_end(s: &str, window: Range<usize>) -> Option<usize> {
+    let head = &s[..window.end];
+    head.char_indices()
+        .rev()
+        .take_while(|(i, _)| *i > window.start)
+        .find(|(i, c)| {
+            c.is_whitespace()
+                && head[..*i]
+                    .chars()
+                    .next_back()
+                    .is_some_and(|p| matches!(p, '.' | '!' | '?' | '。' | '！' | '？'))
+        })
+        .map(|(i, c)| i + c.len_utf8())
+}
+
+/// The last cut in `window` after whitespace.
+fn space_end(s: &str, window: Range<usize>) -> Option<usize> {
+    let head = &s[..window.end];
+    head.char_indices()
+        .rev()
+        .take_while(|(i, _)| *i >= window.start)
+        .find(|(_, c)| c.is_whitespace())
+        .map(|(i, c)| i + c.len_utf8())
+        .filter(|i| *i > window.start)
+}
+
+/// Moves a cut that would fall inside a fence line back to the start of that line, so
+/// a fence marker is never torn in two (unless the line is the whole chunk).
+fn avoid_fence_line(s: &str, cut: usize) -> usize {
+    let line_start = s[..cut].rfind('\n').map_or(0, |i| i + 1);
+    let line_end = s[cut..].find('\n').map_or(s.len(), |i| cut + i);
+    if line_start > 0 && cut < line_end && fence_marker(&s[line_start..line_end]).is_some() {
+        line_start
+    } else {
+        cut
+    }
+}
+
+/// The fence marker (``` or ~~~, three or more) and info string of a fence line.
+fn fence_marker(line: &str) -> Option<(&str, &str)> {
+    let trimmed = line.trim_start_matches(' ');
+    if line.len() - trimmed.len() > 3 {
+        return None;
+    }
+    let ch = trimmed.chars().next().filter(|c| *c == '`' || *c == '~')?;
+    let len = trimmed.len() - trimmed.trim_start_matches(ch).len();
+    (len >= 3).then(|| {
+        (
+            &trimmed[..len],
+            trimmed[len..].trim_end_matches(['\r', ' ']),
+        )
+    })
+}
+
+/// Whether a fenced code block is open, and the line that opened it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct FenceState {
+    /// The marker and the whole opening line, while a block is open.
+    open: Option<(String, String)>,
+}
+
+impl FenceState {
+    fn is_open(&self) -> bool {
+        self.open.is_some()
+    }
+
+    /// The state after `text`, without changing `self`.
+    fn after(state: &FenceState, text: &str) -> FenceState {
+        let mut next = state.clone();
+        next.scan(text);
+        next
+    }
+
+    /// Follows the fence lines of `text`. A last line without its newline still counts:
+    /// a cut never falls inside a fence line (see [`avoid_fence_line`]).
+    fn scan(&mut self, text: &str) {
+        for line in text.lines() {
+            let Some((marker, info)) = fence_marker(line) else {
+                continue;
+            };
+            match &self.open {
+                None => self.open = Some((marker.to_owned(), line.trim_end().to_owned())),
+                Some((open, _))
+                    if info.is_empty()
+                        && marker.starts_with(&open[..1])
+                        && marker.len() >= open.len() =>
+                {
+                    self.open = None
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// The line that reopens the block at the start of the next chunk.
+    fn reopen_line(&self) -> String {
+        self.open
+            .as_ref()
+            .map(|(_, line)| format!("{}\n", line.trim_start()))
+            .unwrap_or_default()
+    }
+
+    /// The marker that closes the block at the end of a chunk whose body is `body`.
+    fn close_line(&self, body: &str) -> String {
+        match &self.open {
+            Some((marker, _)) if body.ends_with('\n') => marker.clone(),
+            Some((marker, _)) => format!("\n{marker}"),
+            None => String::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn fences_balanced(chunk: &str) -> bool {
+        let mut state = FenceState::default();
+        state.scan(chunk);
+        !state.is_open()
+    }
+
+    #[test]
+    fn short_text_is_one_chunk() {
+        let s = Splitter::telegram();
+        assert_eq!(s.split("hello").unwrap(), ["hello"]);
+    }
+
+    #[test]
+    fn prefers_paragraph_then_line_then_sentence_then_word() {
+        let s = Splitter::new(30, LengthUnit::Chars).unwrap();
+        assert_eq!(
+            s.split("Para one is here.\n\nPara two follows on.")
+                .unwrap(),
+            ["Para one is here.\n\n", "Para two follows on."]
+        );
+        assert_eq!(
+            s.split("Line one is here.\nLine two follows on.").unwrap(),
+            ["Line one is here.\n", "Line two follows on."]
+        );
+        assert_eq!(
+            s.split("Sentence one here. Sentence two follows.").unwrap(),
+            ["Sentence one here. ", "Sentence two follows."]
+        );
+        assert_eq!(
+            s.split("words words words words words words").unwrap(),
+            ["words words words words words ", "words"]
+        );
+    }
+
+    #[test]
+    fn never_splits_a_grapheme_cluster() {
+        // A family emoji is 7 chars, 11 UTF-16 units and 25 bytes, but one grapheme.
+        let family = "👩‍👩‍👧‍👦";
+        let text = family.repeat(5);
+        for (limit, unit) in [
+            (25, LengthUnit::Bytes),
+            (11, LengthUnit::Utf16),
+            (7, LengthUnit::Chars),
+        ] {
+            let chunks = Splitter::new(limit, unit).unwrap().split(&text).unwrap();
+            assert_eq!(chunks.len(), 5, "{unit:?}");
+            assert!(chunks.iter().all(|c| c == family));
+        }
+        let err = Splitter::new(24, LengthUnit::Bytes)
+            .unwrap()
+            .split(&text)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidInput { what: "limit", .. }),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn reopens_code_fences_with_their_language() {
+        let text = "Intro\n\n```rust\nfn a() {}\nfn b() {}\nfn c() {}\n```\nOutro";
+        let chunks = Splitter::new(30, LengthUnit::Chars)
+            .unwrap()
+            .split(text)
+            .unwrap();
+        for c in &chunks {
+            assert!(c.chars().count() <= 30, "{c:?}");
+            assert!(fences_balanced(c), "unbalanced: {c:?}");
+        }
+        assert!(
+            chunks.iter().skip(1).any(|c| c.starts_with("```rust\n")),
+            "{chunks:?}"
+        );
+    }
+
+    #[test]
+    fn empty_text_and_zero_limit_are_refused() {
+        assert!(Splitter::new(0, LengthUnit::Bytes).is_err());
+        assert!(Splitter::telegram().split(" \n ").is_err());
+    }
+
+    #[test]
+    fn long_whitespace_runs_never_make_a_whitespace_chunk() {
+        let text = format!("a{}b{}", " ".repeat(50), "\n".repeat(50));
+        let chunks = Splitter::new(8, LengthUnit::Bytes)
+            .unwrap()
+            .split(&text)
+            .unwrap();
+        assert!(chunks.iter().all(|c| !c.trim().is_empty()), "{chunks:?}");
+        let squeeze = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert_eq!(squeeze(&chunks.concat()), squeeze(&text));
+    }
+
+    #[test]
+    fn presets_have_their_documented_limits() {
+        let presets = [
+            (Splitter::telegram(), 4096, LengthUnit::Utf16),
+            (Splitter::discord(), 2000, LengthUnit::Utf16),
+            (Splitter::slack(), 4000, LengthUnit::Chars),
+            (Splitter::whatsapp(), 4096, LengthUnit::Chars),
+            (Splitter::wecom(), 2048, LengthUnit::Bytes),
+            (Splitter::line(), 5000, LengthUnit::Utf16),
+            (Splitter::matrix(), 32_768, LengthUnit::Bytes),
+        ];
+        for (s, limit, unit) in presets {
+            assert_eq!((s.limit(), s.unit()), (limit, unit));
+        }
+    }
+
+    fn text_strategy() -> impl Strategy<Value = String> {
+        let token = prop_oneof![
+            4 => "[a-z]{1,8}",
+            2 => Just(" ".to_owned()),
+            1 => Just("\n".to_owned()),
+            1 => Just("\n\n".to_owned()),
+            1 => Just(". ".to_owned()),
+            1 => Just("é".to_owned()),
+            1 => Just("e\u{301}".to_owned()), // e + combining acute
+            1 => Just("👍🏽".to_owned()),
+            1 => Just("👩‍👩‍👧".to_owned()),
+            1 => Just("漢字".to_owned()),
+            1 => ("[a-z]{0,6}", "[a-z ]{0,40}").prop_map(|(lang, code)| format!("\n```{lang}\n{code}\n{code}\n```\n")),
+        ];
+        proptest::collection::vec(token, 1..120).prop_map(|t| t.concat())
+    }
+
+    fn unit_strategy() -> impl Strategy<Value = LengthUnit> {
+        prop_oneof![
+            Just(LengthUnit::Bytes),
+            Just(LengthUnit::Chars),
+            Just(LengthUnit::Utf16)
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn chunks_fit_rejoin_and_keep_graphemes_and_fences(
+            text in text_strategy(),
+            limit in 24_usize..300,
+            unit in unit_strategy(),
+        ) {
+            prop_assume!(!text.trim().is_empty());
+            let splitter = Splitter::new(limit, unit).unwrap();
+            let pieces = splitter.pieces(&text).unwrap();
+            let mut rejoined = String::new();
+            for p in &pieces {
+                let chunk = format!("{}{}{}", p.prefix, &text[p.body.clone()], p.suffix);
+                prop_assert!(unit.len(&chunk) <= limit, "chunk over limit: {chunk:?}");
+                prop_assert!(!chunk.trim().is_empty(), "empty chunk");
+                prop_assert!(fences_balanced(&chunk), "unbalanced fences: {chunk:?}");
+                // Cuts fall on grapheme boundaries of the original text.
+                prop_assert!(
+                    p.body.end == text.len() || text.grapheme_indices(true).any(|(i, _)| i == p.body.end),
+                    "cut inside a grapheme cluster at {}", p.body.end
+                );
+                prop_assert!(p.prefix.is_empty() || fence_marker(p.prefix.trim_end()).is_some());
+                prop_assert!(p.suffix.is_empty() || fence_marker(p.suffix.trim_start()).is_some());
+                rejoined.push_str(&text[p.body.clone()]);
+            }
+            prop_assert_eq!(rejoined.trim_end(), text.trim_end());
+            let graphemes: Vec<&str> = text.trim_end().graphemes(true).collect();
+            let rejoined_graphemes: Vec<&str> = pieces
+                .iter()
+                .flat_map(|p| text[p.body.clone()].graphemes(true))
+                .take(graphemes.len())
+                .collect();
+            prop_assert_eq!(rejoined_graphemes, graphemes);
+        }
+
+        #[test]
+        fn tiny_limits_error_instead_of_hanging(text in text_strategy(), limit in 1_usize..24) {
+            prop_assume!(!text.trim().is_empty());
+            if let Ok(chunks) = Splitter::new(limit, LengthUnit::Bytes).unwrap().split(&text) {
+                prop_assert!(chunks.iter().all(|c| c.len() <= limit && !c.trim().is_empty()));
+            }
+        }
+    }
+}
