@@ -1,7 +1,7 @@
 //! Claiming due chunks under a lease, and recovering expired leases.
 
 use chrono::{DateTime, Utc};
-use rusqlite::{Connection, params_from_iter, types::Value};
+use rusqlite::{Connection, OptionalExtension, params_from_iter, types::Value};
 use serde::Serialize;
 
 use crate::clock::{duration_ms, to_datetime};
@@ -170,6 +170,24 @@ impl Outbox {
         })
     }
 
+    /// When the next chunk of these channels (all, for `None`) becomes due, or its
+    /// lease expires; `None` if nothing is scheduled. A read; dispatchers sleep until
+    /// then.
+    ///
+    /// # Errors
+    ///
+    /// Database errors.
+    pub fn next_due(&self, channels: Option<&[&str]>) -> Result<Option<DateTime<Utc>>> {
+        let sql = next_due_sql(channels.map_or(0, <[_]>::len));
+        let due: Option<i64> = self.read(|tx| {
+            Ok(tx
+                .prepare_cached(&sql)?
+                .query_row(params_from_iter(due_params(channels, 0, 1)), |r| r.get(0))
+                .optional()?)
+        })?;
+        Ok(due.map(to_datetime))
+    }
+
     /// Settles `sending` chunks whose worker is gone, then finalizes deliveries whose
     /// chunks are all delivered but which were never written to `messages`.
     ///
@@ -183,7 +201,7 @@ impl Outbox {
     /// [`Error::Busy`] and other database errors; nothing is changed then.
     pub fn recover(&self, scope: RecoverScope) -> Result<RecoveryReport> {
         let options = self.options();
-        self.write(|tx| {
+        self.write_and_wake(|tx| {
             let now = options.now_ms();
             let limit = match scope {
                 RecoverScope::ExpiredLeases => now,
@@ -220,11 +238,25 @@ struct Candidate {
 /// its cost is proportional to what it returns (plus rows of channels filtered out),
 /// never to backlog or history. `?1` is now, `?2` the limit, `?3..` the channels.
 pub(crate) fn claim_sql(channels: usize) -> String {
-    let mut sql = String::from(
-        "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
-                d.channel, d.chat_id, d.created_at, d.uid, d.chunk_count, c.text
+    due_sql(
+        "c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
+         d.channel, d.chat_id, d.created_at, d.uid, d.chunk_count, c.text",
+        "c.due_at <= ?1",
+        channels,
+    )
+}
+
+/// The earliest due time among the given channels (`?1` unused, `?2` = 1): the same
+/// index search as the claim, stopping at the first row.
+pub(crate) fn next_due_sql(channels: usize) -> String {
+    due_sql("c.due_at", "?1 IS NOT NULL", channels)
+}
+
+fn due_sql(columns: &str, bound: &str, channels: usize) -> String {
+    let mut sql = format!(
+        "SELECT {columns}
          FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
-         WHERE c.due_at IS NOT NULL AND c.due_at <= ?1",
+         WHERE c.due_at IS NOT NULL AND {bound}"
     );
     if channels > 0 {
         let placeholders: Vec<String> = (0..channels).map(|i| format!("?{}", i + 3)).collect();
@@ -234,17 +266,26 @@ pub(crate) fn claim_sql(channels: usize) -> String {
     sql
 }
 
+fn due_params(channels: Option<&[&str]>, now: i64, limit: usize) -> Vec<Value> {
+    let mut values = vec![Value::Integer(now), Value::Integer(limit as i64)];
+    values.extend(
+        channels
+            .unwrap_or_default()
+            .iter()
+            .map(|c| Value::Text((*c).to_owned())),
+    );
+    values
+}
+
 fn due_chunks(
     tx: &Connection,
     channels: Option<&[&str]>,
     now: i64,
     limit: usize,
 ) -> Result<Vec<Candidate>> {
-    let channels = channels.unwrap_or_default();
-    let mut values: Vec<Value> = vec![Value::Integer(now), Value::Integer(limit as i64)];
-    values.extend(channels.iter().map(|c| Value::Text((*c).to_owned())));
-    let mut stmt = tx.prepare_cached(&claim_sql(channels.len()))?;
-    let rows = stmt.query_map(params_from_iter(values), |r| {
+    let sql = claim_sql(channels.map_or(0, <[_]>::len));
+    let mut stmt = tx.prepare_cached(&sql)?;
+    let rows = stmt.query_map(params_from_iter(due_params(channels, now, limit)), |r| {
         Ok(Candidate {
             chunk: ChunkRef {
                 id: r.get(0)?,

@@ -208,7 +208,7 @@ impl Outbox {
     /// content. Nothing is written in either case.
     pub fn enqueue(&self, delivery: &NewDelivery) -> Result<Enqueued> {
         delivery.validate()?;
-        self.write(|tx| insert(tx, self.options(), delivery))
+        self.write_and_wake(|tx| insert(tx, self.options(), delivery))
     }
 
     /// Splits `text` with `splitter` and enqueues the chunks in one call.
@@ -277,6 +277,9 @@ impl Outbox {
         match insert(conn, self.options(), delivery) {
             Ok(enqueued) => {
                 conn.execute_batch("RELEASE chunked_outbox_enqueue")?;
+                // Visible once the caller commits; a dispatcher's change watcher sees
+                // that commit, this only shortens the wait in the common case.
+                self.wake();
                 Ok(enqueued)
             }
             Err(e) => {

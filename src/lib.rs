@@ -87,6 +87,7 @@ struct ReadmeDoctests;
 mod claim;
 mod classify;
 mod clock;
+mod dispatch;
 mod enqueue;
 mod error;
 mod finalize;
@@ -106,6 +107,14 @@ mod status;
 pub use claim::{Claim, MAX_CLAIM_BATCH, RecoverScope, RecoveryReport};
 pub use classify::{ErrorClass, classify_error};
 pub use clock::{Clock, ManualClock, SystemClock};
+#[cfg(feature = "tokio")]
+pub use dispatch::tokio::{
+    AsyncChannelAdapter, AsyncDispatcher, AsyncDispatcherBuilder, BoxFuture, RunningAsyncDispatcher,
+};
+pub use dispatch::{
+    ChannelAdapter, DispatchStats, Dispatcher, DispatcherBuilder, Pacing, RunningDispatcher,
+    ShutdownReport,
+};
 pub use enqueue::{
     Enqueued, MAX_CHANNEL_BYTES, MAX_CHAT_ID_BYTES, MAX_CHUNKS, MAX_DELIVERY_BYTES, MAX_KEY_BYTES,
     NewDelivery,

@@ -34,7 +34,7 @@ impl Outbox {
     /// `failed` nor `uncertain`.
     pub fn requeue_chunk(&self, chunk: ChunkId) -> Result<()> {
         let options = self.options();
-        self.write(|tx| {
+        self.write_and_wake(|tx| {
             let chunk = ChunkRef::load(tx, chunk)?;
             requeue(tx, options, &chunk, "requeue", options.now_ms())
         })
@@ -49,7 +49,7 @@ impl Outbox {
     /// current head chunk) if nothing in it is failed or uncertain.
     pub fn requeue_delivery(&self, delivery: DeliveryId) -> Result<()> {
         let options = self.options();
-        self.write(|tx| {
+        self.write_and_wake(|tx| {
             let chunk = held_or_head_chunk(tx, delivery)?;
             requeue(tx, options, &chunk, "requeue", options.now_ms())
         })
@@ -62,7 +62,7 @@ impl Outbox {
     /// Database errors; nothing is changed then.
     pub fn requeue_dead_letters(&self) -> Result<u64> {
         let options = self.options();
-        self.write(|tx| {
+        self.write_and_wake(|tx| {
             let now = options.now_ms();
             let mut stmt = tx.prepare_cached(&format!(
                 "{} WHERE d.status = 'failed' AND d.status <> 'delivered' AND c.status = 'failed'
@@ -87,7 +87,7 @@ impl Outbox {
     /// `uncertain`.
     pub fn resolve_uncertain(&self, chunk: ChunkId, resolution: Resolution) -> Result<Recorded> {
         let options = self.options();
-        self.write(|tx| {
+        self.write_and_wake(|tx| {
             let chunk = ChunkRef::load(tx, chunk)?;
             expect_status(&chunk, &[ChunkStatus::Uncertain], "resolve", "uncertain")?;
             let now = options.now_ms();
@@ -131,7 +131,7 @@ impl Outbox {
     /// Database errors; nothing is changed then.
     pub fn acknowledge_dead_letters(&self) -> Result<u64> {
         let options = self.options();
-        self.write(|tx| {
+        self.write_and_wake(|tx| {
             let now = options.now_ms();
             let mut stmt = tx.prepare_cached(
                 "UPDATE outbound_deliveries SET acknowledged_at = ?1

@@ -1,7 +1,7 @@
 //! The options struct and the policies it carries.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::clock::{Clock, SystemClock, duration_ms};
@@ -51,7 +51,7 @@ pub enum ReplayPolicy {
 }
 
 /// Per-channel settings.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ChannelPolicy {
     /// What to do with chunks that may have been sent. Default [`ReplayPolicy::Hold`].
     pub replay: ReplayPolicy,
@@ -215,14 +215,16 @@ impl RetryPolicy {
 ///     .with_channel("matrix", ChannelPolicy::replayable())
 ///     .with_channel("telegram", ChannelPolicy::default().with_min_interval(Duration::from_secs(1)));
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct OutboxOptions {
     pub(crate) busy_timeout: Duration,
     pub(crate) synchronous: Synchronous,
     pub(crate) lease: Duration,
     pub(crate) retry: RetryPolicy,
     pub(crate) default_channel: ChannelPolicy,
-    pub(crate) channels: HashMap<String, ChannelPolicy>,
+    /// Behind a lock so a dispatcher can register its adapters' declarations on a
+    /// running outbox ([`Outbox::set_channel_policy`](crate::Outbox::set_channel_policy)).
+    pub(crate) channels: RwLock<HashMap<String, ChannelPolicy>>,
     pub(crate) lane_order: LaneOrder,
     pub(crate) lane_failure: LaneFailurePolicy,
     pub(crate) create_if_missing: bool,
@@ -238,12 +240,37 @@ impl Default for OutboxOptions {
             lease: Duration::from_secs(60),
             retry: RetryPolicy::default(),
             default_channel: ChannelPolicy::default(),
-            channels: HashMap::new(),
+            channels: RwLock::default(),
             lane_order: LaneOrder::Fifo,
             lane_failure: LaneFailurePolicy::Skip,
             create_if_missing: true,
             readers: 4,
             clock: Arc::new(SystemClock),
+        }
+    }
+}
+
+impl Clone for OutboxOptions {
+    /// A copy with its own channel table: registering a policy on one outbox never
+    /// changes another's.
+    fn clone(&self) -> Self {
+        let channels = self
+            .channels
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        OutboxOptions {
+            busy_timeout: self.busy_timeout,
+            synchronous: self.synchronous,
+            lease: self.lease,
+            retry: self.retry.clone(),
+            default_channel: self.default_channel,
+            channels: RwLock::new(channels),
+            lane_order: self.lane_order,
+            lane_failure: self.lane_failure,
+            create_if_missing: self.create_if_missing,
+            readers: self.readers,
+            clock: self.clock.clone(),
         }
     }
 }
@@ -276,8 +303,8 @@ impl OutboxOptions {
     }
 
     /// Settings for one channel, by name.
-    pub fn with_channel(mut self, channel: impl Into<String>, policy: ChannelPolicy) -> Self {
-        self.channels.insert(channel.into(), policy);
+    pub fn with_channel(self, channel: impl Into<String>, policy: ChannelPolicy) -> Self {
+        self.set_channel(channel.into(), policy);
         self
     }
 
@@ -319,8 +346,22 @@ impl OutboxOptions {
         self
     }
 
-    pub(crate) fn channel(&self, channel: &str) -> &ChannelPolicy {
-        self.channels.get(channel).unwrap_or(&self.default_channel)
+    /// The retry policy.
+    pub fn retry_policy(&self) -> &RetryPolicy {
+        &self.retry
+    }
+
+    pub(crate) fn channel(&self, channel: &str) -> ChannelPolicy {
+        let channels = self.channels.read().unwrap_or_else(|e| e.into_inner());
+        channels
+            .get(channel)
+            .copied()
+            .unwrap_or(self.default_channel)
+    }
+
+    pub(crate) fn set_channel(&self, channel: String, policy: ChannelPolicy) {
+        let mut channels = self.channels.write().unwrap_or_else(|e| e.into_inner());
+        channels.insert(channel, policy);
     }
 
     pub(crate) fn now_ms(&self) -> i64 {

@@ -2,7 +2,8 @@
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
 
 use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::{Connection, Transaction, TransactionBehavior};
@@ -24,6 +25,7 @@ pub struct Outbox {
 
 struct Inner {
     writer: Mutex<Connection>,
+    notifier: Notifier,
     readers: Option<r2d2::Pool<SqliteConnectionManager>>,
     options: OutboxOptions,
     path: Option<PathBuf>,
@@ -88,6 +90,41 @@ impl Outbox {
         Ok(Outbox::from_parts(writer, None, options, None))
     }
 
+    /// Sets the policy of one channel on this running outbox (what
+    /// [`OutboxOptions::with_channel`] sets at open). A dispatcher calls it with the
+    /// declarations of the adapters it registers.
+    pub fn set_channel_policy(&self, channel: &str, policy: crate::ChannelPolicy) {
+        self.inner.options.set_channel(channel.to_owned(), policy);
+    }
+
+    /// Wakes everything waiting in this process for new due work (dispatchers).
+    pub(crate) fn wake(&self) {
+        self.inner.notifier.notify();
+    }
+
+    pub(crate) fn notifier(&self) -> &Notifier {
+        &self.inner.notifier
+    }
+
+    /// Watches the file for commits by any connection, including other processes'.
+    ///
+    /// # Errors
+    ///
+    /// Database errors opening the watching connection.
+    pub(crate) fn change_watcher(&self) -> Result<ChangeWatcher> {
+        let conn = match &self.inner.path {
+            Some(path) => {
+                let conn = Connection::open(path)?;
+                schema::configure_reader(&conn, &self.inner.options)?;
+                Some(conn)
+            }
+            None => None,
+        };
+        let mut watcher = ChangeWatcher { conn, last: 0 };
+        watcher.changed()?;
+        Ok(watcher)
+    }
+
     /// The pragmas the writer connection runs with, read back from SQLite.
     ///
     /// # Errors
@@ -115,6 +152,7 @@ impl Outbox {
         Outbox {
             inner: Arc::new(Inner {
                 writer: Mutex::new(writer),
+                notifier: Notifier::default(),
                 readers,
                 options,
                 path,
@@ -148,6 +186,17 @@ impl Outbox {
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let value = f(&tx)?;
         tx.commit()?;
+        Ok(value)
+    }
+
+    /// As [`write`](Self::write), then wakes this process's idle dispatchers: for
+    /// writes that can make work due.
+    pub(crate) fn write_and_wake<T>(
+        &self,
+        f: impl FnOnce(&Transaction<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let value = self.write(f)?;
+        self.wake();
         Ok(value)
     }
 
@@ -192,5 +241,98 @@ fn create_private_file(path: &Path, create: bool) -> Result<()> {
             path: path.to_owned(),
             source,
         }),
+    }
+}
+
+/// A generation counter that writers bump and idle dispatchers wait on, so an enqueue
+/// in this process wakes them at once instead of at their next poll.
+#[derive(Debug, Default)]
+pub(crate) struct Notifier {
+    generation: Mutex<u64>,
+    changed: Condvar,
+    #[cfg(feature = "tokio")]
+    pub(crate) async_changed: tokio::sync::Notify,
+}
+
+impl Notifier {
+    pub(crate) fn notify(&self) {
+        *self.generation.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.changed.notify_all();
+        #[cfg(feature = "tokio")]
+        self.async_changed.notify_waiters();
+    }
+
+    pub(crate) fn generation(&self) -> u64 {
+        *self.generation.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until the generation differs from `seen` or `timeout` passes; returns the
+    /// generation then.
+    pub(crate) fn wait(&self, seen: u64, timeout: Duration) -> u64 {
+        let guard = self.generation.lock().unwrap_or_else(|e| e.into_inner());
+        let (guard, _) = self
+            .changed
+            .wait_timeout_while(guard, timeout, |g| *g == seen)
+            .unwrap_or_else(|e| e.into_inner());
+        *guard
+    }
+}
+
+/// Notices commits to the database file by any connection, via `PRAGMA data_version`
+/// on a connection of its own (the value changes when another connection commits).
+pub(crate) struct ChangeWatcher {
+    conn: Option<Connection>,
+    last: i64,
+}
+
+impl ChangeWatcher {
+    /// Whether anything was committed since the last call. Always false in memory,
+    /// where no other process can write.
+    pub(crate) fn changed(&mut self) -> Result<bool> {
+        let Some(conn) = &self.conn else {
+            return Ok(false);
+        };
+        let version: i64 = conn.query_row("PRAGMA data_version", [], |r| r.get(0))?;
+        let changed = version != self.last;
+        self.last = version;
+        Ok(changed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{NewDelivery, OutboxOptions};
+
+    #[test]
+    fn change_watcher_sees_other_connections_commits_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.db");
+        let watched = Outbox::open(&path, OutboxOptions::default()).unwrap();
+        let mut watcher = watched.change_watcher().unwrap();
+        assert!(!watcher.changed().unwrap(), "nothing committed yet");
+        let other = Outbox::open(&path, OutboxOptions::default()).unwrap();
+        let _ = other.enqueue(&NewDelivery::single("t", "1", "x")).unwrap();
+        assert!(watcher.changed().unwrap(), "another connection committed");
+        assert!(!watcher.changed().unwrap(), "and nothing since");
+        let _ = watched.health().unwrap(); // reads do not count
+        assert!(!watcher.changed().unwrap());
+    }
+
+    #[test]
+    fn notifier_wakes_waiters_and_times_out_otherwise() {
+        let n = Arc::new(Notifier::default());
+        let seen = n.generation();
+        assert_eq!(
+            n.wait(seen, Duration::from_millis(1)),
+            seen,
+            "no notify: timeout"
+        );
+        let waker = {
+            let n = n.clone();
+            std::thread::spawn(move || n.notify())
+        };
+        assert_eq!(n.wait(seen, Duration::from_secs(60)), seen + 1);
+        waker.join().unwrap();
     }
 }

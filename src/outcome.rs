@@ -129,7 +129,7 @@ impl Outbox {
             ));
         }
         let options = self.options();
-        self.write(|tx| {
+        self.write_and_wake(|tx| {
             let chunk = claimed(tx, claim)?;
             apply(tx, options, &chunk, outcome, options.now_ms())
         })
@@ -165,10 +165,22 @@ impl Outbox {
     ///
     /// As [`record`](Self::record).
     pub fn release(&self, claim: &Claim) -> Result<Recorded> {
+        self.release_after(claim, Duration::ZERO)
+    }
+
+    /// Gives a claim back unstarted, due again after `delay` (or when its lane's
+    /// rate-limit pause ends, if later); the attempt is refunded. A dispatcher uses it
+    /// when a channel-wide rate limit leaves no slot for the chunk yet.
+    ///
+    /// # Errors
+    ///
+    /// As [`record`](Self::record).
+    pub fn release_after(&self, claim: &Claim, delay: Duration) -> Result<Recorded> {
         let options = self.options();
-        self.write(|tx| {
+        self.write_and_wake(|tx| {
             let chunk = claimed(tx, claim)?;
-            let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, options.now_ms())?;
+            let earliest = options.now_ms().saturating_add(duration_ms(delay));
+            let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, earliest)?;
             let attempts = chunk.attempts.saturating_sub(1);
             let status = if attempts == 0 {
                 ChunkStatus::Pending

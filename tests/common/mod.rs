@@ -21,7 +21,7 @@ pub struct TestDb {
 }
 
 impl TestDb {
-    /// A new database with `options` (jitter off so due times are exact).
+    /// A new database with `options` and jitter off, so due times are exact.
     pub fn new(options: OutboxOptions) -> TestDb {
         let dir = tempfile::tempdir().expect("temp dir");
         let clock = ManualClock::new(T0);
@@ -38,11 +38,12 @@ impl TestDb {
     }
 
     fn with_clock(options: OutboxOptions, clock: &ManualClock) -> OutboxOptions {
+        let retry = RetryPolicy {
+            jitter: 0.0,
+            ..options.retry_policy().clone()
+        };
         options
-            .with_retry(RetryPolicy {
-                jitter: 0.0,
-                ..RetryPolicy::default()
-            })
+            .with_retry(retry)
             .with_clock(Arc::new(clock.clone()))
     }
 

@@ -1,0 +1,832 @@
+//! The dispatchers against a fake platform that records what it received: lane order
+//! under random transient failures, dead letters without further attempts, ambiguous
+//! sends per replay policy, rate limits that pause only their lane, pacing checked on
+//! the injected clock, graceful shutdown, unregistered channels, and two dispatchers —
+//! threads and processes — on one file never sending a chunk twice.
+//!
+//! Every behavioural scenario runs against the blocking [`Dispatcher`] and, with the
+//! `tokio` feature, the [`AsyncDispatcher`], through the same `Flavour` interface.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chunked_outbox::{
+    ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome, Pacing,
+    ReplayPolicy, Result,
+};
+use common::*;
+
+/// What the fake platform received: one entry per send it accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Received {
+    channel: String,
+    chat: String,
+    text: String,
+    key: String,
+    at_ms: i64,
+}
+
+type Script = dyn Fn(&Claim) -> Outcome + Send + Sync;
+
+/// A platform whose answers come from a script; it logs every send attempt and every
+/// accepted chunk, stamped with the outbox's (manual) clock.
+#[derive(Clone)]
+struct Platform {
+    clock: chunked_outbox::ManualClock,
+    script: Arc<Script>,
+    attempts: Arc<Mutex<Vec<String>>>,
+    received: Arc<Mutex<Vec<Received>>>,
+    replay: ReplayPolicy,
+    pacing: Pacing,
+}
+
+impl Platform {
+    fn new(db: &TestDb, script: impl Fn(&Claim) -> Outcome + Send + Sync + 'static) -> Self {
+        Platform {
+            clock: db.clock.clone(),
+            script: Arc::new(script),
+            attempts: Arc::default(),
+            received: Arc::default(),
+            replay: ReplayPolicy::Hold,
+            pacing: Pacing::default(),
+        }
+    }
+
+    fn always_ok(db: &TestDb) -> Self {
+        Platform::new(db, |_| Outcome::delivered(None))
+    }
+
+    fn answer(&self, claim: &Claim) -> Outcome {
+        self.attempts
+            .lock()
+            .unwrap()
+            .push(claim.idempotency_key.clone());
+        let outcome = (self.script)(claim);
+        if matches!(outcome, Outcome::Delivered { .. }) {
+            self.received.lock().unwrap().push(Received {
+                channel: claim.channel.clone(),
+                chat: claim.chat_id.clone(),
+                text: claim.text.clone(),
+                key: claim.idempotency_key.clone(),
+                at_ms: chunked_outbox::Clock::now_ms(&self.clock),
+            });
+        }
+        outcome
+    }
+
+    fn received(&self) -> Vec<Received> {
+        self.received.lock().unwrap().clone()
+    }
+
+    fn attempts_for(&self, key: &str) -> usize {
+        self.attempts
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|k| *k == key)
+            .count()
+    }
+}
+
+impl ChannelAdapter for Platform {
+    fn send(&self, claim: &Claim) -> Outcome {
+        self.answer(claim)
+    }
+    fn replay(&self) -> ReplayPolicy {
+        self.replay
+    }
+    fn pacing(&self) -> Pacing {
+        self.pacing
+    }
+}
+
+#[cfg(feature = "tokio")]
+impl chunked_outbox::AsyncChannelAdapter for Platform {
+    fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::BoxFuture<'a, Outcome> {
+        Box::pin(async move {
+            tokio::task::yield_now().await;
+            self.answer(claim)
+        })
+    }
+    fn replay(&self) -> ReplayPolicy {
+        self.replay
+    }
+    fn pacing(&self) -> Pacing {
+        self.pacing
+    }
+}
+
+/// One dispatcher flavour, driven one round at a time.
+trait Flavour {
+    fn build(outbox: Outbox, adapters: Vec<(&str, Platform)>) -> Self;
+    fn run_once(&self) -> usize;
+}
+
+struct Blocking(Dispatcher);
+
+impl Flavour for Blocking {
+    fn build(outbox: Outbox, adapters: Vec<(&str, Platform)>) -> Self {
+        let mut b = Dispatcher::builder(outbox).batch_size(8);
+        for (name, p) in adapters {
+            b = b.adapter(name, p);
+        }
+        Blocking(b.build().expect("build dispatcher"))
+    }
+    fn run_once(&self) -> usize {
+        self.0.run_once().expect("run_once")
+    }
+}
+
+#[cfg(feature = "tokio")]
+struct Async(chunked_outbox::AsyncDispatcher, tokio::runtime::Runtime);
+
+#[cfg(feature = "tokio")]
+impl Flavour for Async {
+    fn build(outbox: Outbox, adapters: Vec<(&str, Platform)>) -> Self {
+        let mut b = chunked_outbox::AsyncDispatcher::builder(outbox).batch_size(8);
+        for (name, p) in adapters {
+            b = b.adapter(name, p);
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        Async(b.build().expect("build dispatcher"), rt)
+    }
+    fn run_once(&self) -> usize {
+        self.1.block_on(self.0.run_once()).expect("run_once")
+    }
+}
+
+/// Runs rounds, moving the manual clock 1 s whenever nothing is due, until `rounds` idle
+/// seconds passed in a row.
+fn drain(db: &TestDb, d: &impl Flavour, idle_limit: u32) {
+    let mut idle = 0;
+    while idle < idle_limit {
+        if d.run_once() == 0 {
+            idle += 1;
+            db.advance(Duration::from_secs(1));
+        } else {
+            idle = 0;
+        }
+    }
+}
+
+fn lane_order_under_random_transient_failures<F: Flavour>() -> Result<()> {
+    // Enough attempts that 30 % failures never exhaust a chunk (that would be a dead
+    // letter, and the lane would rightly move on without it).
+    let db = TestDb::new(
+        OutboxOptions::default().with_retry(chunked_outbox::RetryPolicy {
+            max_attempts: 100,
+            ..Default::default()
+        }),
+    );
+    let rng = Mutex::new(fastrand::Rng::with_seed(42));
+    let platform = Platform::new(&db, move |_| {
+        if rng.lock().unwrap().u8(0..100) < 30 {
+            Outcome::Transient {
+                error: "HTTP 503".into(),
+            }
+        } else {
+            Outcome::delivered(None)
+        }
+    });
+    let mut expected: HashMap<String, Vec<String>> = HashMap::new();
+    for n in 0..60 {
+        let chat = format!("chat-{}", n % 4);
+        let parts: Vec<String> = (0..3).map(|i| format!("m{n}.{i}")).collect();
+        expected
+            .entry(chat.clone())
+            .or_default()
+            .extend(parts.clone());
+        let _ = db.outbox.enqueue(&NewDelivery::chunked(
+            "telegram",
+            chat,
+            parts.join(" "),
+            parts,
+        ))?;
+    }
+    let d = F::build(db.outbox.clone(), vec![("telegram", platform.clone())]);
+    drain(&db, &d, 700);
+    assert_eq!(db.outbox.health()?.totals.failed_deliveries, 0);
+    let mut got: HashMap<String, Vec<String>> = HashMap::new();
+    for r in platform.received() {
+        got.entry(r.chat).or_default().push(r.text);
+    }
+    assert_eq!(got, expected, "every chunk arrived once, in lane order");
+    assert_eq!(db.outbox.health()?.totals.delivered_deliveries, 60);
+    Ok(())
+}
+
+fn permanent_failure_is_a_dead_letter_without_more_attempts<F: Flavour>() -> Result<()> {
+    let db = TestDb::default();
+    let platform = Platform::new(&db, |c| {
+        if c.chat_id == "gone" {
+            Outcome::Permanent {
+                error: "Forbidden: bot was blocked by the user".into(),
+            }
+        } else {
+            Outcome::delivered(None)
+        }
+    });
+    let dead = enqueue(&db.outbox, "gone", &["hello?"]);
+    let _ = enqueue(&db.outbox, "here", &["hi"]);
+    let d = F::build(db.outbox.clone(), vec![("telegram", platform.clone())]);
+    drain(&db, &d, 900);
+    assert_eq!(platform.attempts_for(&format!("{dead}:1")), 1);
+    let h = db.outbox.health()?;
+    assert_eq!(
+        (h.totals.failed_deliveries, h.totals.delivered_deliveries),
+        (1, 1)
+    );
+    Ok(())
+}
+
+fn ambiguous_holds_or_replays_by_policy<F: Flavour>() -> Result<()> {
+    let db = TestDb::default();
+    let first_try = |c: &Claim| {
+        if c.attempt == 1 {
+            Outcome::Ambiguous {
+                error: "timeout after the request was written".into(),
+            }
+        } else {
+            Outcome::delivered(None)
+        }
+    };
+    let telegram = Platform::new(&db, first_try);
+    let mut matrix = Platform::new(&db, first_try);
+    matrix.replay = ReplayPolicy::Replay;
+    let held = enqueue(&db.outbox, "t", &["x"]);
+    let replayed = db
+        .outbox
+        .enqueue(&NewDelivery::single("matrix", "!r", "y"))?
+        .id;
+    let d = F::build(
+        db.outbox.clone(),
+        vec![("telegram", telegram.clone()), ("matrix", matrix.clone())],
+    );
+    drain(&db, &d, 60);
+    assert_eq!(
+        telegram.attempts_for(&format!("{held}:1")),
+        1,
+        "no blind replay"
+    );
+    assert_eq!(
+        view(&db.outbox, held).chunks[0].status,
+        chunked_outbox::ChunkStatus::Uncertain
+    );
+    assert_eq!(
+        matrix.attempts_for(&format!("{replayed}:1")),
+        2,
+        "replayed with the same key"
+    );
+    assert_eq!(
+        view(&db.outbox, replayed).status,
+        chunked_outbox::DeliveryStatus::Delivered
+    );
+    Ok(())
+}
+
+fn rate_limit_pauses_only_its_lane<F: Flavour>() -> Result<()> {
+    let db = TestDb::default();
+    let limited = Arc::new(Mutex::new(false));
+    let flag = limited.clone();
+    let platform = Platform::new(&db, move |c| {
+        let mut done = flag.lock().unwrap();
+        if c.chat_id == "slow" && !*done {
+            *done = true;
+            Outcome::RateLimited {
+                retry_after: Duration::from_secs(30),
+                error: "429".into(),
+            }
+        } else {
+            Outcome::delivered(None)
+        }
+    });
+    let _ = enqueue(&db.outbox, "slow", &["s1", "s2"]);
+    for i in 0..5 {
+        let _ = enqueue(&db.outbox, "fast", &[&format!("f{i}")]);
+    }
+    let d = F::build(db.outbox.clone(), vec![("telegram", platform.clone())]);
+    drain(&db, &d, 60);
+    let received = platform.received();
+    let fast_done = received
+        .iter()
+        .filter(|r| r.chat == "fast")
+        .map(|r| r.at_ms)
+        .max()
+        .unwrap();
+    let slow: Vec<_> = received.iter().filter(|r| r.chat == "slow").collect();
+    assert_eq!(slow.len(), 2);
+    assert!(
+        fast_done < T0 + 30_000,
+        "the other lane kept flowing during the pause"
+    );
+    assert!(
+        slow[0].at_ms >= T0 + 30_000,
+        "the paused lane waited for retry_after"
+    );
+    Ok(())
+}
+
+fn pacing_holds_at_every_chunk_boundary<F: Flavour>() -> Result<()> {
+    let db = TestDb::default();
+    let rng = Mutex::new(fastrand::Rng::with_seed(3));
+    let mut platform = Platform::new(&db, move |_| {
+        if rng.lock().unwrap().u8(0..100) < 25 {
+            Outcome::Transient {
+                error: "503".into(),
+            }
+        } else {
+            Outcome::delivered(None)
+        }
+    });
+    platform.pacing = Pacing {
+        lane_interval: Duration::from_secs(2),
+        channel_interval: Duration::from_secs(1),
+    };
+    for n in 0..6 {
+        let _ = enqueue(&db.outbox, &format!("c{}", n % 2), &["a", "b"]);
+    }
+    let d = F::build(db.outbox.clone(), vec![("telegram", platform.clone())]);
+    // Smaller clock steps, so a violation could show.
+    let mut idle = 0;
+    while idle < 2_000 {
+        if d.run_once() == 0 {
+            idle += 1;
+            db.advance(Duration::from_millis(250));
+        } else {
+            idle = 0;
+        }
+    }
+    let received = platform.received();
+    assert_eq!(received.len(), 12);
+    let mut by_chat: HashMap<&str, Vec<i64>> = HashMap::new();
+    for r in &received {
+        by_chat.entry(&r.chat).or_default().push(r.at_ms);
+    }
+    for times in by_chat.values() {
+        assert!(
+            times.windows(2).all(|w| w[1] - w[0] >= 2_000),
+            "lane interval broken: {times:?}"
+        );
+    }
+    let all: Vec<i64> = received.iter().map(|r| r.at_ms).collect();
+    assert!(
+        all.windows(2).all(|w| w[1] - w[0] >= 1_000),
+        "channel interval broken: {all:?}"
+    );
+    Ok(())
+}
+
+fn unregistered_channel_stays_due<F: Flavour>() -> Result<()> {
+    let db = TestDb::default();
+    let _ = db
+        .outbox
+        .enqueue(&NewDelivery::single("irc", "#chan", "hello"))?;
+    let d = F::build(
+        db.outbox.clone(),
+        vec![("telegram", Platform::always_ok(&db))],
+    );
+    assert_eq!(d.run_once(), 0);
+    let h = db.outbox.health()?;
+    assert_eq!(h.channels["irc"].due_chunks, 1);
+    assert_eq!(h.channels["irc"].sending_chunks, 0);
+    Ok(())
+}
+
+macro_rules! both_flavours {
+    ($($scenario:ident),* $(,)?) => {
+        mod blocking_flavour {
+            $(#[test] fn $scenario() -> chunked_outbox::Result<()> { super::$scenario::<super::Blocking>() })*
+        }
+        #[cfg(feature = "tokio")]
+        mod tokio_flavour {
+            $(#[test] fn $scenario() -> chunked_outbox::Result<()> { super::$scenario::<super::Async>() })*
+        }
+    };
+}
+
+both_flavours!(
+    lane_order_under_random_transient_failures,
+    permanent_failure_is_a_dead_letter_without_more_attempts,
+    ambiguous_holds_or_replays_by_policy,
+    rate_limit_pauses_only_its_lane,
+    pacing_holds_at_every_chunk_boundary,
+    unregistered_channel_stays_due,
+);
+
+// ---- Threads, processes and shutdown (real time; waits are bounded, never timed) ----
+
+/// An adapter that appends every key it sends to a shared list.
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<String>>>);
+
+impl ChannelAdapter for Recorder {
+    fn send(&self, claim: &Claim) -> Outcome {
+        self.0.lock().unwrap().push(claim.idempotency_key.clone());
+        Outcome::delivered(None)
+    }
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn real_time_db() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outbox.db");
+    (dir, path)
+}
+
+#[test]
+fn two_dispatchers_in_two_threads_never_send_a_chunk_twice() -> Result<()> {
+    let (_dir, path) = real_time_db();
+    let producer = Outbox::open(&path, OutboxOptions::default())?;
+    let recorders = [Recorder::default(), Recorder::default()];
+    let running: Vec<_> = recorders
+        .iter()
+        .map(|r| {
+            let ob = Outbox::open(&path, OutboxOptions::default()).unwrap();
+            Dispatcher::builder(ob)
+                .adapter("telegram", r.clone())
+                .workers(2)
+                .build()
+                .unwrap()
+                .start()
+                .unwrap()
+        })
+        .collect();
+    let total = 400;
+    for n in 0..total {
+        let _ = producer.enqueue(&NewDelivery::chunked(
+            "telegram",
+            format!("c{}", n % 9),
+            "a b",
+            ["a", "b"],
+        ))?;
+    }
+    wait_until("all delivered", || {
+        producer.health().unwrap().totals.delivered_deliveries == total
+    });
+    for r in running {
+        assert!(r.shutdown(Duration::from_secs(10)).clean);
+    }
+    let mut seen = HashSet::new();
+    for r in &recorders {
+        for key in r.0.lock().unwrap().iter() {
+            assert!(seen.insert(key.clone()), "{key} sent twice");
+        }
+    }
+    assert_eq!(seen.len(), 2 * total as usize);
+    assert!(
+        recorders.iter().all(|r| !r.0.lock().unwrap().is_empty()),
+        "both dispatchers took work"
+    );
+    Ok(())
+}
+
+/// A gate the adapter waits at, so a test can hold a send in flight.
+#[derive(Clone, Default)]
+struct Gate {
+    state: Arc<(Mutex<(bool, bool)>, std::sync::Condvar)>,
+}
+
+impl ChannelAdapter for Gate {
+    fn send(&self, _claim: &Claim) -> Outcome {
+        let (lock, cv) = &*self.state;
+        let mut s = lock.lock().unwrap();
+        s.0 = true; // started
+        cv.notify_all();
+        while !s.1 {
+            s = cv.wait(s).unwrap();
+        }
+        Outcome::delivered(None)
+    }
+}
+
+#[test]
+fn shutdown_finishes_sends_in_flight_and_leaves_nothing_sending() -> Result<()> {
+    let (_dir, path) = real_time_db();
+    let outbox = Outbox::open(&path, OutboxOptions::default())?;
+    for n in 0..20 {
+        let _ = outbox.enqueue(&NewDelivery::single("telegram", format!("c{n}"), "x"))?;
+    }
+    let gate = Gate::default();
+    let running = Dispatcher::builder(outbox.clone())
+        .adapter("telegram", gate.clone())
+        .workers(1)
+        .batch_size(10)
+        .build()?
+        .start()?;
+    {
+        let (lock, cv) = &*gate.state;
+        let mut s = lock.lock().unwrap();
+        while !s.0 {
+            s = cv.wait(s).unwrap();
+        }
+    }
+    assert_eq!(
+        outbox.health()?.totals.sending_chunks,
+        10,
+        "one batch claimed, one send in flight"
+    );
+    let stopper = std::thread::spawn(move || running.shutdown(Duration::from_secs(30)));
+    {
+        let (lock, cv) = &*gate.state;
+        lock.lock().unwrap().1 = true;
+        cv.notify_all();
+    }
+    let report = stopper.join().unwrap();
+    assert!(report.clean);
+    assert_eq!(
+        report.stats.delivered, 1,
+        "the send in flight finished and was recorded"
+    );
+    assert_eq!(
+        report.stats.released, 9,
+        "the unstarted rest of the batch was released"
+    );
+    let h = outbox.health()?;
+    assert_eq!(h.totals.sending_chunks, 0);
+    assert_eq!(h.totals.due_chunks, 19);
+    Ok(())
+}
+
+#[test]
+fn enqueue_in_this_process_wakes_an_idle_dispatcher() -> Result<()> {
+    let (_dir, path) = real_time_db();
+    let outbox = Outbox::open(&path, OutboxOptions::default())?;
+    let recorder = Recorder::default();
+    // A poll interval far beyond the wait bound: only the in-process wake-up can pass.
+    let running = Dispatcher::builder(outbox.clone())
+        .adapter("telegram", recorder.clone())
+        .poll_interval(Duration::from_secs(3600))
+        .build()?
+        .start()?;
+    std::thread::sleep(Duration::from_millis(50)); // let the worker go idle
+    let _ = outbox.enqueue(&NewDelivery::single("telegram", "1", "wake up"))?;
+    wait_until("the send", || !recorder.0.lock().unwrap().is_empty());
+    assert!(running.shutdown(Duration::from_secs(10)).clean);
+    Ok(())
+}
+
+#[test]
+fn commits_from_another_connection_are_noticed() -> Result<()> {
+    let (_dir, path) = real_time_db();
+    let dispatching = Outbox::open(&path, OutboxOptions::default())?;
+    let other = Outbox::open(&path, OutboxOptions::default())?; // its own notifier, like another process
+    let recorder = Recorder::default();
+    let running = Dispatcher::builder(dispatching)
+        .adapter("telegram", recorder.clone())
+        .poll_interval(Duration::from_millis(20))
+        .build()?
+        .start()?;
+    let _ = other.enqueue(&NewDelivery::single("telegram", "1", "from elsewhere"))?;
+    wait_until("the send", || !recorder.0.lock().unwrap().is_empty());
+    assert!(running.shutdown(Duration::from_secs(10)).clean);
+    Ok(())
+}
+
+/// The child side of the two-process test: dispatches from the file named in the
+/// environment until nothing is left, writing every key it sent to its own file.
+#[test]
+#[ignore = "run as a child process by two_dispatcher_processes_never_send_a_chunk_twice"]
+fn child_dispatcher_process() -> Result<()> {
+    let Ok(db) = std::env::var("CHUNKED_OUTBOX_CHILD_DB") else {
+        return Ok(());
+    };
+    let out = std::env::var("CHUNKED_OUTBOX_CHILD_OUT").expect("output path");
+    let outbox = Outbox::open(&db, OutboxOptions::default())?;
+    let recorder = Recorder::default();
+    let running = Dispatcher::builder(outbox.clone())
+        .adapter("telegram", recorder.clone())
+        .workers(2)
+        .batch_size(4)
+        .build()?
+        .start()?;
+    wait_until("the backlog to drain", || {
+        let h = outbox.health().unwrap();
+        h.totals.pending_chunks + h.totals.retry_chunks + h.totals.sending_chunks == 0
+    });
+    assert!(running.shutdown(Duration::from_secs(10)).clean);
+    std::fs::write(out, recorder.0.lock().unwrap().join("\n")).unwrap();
+    Ok(())
+}
+
+#[test]
+fn two_dispatcher_processes_never_send_a_chunk_twice() -> Result<()> {
+    let (dir, path) = real_time_db();
+    let producer = Outbox::open(&path, OutboxOptions::default())?;
+    let total = 600;
+    for n in 0..total {
+        let _ = producer.enqueue(&NewDelivery::chunked(
+            "telegram",
+            format!("c{}", n % 13),
+            "a b",
+            ["a", "b"],
+        ))?;
+    }
+    let children: Vec<_> = (0..2)
+        .map(|i| {
+            let out = dir.path().join(format!("child-{i}.txt"));
+            let child = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--ignored",
+                    "--exact",
+                    "child_dispatcher_process",
+                    "--nocapture",
+                ])
+                .env("CHUNKED_OUTBOX_CHILD_DB", &path)
+                .env("CHUNKED_OUTBOX_CHILD_OUT", &out)
+                .spawn()
+                .expect("spawn child");
+            (child, out)
+        })
+        .collect();
+    let mut seen = HashSet::new();
+    let mut per_child = Vec::new();
+    for (mut child, out) in children {
+        assert!(child.wait().unwrap().success(), "child failed");
+        let keys = std::fs::read_to_string(out).unwrap();
+        let keys: Vec<&str> = keys.lines().collect();
+        per_child.push(keys.len());
+        for key in keys {
+            assert!(seen.insert(key.to_owned()), "{key} sent twice");
+        }
+    }
+    assert_eq!(seen.len(), 2 * total);
+    assert_eq!(producer.health()?.totals.delivered_deliveries, total as u64);
+    println!("chunks sent per process: {per_child:?}");
+    Ok(())
+}
+
+#[cfg(feature = "tokio")]
+mod tokio_running {
+    use super::*;
+    use chunked_outbox::{AsyncChannelAdapter, AsyncDispatcher, BoxFuture};
+
+    /// Holds every send until released, like a slow platform.
+    #[derive(Clone)]
+    struct AsyncGate {
+        started: Arc<tokio::sync::Notify>,
+        proceed: Arc<tokio::sync::Semaphore>,
+        sent: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Default for AsyncGate {
+        fn default() -> Self {
+            AsyncGate {
+                started: Arc::default(),
+                proceed: Arc::new(tokio::sync::Semaphore::new(0)),
+                sent: Arc::default(),
+            }
+        }
+    }
+
+    impl AsyncChannelAdapter for AsyncGate {
+        fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome> {
+            Box::pin(async move {
+                self.started.notify_one();
+                self.proceed.acquire().await.unwrap().forget();
+                self.sent
+                    .lock()
+                    .unwrap()
+                    .push(claim.idempotency_key.clone());
+                Outcome::delivered(None)
+            })
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shutdown_finishes_sends_in_flight_and_leaves_nothing_sending() -> Result<()> {
+        let (_dir, path) = real_time_db();
+        let outbox = Outbox::open(&path, OutboxOptions::default())?;
+        for n in 0..20 {
+            let _ = outbox.enqueue(&NewDelivery::single("telegram", format!("c{n}"), "x"))?;
+        }
+        let gate = AsyncGate::default();
+        let dispatcher = AsyncDispatcher::builder(outbox.clone())
+            .adapter("telegram", gate.clone())
+            .workers(1)
+            .batch_size(10)
+            .build()?;
+        let running = dispatcher.start()?;
+        gate.started.notified().await;
+        let stop = tokio::spawn(running.shutdown(Duration::from_secs(30)));
+        gate.proceed.add_permits(1);
+        let report = stop.await.unwrap();
+        assert!(report.clean);
+        assert_eq!(
+            report.stats.delivered, 1,
+            "the send in flight finished and was recorded"
+        );
+        assert_eq!(report.stats.released, 9, "the unstarted rest was released");
+        let h = outbox.health()?;
+        assert_eq!((h.totals.sending_chunks, h.totals.due_chunks), (0, 19));
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn enqueue_wakes_an_idle_dispatcher_and_other_connections_are_noticed() -> Result<()> {
+        let (_dir, path) = real_time_db();
+        let outbox = Outbox::open(&path, OutboxOptions::default())?;
+        let other = Outbox::open(&path, OutboxOptions::default())?;
+        let gate = AsyncGate::default();
+        gate.proceed.add_permits(100);
+        let running = AsyncDispatcher::builder(outbox.clone())
+            .adapter("telegram", gate.clone())
+            .poll_interval(Duration::from_millis(20))
+            .build()?
+            .start()?;
+        let _ = outbox.enqueue(&NewDelivery::single("telegram", "1", "here"))?;
+        let _ = other.enqueue(&NewDelivery::single("telegram", "2", "elsewhere"))?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while gate.sent.lock().unwrap().len() < 2 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "sends did not happen"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(running.shutdown(Duration::from_secs(10)).await.clean);
+        Ok(())
+    }
+}
+
+/// A log sink for `tracing_subscriber` that keeps everything written to it.
+#[derive(Clone, Default)]
+struct LogSink(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn logs_at(level: tracing::Level, run: impl FnOnce()) -> String {
+    let sink = LogSink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, run);
+    String::from_utf8(sink.0.lock().unwrap().clone()).unwrap()
+}
+
+#[test]
+fn message_text_is_logged_only_at_debug_level() -> Result<()> {
+    let secret = "my bank PIN is 4711";
+    let run = |level| {
+        let db = TestDb::default();
+        let platform = Platform::new(&db, |c| {
+            if c.attempt == 1 {
+                Outcome::Transient {
+                    error: "503".into(),
+                }
+            } else {
+                Outcome::delivered(None)
+            }
+        });
+        let id = enqueue(&db.outbox, "1", &[secret]);
+        let d = Blocking::build(db.outbox.clone(), vec![("telegram", platform)]);
+        let logs = logs_at(level, || drain(&db, &d, 10));
+        (id, logs)
+    };
+    let (id, info) = run(tracing::Level::INFO);
+    assert!(
+        info.contains(&id.to_string()),
+        "the delivery id is logged: {info}"
+    );
+    assert!(
+        info.contains("transient") && info.contains("delivered"),
+        "{info}"
+    );
+    assert!(
+        !info.contains(secret),
+        "message text leaked at info level:\n{info}"
+    );
+    let (_, debug) = run(tracing::Level::DEBUG);
+    assert!(
+        debug.contains(secret),
+        "debug level shows the text for troubleshooting"
+    );
+    Ok(())
+}
