@@ -29,7 +29,9 @@ pub struct ChannelHealth {
     pub failed_deliveries: u64,
     /// Dead letters nobody acknowledged yet.
     pub unacknowledged_dead_letters: u64,
-    /// Chunks not yet sent (due, waiting for their turn, or queued in their lane).
+    /// Chunks not yet sent (due, waiting for their turn, or queued in their lane). The
+    /// unsent rest of a dead letter is not counted: nothing will send it unless it is
+    /// requeued.
     pub pending_chunks: u64,
     /// Chunks claimed by a worker.
     pub sending_chunks: u64,
@@ -89,6 +91,141 @@ impl Outbox {
     }
 }
 
+/// One Prometheus metric family: name, help, and how to read it from a channel.
+type Family = (
+    &'static str,
+    &'static str,
+    fn(&ChannelHealth, i64) -> Option<f64>,
+);
+
+const FAMILIES: &[Family] = &[
+    (
+        "outbox_deliveries",
+        "Deliveries stored (enqueued and not purged).",
+        |h, _| Some(h.total_deliveries as f64),
+    ),
+    (
+        "outbox_delivered_deliveries",
+        "Deliveries finalized into messages and still stored.",
+        |h, _| Some(h.delivered_deliveries as f64),
+    ),
+    (
+        "outbox_pending_deliveries",
+        "Deliveries queued or active with nothing delivered yet.",
+        |h, _| Some(h.pending_deliveries as f64),
+    ),
+    (
+        "outbox_partial_deliveries",
+        "Deliveries with some chunks delivered.",
+        |h, _| Some(h.partial_deliveries as f64),
+    ),
+    (
+        "outbox_uncertain_deliveries",
+        "Deliveries holding a chunk that may have been sent.",
+        |h, _| Some(h.uncertain_deliveries as f64),
+    ),
+    (
+        "outbox_failed_deliveries",
+        "Dead letters, acknowledged or not.",
+        |h, _| Some(h.failed_deliveries as f64),
+    ),
+    (
+        "outbox_unacknowledged_dead_letters",
+        "Dead letters nobody acknowledged yet.",
+        |h, _| Some(h.unacknowledged_dead_letters as f64),
+    ),
+    ("outbox_pending_chunks", "Chunks not sent yet.", |h, _| {
+        Some(h.pending_chunks as f64)
+    }),
+    (
+        "outbox_sending_chunks",
+        "Chunks claimed by a worker.",
+        |h, _| Some(h.sending_chunks as f64),
+    ),
+    (
+        "outbox_retry_chunks",
+        "Chunks waiting for a retry.",
+        |h, _| Some(h.retry_chunks as f64),
+    ),
+    ("outbox_failed_chunks", "Chunks failed for good.", |h, _| {
+        Some(h.failed_chunks as f64)
+    }),
+    (
+        "outbox_uncertain_chunks",
+        "Chunks that may have been sent, waiting for a decision.",
+        |h, _| Some(h.uncertain_chunks as f64),
+    ),
+    (
+        "outbox_expired_leases",
+        "Chunks in sending whose lease expired.",
+        |h, _| Some(h.expired_leases as f64),
+    ),
+    ("outbox_due_chunks", "Chunks due now.", |h, _| {
+        Some(h.due_chunks as f64)
+    }),
+    (
+        "outbox_oldest_due_age_seconds",
+        "How long the most overdue chunk has been due.",
+        |h, _| h.oldest_due_age_ms.map(|ms| ms as f64 / 1000.0),
+    ),
+    (
+        "outbox_oldest_unfinished_age_seconds",
+        "Age of the oldest delivery still in flight.",
+        |h, now| {
+            h.oldest_unfinished_at
+                .map(|t| (now - t.timestamp_millis()).max(0) as f64 / 1000.0)
+        },
+    ),
+    (
+        "outbox_last_delivered_timestamp_seconds",
+        "Unix time of the latest finalization.",
+        |h, _| {
+            h.last_delivered_at
+                .map(|t| t.timestamp_millis() as f64 / 1000.0)
+        },
+    ),
+];
+
+impl Health {
+    /// The snapshot in the Prometheus text exposition format: one gauge family per
+    /// count, `outbox_` names, a `channel` label per channel.
+    ///
+    /// ```
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// outbox.enqueue(&NewDelivery::single("slack", "C1", "hi"))?;
+    /// let text = outbox.health()?.to_prometheus();
+    /// assert!(text.contains("# TYPE outbox_pending_chunks gauge"));
+    /// assert!(text.contains("outbox_pending_chunks{channel=\"slack\"} 1"));
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    pub fn to_prometheus(&self) -> String {
+        let now = self.generated_at.timestamp_millis();
+        let mut out = String::new();
+        for (name, help, value) in FAMILIES {
+            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n"));
+            for (channel, h) in &self.channels {
+                if let Some(v) = value(h, now) {
+                    out.push_str(&format!(
+                        "{name}{{channel=\"{}\"}} {v}\n",
+                        escape_label(channel)
+                    ));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Escapes a label value as the exposition format requires.
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
 /// Counted per channel and delivery status, over unfinished deliveries only.
 pub(crate) const OPEN_DELIVERIES_SQL: &str =
     "SELECT channel, status, acknowledged_at IS NULL, count(*), min(created_at)
@@ -97,12 +234,14 @@ pub(crate) const OPEN_DELIVERIES_SQL: &str =
  GROUP BY channel, status, acknowledged_at IS NULL";
 
 /// Counted per channel and chunk status, over the chunks of unfinished deliveries only.
+/// The unsent rest of a dead letter is not pending work, so it is left out.
 pub(crate) const OPEN_CHUNKS_SQL: &str = "SELECT d.channel, c.status, count(*),
         sum(c.due_at IS NOT NULL AND c.due_at <= ?1),
         min(CASE WHEN c.status <> 'sending' THEN c.due_at END)
  FROM outbound_deliveries d INDEXED BY outbound_deliveries_open
  JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
  WHERE d.status <> 'delivered' AND c.status <> 'delivered'
+   AND NOT (d.status = 'failed' AND c.status = 'pending')
  GROUP BY d.channel, c.status";
 
 fn snapshot(tx: &Connection, now: i64) -> Result<Health> {

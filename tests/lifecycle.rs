@@ -155,3 +155,26 @@ fn three_chunks_interrupted_recovered_and_finalized_once() -> Result<()> {
     assert_eq!(messages_for(&db.raw(), id)?.len(), 1);
     Ok(())
 }
+
+#[test]
+fn unsent_rest_of_a_dead_letter_is_not_pending_work() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    let id = enqueue(ob, "1", &["a", "b", "c"]);
+    let c = claim_one(ob);
+    ob.record(
+        &c,
+        Outcome::Permanent {
+            error: "chat not found".into(),
+        },
+    )?;
+    let h = ob.health()?;
+    assert_eq!((h.totals.pending_chunks, h.totals.failed_chunks), (0, 1));
+    ob.requeue_delivery(id)?;
+    assert_eq!(
+        ob.health()?.totals.pending_chunks,
+        2,
+        "requeued, the rest is pending again"
+    );
+    Ok(())
+}

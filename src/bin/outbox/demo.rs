@@ -1,0 +1,738 @@
+//! `outbox demo`: a simulated chat engine sends thousands of replies through flaky
+//! simulated platforms; a worker process is killed with SIGKILL mid-flight and
+//! restarted; at the end the platforms' own records prove the invariants.
+//!
+//! The worker (`outbox demo-worker`, hidden) runs a [`Dispatcher`] whose adapters play
+//! the platforms. Each platform writes what it accepts to its own SQLite file,
+//! separate from the outbox, so the verdict is read from what the "users" received.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use chunked_outbox::{
+    Backoff, ChannelAdapter, ChunkStatus, Claim, DeliveryStatus, Dispatcher, LaneFailurePolicy,
+    ListFilter, NewDelivery, Outbox, OutboxOptions, Outcome, RecoverScope, ReplayPolicy,
+    Resolution, RetryPolicy, Splitter,
+};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use rusqlite::{Connection, OptionalExtension, params};
+use serde::Serialize;
+
+use crate::CliResult;
+
+/// One simulated platform's traits.
+struct SimChannel {
+    name: &'static str,
+    splitter: Splitter,
+    /// Deduplicates by idempotency key (so replays are safe).
+    dedupes: bool,
+    /// The error text for a chat that no longer exists.
+    gone_error: &'static str,
+}
+
+const CHANNELS: [SimChannel; 3] = [
+    SimChannel {
+        name: "telegram",
+        splitter: Splitter::telegram(),
+        dedupes: false,
+        gone_error: "Bad Request: chat not found",
+    },
+    SimChannel {
+        name: "discord",
+        splitter: Splitter::discord(),
+        dedupes: true,
+        gone_error: "Unknown Channel (code 10003)",
+    },
+    SimChannel {
+        name: "slack",
+        splitter: Splitter::slack(),
+        dedupes: false,
+        gone_error: "channel_not_found",
+    },
+];
+
+/// Options of `outbox demo`.
+#[derive(Args)]
+pub struct DemoArgs {
+    /// Replies the simulated chat engine sends.
+    #[arg(long, default_value_t = 3000)]
+    replies: usize,
+    /// Chats they go to.
+    #[arg(long, default_value_t = 300)]
+    chats: usize,
+    /// Times the worker process is killed with SIGKILL and restarted.
+    #[arg(long, default_value_t = 2)]
+    crashes: usize,
+    /// Seed of every random choice.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// End with one JSON object on the last line (the progress bar goes to stderr).
+    #[arg(long)]
+    json: bool,
+    /// Keep the demo's files instead of deleting them.
+    #[arg(long)]
+    keep: bool,
+}
+
+/// Options of the hidden worker process.
+#[derive(Args)]
+pub struct WorkerArgs {
+    /// The simulated platforms' record.
+    #[arg(long)]
+    platform: PathBuf,
+    /// Seed for this worker's random choices.
+    #[arg(long)]
+    seed: u64,
+}
+
+/// The demo's outbox settings, shared by the engine and every worker: a retry schedule
+/// in milliseconds instead of seconds (so the demo finishes quickly), a short lease,
+/// and strict lane order (a lane waits for its uncertain or dead head to be settled).
+fn demo_options() -> OutboxOptions {
+    OutboxOptions::default()
+        .with_retry(RetryPolicy {
+            backoff: Backoff::Schedule([50, 100, 200, 400].map(Duration::from_millis).to_vec()),
+            max_attempts: 8,
+            ..RetryPolicy::default()
+        })
+        .with_lease(Duration::from_secs(2))
+        .with_lane_failure(LaneFailurePolicy::Block)
+}
+
+// ---------------------------------------------------------------- the platforms ----
+
+fn open_platform(path: &Path) -> rusqlite::Result<Connection> {
+    let conn = Connection::open(path)?;
+    conn.busy_timeout(Duration::from_secs(10))?;
+    conn.execute_batch(
+        "PRAGMA journal_mode = WAL;
+         CREATE TABLE IF NOT EXISTS received (
+             id INTEGER PRIMARY KEY, channel TEXT NOT NULL, chat TEXT NOT NULL, key TEXT NOT NULL);
+         CREATE INDEX IF NOT EXISTS received_key ON received (key);
+         CREATE TABLE IF NOT EXISTS deduplicated (key TEXT NOT NULL);",
+    )?;
+    Ok(conn)
+}
+
+/// One simulated platform. It accepts most sends, fails some transiently, rate-limits
+/// some, times out on some after (maybe) accepting them, and rejects chats that are gone.
+struct SimPlatform {
+    channel: &'static str,
+    dedupes: bool,
+    gone_error: &'static str,
+    record: Mutex<Connection>,
+    rng: Mutex<fastrand::Rng>,
+}
+
+impl SimPlatform {
+    fn accept(&self, claim: &Claim) -> rusqlite::Result<()> {
+        let conn = self.record.lock().unwrap_or_else(|e| e.into_inner());
+        let seen: Option<i64> = conn
+            .query_row(
+                "SELECT id FROM received WHERE key = ?1",
+                [&claim.idempotency_key],
+                |r| r.get(0),
+            )
+            .optional()?;
+        if seen.is_some() && self.dedupes {
+            conn.execute(
+                "INSERT INTO deduplicated (key) VALUES (?1)",
+                [&claim.idempotency_key],
+            )?;
+        } else {
+            conn.execute(
+                "INSERT INTO received (channel, chat, key) VALUES (?1, ?2, ?3)",
+                params![self.channel, claim.chat_id, claim.idempotency_key],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl ChannelAdapter for SimPlatform {
+    fn send(&self, claim: &Claim) -> Outcome {
+        let (roll, delivered_anyway, latency) = {
+            let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+            (rng.u32(0..1000), rng.bool(), rng.u64(0..1500))
+        };
+        std::thread::sleep(Duration::from_micros(latency)); // the network round trip
+        if chat_is_gone(&claim.chat_id) {
+            return Outcome::from_error_text(self.gone_error);
+        }
+        let outcome = match roll {
+            0..40 => return Outcome::from_error_text("HTTP 502 Bad Gateway"),
+            40..55 => return Outcome::from_error_text("Too Many Requests: retry after 0.3"),
+            55..75 => {
+                // A timeout after the request was written: it may or may not have landed.
+                if delivered_anyway && self.accept(claim).is_err() {
+                    return Outcome::Transient {
+                        error: "platform record busy".into(),
+                    };
+                }
+                return Outcome::Ambiguous {
+                    error: "read timeout after the request was sent".into(),
+                };
+            }
+            _ => Outcome::delivered(Some(format!("{}-{}", self.channel, claim.idempotency_key))),
+        };
+        match self.accept(claim) {
+            Ok(()) => outcome,
+            Err(e) => Outcome::Transient {
+                error: format!("platform record: {e}"),
+            },
+        }
+    }
+
+    fn replay(&self) -> ReplayPolicy {
+        if self.dedupes {
+            ReplayPolicy::Replay
+        } else {
+            ReplayPolicy::Hold
+        }
+    }
+}
+
+/// About one chat in a hundred no longer exists: its replies become dead letters.
+fn chat_is_gone(chat: &str) -> bool {
+    chat.rsplit('-')
+        .next()
+        .and_then(|n| n.parse::<u32>().ok())
+        .is_some_and(|n| n % 97 == 13)
+}
+
+/// The worker process: recovers what a killed predecessor left in flight, then
+/// dispatches until the engine leaves a stop file next to the platform record.
+pub fn worker(args: &WorkerArgs) -> CliResult<u8> {
+    let db = std::env::var_os("OUTBOX_DB")
+        .map(PathBuf::from)
+        .ok_or("demo-worker needs OUTBOX_DB")?;
+    let outbox = Outbox::open(&db, demo_options())?;
+    let mut builder = Dispatcher::builder(outbox.clone())
+        .workers(2)
+        .batch_size(16)
+        .poll_interval(Duration::from_millis(20));
+    for (i, channel) in CHANNELS.iter().enumerate() {
+        builder = builder.adapter(
+            channel.name,
+            SimPlatform {
+                channel: channel.name,
+                dedupes: channel.dedupes,
+                gone_error: channel.gone_error,
+                record: Mutex::new(open_platform(&args.platform)?),
+                rng: Mutex::new(fastrand::Rng::with_seed(
+                    args.seed.wrapping_mul(31).wrapping_add(i as u64),
+                )),
+            },
+        );
+    }
+    let dispatcher = builder.build()?;
+    // This is the only process sending from the file, so whatever is `sending` was
+    // abandoned by the killed worker. Each channel's replay policy decides its fate.
+    outbox.recover(RecoverScope::AllSending)?;
+    let running = dispatcher.start()?;
+    let stop = stop_file(&args.platform);
+    while !stop.exists() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    running.shutdown(Duration::from_secs(10));
+    Ok(0)
+}
+
+fn stop_file(platform: &Path) -> PathBuf {
+    platform.with_extension("stop")
+}
+
+// ------------------------------------------------------------------- the engine ----
+
+/// Words for replies of realistic shapes.
+const WORDS: &[&str] = &[
+    "the",
+    "deploy",
+    "finished",
+    "and",
+    "all",
+    "checks",
+    "passed",
+    "your",
+    "order",
+    "ships",
+    "tomorrow",
+    "here",
+    "is",
+    "a",
+    "summary",
+    "of",
+    "meeting",
+    "we",
+    "agreed",
+    "to",
+    "move",
+    "release",
+    "next",
+    "week",
+    "because",
+    "tests",
+    "on",
+    "arm",
+    "were",
+    "flaky",
+    "thanks",
+    "for",
+    "patience",
+    "émigré",
+    "naïve",
+    "日本語",
+    "🚀",
+    "👍🏽",
+    "café",
+];
+
+fn reply_text(rng: &mut fastrand::Rng, n: usize) -> String {
+    // Mostly short replies, some long answers with paragraphs and code.
+    let words = match rng.u32(0..100) {
+        0..60 => rng.usize(5..60),
+        60..90 => rng.usize(60..400),
+        _ => rng.usize(400..2500),
+    };
+    let mut text = format!("Reply {n}:");
+    for i in 0..words {
+        text.push(' ');
+        text.push_str(WORDS[rng.usize(0..WORDS.len())]);
+        if i % 40 == 39 {
+            text.push_str(".\n\n");
+        }
+        if words > 300 && i % 300 == 150 {
+            text.push_str("\n```rust\nfn main() {\n    println!(\"hello\");\n}\n```\n");
+        }
+    }
+    text
+}
+
+/// The chat engine: enqueues replies in bursts and, like an engine retrying after its
+/// own timeout, submits one reply in twenty a second time with the same caller key.
+fn simulate_engine(
+    outbox: &Outbox,
+    replies: usize,
+    chats: usize,
+    seed: u64,
+) -> CliResult<EngineRun> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut run = EngineRun {
+        chunks: 0,
+        again: 0,
+        order: Vec::with_capacity(replies),
+    };
+    for n in 0..replies {
+        let channel = &CHANNELS[rng.usize(0..CHANNELS.len())];
+        let chat = format!("{}-chat-{}", channel.name, rng.usize(0..chats));
+        let text = reply_text(&mut rng, n);
+        let reply = NewDelivery::split(channel.name, chat.clone(), text, &channel.splitter)?
+            .with_idempotency_key(format!("engine-reply-{n}"))
+            .with_sender("demo-bot");
+        run.chunks += reply.chunks().len() as u64;
+        let id = outbox.enqueue(&reply)?.id;
+        if n % 20 == 0 {
+            let again = outbox.enqueue(&reply)?;
+            if again.created || again.id != id {
+                return Err(format!("re-enqueue of reply {n} was not deduplicated").into());
+            }
+            run.again += 1;
+        }
+        run.order.push((chat, id.to_string()));
+        if n % 100 == 99 {
+            std::thread::sleep(Duration::from_millis(15));
+        }
+    }
+    Ok(run)
+}
+
+/// What the run produced, as the JSON line prints it.
+#[derive(Debug, Default, Serialize)]
+struct Summary {
+    deliveries: u64,
+    chunks: u64,
+    delivered: u64,
+    failed: u64,
+    uncertain: u64,
+    lost: u64,
+    out_of_order: u64,
+    duplicate_finalizations: u64,
+    duplicates_allowed: u64,
+    duplicates_unexplained: u64,
+    resolved_uncertain: u64,
+    idempotent_reenqueues: u64,
+    crashes: u64,
+    elapsed_ms: u64,
+}
+
+/// What the simulated engine enqueued.
+struct EngineRun {
+    chunks: u64,
+    /// Replies submitted a second time with the same caller key.
+    again: u64,
+    /// (chat, delivery id) in enqueue order.
+    order: Vec<(String, String)>,
+}
+
+struct Files {
+    dir: PathBuf,
+    db: PathBuf,
+    platform: PathBuf,
+    temporary: bool,
+}
+
+fn files(db: Option<&Path>) -> CliResult<Files> {
+    match db {
+        Some(db) => {
+            if db.exists() {
+                return Err(format!(
+                    "{} exists; the demo needs a fresh database path",
+                    db.display()
+                )
+                .into());
+            }
+            let dir = db
+                .parent()
+                .map_or_else(|| PathBuf::from("."), Path::to_owned);
+            Ok(Files {
+                platform: db.with_extension("platform.db"),
+                db: db.to_owned(),
+                dir,
+                temporary: false,
+            })
+        }
+        None => {
+            let dir = std::env::temp_dir().join(format!("outbox-demo-{}", std::process::id()));
+            std::fs::create_dir_all(&dir)?;
+            Ok(Files {
+                db: dir.join("outbox.db"),
+                platform: dir.join("platform.db"),
+                dir,
+                temporary: true,
+            })
+        }
+    }
+}
+
+fn spawn_worker(files: &Files, seed: u64) -> CliResult<Child> {
+    Ok(Command::new(std::env::current_exe()?)
+        .args(["demo-worker", "--platform"])
+        .arg(&files.platform)
+        .args(["--seed", &seed.to_string()])
+        .env("OUTBOX_DB", &files.db)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()?)
+}
+
+pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
+    if args.replies == 0 || args.chats == 0 {
+        return Err("--replies and --chats must be at least 1".into());
+    }
+    let started = Instant::now();
+    let files = files(db)?;
+    let say = |line: String| {
+        if args.json {
+            eprintln!("{line}")
+        } else {
+            println!("{line}")
+        }
+    };
+    say(format!(
+        "database: {} ({}); platform record: {}",
+        files.db.display(),
+        if files.temporary {
+            "temporary directory, removed at the end unless --keep"
+        } else {
+            "from --db"
+        },
+        files.platform.display()
+    ));
+    say(format!(
+        "{} replies to {} chats on telegram (no replay), discord (replays deduplicated by nonce) and slack (no replay); \
+         fast retry schedule for the demo: 50, 100, 200, 400 ms",
+        args.replies, args.chats
+    ));
+
+    let outbox = Outbox::open(&files.db, demo_options())?;
+    open_platform(&files.platform)?;
+    let platform = open_platform(&files.platform)?;
+
+    // The chat engine runs beside the worker, as in a real deployment.
+    let engine = {
+        let outbox = outbox.clone();
+        let (replies, chats, seed) = (args.replies, args.chats, args.seed);
+        std::thread::spawn(move || simulate_engine(&outbox, replies, chats, seed))
+    };
+
+    let bar = ProgressBar::new(args.replies as u64);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} replies settled  {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut summary = Summary::default();
+    let mut worker = spawn_worker(&files, args.seed)?;
+    let kill_at: Vec<u64> = (1..=args.crashes as u64)
+        .map(|k| args.replies as u64 * k / (args.crashes as u64 + 1))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut engine = Some(engine);
+    let mut engine_result = None;
+    loop {
+        std::thread::sleep(Duration::from_millis(25));
+        resolve_like_an_operator(&outbox, &platform, &mut summary)?;
+        let h = outbox.health()?;
+        let settled = h.totals.delivered_deliveries + h.totals.failed_deliveries;
+        bar.set_position(settled);
+        bar.set_message(format!("crashes {}", summary.crashes));
+        if summary.crashes < kill_at.len() as u64 && settled >= kill_at[summary.crashes as usize] {
+            // A real crash: SIGKILL, no chance to clean up, chunks left in flight.
+            worker.kill()?;
+            worker.wait()?;
+            summary.crashes += 1;
+            let in_flight = outbox.health()?.totals.sending_chunks;
+            let line = format!(
+                "killed worker pid {} with SIGKILL at {settled}/{} replies settled; {in_flight} chunks were in flight; restarting",
+                worker.id(),
+                args.replies
+            );
+            if bar.is_hidden() {
+                say(line)
+            } else {
+                bar.println(line)
+            }
+            worker = spawn_worker(&files, args.seed + summary.crashes)?;
+        }
+        if engine.as_ref().is_some_and(|e| e.is_finished()) {
+            engine_result = Some(
+                engine
+                    .take()
+                    .unwrap()
+                    .join()
+                    .map_err(|_| "engine thread panicked")??,
+            );
+        }
+        let idle = h.totals.pending_chunks
+            + h.totals.retry_chunks
+            + h.totals.sending_chunks
+            + h.totals.uncertain_chunks
+            == 0;
+        if engine_result.is_some() && idle && settled == args.replies as u64 {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err("the demo did not settle within 10 minutes".into());
+        }
+    }
+    std::fs::write(stop_file(&files.platform), b"")?;
+    worker.wait()?;
+    bar.finish_and_clear();
+
+    let run = engine_result.ok_or("engine result missing")?;
+    summary.chunks = run.chunks;
+    summary.idempotent_reenqueues = run.again;
+    summary.deliveries = args.replies as u64;
+    verify(&outbox, &platform, &run.order, &mut summary)?;
+    summary.elapsed_ms = started.elapsed().as_millis() as u64;
+
+    let h = outbox.health()?;
+    if !args.json {
+        print!("{}", crate::render::health(&h));
+        print_verdict(&summary);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string(&summary)?);
+    }
+    drop(outbox);
+    if files.temporary && !args.keep {
+        std::fs::remove_dir_all(&files.dir)?;
+    }
+    let ok = summary.lost == 0
+        && summary.out_of_order == 0
+        && summary.duplicate_finalizations == 0
+        && summary.duplicates_unexplained == 0;
+    Ok(if ok { 0 } else { 1 })
+}
+
+/// What an operator (or the application's reconciliation job) does: for every chunk
+/// held as uncertain, ask the platform whether it arrived and resolve accordingly; and
+/// acknowledge dead letters so their chats move on.
+fn resolve_like_an_operator(
+    outbox: &Outbox,
+    platform: &Connection,
+    summary: &mut Summary,
+) -> CliResult<()> {
+    let filter = ListFilter {
+        status: Some(DeliveryStatus::Uncertain),
+        limit: 10_000,
+        ..ListFilter::default()
+    };
+    for d in outbox.list(&filter)? {
+        let Some(view) = outbox.delivery(d.id)? else {
+            continue;
+        };
+        for chunk in view
+            .chunks
+            .iter()
+            .filter(|c| c.status == ChunkStatus::Uncertain)
+        {
+            let arrived: bool = platform.query_row(
+                "SELECT EXISTS (SELECT 1 FROM received WHERE key = ?1)",
+                [&chunk.idempotency_key],
+                |r| r.get(0),
+            )?;
+            let resolution = if arrived {
+                Resolution::Delivered {
+                    platform_message_id: None,
+                }
+            } else {
+                Resolution::Resend
+            };
+            outbox.resolve_uncertain(chunk.id, resolution)?;
+            summary.resolved_uncertain += 1;
+        }
+    }
+    outbox.acknowledge_dead_letters()?;
+    Ok(())
+}
+
+/// Reads the verdict from the platforms' record and the `messages` table.
+fn verify(
+    outbox: &Outbox,
+    platform: &Connection,
+    order: &[(String, String)],
+    s: &mut Summary,
+) -> CliResult<()> {
+    let h = outbox.health()?;
+    s.delivered = h.totals.delivered_deliveries;
+    s.failed = h.totals.failed_deliveries;
+    s.uncertain = h.totals.uncertain_chunks;
+
+    // Every send the platforms accepted, in arrival order.
+    let mut stmt = platform.prepare("SELECT channel, chat, key FROM received ORDER BY id")?;
+    let received: Vec<(String, String, String)> = stmt
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .collect::<rusqlite::Result<_>>()?;
+    let replays: i64 = platform.query_row("SELECT count(*) FROM deduplicated", [], |r| r.get(0))?;
+    let replays = replays as u64;
+
+    // Duplicates: the same key accepted twice. Deduplicating platforms never store a
+    // second copy; their replays are counted as allowed.
+    let mut seen = HashSet::new();
+    for (channel, _, key) in &received {
+        if !seen.insert(key.clone()) {
+            let replayable = CHANNELS.iter().any(|c| c.name == channel && c.dedupes);
+            if replayable {
+                s.duplicates_allowed += 1
+            } else {
+                s.duplicates_unexplained += 1
+            }
+        }
+    }
+    s.duplicates_allowed += replays;
+
+    // Lost: a chunk of a delivered delivery the platform never got, or a delivery that
+    // ended neither delivered nor failed.
+    let conn = Connection::open(outbox.path().ok_or("the demo outbox is a file")?)?;
+    let mut lost = 0;
+    let mut position: HashMap<String, (usize, u32)> = HashMap::new();
+    for (seq, (_, id)) in order.iter().enumerate() {
+        let view = outbox.delivery(id.parse()?)?.ok_or("delivery vanished")?;
+        match view.status {
+            DeliveryStatus::Delivered => {
+                lost += view
+                    .chunks
+                    .iter()
+                    .filter(|c| !seen.contains(&c.idempotency_key))
+                    .count() as u64;
+            }
+            DeliveryStatus::Failed => {}
+            _ => lost += 1,
+        }
+        for c in &view.chunks {
+            position.insert(c.idempotency_key.clone(), (seq, c.index));
+        }
+    }
+    s.lost = lost;
+
+    // Order: per chat, first arrivals must follow enqueue order (delivery, then chunk).
+    let mut last: HashMap<&str, (usize, u32)> = HashMap::new();
+    let mut bad_chats = HashSet::new();
+    let mut first = HashSet::new();
+    for (_, chat, key) in &received {
+        if !first.insert(key) {
+            continue;
+        }
+        let Some(&pos) = position.get(key) else {
+            continue;
+        };
+        if let Some(prev) = last.insert(chat, pos)
+            && prev > pos
+        {
+            bad_chats.insert(chat.clone());
+        }
+    }
+    s.out_of_order = bad_chats.len() as u64;
+
+    // Double finalizations: more `messages` rows than finalized deliveries.
+    let (rows, distinct): (i64, i64) = conn.query_row(
+        "SELECT count(*), count(DISTINCT delivery_id) FROM messages",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )?;
+    // A second row for a delivery, or a row for a delivery that is not delivered.
+    s.duplicate_finalizations = (rows - distinct) as u64 + (distinct as u64).abs_diff(s.delivered);
+    Ok(())
+}
+
+fn print_verdict(s: &Summary) {
+    let mark = |ok: bool| if ok { "✓" } else { "✗" };
+    println!();
+    println!("verification, read from what the simulated platforms received:");
+    println!(
+        "  {} deliveries {}: delivered {}, dead letters {} (chats that no longer exist), uncertain {}",
+        mark(s.uncertain == 0),
+        s.deliveries,
+        s.delivered,
+        s.failed,
+        s.uncertain
+    );
+    println!(
+        "  {} lost chunks: {} (of {} enqueued)",
+        mark(s.lost == 0),
+        s.lost,
+        s.chunks
+    );
+    println!(
+        "  {} chats with chunks out of order: {}",
+        mark(s.out_of_order == 0),
+        s.out_of_order
+    );
+    println!(
+        "  {} duplicate sends: {} allowed (discord replays, deduplicated by the platform's nonce), {} unexplained",
+        mark(s.duplicates_unexplained == 0),
+        s.duplicates_allowed,
+        s.duplicates_unexplained
+    );
+    println!(
+        "  {} double finalizations into messages: {}",
+        mark(s.duplicate_finalizations == 0),
+        s.duplicate_finalizations
+    );
+    println!(
+        "  uncertain chunks resolved by asking the platform: {}; engine re-enqueues deduplicated by caller key: {}",
+        s.resolved_uncertain, s.idempotent_reenqueues
+    );
+    println!(
+        "  worker processes killed with SIGKILL: {}; elapsed {:.1} s",
+        s.crashes,
+        s.elapsed_ms as f64 / 1000.0
+    );
+}
