@@ -187,7 +187,10 @@ impl Dispatcher {
             match self.run_once() {
                 Ok(0) => {}
                 Ok(_) => continue,
-                Err(e) => warn!(error = %e, "claim failed; retrying after the poll interval"),
+                Err(e) => {
+                    core.note_error();
+                    warn!(error = %e, "claim failed; retrying after the poll interval");
+                }
             }
             // Idle: sleep until something of ours is due, an enqueue in this process,
             // or a commit by another connection (seen by the watcher at each poll).

@@ -132,7 +132,7 @@ pub struct DispatchStats {
     pub uncertain: u64,
     /// Claims given back unstarted (channel rate slot taken, or shutting down).
     pub released: u64,
-    /// Outcomes that could not be recorded (stale claim, database error).
+    /// Claims and outcomes that failed (stale claim, busy or failing database).
     pub errors: u64,
 }
 
@@ -263,6 +263,11 @@ impl Core {
         };
         let left = due.saturating_sub(self.outbox.options().now_ms());
         (left > 0).then(|| Duration::from_millis(left as u64).min(poll))
+    }
+
+    /// Counts an error the dispatcher logged instead of returning (a failed claim).
+    pub(crate) fn note_error(&self) {
+        Counters::bump(&self.counters.errors);
     }
 
     pub(crate) fn stop(&self) {

@@ -244,7 +244,10 @@ impl AsyncDispatcher {
             match self.run_once().await {
                 Ok(0) => {}
                 Ok(_) => continue,
-                Err(e) => warn!(error = %e, "claim failed; retrying after the poll interval"),
+                Err(e) => {
+                    core.note_error();
+                    warn!(error = %e, "claim failed; retrying after the poll interval");
+                }
             }
             let mut next_due = self.blocking(|s| s.core.next_due()).await;
             while let Some(wait) = core.sleep_for(next_due) {

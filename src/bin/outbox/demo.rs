@@ -9,51 +9,18 @@
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use chunked_outbox::{
-    Backoff, ChannelAdapter, ChunkStatus, Claim, DeliveryStatus, Dispatcher, LaneFailurePolicy,
-    ListFilter, NewDelivery, Outbox, OutboxOptions, Outcome, RecoverScope, ReplayPolicy,
-    Resolution, RetryPolicy, Splitter,
-};
+use chunked_outbox::{DeliveryStatus, Dispatcher, NewDelivery, Outbox, RecoverScope};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::Connection;
 use serde::Serialize;
 
 use crate::CliResult;
-
-/// One simulated platform's traits.
-struct SimChannel {
-    name: &'static str,
-    splitter: Splitter,
-    /// Deduplicates by idempotency key (so replays are safe).
-    dedupes: bool,
-    /// The error text for a chat that no longer exists.
-    gone_error: &'static str,
-}
-
-const CHANNELS: [SimChannel; 3] = [
-    SimChannel {
-        name: "telegram",
-        splitter: Splitter::telegram(),
-        dedupes: false,
-        gone_error: "Bad Request: chat not found",
-    },
-    SimChannel {
-        name: "discord",
-        splitter: Splitter::discord(),
-        dedupes: true,
-        gone_error: "Unknown Channel (code 10003)",
-    },
-    SimChannel {
-        name: "slack",
-        splitter: Splitter::slack(),
-        dedupes: false,
-        gone_error: "channel_not_found",
-    },
-];
+use crate::sim::{
+    CHANNELS, SimPlatform, open_platform, reply_text, resolve_like_an_operator, sim_options,
+};
 
 /// Options of `outbox demo`.
 #[derive(Args)]
@@ -89,144 +56,22 @@ pub struct WorkerArgs {
     seed: u64,
 }
 
-/// The demo's outbox settings, shared by the engine and every worker: a retry schedule
-/// in milliseconds instead of seconds (so the demo finishes quickly), a short lease,
-/// and strict lane order (a lane waits for its uncertain or dead head to be settled).
-fn demo_options() -> OutboxOptions {
-    OutboxOptions::default()
-        .with_retry(RetryPolicy {
-            backoff: Backoff::Schedule([50, 100, 200, 400].map(Duration::from_millis).to_vec()),
-            max_attempts: 8,
-            ..RetryPolicy::default()
-        })
-        .with_lease(Duration::from_secs(2))
-        .with_lane_failure(LaneFailurePolicy::Block)
-}
-
-// ---------------------------------------------------------------- the platforms ----
-
-fn open_platform(path: &Path) -> rusqlite::Result<Connection> {
-    let conn = Connection::open(path)?;
-    conn.busy_timeout(Duration::from_secs(10))?;
-    conn.execute_batch(
-        "PRAGMA journal_mode = WAL;
-         CREATE TABLE IF NOT EXISTS received (
-             id INTEGER PRIMARY KEY, channel TEXT NOT NULL, chat TEXT NOT NULL, key TEXT NOT NULL);
-         CREATE INDEX IF NOT EXISTS received_key ON received (key);
-         CREATE TABLE IF NOT EXISTS deduplicated (key TEXT NOT NULL);",
-    )?;
-    Ok(conn)
-}
-
-/// One simulated platform. It accepts most sends, fails some transiently, rate-limits
-/// some, times out on some after (maybe) accepting them, and rejects chats that are gone.
-struct SimPlatform {
-    channel: &'static str,
-    dedupes: bool,
-    gone_error: &'static str,
-    record: Mutex<Connection>,
-    rng: Mutex<fastrand::Rng>,
-}
-
-impl SimPlatform {
-    fn accept(&self, claim: &Claim) -> rusqlite::Result<()> {
-        let conn = self.record.lock().unwrap_or_else(|e| e.into_inner());
-        let seen: Option<i64> = conn
-            .query_row(
-                "SELECT id FROM received WHERE key = ?1",
-                [&claim.idempotency_key],
-                |r| r.get(0),
-            )
-            .optional()?;
-        if seen.is_some() && self.dedupes {
-            conn.execute(
-                "INSERT INTO deduplicated (key) VALUES (?1)",
-                [&claim.idempotency_key],
-            )?;
-        } else {
-            conn.execute(
-                "INSERT INTO received (channel, chat, key) VALUES (?1, ?2, ?3)",
-                params![self.channel, claim.chat_id, claim.idempotency_key],
-            )?;
-        }
-        Ok(())
-    }
-}
-
-impl ChannelAdapter for SimPlatform {
-    fn send(&self, claim: &Claim) -> Outcome {
-        let (roll, delivered_anyway, latency) = {
-            let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
-            (rng.u32(0..1000), rng.bool(), rng.u64(0..1500))
-        };
-        std::thread::sleep(Duration::from_micros(latency)); // the network round trip
-        if chat_is_gone(&claim.chat_id) {
-            return Outcome::from_error_text(self.gone_error);
-        }
-        let outcome = match roll {
-            0..40 => return Outcome::from_error_text("HTTP 502 Bad Gateway"),
-            40..55 => return Outcome::from_error_text("Too Many Requests: retry after 0.3"),
-            55..75 => {
-                // A timeout after the request was written: it may or may not have landed.
-                if delivered_anyway && self.accept(claim).is_err() {
-                    return Outcome::Transient {
-                        error: "platform record busy".into(),
-                    };
-                }
-                return Outcome::Ambiguous {
-                    error: "read timeout after the request was sent".into(),
-                };
-            }
-            _ => Outcome::delivered(Some(format!("{}-{}", self.channel, claim.idempotency_key))),
-        };
-        match self.accept(claim) {
-            Ok(()) => outcome,
-            Err(e) => Outcome::Transient {
-                error: format!("platform record: {e}"),
-            },
-        }
-    }
-
-    fn replay(&self) -> ReplayPolicy {
-        if self.dedupes {
-            ReplayPolicy::Replay
-        } else {
-            ReplayPolicy::Hold
-        }
-    }
-}
-
-/// About one chat in a hundred no longer exists: its replies become dead letters.
-fn chat_is_gone(chat: &str) -> bool {
-    chat.rsplit('-')
-        .next()
-        .and_then(|n| n.parse::<u32>().ok())
-        .is_some_and(|n| n % 97 == 13)
-}
-
 /// The worker process: recovers what a killed predecessor left in flight, then
 /// dispatches until the engine leaves a stop file next to the platform record.
 pub fn worker(args: &WorkerArgs) -> CliResult<u8> {
     let db = std::env::var_os("OUTBOX_DB")
         .map(PathBuf::from)
         .ok_or("demo-worker needs OUTBOX_DB")?;
-    let outbox = Outbox::open(&db, demo_options())?;
+    let outbox = Outbox::open(&db, sim_options())?;
     let mut builder = Dispatcher::builder(outbox.clone())
         .workers(2)
         .batch_size(16)
         .poll_interval(Duration::from_millis(20));
     for (i, channel) in CHANNELS.iter().enumerate() {
+        let seed = args.seed.wrapping_mul(31).wrapping_add(i as u64);
         builder = builder.adapter(
             channel.name,
-            SimPlatform {
-                channel: channel.name,
-                dedupes: channel.dedupes,
-                gone_error: channel.gone_error,
-                record: Mutex::new(open_platform(&args.platform)?),
-                rng: Mutex::new(fastrand::Rng::with_seed(
-                    args.seed.wrapping_mul(31).wrapping_add(i as u64),
-                )),
-            },
+            SimPlatform::new(channel, open_platform(&args.platform)?, seed),
         );
     }
     let dispatcher = builder.build()?;
@@ -244,72 +89,6 @@ pub fn worker(args: &WorkerArgs) -> CliResult<u8> {
 
 fn stop_file(platform: &Path) -> PathBuf {
     platform.with_extension("stop")
-}
-
-// ------------------------------------------------------------------- the engine ----
-
-/// Words for replies of realistic shapes.
-const WORDS: &[&str] = &[
-    "the",
-    "deploy",
-    "finished",
-    "and",
-    "all",
-    "checks",
-    "passed",
-    "your",
-    "order",
-    "ships",
-    "tomorrow",
-    "here",
-    "is",
-    "a",
-    "summary",
-    "of",
-    "meeting",
-    "we",
-    "agreed",
-    "to",
-    "move",
-    "release",
-    "next",
-    "week",
-    "because",
-    "tests",
-    "on",
-    "arm",
-    "were",
-    "flaky",
-    "thanks",
-    "for",
-    "patience",
-    "émigré",
-    "naïve",
-    "日本語",
-    "🚀",
-    "👍🏽",
-    "café",
-];
-
-fn reply_text(rng: &mut fastrand::Rng, n: usize) -> String {
-    // Mostly short replies, some long answers with paragraphs and code.
-    let words = match rng.u32(0..100) {
-        0..60 => rng.usize(5..60),
-        60..90 => rng.usize(60..400),
-        _ => rng.usize(400..2500),
-    };
-    let mut text = format!("Reply {n}:");
-    for i in 0..words {
-        text.push(' ');
-        text.push_str(WORDS[rng.usize(0..WORDS.len())]);
-        if i % 40 == 39 {
-            text.push_str(".\n\n");
-        }
-        if words > 300 && i % 300 == 150 {
-            text.push_str("\n```rust\nfn main() {\n    println!(\"hello\");\n}\n```\n");
-        }
-    }
-    text
 }
 
 /// The chat engine: enqueues replies in bursts and, like an engine retrying after its
@@ -459,7 +238,7 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
         args.replies, args.chats
     ));
 
-    let outbox = Outbox::open(&files.db, demo_options())?;
+    let outbox = Outbox::open(&files.db, sim_options())?;
     open_platform(&files.platform)?;
     let platform = open_platform(&files.platform)?;
 
@@ -487,7 +266,7 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
     let mut engine_result = None;
     loop {
         std::thread::sleep(Duration::from_millis(25));
-        resolve_like_an_operator(&outbox, &platform, &mut summary)?;
+        summary.resolved_uncertain += resolve_like_an_operator(&outbox, &platform)?;
         let h = outbox.health()?;
         let settled = h.totals.delivered_deliveries + h.totals.failed_deliveries;
         bar.set_position(settled);
@@ -559,48 +338,6 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
         && summary.duplicate_finalizations == 0
         && summary.duplicates_unexplained == 0;
     Ok(if ok { 0 } else { 1 })
-}
-
-/// What an operator (or the application's reconciliation job) does: for every chunk
-/// held as uncertain, ask the platform whether it arrived and resolve accordingly; and
-/// acknowledge dead letters so their chats move on.
-fn resolve_like_an_operator(
-    outbox: &Outbox,
-    platform: &Connection,
-    summary: &mut Summary,
-) -> CliResult<()> {
-    let filter = ListFilter {
-        status: Some(DeliveryStatus::Uncertain),
-        limit: 10_000,
-        ..ListFilter::default()
-    };
-    for d in outbox.list(&filter)? {
-        let Some(view) = outbox.delivery(d.id)? else {
-            continue;
-        };
-        for chunk in view
-            .chunks
-            .iter()
-            .filter(|c| c.status == ChunkStatus::Uncertain)
-        {
-            let arrived: bool = platform.query_row(
-                "SELECT EXISTS (SELECT 1 FROM received WHERE key = ?1)",
-                [&chunk.idempotency_key],
-                |r| r.get(0),
-            )?;
-            let resolution = if arrived {
-                Resolution::Delivered {
-                    platform_message_id: None,
-                }
-            } else {
-                Resolution::Resend
-            };
-            outbox.resolve_uncertain(chunk.id, resolution)?;
-            summary.resolved_uncertain += 1;
-        }
-    }
-    outbox.acknowledge_dead_letters()?;
-    Ok(())
 }
 
 /// Reads the verdict from the platforms' record and the `messages` table.

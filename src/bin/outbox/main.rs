@@ -3,6 +3,8 @@
 
 mod demo;
 mod render;
+mod sim;
+mod torture;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -85,6 +87,17 @@ enum Command {
     /// Internal: the demo's worker process.
     #[command(hide = true)]
     DemoWorker(demo::WorkerArgs),
+    /// Crash-test this machine: SIGKILL producer, dispatcher and maintenance processes
+    /// at random moments, restart them, and verify the invariants (JSON verdict).
+    Torture(torture::TortureArgs),
+    /// Internal: a process under torture.
+    #[command(hide = true)]
+    TortureRole(torture::RoleArgs),
+    /// Contention run: dispatcher processes, an enqueuer and a health reader on one file.
+    Stress(torture::StressArgs),
+    /// Internal: a process of the stress run.
+    #[command(hide = true)]
+    StressRole(torture::StressRoleArgs),
 }
 
 #[derive(Args)]
@@ -287,6 +300,10 @@ fn run(cli: Cli) -> CliResult<u8> {
         }
         Command::Demo(args) => demo::run(db, &args),
         Command::DemoWorker(args) => demo::worker(&args),
+        Command::Torture(args) => torture::run(db, &args),
+        Command::TortureRole(args) => torture::role(&args),
+        Command::Stress(args) => torture::stress(db, &args),
+        Command::StressRole(args) => torture::stress_role(&args),
     }
 }
 

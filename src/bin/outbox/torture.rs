@@ -1,0 +1,638 @@
+//! `outbox torture`: crash-consistency on this machine. A producer process enqueues,
+//! two dispatcher processes send through the simulated platforms, a maintenance process
+//! recovers, resolves, acknowledges, purges and checkpoints — and all of them are killed
+//! with SIGKILL at seeded random moments and restarted. At the end the invariants are
+//! checked against what the platforms recorded in their own file.
+//!
+//! `outbox stress` is the contention run: several dispatcher processes, an enqueuer and
+//! a health reader on one file, with every caller-visible error counted.
+
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use chunked_outbox::{
+    ChannelAdapter, Claim, DeliveryId, Dispatcher, Error, NewDelivery, Outbox, OutboxOptions,
+    Outcome, RecoverScope,
+};
+use clap::{Args, ValueEnum};
+use rusqlite::Connection;
+use serde::Serialize;
+
+use crate::CliResult;
+use crate::sim::{
+    CHANNELS, SimPlatform, chat_is_gone, open_platform, reply_text, resolve_like_an_operator,
+    sim_options,
+};
+
+/// Options of `outbox torture`.
+#[derive(Args)]
+pub struct TortureArgs {
+    /// SIGKILLs to deliver (each followed by a restart).
+    #[arg(long, default_value_t = 100)]
+    kills: u64,
+    /// Seed of every random choice (printed, so a failure can be replayed).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Replies the producer enqueues per kill.
+    #[arg(long, default_value_t = 12)]
+    replies_per_kill: u64,
+    /// Keep the files instead of deleting them.
+    #[arg(long)]
+    keep: bool,
+}
+
+/// The roles of the processes under torture.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+pub enum Role {
+    Producer,
+    Dispatcher,
+    Maintenance,
+}
+
+/// Options of the hidden role process.
+#[derive(Args)]
+pub struct RoleArgs {
+    #[arg(long, value_enum)]
+    role: Role,
+    /// Working directory holding the outbox, the platform record and the logs.
+    #[arg(long)]
+    dir: PathBuf,
+    #[arg(long)]
+    seed: u64,
+    /// Replies the producer must have enqueued before it stops.
+    #[arg(long, default_value_t = 0)]
+    replies: u64,
+}
+
+/// The verdict, printed as one JSON line.
+#[derive(Debug, Default, Serialize)]
+struct Verdict {
+    kills: u64,
+    deliveries: u64,
+    chunks: u64,
+    lost: u64,
+    out_of_order: u64,
+    duplicate_finalizations: u64,
+    missing_finalizations: u64,
+    unexplained_duplicates: u64,
+    replays_deduplicated: u64,
+    dead_letters: u64,
+    seed: u64,
+    elapsed_ms: u64,
+}
+
+/// Torture settings: the simulation's, with a short lease so the chunks a killed
+/// dispatcher held come back quickly (several dispatchers run, so recovery must defer
+/// to live leases and can only reclaim expired ones).
+fn torture_options() -> OutboxOptions {
+    sim_options().with_lease(Duration::from_millis(400))
+}
+
+fn stop_path(dir: &Path) -> PathBuf {
+    dir.join("stop")
+}
+
+fn spawn(role: Role, dir: &Path, seed: u64, replies: u64) -> CliResult<Child> {
+    Ok(Command::new(std::env::current_exe()?)
+        .args(["torture-role", "--role"])
+        .arg(format!("{role:?}").to_lowercase())
+        .arg("--dir")
+        .arg(dir)
+        .args([
+            "--seed",
+            &seed.to_string(),
+            "--replies",
+            &replies.to_string(),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()?)
+}
+
+/// The chat a reply goes to: a function of the seed and its number, so the verifier
+/// knows it without asking the (possibly purged) outbox.
+fn chat_of(seed: u64, n: u64) -> (usize, String) {
+    let mut rng = fastrand::Rng::with_seed(seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let channel = rng.usize(0..CHANNELS.len());
+    (
+        channel,
+        format!("{}-chat-{}", CHANNELS[channel].name, rng.usize(0..40)),
+    )
+}
+
+pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
+    if db.is_some() {
+        return Err("torture works in a fresh temporary directory; do not pass --db".into());
+    }
+    let started = Instant::now();
+    let dir = std::env::temp_dir().join(format!(
+        "outbox-torture-{}-{}",
+        std::process::id(),
+        args.seed
+    ));
+    std::fs::create_dir_all(&dir)?;
+    eprintln!(
+        "torture: seed {}, {} kills, files in {}",
+        args.seed,
+        args.kills,
+        dir.display()
+    );
+    Outbox::open(dir.join("outbox.db"), torture_options())?;
+    open_platform(&dir.join("platform.db"))?;
+
+    let replies = (args.kills * args.replies_per_kill).max(100);
+    let roles = [
+        Role::Producer,
+        Role::Dispatcher,
+        Role::Dispatcher,
+        Role::Maintenance,
+    ];
+    let mut children: Vec<Child> = roles
+        .iter()
+        .enumerate()
+        .map(|(i, r)| spawn(*r, &dir, args.seed + i as u64, replies))
+        .collect::<CliResult<_>>()?;
+    let mut rng = fastrand::Rng::with_seed(args.seed);
+    let mut generation = roles.len() as u64;
+    for _ in 0..args.kills {
+        std::thread::sleep(Duration::from_millis(rng.u64(5..60)));
+        // Most kills hit a dispatcher (sends in flight) or the producer (enqueues).
+        let victim = match rng.u32(0..10) {
+            0..4 => 1 + rng.usize(0..2),
+            4..8 => 0,
+            _ => 3,
+        };
+        let child = &mut children[victim];
+        child.kill()?;
+        child.wait()?;
+        generation += 1;
+        // The producer keeps the run's seed: it decides which chat each reply goes to.
+        let seed = if victim == 0 {
+            args.seed
+        } else {
+            args.seed.wrapping_add(generation)
+        };
+        *child = spawn(roles[victim], &dir, seed, replies)?;
+    }
+
+    // No more kills: let everything settle, then stop the roles.
+    let outbox = Outbox::open(dir.join("outbox.db"), torture_options())?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        std::thread::sleep(Duration::from_millis(50));
+        let producer_done = children[0].try_wait()?.is_some_and(|s| s.success());
+        let h = outbox.health()?;
+        let t = &h.totals;
+        if producer_done
+            && t.pending_chunks + t.retry_chunks + t.sending_chunks + t.uncertain_chunks == 0
+        {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "torture did not settle within 5 minutes (seed {})",
+                args.seed
+            )
+            .into());
+        }
+    }
+    std::fs::write(stop_path(&dir), b"")?;
+    for child in &mut children {
+        child.wait()?;
+    }
+
+    let mut verdict = verify(&dir, &outbox, args.seed)?;
+    verdict.kills = args.kills;
+    verdict.seed = args.seed;
+    verdict.elapsed_ms = started.elapsed().as_millis() as u64;
+    println!("{}", serde_json::to_string(&verdict)?);
+    drop(outbox);
+    if !args.keep {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    let ok = verdict.lost == 0
+        && verdict.out_of_order == 0
+        && verdict.duplicate_finalizations == 0
+        && verdict.missing_finalizations == 0
+        && verdict.unexplained_duplicates == 0;
+    Ok(if ok { 0 } else { 1 })
+}
+
+/// One process under torture.
+pub fn role(args: &RoleArgs) -> CliResult<u8> {
+    let db = args.dir.join("outbox.db");
+    let platform = args.dir.join("platform.db");
+    let stop = stop_path(&args.dir);
+    let outbox = Outbox::open(&db, torture_options())?;
+    match args.role {
+        Role::Producer => produce(&outbox, &args.dir, args.seed, args.replies),
+        Role::Dispatcher => {
+            let mut builder = Dispatcher::builder(outbox.clone())
+                .workers(2)
+                .batch_size(8)
+                .poll_interval(Duration::from_millis(10));
+            for (i, channel) in CHANNELS.iter().enumerate() {
+                let seed = args.seed.wrapping_mul(31).wrapping_add(i as u64);
+                builder = builder.adapter(
+                    channel.name,
+                    SimPlatform::new(channel, open_platform(&platform)?, seed),
+                );
+            }
+            let running = builder.build()?.start()?;
+            while !stop.exists() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            running.shutdown(Duration::from_secs(10));
+            Ok(0)
+        }
+        Role::Maintenance => {
+            let record = open_platform(&platform)?;
+            let mut rng = fastrand::Rng::with_seed(args.seed);
+            while !stop.exists() {
+                outbox.recover(RecoverScope::ExpiredLeases)?;
+                resolve_like_an_operator(&outbox, &record)?;
+                if rng.u8(0..4) == 0 {
+                    outbox.purge(chrono::Utc::now() - chrono::Duration::seconds(1))?;
+                }
+                if rng.u8(0..10) == 0 {
+                    let _ = outbox.checkpoint(); // busy readers may defer it
+                }
+                std::thread::sleep(Duration::from_millis(rng.u64(5..30)));
+            }
+            Ok(0)
+        }
+    }
+}
+
+/// Enqueues replies `0..replies` with caller keys, logging each id once `enqueue`
+/// returned. A restarted producer resumes after the last logged reply and enqueues it
+/// again under the same key, which the outbox deduplicates.
+fn produce(outbox: &Outbox, dir: &Path, seed: u64, replies: u64) -> CliResult<u8> {
+    let log_path = dir.join("producer.log");
+    let next = std::fs::read_to_string(&log_path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_once(' ')?.0.parse::<u64>().ok())
+        .max()
+        .map_or(0, |n| n + 1);
+    let mut log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)?;
+    for n in next..replies {
+        let (channel, chat) = chat_of(seed, n);
+        let mut rng = fastrand::Rng::with_seed(n);
+        let text = reply_text(&mut rng, n as usize);
+        let reply = NewDelivery::split(
+            CHANNELS[channel].name,
+            chat,
+            text,
+            &CHANNELS[channel].splitter,
+        )?
+        .with_idempotency_key(format!("torture-{n}"));
+        let id = outbox.enqueue(&reply)?.id;
+        log.write_all(format!("{n} {id}\n").as_bytes())?;
+        if n % 8 == 7 {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    Ok(0)
+}
+
+fn verify(dir: &Path, outbox: &Outbox, seed: u64) -> CliResult<Verdict> {
+    let mut v = Verdict::default();
+    // What the producer knows it enqueued (enqueue returned Ok), in order.
+    let mut confirmed: Vec<(u64, DeliveryId)> = Vec::new();
+    let mut seen_n = HashSet::new();
+    for line in std::fs::read_to_string(dir.join("producer.log"))?.lines() {
+        let Some((n, id)) = line.split_once(' ') else {
+            continue;
+        }; // a torn last line
+        let (Ok(n), Ok(id)) = (n.parse::<u64>(), id.parse::<DeliveryId>()) else {
+            continue;
+        };
+        if seen_n.insert(n) {
+            confirmed.push((n, id));
+        }
+    }
+    confirmed.sort();
+    v.deliveries = confirmed.len() as u64;
+
+    let conn = Connection::open(dir.join("outbox.db"))?;
+    let platform = open_platform(&dir.join("platform.db"))?;
+    let mut received: Vec<(String, String, String)> = Vec::new();
+    {
+        let mut stmt = platform.prepare("SELECT channel, chat, key FROM received ORDER BY id")?;
+        for row in stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))? {
+            received.push(row?);
+        }
+    }
+    let replays: i64 = platform.query_row("SELECT count(*) FROM deduplicated", [], |r| r.get(0))?;
+    v.replays_deduplicated = replays as u64;
+    let mut at_platform: HashMap<&str, usize> = HashMap::new();
+    for (channel, _, key) in &received {
+        let count = at_platform.entry(key.as_str()).or_default();
+        *count += 1;
+        if *count > 1 && !CHANNELS.iter().any(|c| c.name == channel && c.dedupes) {
+            v.unexplained_duplicates += 1;
+        }
+    }
+
+    // Each confirmed delivery: finalized (a messages row), a dead letter, or lost.
+    let mut position: HashMap<String, (u64, u32)> = HashMap::new();
+    for (n, id) in &confirmed {
+        let uid = id.to_string();
+        let finalized: Option<i64> = conn
+            .query_row(
+                "SELECT chunk_count FROM messages WHERE delivery_id = ?1",
+                [&uid],
+                |r| r.get(0),
+            )
+            .ok();
+        let stored = outbox.delivery(*id)?;
+        let chunks = match (&finalized, &stored) {
+            (Some(count), _) => *count as u32,
+            (None, Some(d)) => d.chunk_count,
+            (None, None) => {
+                // Gone from the outbox without a history row: only an acknowledged dead
+                // letter may be purged like that, and only chats that no longer exist
+                // produce dead letters.
+                if chat_is_gone(&chat_of(seed, *n).1) {
+                    v.dead_letters += 1;
+                } else {
+                    v.lost += 1;
+                }
+                continue;
+            }
+        };
+        v.chunks += u64::from(chunks);
+        let keys: Vec<String> = (0..chunks)
+            .map(|i| chunked_outbox::chunk_idempotency_key(id, i))
+            .collect();
+        let arrived = keys
+            .iter()
+            .filter(|k| at_platform.contains_key(k.as_str()))
+            .count() as u32;
+        match (&finalized, stored.as_ref().map(|d| d.status)) {
+            (Some(_), _) => v.lost += u64::from(chunks - arrived),
+            (None, Some(chunked_outbox::DeliveryStatus::Failed)) => v.dead_letters += 1,
+            (None, _) if arrived == chunks => v.missing_finalizations += 1,
+            (None, _) => v.lost += 1,
+        }
+        for (i, key) in keys.into_iter().enumerate() {
+            position.insert(key, (*n, i as u32));
+        }
+    }
+    let (rows, distinct): (i64, i64) = conn.query_row(
+        "SELECT count(*), count(DISTINCT delivery_id) FROM messages",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )?;
+    v.duplicate_finalizations = (rows - distinct) as u64;
+
+    // Per chat, first arrivals must follow enqueue order (reply number, then chunk).
+    let mut last: HashMap<&str, (u64, u32)> = HashMap::new();
+    let mut first = HashSet::new();
+    let mut bad = HashSet::new();
+    for (_, chat, key) in &received {
+        if !first.insert(key) {
+            continue;
+        }
+        let Some(&pos) = position.get(key) else {
+            continue;
+        };
+        if let Some(prev) = last.insert(chat, pos)
+            && prev > pos
+        {
+            bad.insert(chat.as_str());
+        }
+    }
+    v.out_of_order = bad.len() as u64;
+    Ok(v)
+}
+
+// ------------------------------------------------------------------ contention ----
+
+/// Options of `outbox stress`.
+#[derive(Args)]
+pub struct StressArgs {
+    /// Dispatcher processes.
+    #[arg(long, default_value_t = 4)]
+    dispatchers: usize,
+    /// Worker threads per dispatcher process.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Replies the enqueuer process writes (one chunk each).
+    #[arg(long, default_value_t = 20_000)]
+    replies: u64,
+}
+
+/// Options of the hidden stress role process.
+#[derive(Args)]
+pub struct StressRoleArgs {
+    #[arg(long)]
+    dir: PathBuf,
+    /// `enqueue`, `health`, or `dispatch`.
+    #[arg(long)]
+    kind: String,
+    #[arg(long, default_value_t = 0)]
+    replies: u64,
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    #[arg(long, default_value_t = 0)]
+    index: usize,
+}
+
+#[derive(Debug, Default, Serialize, serde::Deserialize)]
+struct StressReport {
+    busy_errors: u64,
+    other_errors: u64,
+    operations: u64,
+}
+
+/// Records every key it is handed; never fails.
+struct KeyRecorder(Mutex<Vec<String>>, AtomicU64);
+
+impl ChannelAdapter for KeyRecorder {
+    fn send(&self, claim: &Claim) -> Outcome {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(claim.idempotency_key.clone());
+        self.1.fetch_add(1, Ordering::Relaxed);
+        Outcome::delivered(None)
+    }
+}
+
+fn count_error(report: &mut StressReport, e: &Error) {
+    if matches!(e, Error::Busy) {
+        report.busy_errors += 1
+    } else {
+        report.other_errors += 1
+    }
+}
+
+pub fn stress(db: Option<&Path>, args: &StressArgs) -> CliResult<u8> {
+    if db.is_some() {
+        return Err("stress works in a fresh temporary directory; do not pass --db".into());
+    }
+    let dir = std::env::temp_dir().join(format!("outbox-stress-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let outbox = Outbox::open(dir.join("outbox.db"), OutboxOptions::default())?;
+    let started = Instant::now();
+    let spawn_role = |kind: &str, index: usize| -> CliResult<Child> {
+        Ok(Command::new(std::env::current_exe()?)
+            .args(["stress-role", "--kind", kind, "--dir"])
+            .arg(&dir)
+            .args([
+                "--replies",
+                &args.replies.to_string(),
+                "--workers",
+                &args.workers.to_string(),
+            ])
+            .args(["--index", &index.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()?)
+    };
+    let mut children = vec![spawn_role("enqueue", 0)?, spawn_role("health", 0)?];
+    for i in 0..args.dispatchers {
+        children.push(spawn_role("dispatch", i)?);
+    }
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while outbox.health()?.totals.delivered_deliveries < args.replies {
+        if Instant::now() > deadline {
+            return Err("stress did not finish within 10 minutes".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let elapsed = started.elapsed();
+    std::fs::write(stop_path(&dir), b"")?;
+    let mut total = StressReport::default();
+    let mut keys = HashSet::new();
+    let mut claimed_twice = 0;
+    for (i, child) in children.iter_mut().enumerate() {
+        if !child.wait()?.success() {
+            return Err(format!("stress process {i} failed").into());
+        }
+    }
+    for entry in std::fs::read_dir(&dir)? {
+        let path = entry?.path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_owned();
+        if name.ends_with(".report.json") {
+            let r: StressReport = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+            total.busy_errors += r.busy_errors;
+            total.other_errors += r.other_errors;
+        } else if name.ends_with(".keys") {
+            for key in std::fs::read_to_string(&path)?.lines() {
+                if !keys.insert(key.to_owned()) {
+                    claimed_twice += 1;
+                }
+            }
+        }
+    }
+    let per_s = args.replies as f64 / elapsed.as_secs_f64();
+    println!(
+        "{}",
+        serde_json::json!({
+            "dispatcher_processes": args.dispatchers,
+            "workers_per_process": args.workers,
+            "chunks": args.replies,
+            "sent": keys.len() + claimed_twice,
+            "claimed_twice": claimed_twice,
+            "busy_errors": total.busy_errors,
+            "other_errors": total.other_errors,
+            "elapsed_ms": elapsed.as_millis() as u64,
+            "chunks_per_s": per_s.round(),
+        })
+    );
+    drop(outbox);
+    std::fs::remove_dir_all(&dir)?;
+    Ok(
+        if claimed_twice == 0
+            && total.busy_errors == 0
+            && total.other_errors == 0
+            && keys.len() as u64 == args.replies
+        {
+            0
+        } else {
+            1
+        },
+    )
+}
+
+pub fn stress_role(args: &StressRoleArgs) -> CliResult<u8> {
+    let outbox = Outbox::open(args.dir.join("outbox.db"), OutboxOptions::default())?;
+    let stop = stop_path(&args.dir);
+    let mut report = StressReport::default();
+    let name = format!("{}-{}", args.kind, args.index);
+    match args.kind.as_str() {
+        "enqueue" => {
+            for n in 0..args.replies {
+                let reply = NewDelivery::single(
+                    "stress",
+                    format!("chat-{}", n % 500),
+                    format!("reply {n}"),
+                );
+                match outbox.enqueue(&reply) {
+                    Ok(_) => report.operations += 1,
+                    Err(e) => count_error(&mut report, &e),
+                }
+            }
+        }
+        "health" => {
+            while !stop.exists() {
+                match outbox.health() {
+                    Ok(_) => report.operations += 1,
+                    Err(e) => count_error(&mut report, &e),
+                }
+            }
+        }
+        "dispatch" => {
+            let recorder = std::sync::Arc::new(KeyRecorder(Mutex::default(), AtomicU64::new(0)));
+            let running = Dispatcher::builder(outbox.clone())
+                .adapter("stress", SharedRecorder(recorder.clone()))
+                .workers(args.workers)
+                .batch_size(32)
+                .build()?
+                .start()?;
+            while !stop.exists() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let shutdown = running.shutdown(Duration::from_secs(30));
+            report.operations = recorder.1.load(Ordering::Relaxed);
+            report.other_errors += shutdown.stats.errors;
+            let keys = recorder
+                .0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .join("\n");
+            std::fs::write(args.dir.join(format!("{name}.keys")), keys)?;
+        }
+        other => return Err(format!("unknown stress role {other}").into()),
+    }
+    std::fs::write(
+        args.dir.join(format!("{name}.report.json")),
+        serde_json::to_string(&report)?,
+    )?;
+    Ok(0)
+}
+
+struct SharedRecorder(std::sync::Arc<KeyRecorder>);
+
+impl ChannelAdapter for SharedRecorder {
+    fn send(&self, claim: &Claim) -> Outcome {
+        self.0.send(claim)
+    }
+}
