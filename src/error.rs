@@ -88,6 +88,26 @@ pub enum Error {
         path: PathBuf,
     },
 
+    /// The file is an SQLite database but damaged (for example truncated). It was left
+    /// untouched; restore it from a backup.
+    #[error("{} is corrupt ({reason}); it was left untouched", path.display())]
+    Corrupt {
+        /// The offending file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// SQLite could not open the file or the `-wal`/`-shm` files WAL mode keeps next to
+    /// it: check that the file and its directory exist and are writable.
+    #[error("cannot open {}: {reason} (WAL mode needs to write the file and create -wal and -shm beside it)", path.display())]
+    CannotOpen {
+        /// The database file.
+        path: PathBuf,
+        /// SQLite's message.
+        reason: String,
+    },
+
     /// The database file does not exist and the options say not to create it.
     #[error("database {} does not exist", path.display())]
     DatabaseMissing {

@@ -203,6 +203,7 @@ impl RetryPolicy {
 /// | lane failure | [`LaneFailurePolicy::Skip`] |
 /// | create if missing | yes |
 /// | reader connections | 4 |
+/// | maximum database size | none |
 /// | clock | [`SystemClock`] |
 ///
 /// ```
@@ -229,6 +230,7 @@ pub struct OutboxOptions {
     pub(crate) lane_failure: LaneFailurePolicy,
     pub(crate) create_if_missing: bool,
     pub(crate) readers: u32,
+    pub(crate) max_size: Option<u64>,
     pub(crate) clock: Arc<dyn Clock>,
 }
 
@@ -245,6 +247,7 @@ impl Default for OutboxOptions {
             lane_failure: LaneFailurePolicy::Skip,
             create_if_missing: true,
             readers: 4,
+            max_size: None,
             clock: Arc::new(SystemClock),
         }
     }
@@ -270,6 +273,7 @@ impl Clone for OutboxOptions {
             lane_failure: self.lane_failure,
             create_if_missing: self.create_if_missing,
             readers: self.readers,
+            max_size: self.max_size,
             clock: self.clock.clone(),
         }
     }
@@ -337,6 +341,15 @@ impl OutboxOptions {
     /// Number of pooled read-only connections (at least 1).
     pub fn with_readers(mut self, readers: u32) -> Self {
         self.readers = readers.max(1);
+        self
+    }
+
+    /// Caps the database file at about `bytes` (SQLite's `max_page_count`). A write
+    /// that would grow it further fails with [`Error::DiskFull`](crate::Error::DiskFull)
+    /// and changes nothing; reopening with a larger cap (or none) lifts it. Default: no
+    /// cap beyond the disk's.
+    pub fn with_max_size(mut self, bytes: Option<u64>) -> Self {
+        self.max_size = bytes;
         self
     }
 

@@ -49,14 +49,18 @@ impl Outbox {
     /// # Errors
     ///
     /// [`Error::DatabaseMissing`] if the file is missing and creation is off;
-    /// [`Error::NotADatabase`] if the file is not an SQLite database (it is not
-    /// modified); [`Error::SchemaTooNew`] if a newer version of this crate wrote it;
-    /// [`Error::PragmaNotApplied`] if WAL mode or another pragma could not be set;
+    /// [`Error::NotADatabase`] if the file is not an SQLite database and
+    /// [`Error::Corrupt`] if it is a damaged one (either is left untouched); [`Error::SchemaTooNew`] if a newer version of this crate wrote it;
+    /// [`Error::CannotOpen`] if the file or its `-wal`/`-shm` companions cannot be
+    /// opened (a read-only directory); [`Error::PragmaNotApplied`] if WAL mode or
+    /// another pragma could not be set;
     /// [`Error::Io`] if the file could not be created.
     pub fn open(path: impl AsRef<Path>, options: OutboxOptions) -> Result<Outbox> {
         let path = path.as_ref().to_owned();
         create_private_file(&path, options.create_if_missing)?;
-        let mut writer = Connection::open(&path).map_err(Error::from)?;
+        schema::check_file(&path)?;
+        let mut writer =
+            Connection::open(&path).map_err(|e| schema::name_path(Error::from(e), &path))?;
         let setup = schema::refuse_newer(&writer)
             .and_then(|()| schema::configure(&writer, &options, false))
             .and_then(|()| schema::migrate(&mut writer));

@@ -75,6 +75,64 @@ pub(crate) fn configure(conn: &Connection, options: &OutboxOptions, in_memory: b
     )?;
     let fk: i64 = conn.query_row("PRAGMA foreign_keys", [], |r| r.get(0))?;
     expect_pragma("foreign_keys", "1", &fk.to_string())?;
+    if let Some(bytes) = options.max_size {
+        let page_size: i64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+        let pages = bytes / page_size.max(1) as u64;
+        let wanted = i64::try_from(pages).unwrap_or(i64::MAX).max(1);
+        // A pragma takes no bound parameters; `wanted` is a number computed here. SQLite
+        // never sets it below the current page count; reading it back tells.
+        let set: i64 = conn.query_row(&format!("PRAGMA max_page_count = {wanted}"), [], |r| {
+            r.get(0)
+        })?;
+        let current: i64 = conn.query_row("PRAGMA page_count", [], |r| r.get(0))?;
+        expect_pragma(
+            "max_page_count",
+            &wanted.max(current).to_string(),
+            &set.to_string(),
+        )?;
+    }
+    Ok(())
+}
+
+/// Checks a file's SQLite header before SQLite touches it: a file that is not a
+/// database, or one cut short (the header names more pages than the file holds), is
+/// refused with an error naming it, and left exactly as it is.
+pub(crate) fn check_file(path: &Path) -> Result<()> {
+    use std::io::Read;
+    let io = |source| Error::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    if len == 0 {
+        return Ok(()); // new: SQLite writes the header on first use
+    }
+    let mut header = [0_u8; 100];
+    if len < 100 || file.read_exact(&mut header).is_err() || &header[..16] != b"SQLite format 3\0" {
+        return Err(Error::NotADatabase {
+            path: path.to_owned(),
+        });
+    }
+    let be32 = |at: usize| {
+        u32::from_be_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
+    };
+    let page_size = match u16::from_be_bytes([header[16], header[17]]) {
+        1 => 65_536,
+        n => u64::from(n),
+    };
+    let pages = u64::from(be32(28));
+    // The in-header size is only meaningful when it was written by the same change as
+    // the header's change counter (SQLite's own rule).
+    let size_valid = be32(92) == be32(24) && pages > 0;
+    if size_valid && pages * page_size > len {
+        return Err(Error::Corrupt {
+            path: path.to_owned(),
+            reason: format!(
+                "truncated: the header names {pages} pages of {page_size} bytes, the file holds {len} bytes"
+            ),
+        });
+    }
     Ok(())
 }
 
@@ -138,14 +196,23 @@ fn expect_pragma(name: &'static str, wanted: &str, got: &str) -> Result<()> {
     }
 }
 
-/// Maps "file is not a database" on first contact to an error that names the path.
+/// Maps "not a database" and "corrupt" on first contact to errors that name the path.
 pub(crate) fn name_path(err: Error, path: &Path) -> Error {
     match &err {
-        Error::Sqlite(e) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::NotADatabase) => {
-            Error::NotADatabase {
+        Error::Sqlite(e) => match e.sqlite_error_code() {
+            Some(rusqlite::ErrorCode::NotADatabase) => Error::NotADatabase {
                 path: path.to_owned(),
-            }
-        }
+            },
+            Some(rusqlite::ErrorCode::DatabaseCorrupt) => Error::Corrupt {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            },
+            Some(rusqlite::ErrorCode::CannotOpen) => Error::CannotOpen {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            },
+            _ => err,
+        },
         _ => err,
     }
 }

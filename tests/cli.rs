@@ -355,11 +355,22 @@ fn torture_survives_twenty_kills() {
         .output()
         .unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(out.status.code(), Some(0), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
     assert_eq!(v["kills"], 25);
     assert_eq!(v["seed"], 17);
-    for zero in ["lost", "out_of_order", "duplicate_finalizations", "missing_finalizations", "unexplained_duplicates"] {
+    for zero in [
+        "lost",
+        "out_of_order",
+        "duplicate_finalizations",
+        "missing_finalizations",
+        "unexplained_duplicates",
+    ] {
         assert_eq!(v[zero], 0, "{zero}: {text}");
     }
     assert!(v["deliveries"].as_u64().unwrap() >= 100);
@@ -370,11 +381,24 @@ fn contention_reaches_no_caller_and_claims_nothing_twice() {
     let out = Command::cargo_bin("outbox")
         .unwrap()
         .env_remove("OUTBOX_DB")
-        .args(["stress", "--dispatchers", "4", "--workers", "2", "--replies", "3000"])
+        .args([
+            "stress",
+            "--dispatchers",
+            "4",
+            "--workers",
+            "2",
+            "--replies",
+            "3000",
+        ])
         .output()
         .unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(out.status.code(), Some(0), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
     assert_eq!(v["busy_errors"], 0);
     assert_eq!(v["other_errors"], 0);
