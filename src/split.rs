@@ -34,6 +34,27 @@ impl LengthUnit {
             LengthUnit::Utf16 => s.chars().map(char::len_utf16).sum(),
         }
     }
+
+    /// Whether `s` is at most `max` long, reading no further than needed.
+    fn fits(self, s: &str, max: usize) -> bool {
+        match self {
+            LengthUnit::Bytes => s.len() <= max,
+            LengthUnit::Chars | LengthUnit::Utf16 => {
+                if s.len() <= max {
+                    return true; // never more chars or UTF-16 units than bytes
+                }
+                let mut used = 0;
+                s.chars().all(|c| {
+                    used += if self == LengthUnit::Chars {
+                        1
+                    } else {
+                        c.len_utf16()
+                    };
+                    used <= max
+                })
+            }
+        }
+    }
 }
 
 /// Splits text into chunks of at most `limit` units.
@@ -153,8 +174,10 @@ impl Splitter {
         while !text[start..].trim().is_empty() {
             let prefix = fence.reopen_line();
             let rest = &text[start..];
-            let whole_fits = self.unit.len(&prefix) + self.unit.len(rest) <= self.limit
-                && !FenceState::after(&fence, rest).is_open();
+            // Measured only up to the room left, so long texts stay linear.
+            let room = self.limit.saturating_sub(self.unit.len(&prefix));
+            let whole_fits =
+                self.unit.fits(rest, room) && !FenceState::after(&fence, rest).is_open();
             let end = if whole_fits {
                 rest.len()
             } else {
