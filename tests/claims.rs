@@ -329,3 +329,38 @@ fn eight_threads_never_receive_the_same_chunk() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn record_batch_settles_each_claim_and_refuses_only_stale_ones() -> Result<()> {
+    let db =
+        TestDb::new(OutboxOptions::default().with_lane_order(chunked_outbox::LaneOrder::Parallel));
+    let ob = &db.outbox;
+    for chat in ["1", "2", "3"] {
+        enqueue(ob, chat, &["x"]);
+    }
+    let claims = claim_all(ob);
+    assert_eq!(claims.len(), 3);
+    ob.ack(&claims[1], None)?; // settled already: stale in the batch
+    let results = ob.record_batch([
+        (&claims[0], Outcome::delivered(None)),
+        (&claims[1], Outcome::delivered(None)),
+        (
+            &claims[2],
+            Outcome::Transient {
+                error: "503".into(),
+            },
+        ),
+    ])?;
+    assert!(results[0].as_ref().is_ok_and(|r| r.finalized));
+    assert!(matches!(results[1], Err(Error::StaleClaim { .. })));
+    assert_eq!(
+        results[2].as_ref().map(|r| r.status).ok(),
+        Some(ChunkStatus::Retry)
+    );
+    let h = ob.health()?;
+    assert_eq!(
+        (h.totals.delivered_deliveries, h.totals.retry_chunks),
+        (2, 1)
+    );
+    Ok(())
+}

@@ -428,6 +428,8 @@ struct Recorder(Arc<Mutex<Vec<String>>>);
 
 impl ChannelAdapter for Recorder {
     fn send(&self, claim: &Claim) -> Outcome {
+        // A network round trip's worth of latency, so concurrent dispatchers overlap.
+        std::thread::sleep(Duration::from_micros(300));
         self.0.lock().unwrap().push(claim.idempotency_key.clone());
         Outcome::delivered(None)
     }
@@ -542,13 +544,13 @@ fn shutdown_finishes_sends_in_flight_and_leaves_nothing_sending() -> Result<()> 
         10,
         "one batch claimed, one send in flight"
     );
-    let stopper = std::thread::spawn(move || running.shutdown(Duration::from_secs(30)));
+    running.request_shutdown();
     {
         let (lock, cv) = &*gate.state;
         lock.lock().unwrap().1 = true;
         cv.notify_all();
     }
-    let report = stopper.join().unwrap();
+    let report = running.shutdown(Duration::from_secs(30));
     assert!(report.clean);
     assert_eq!(
         report.stats.delivered, 1,
@@ -724,9 +726,9 @@ mod tokio_running {
             .build()?;
         let running = dispatcher.start()?;
         gate.started.notified().await;
-        let stop = tokio::spawn(running.shutdown(Duration::from_secs(30)));
+        running.request_shutdown();
         gate.proceed.add_permits(1);
-        let report = stop.await.unwrap();
+        let report = running.shutdown(Duration::from_secs(30)).await;
         assert!(report.clean);
         assert_eq!(
             report.stats.delivered, 1,

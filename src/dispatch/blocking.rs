@@ -9,7 +9,7 @@ use serde::Serialize;
 use tracing::warn;
 
 use super::{ChannelAdapter, Core, DispatchStats, Gate, Pacing, Settings};
-use crate::{Claim, Outbox, ReplayPolicy, Result};
+use crate::{Claim, Outbox, Outcome, ReplayPolicy, Result};
 
 /// Builds a [`Dispatcher`]: register one adapter per channel, then
 /// [`build`](Self::build).
@@ -43,6 +43,17 @@ impl DispatcherBuilder {
     /// process wake workers at once. Default 50 ms.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.settings.poll_interval = interval;
+        self
+    }
+
+    /// Outcomes that arrive within this window of the first unrecorded one are recorded
+    /// in one transaction (group commit). A send slower than the window is recorded on
+    /// its own right after it returns, so with real network sends every outcome is
+    /// committed at once; with very fast adapters a crash can leave up to one batch of
+    /// sent-but-unrecorded chunks, which recovery treats as possibly sent. Zero records
+    /// each outcome on its own. Default 2 ms.
+    pub fn group_commit_window(mut self, window: Duration) -> Self {
+        self.settings.group_window = window;
         self
     }
 
@@ -209,29 +220,40 @@ impl Dispatcher {
         }
     }
 
-    /// Sends a batch in order. Once stopping, the unstarted rest is released.
+    /// Sends a batch in order. Outcomes are recorded together when they come within the
+    /// group-commit window of each other (fast sends), or one by one (slow sends). Once
+    /// stopping, the unstarted rest is released.
     fn process(&self, claims: Vec<Claim>) {
         let core = &self.shared.core;
+        let mut unrecorded: Vec<(Claim, Outcome)> = Vec::new();
+        let mut first_unrecorded = Instant::now();
         for claim in claims {
             if core.stopping() {
                 core.release(&claim, Duration::ZERO);
                 continue;
             }
             let span = Core::span(&claim);
-            let _entered = span.enter();
-            match core.gate(&claim) {
-                Gate::Defer(wait) => core.release(&claim, wait),
-                Gate::Send => {
-                    let Some(adapter) = self.shared.adapters.get(&claim.channel) else {
-                        core.release(&claim, Duration::ZERO);
-                        continue;
-                    };
+            let entered = span.enter();
+            let adapter = self.shared.adapters.get(&claim.channel);
+            match (core.gate(&claim), adapter) {
+                (Gate::Send, Some(adapter)) => {
                     core.before_send(&claim);
                     let outcome = adapter.send(&claim);
-                    core.record(&claim, outcome);
+                    drop(entered);
+                    if unrecorded.is_empty() {
+                        first_unrecorded = Instant::now();
+                    }
+                    unrecorded.push((claim, outcome));
+                    if first_unrecorded.elapsed() >= core.settings.group_window {
+                        core.record_all(&unrecorded);
+                        unrecorded.clear();
+                    }
                 }
+                (Gate::Defer(wait), _) => core.release(&claim, wait),
+                (Gate::Send, None) => core.release(&claim, Duration::ZERO),
             }
         }
+        core.record_all(&unrecorded);
     }
 }
 
@@ -260,6 +282,13 @@ impl RunningDispatcher {
     /// What the dispatcher has done so far.
     pub fn stats(&self) -> DispatchStats {
         self.dispatcher.stats()
+    }
+
+    /// Asks the workers to stop without waiting for them (for a signal handler, say):
+    /// each finishes the send it is in, releases the rest of its batch and exits.
+    /// [`shutdown`](Self::shutdown) then waits.
+    pub fn request_shutdown(&self) {
+        self.dispatcher.shared.core.stop();
     }
 
     /// Stops the workers: sends in flight finish and are recorded, claimed chunks not

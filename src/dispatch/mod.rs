@@ -85,6 +85,9 @@ pub(crate) struct Settings {
     pub workers: usize,
     pub batch: usize,
     pub poll_interval: Duration,
+    /// Outcomes gathered within this window of the first unrecorded one are recorded in
+    /// one transaction. Slow sends exceed it, so each of them is recorded at once.
+    pub group_window: Duration,
 }
 
 impl Default for Settings {
@@ -93,6 +96,7 @@ impl Default for Settings {
             workers: 2,
             batch: 16,
             poll_interval: Duration::from_millis(50),
+            group_window: Duration::from_millis(2),
         }
     }
 }
@@ -321,15 +325,32 @@ impl Core {
         debug!(text = %claim.text, key = %claim.idempotency_key, "sending");
     }
 
-    /// Records the adapter's outcome and counts it. Errors are logged and counted, not
-    /// returned: the chunk's lease then settles it.
-    pub(crate) fn record(&self, claim: &Claim, outcome: Outcome) {
-        let kind = outcome_kind(&outcome);
-        match self.outbox.record(claim, outcome) {
-            Ok(recorded) => self.count(kind, &recorded),
+    /// Records the adapters' outcomes in one transaction and counts them. Errors are
+    /// logged and counted, not returned: the chunks' leases then settle them.
+    pub(crate) fn record_all(&self, outcomes: &[(Claim, Outcome)]) {
+        if outcomes.is_empty() {
+            return;
+        }
+        let batch = outcomes.iter().map(|(c, o)| (c, o.clone()));
+        match self.outbox.record_batch(batch) {
+            Ok(results) => {
+                for ((claim, outcome), result) in outcomes.iter().zip(results) {
+                    let kind = outcome_kind(outcome);
+                    let _entered = Core::span(claim).entered();
+                    match result {
+                        Ok(recorded) => self.count(kind, &recorded),
+                        Err(e) => {
+                            Counters::bump(&self.counters.errors);
+                            warn!(error = %e, outcome = kind, "could not record outcome");
+                        }
+                    }
+                }
+            }
             Err(e) => {
-                Counters::bump(&self.counters.errors);
-                warn!(error = %e, outcome = kind, "could not record outcome");
+                for _ in outcomes {
+                    Counters::bump(&self.counters.errors);
+                }
+                warn!(error = %e, outcomes = outcomes.len(), "could not record outcomes; their leases will settle them");
             }
         }
     }

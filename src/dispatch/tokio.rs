@@ -81,6 +81,14 @@ impl AsyncDispatcherBuilder {
         self
     }
 
+    /// Group-commit window, as
+    /// [`DispatcherBuilder::group_commit_window`](crate::DispatcherBuilder::group_commit_window).
+    /// Default 2 ms.
+    pub fn group_commit_window(mut self, window: Duration) -> Self {
+        self.settings.group_window = window;
+        self
+    }
+
     /// Bound on how late an idle worker notices another process's commit. Default 50 ms.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.settings.poll_interval = interval;
@@ -166,34 +174,45 @@ impl AsyncDispatcher {
     pub async fn run_once(&self) -> Result<usize> {
         let claims = self.blocking(|s| s.core.claim()).await?;
         let n = claims.len();
+        let mut unrecorded: Vec<(Claim, Outcome)> = Vec::new();
+        let mut first_unrecorded = std::time::Instant::now();
         for claim in claims {
-            let claim = Arc::new(claim);
             let span = Core::span(&claim);
-            self.process(claim).instrument(span).await;
+            if let Some(outcome) = self.send(&claim).instrument(span).await {
+                if unrecorded.is_empty() {
+                    first_unrecorded = std::time::Instant::now();
+                }
+                unrecorded.push((claim, outcome));
+                if first_unrecorded.elapsed() >= self.shared.core.settings.group_window {
+                    let batch = std::mem::take(&mut unrecorded);
+                    self.blocking(move |s| s.core.record_all(&batch)).await;
+                }
+            }
         }
+        self.blocking(move |s| s.core.record_all(&unrecorded)).await;
         Ok(n)
     }
 
-    async fn process(&self, claim: Arc<Claim>) {
+    /// Sends one claim, or releases it (stopping, rate slot taken, no adapter).
+    async fn send(&self, claim: &Claim) -> Option<Outcome> {
         let core = &self.shared.core;
         let delay = if core.stopping() {
             Some(Duration::ZERO)
         } else {
-            match core.gate(&claim) {
+            match core.gate(claim) {
                 Gate::Defer(wait) => Some(wait),
                 Gate::Send => None,
             }
         };
-        let adapter = self.shared.adapters.get(&claim.channel).cloned();
-        match (delay, adapter) {
+        match (delay, self.shared.adapters.get(&claim.channel).cloned()) {
             (None, Some(adapter)) => {
-                core.before_send(&claim);
-                let outcome = adapter.send(&claim).await;
-                self.blocking(move |s| s.core.record(&claim, outcome)).await;
+                core.before_send(claim);
+                Some(adapter.send(claim).await)
             }
             (delay, _) => {
-                let delay = delay.unwrap_or_default();
+                let (claim, delay) = (claim.clone(), delay.unwrap_or_default());
                 self.blocking(move |s| s.core.release(&claim, delay)).await;
+                None
             }
         }
     }
@@ -293,6 +312,12 @@ impl RunningAsyncDispatcher {
     /// What the dispatcher has done so far.
     pub fn stats(&self) -> DispatchStats {
         self.dispatcher.stats()
+    }
+
+    /// Asks the workers to stop without waiting for them; [`shutdown`](Self::shutdown)
+    /// then waits.
+    pub fn request_shutdown(&self) {
+        self.dispatcher.shared.core.stop();
     }
 
     /// Stops the workers: sends in flight finish and are recorded, unstarted claims are
