@@ -34,10 +34,12 @@ CREATE TABLE outbound_deliveries (
 CREATE UNIQUE INDEX outbound_deliveries_idempotency
     ON outbound_deliveries (idempotency_key) WHERE idempotency_key IS NOT NULL;
 
--- Unfinished deliveries by lane, in enqueue order. Delivered rows leave this index, so
--- lane scheduling and the health snapshot never read delivered history.
+-- Unfinished deliveries by lane and status, in enqueue order. Delivered rows leave
+-- this index, so lane scheduling and the health snapshot never read delivered history;
+-- the status column lets "is anything active in this lane?" and "which queued delivery
+-- is next?" be single seeks however long the lane's queue is.
 CREATE INDEX outbound_deliveries_open
-    ON outbound_deliveries (channel, chat_id, id) WHERE status <> 'delivered';
+    ON outbound_deliveries (channel, chat_id, status, id) WHERE status <> 'delivered';
 
 -- One platform send: an independently retryable part of a delivery.
 CREATE TABLE outbound_delivery_chunks (

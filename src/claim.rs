@@ -159,7 +159,7 @@ impl Outbox {
                     channel: c.chunk.channel,
                     chat_id: c.chunk.chat_id,
                     index: c.chunk.index as u32,
-                    total: c.total as u32,
+                    total: c.chunk.total as u32,
                     text: c.text,
                     attempt: c.chunk.attempts + 1,
                     lease_until: to_datetime(lease_until),
@@ -230,7 +230,6 @@ impl Outbox {
 struct Candidate {
     chunk: ChunkRef,
     uid: String,
-    total: i64,
     text: String,
 }
 
@@ -296,9 +295,9 @@ fn due_chunks(
                 channel: r.get(5)?,
                 chat_id: r.get(6)?,
                 created_at: r.get(7)?,
+                total: r.get(9)?,
             },
             uid: r.get(8)?,
-            total: r.get(9)?,
             text: r.get(10)?,
         })
     })?;

@@ -344,15 +344,20 @@ fn insert(tx: &Connection, options: &OutboxOptions, d: &NewDelivery) -> Result<E
             ],
             |r| r.get(0),
         )?;
+    // The head chunk of an active delivery is inserted already due, so it enters the
+    // claim index once instead of being inserted and then updated.
+    let head_due = if active {
+        Some(lane::due_time(tx, &d.channel, &d.chat_id, now)?)
+    } else {
+        None
+    };
     let mut chunk = tx.prepare_cached(
-        "INSERT INTO outbound_delivery_chunks (delivery_id, chunk_index, status, text)
-         VALUES (?1, ?2, 'pending', ?3)",
+        "INSERT INTO outbound_delivery_chunks (delivery_id, chunk_index, status, due_at, text)
+         VALUES (?1, ?2, 'pending', ?3, ?4)",
     )?;
     for (index, text) in d.chunks.iter().enumerate() {
-        chunk.execute(params![rowid, index as i64, text])?;
-    }
-    if active {
-        lane::make_due(tx, rowid, 0, &d.channel, &d.chat_id, now)?;
+        let due = if index == 0 { head_due } else { None };
+        chunk.execute(params![rowid, index as i64, due, text])?;
     }
     tx.prepare_cached(
         "INSERT INTO outbound_channel_stats (channel, deliveries) VALUES (?1, 1)

@@ -13,7 +13,6 @@
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use crate::status::DeliveryStatus;
 use crate::{LaneFailurePolicy, LaneOrder, OutboxOptions, Result};
 
 /// Where a lane stands for scheduling purposes.
@@ -26,45 +25,44 @@ pub(crate) enum LaneHead {
     Idle,
 }
 
-/// The lane's unfinished deliveries in enqueue order: a search on the partial index
-/// of unfinished deliveries, never touching delivered history.
-pub(crate) const HEAD_SQL: &str =
-    "SELECT id, status, acknowledged_at IS NOT NULL FROM outbound_deliveries
-     WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered' ORDER BY id";
+/// Is a delivery of the lane active? A seek on the index of unfinished deliveries.
+pub(crate) const ACTIVE_SQL: &str = "SELECT 1 FROM outbound_deliveries
+     WHERE channel = ?1 AND chat_id = ?2 AND status IN ('pending', 'partial')
+       AND status <> 'delivered' LIMIT 1";
 
-/// Reads the lane's unfinished deliveries (never its delivered history) and decides.
+/// The oldest queued delivery of the lane: a seek, whatever the length of the queue.
+pub(crate) const QUEUED_SQL: &str = "SELECT id FROM outbound_deliveries
+     WHERE channel = ?1 AND chat_id = ?2 AND status = 'queued' AND status <> 'delivered'
+     ORDER BY id LIMIT 1";
+
+/// The oldest delivery holding the lane under [`LaneFailurePolicy::Block`]: an
+/// uncertain one, or a dead letter nobody acknowledged.
+const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
+     WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered'
+       AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL))";
+
+/// Decides who may send next in a lane, reading only its unfinished deliveries.
 pub(crate) fn head(
     tx: &Connection,
     options: &OutboxOptions,
     channel: &str,
     chat_id: &str,
 ) -> Result<LaneHead> {
-    let mut stmt = tx.prepare_cached(HEAD_SQL)?;
-    let mut rows = stmt.query(params![channel, chat_id])?;
-    let mut next = None;
-    let mut blocked = false;
-    while let Some(row) = rows.next()? {
-        let id: i64 = row.get(0)?;
-        let status: DeliveryStatus = row.get(1)?;
-        let acknowledged: bool = row.get(2)?;
-        match status {
-            DeliveryStatus::Pending | DeliveryStatus::Partial => return Ok(LaneHead::Busy),
-            DeliveryStatus::Queued if next.is_none() && !blocked => next = Some(id),
-            DeliveryStatus::Failed | DeliveryStatus::Uncertain
-                if !(status == DeliveryStatus::Failed && acknowledged)
-                    && options.lane_failure == LaneFailurePolicy::Block
-                    && next.is_none() =>
-            {
-                blocked = true
-            }
-            _ => {}
+    let lane = params![channel, chat_id];
+    if tx.prepare_cached(ACTIVE_SQL)?.exists(lane)? {
+        return Ok(LaneHead::Busy);
+    }
+    let next: Option<i64> = tx
+        .prepare_cached(QUEUED_SQL)?
+        .query_row(lane, |r| r.get(0))
+        .optional()?;
+    if options.lane_failure == LaneFailurePolicy::Block {
+        let held: Option<i64> = tx.prepare_cached(HELD_SQL)?.query_row(lane, |r| r.get(0))?;
+        if held.is_some_and(|h| next.is_none_or(|n| h < n)) {
+            return Ok(LaneHead::Busy);
         }
     }
-    Ok(match next {
-        Some(id) => LaneHead::Next(id),
-        None if blocked => LaneHead::Busy,
-        None => LaneHead::Idle,
-    })
+    Ok(next.map_or(LaneHead::Idle, LaneHead::Next))
 }
 
 /// Activates the next queued delivery of a FIFO lane if the lane is free, making its

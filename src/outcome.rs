@@ -243,12 +243,14 @@ pub(crate) struct ChunkRef {
     pub channel: String,
     pub chat_id: String,
     pub created_at: i64,
+    /// Chunks in the delivery.
+    pub total: i64,
 }
 
 impl ChunkRef {
     pub const SELECT: &'static str =
         "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
-            d.channel, d.chat_id, d.created_at
+            d.channel, d.chat_id, d.created_at, d.chunk_count
      FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id";
 
     pub fn from_row(r: &Row<'_>) -> rusqlite::Result<Self> {
@@ -261,6 +263,7 @@ impl ChunkRef {
             channel: r.get(5)?,
             chat_id: r.get(6)?,
             created_at: r.get(7)?,
+            total: r.get(8)?,
         })
     }
 
@@ -422,14 +425,7 @@ pub(crate) fn deliver_chunk(
          WHERE id = ?1",
     )?
     .execute(params![chunk.id, platform_message_id, now])?;
-    let (delivered, total): (i64, i64) = tx
-        .prepare_cached(
-            "UPDATE outbound_deliveries
-             SET delivered_count = delivered_count + 1, updated_at = ?2
-             WHERE id = ?1 RETURNING delivered_count, chunk_count",
-        )?
-        .query_row(params![chunk.delivery, now], |r| Ok((r.get(0)?, r.get(1)?)))?;
-    if delivered >= total {
+    if chunk.index + 1 >= chunk.total {
         finalize::finalize(
             tx,
             options,
@@ -440,14 +436,21 @@ pub(crate) fn deliver_chunk(
         )?;
         return Ok(true);
     }
+    // One write to the delivery row: the count, and for an active delivery its status.
+    tx.prepare_cached(
+        "UPDATE outbound_deliveries
+         SET delivered_count = delivered_count + 1, updated_at = ?2,
+             status = CASE WHEN ?3 THEN 'partial' ELSE status END
+         WHERE id = ?1",
+    )?
+    .execute(params![chunk.delivery, now, active])?;
     let earliest = earliest_send(options, &chunk.channel, now);
     if active {
-        tx.prepare_cached("UPDATE outbound_deliveries SET status = 'partial' WHERE id = ?1")?
-            .execute([chunk.delivery])?;
+        let next = chunk.index + 1;
         lane::make_due(
             tx,
             chunk.delivery,
-            delivered,
+            next,
             &chunk.channel,
             &chunk.chat_id,
             earliest,

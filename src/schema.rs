@@ -323,7 +323,8 @@ mod plan_tests {
 
         let plan = explain(&ob, crate::health::OPEN_CHUNKS_SQL, 1);
         assert!(
-            plan.contains("SCAN d USING INDEX outbound_deliveries_open"),
+            plan.contains("SCAN d USING INDEX outbound_deliveries_open")
+                || plan.contains("SCAN d USING COVERING INDEX outbound_deliveries_open"),
             "{plan}"
         );
         assert!(
@@ -336,13 +337,17 @@ mod plan_tests {
     }
 
     #[test]
-    fn lane_lookup_searches_the_open_index() {
+    fn lane_lookups_are_seeks_on_the_open_index() {
         let ob = populated();
-        let plan = explain(&ob, crate::lane::HEAD_SQL, 2);
-        assert!(
-            plan.contains("SEARCH outbound_deliveries USING INDEX outbound_deliveries_open (channel=? AND chat_id=?)"),
-            "{plan}"
-        );
-        assert_no_full_scan(&plan, "outbound_deliveries");
+        for sql in [crate::lane::ACTIVE_SQL, crate::lane::QUEUED_SQL] {
+            let plan = explain(&ob, sql, 2);
+            assert!(
+                plan.contains(
+                    "SEARCH outbound_deliveries USING COVERING INDEX outbound_deliveries_open (channel=? AND chat_id=? AND status=?)"
+                ),
+                "{plan}"
+            );
+            assert_no_full_scan(&plan, "outbound_deliveries");
+        }
     }
 }

@@ -6,7 +6,7 @@
 //! the platforms. Each platform writes what it accepts to its own SQLite file,
 //! separate from the outbox, so the verdict is read from what the "users" received.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -19,7 +19,8 @@ use serde::Serialize;
 
 use crate::CliResult;
 use crate::sim::{
-    CHANNELS, SimPlatform, open_platform, reply_text, resolve_like_an_operator, sim_options,
+    CHANNELS, PlatformRecord, SimPlatform, finalizations, open_platform, reply_text,
+    resolve_like_an_operator, sim_options,
 };
 
 /// Options of `outbox demo`.
@@ -352,80 +353,36 @@ fn verify(
     s.failed = h.totals.failed_deliveries;
     s.uncertain = h.totals.uncertain_chunks;
 
-    // Every send the platforms accepted, in arrival order.
-    let mut stmt = platform.prepare("SELECT channel, chat, key FROM received ORDER BY id")?;
-    let received: Vec<(String, String, String)> = stmt
-        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
-        .collect::<rusqlite::Result<_>>()?;
-    let replays: i64 = platform.query_row("SELECT count(*) FROM deduplicated", [], |r| r.get(0))?;
-    let replays = replays as u64;
-
-    // Duplicates: the same key accepted twice. Deduplicating platforms never store a
-    // second copy; their replays are counted as allowed.
-    let mut seen = HashSet::new();
-    for (channel, _, key) in &received {
-        if !seen.insert(key.clone()) {
-            let replayable = CHANNELS.iter().any(|c| c.name == channel && c.dedupes);
-            if replayable {
-                s.duplicates_allowed += 1
-            } else {
-                s.duplicates_unexplained += 1
-            }
-        }
-    }
-    s.duplicates_allowed += replays;
+    let record = PlatformRecord::read(platform)?;
+    let arrived = record.keys();
+    (s.duplicates_allowed, s.duplicates_unexplained) = record.duplicates();
 
     // Lost: a chunk of a delivered delivery the platform never got, or a delivery that
     // ended neither delivered nor failed.
-    let conn = Connection::open(outbox.path().ok_or("the demo outbox is a file")?)?;
-    let mut lost = 0;
-    let mut position: HashMap<String, (usize, u32)> = HashMap::new();
+    let mut position = HashMap::new();
     for (seq, (_, id)) in order.iter().enumerate() {
         let view = outbox.delivery(id.parse()?)?.ok_or("delivery vanished")?;
         match view.status {
             DeliveryStatus::Delivered => {
-                lost += view
+                s.lost += view
                     .chunks
                     .iter()
-                    .filter(|c| !seen.contains(&c.idempotency_key))
+                    .filter(|c| !arrived.contains(c.idempotency_key.as_str()))
                     .count() as u64;
             }
             DeliveryStatus::Failed => {}
-            _ => lost += 1,
+            _ => s.lost += 1,
         }
         for c in &view.chunks {
-            position.insert(c.idempotency_key.clone(), (seq, c.index));
+            position.insert(c.idempotency_key.clone(), (seq as u64, c.index));
         }
     }
-    s.lost = lost;
+    s.out_of_order = record.chats_out_of_order(&position);
 
-    // Order: per chat, first arrivals must follow enqueue order (delivery, then chunk).
-    let mut last: HashMap<&str, (usize, u32)> = HashMap::new();
-    let mut bad_chats = HashSet::new();
-    let mut first = HashSet::new();
-    for (_, chat, key) in &received {
-        if !first.insert(key) {
-            continue;
-        }
-        let Some(&pos) = position.get(key) else {
-            continue;
-        };
-        if let Some(prev) = last.insert(chat, pos)
-            && prev > pos
-        {
-            bad_chats.insert(chat.clone());
-        }
-    }
-    s.out_of_order = bad_chats.len() as u64;
-
-    // Double finalizations: more `messages` rows than finalized deliveries.
-    let (rows, distinct): (i64, i64) = conn.query_row(
-        "SELECT count(*), count(DISTINCT delivery_id) FROM messages",
-        [],
-        |r| Ok((r.get(0)?, r.get(1)?)),
-    )?;
-    // A second row for a delivery, or a row for a delivery that is not delivered.
-    s.duplicate_finalizations = (rows - distinct) as u64 + (distinct as u64).abs_diff(s.delivered);
+    // Double finalizations: a second row for a delivery, or rows for deliveries that
+    // are not delivered.
+    let (extra, distinct) = finalizations(outbox.path().ok_or("the demo outbox is a file")?)?;
+    s.duplicate_finalizations = extra + distinct.abs_diff(s.delivered);
     Ok(())
 }
 

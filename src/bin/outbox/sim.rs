@@ -2,6 +2,7 @@
 //! that fail in the ways real ones do and record what they accept in their own SQLite
 //! file, replies of realistic shapes, and the operator who settles uncertain chunks.
 
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -270,4 +271,81 @@ pub fn resolve_like_an_operator(outbox: &Outbox, platform: &Connection) -> CliRe
     }
     outbox.acknowledge_dead_letters()?;
     Ok(resolved)
+}
+
+/// What the platforms recorded: every accepted send in arrival order, and how many
+/// replays the deduplicating ones dropped.
+pub struct PlatformRecord {
+    /// (channel, chat, idempotency key), in arrival order.
+    pub received: Vec<(String, String, String)>,
+    pub replays_dropped: u64,
+}
+
+impl PlatformRecord {
+    pub fn read(platform: &Connection) -> CliResult<PlatformRecord> {
+        let mut stmt = platform.prepare("SELECT channel, chat, key FROM received ORDER BY id")?;
+        let received = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+            .collect::<rusqlite::Result<_>>()?;
+        let replays: i64 =
+            platform.query_row("SELECT count(*) FROM deduplicated", [], |r| r.get(0))?;
+        Ok(PlatformRecord {
+            received,
+            replays_dropped: replays as u64,
+        })
+    }
+
+    /// The keys that arrived at least once.
+    pub fn keys(&self) -> HashSet<&str> {
+        self.received.iter().map(|(_, _, k)| k.as_str()).collect()
+    }
+
+    /// Second arrivals of a key: (allowed, unexplained). A platform that deduplicates
+    /// never stores a second copy; the replays it dropped are allowed by its policy.
+    pub fn duplicates(&self) -> (u64, u64) {
+        let (mut allowed, mut unexplained) = (self.replays_dropped, 0);
+        let mut seen = HashSet::new();
+        for (channel, _, key) in &self.received {
+            if !seen.insert(key) {
+                if CHANNELS.iter().any(|c| c.name == channel && c.dedupes) {
+                    allowed += 1;
+                } else {
+                    unexplained += 1;
+                }
+            }
+        }
+        (allowed, unexplained)
+    }
+
+    /// Chats whose first arrivals do not follow `position` (enqueue order, then chunk).
+    pub fn chats_out_of_order(&self, position: &HashMap<String, (u64, u32)>) -> u64 {
+        let mut last: HashMap<&str, (u64, u32)> = HashMap::new();
+        let mut first = HashSet::new();
+        let mut bad = HashSet::new();
+        for (_, chat, key) in &self.received {
+            if !first.insert(key) {
+                continue;
+            }
+            let Some(&pos) = position.get(key) else {
+                continue;
+            };
+            if let Some(prev) = last.insert(chat, pos)
+                && prev > pos
+            {
+                bad.insert(chat.as_str());
+            }
+        }
+        bad.len() as u64
+    }
+}
+
+/// `messages` rows beyond one per delivery, and the number of distinct deliveries.
+pub fn finalizations(outbox_db: &Path) -> CliResult<(u64, u64)> {
+    let conn = Connection::open(outbox_db)?;
+    let (rows, distinct): (i64, i64) = conn.query_row(
+        "SELECT count(*), count(DISTINCT delivery_id) FROM messages",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )?;
+    Ok(((rows - distinct) as u64, distinct as u64))
 }

@@ -25,8 +25,8 @@ use serde::Serialize;
 
 use crate::CliResult;
 use crate::sim::{
-    CHANNELS, SimPlatform, chat_is_gone, open_platform, reply_text, resolve_like_an_operator,
-    sim_options,
+    CHANNELS, PlatformRecord, SimPlatform, chat_is_gone, finalizations, open_platform, reply_text,
+    resolve_like_an_operator, sim_options,
 };
 
 /// Options of `outbox torture`.
@@ -325,24 +325,10 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64) -> CliResult<Verdict> {
     v.deliveries = confirmed.len() as u64;
 
     let conn = Connection::open(dir.join("outbox.db"))?;
-    let platform = open_platform(&dir.join("platform.db"))?;
-    let mut received: Vec<(String, String, String)> = Vec::new();
-    {
-        let mut stmt = platform.prepare("SELECT channel, chat, key FROM received ORDER BY id")?;
-        for row in stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))? {
-            received.push(row?);
-        }
-    }
-    let replays: i64 = platform.query_row("SELECT count(*) FROM deduplicated", [], |r| r.get(0))?;
-    v.replays_deduplicated = replays as u64;
-    let mut at_platform: HashMap<&str, usize> = HashMap::new();
-    for (channel, _, key) in &received {
-        let count = at_platform.entry(key.as_str()).or_default();
-        *count += 1;
-        if *count > 1 && !CHANNELS.iter().any(|c| c.name == channel && c.dedupes) {
-            v.unexplained_duplicates += 1;
-        }
-    }
+    let record = PlatformRecord::read(&open_platform(&dir.join("platform.db"))?)?;
+    let arrived = record.keys();
+    v.replays_deduplicated = record.replays_dropped;
+    v.unexplained_duplicates = record.duplicates().1;
 
     // Each confirmed delivery: finalized (a messages row), a dead letter, or lost.
     let mut position: HashMap<String, (u64, u32)> = HashMap::new();
@@ -375,45 +361,19 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64) -> CliResult<Verdict> {
         let keys: Vec<String> = (0..chunks)
             .map(|i| chunked_outbox::chunk_idempotency_key(id, i))
             .collect();
-        let arrived = keys
-            .iter()
-            .filter(|k| at_platform.contains_key(k.as_str()))
-            .count() as u32;
+        let got = keys.iter().filter(|k| arrived.contains(k.as_str())).count() as u32;
         match (&finalized, stored.as_ref().map(|d| d.status)) {
-            (Some(_), _) => v.lost += u64::from(chunks - arrived),
+            (Some(_), _) => v.lost += u64::from(chunks - got),
             (None, Some(chunked_outbox::DeliveryStatus::Failed)) => v.dead_letters += 1,
-            (None, _) if arrived == chunks => v.missing_finalizations += 1,
+            (None, _) if got == chunks => v.missing_finalizations += 1,
             (None, _) => v.lost += 1,
         }
         for (i, key) in keys.into_iter().enumerate() {
             position.insert(key, (*n, i as u32));
         }
     }
-    let (rows, distinct): (i64, i64) = conn.query_row(
-        "SELECT count(*), count(DISTINCT delivery_id) FROM messages",
-        [],
-        |r| Ok((r.get(0)?, r.get(1)?)),
-    )?;
-    v.duplicate_finalizations = (rows - distinct) as u64;
-
-    // Per chat, first arrivals must follow enqueue order (reply number, then chunk).
-    let mut last: HashMap<&str, (u64, u32)> = HashMap::new();
-    let mut first = HashSet::new();
-    let mut bad = HashSet::new();
-    for (_, chat, key) in &received {
-        if !first.insert(key) {
-            continue;
-        }
-        let Some(&pos) = position.get(key) else {
-            continue;
-        };
-        if let Some(prev) = last.insert(chat, pos)
-            && prev > pos
-        {
-            bad.insert(chat.as_str());
-        }
-    }
-    v.out_of_order = bad.len() as u64;
+    v.duplicate_finalizations = finalizations(&dir.join("outbox.db"))?.0;
+    v.out_of_order = record.chats_out_of_order(&position);
     Ok(v)
 }
 

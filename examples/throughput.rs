@@ -1,0 +1,400 @@
+//! The throughput report: raw rusqlite floors and the crate doing the same work,
+//! measured side by side in one run, on the same disk, with the same pragmas (WAL,
+//! `synchronous=NORMAL` unless stated). Ratios against the floors are what to compare
+//! across machines; absolute figures drift with the machine's load.
+//!
+//! Run: `cargo run --release --example throughput -- [--quick]`
+//!
+//! The last line is one JSON object.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use chunked_outbox::{
+    ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome, Synchronous,
+};
+use rusqlite::{Connection, TransactionBehavior, params};
+
+struct Sizes {
+    floor_ops: u64,
+    enqueues: u64,
+    dispatch_backlog: u64,
+    big: u64,
+    big_drain: u64,
+    latency_samples: usize,
+}
+
+const FULL: Sizes = Sizes {
+    floor_ops: 20_000,
+    enqueues: 20_000,
+    dispatch_backlog: 100_000,
+    big: 1_000_000,
+    big_drain: 100_000,
+    latency_samples: 1_000,
+};
+
+const QUICK: Sizes = Sizes {
+    floor_ops: 5_000,
+    enqueues: 5_000,
+    dispatch_backlog: 20_000,
+    big: 100_000,
+    big_drain: 20_000,
+    latency_samples: 300,
+};
+
+fn temp_db(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::Builder::new()
+        .prefix("outbox-throughput-")
+        .tempdir()
+        .expect("temp dir");
+    let path = dir.path().join(name);
+    (dir, path)
+}
+
+fn raw(path: &std::path::Path, sync: Synchronous) -> Connection {
+    let conn = Connection::open(path).expect("open");
+    conn.busy_timeout(Duration::from_secs(5)).unwrap();
+    conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get::<_, String>(0))
+        .unwrap();
+    let level = if sync == Synchronous::Full {
+        "FULL"
+    } else {
+        "NORMAL"
+    };
+    conn.execute_batch(&format!(
+        "PRAGMA synchronous = {level}; PRAGMA foreign_keys = ON;"
+    ))
+    .unwrap();
+    conn
+}
+
+fn per_s(n: u64, elapsed: Duration) -> f64 {
+    n as f64 / elapsed.as_secs_f64()
+}
+
+/// Floor 1: one single-row insert per transaction.
+fn floor_insert(n: u64) -> f64 {
+    let (_dir, path) = temp_db("floor.db");
+    let mut conn = raw(&path, Synchronous::Normal);
+    conn.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT NOT NULL)")
+        .unwrap();
+    let start = Instant::now();
+    for i in 0..n {
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        tx.execute("INSERT INTO t (v) VALUES (?1)", [format!("reply {i}")])
+            .unwrap();
+        tx.commit().unwrap();
+    }
+    per_s(n, start.elapsed())
+}
+
+/// Floors 2 and 3: claim `batch` due jobs in one transaction, ack them in another.
+fn floor_claim_ack(n: u64, batch: u64) -> f64 {
+    let (_dir, path) = temp_db("floor.db");
+    let mut conn = raw(&path, Synchronous::Normal);
+    conn.execute_batch(
+        "CREATE TABLE jobs (id INTEGER PRIMARY KEY, status INTEGER NOT NULL, due INTEGER, body TEXT NOT NULL);
+         CREATE INDEX jobs_due ON jobs (due) WHERE due IS NOT NULL;",
+    )
+    .unwrap();
+    {
+        let tx = conn.transaction().unwrap();
+        let mut insert = tx
+            .prepare("INSERT INTO jobs (status, due, body) VALUES (0, ?1, ?2)")
+            .unwrap();
+        for i in 0..n {
+            insert
+                .execute(params![i as i64, format!("reply {i}")])
+                .unwrap();
+        }
+        drop(insert);
+        tx.commit().unwrap();
+    }
+    let start = Instant::now();
+    let mut done = 0;
+    while done < n {
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        let ids: Vec<i64> = {
+            let mut pick = tx
+                .prepare_cached(
+                    "SELECT id FROM jobs WHERE due IS NOT NULL AND due <= ?1 ORDER BY due LIMIT ?2",
+                )
+                .unwrap();
+            let rows = pick
+                .query_map(params![i64::MAX, batch as i64], |r| r.get(0))
+                .unwrap();
+            rows.map(Result::unwrap).collect()
+        };
+        for id in &ids {
+            tx.prepare_cached("UPDATE jobs SET status = 1, due = ?2 WHERE id = ?1")
+                .unwrap()
+                .execute(params![id, 1_i64 << 50])
+                .unwrap();
+        }
+        tx.commit().unwrap();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        for id in &ids {
+            tx.prepare_cached("UPDATE jobs SET status = 2, due = NULL WHERE id = ?1")
+                .unwrap()
+                .execute([id])
+                .unwrap();
+        }
+        tx.commit().unwrap();
+        done += ids.len() as u64;
+    }
+    per_s(n, start.elapsed())
+}
+
+fn options(sync: Synchronous) -> OutboxOptions {
+    OutboxOptions::default().with_synchronous(sync)
+}
+
+fn reply(n: u64) -> NewDelivery {
+    NewDelivery::single(
+        "bench",
+        format!("chat-{}", n % 10_000),
+        format!("reply {n}"),
+    )
+}
+
+/// (a) 1-chunk deliveries, one `enqueue` (one transaction) each.
+fn crate_enqueue(n: u64, sync: Synchronous) -> f64 {
+    let (_dir, path) = temp_db("outbox.db");
+    let outbox = Outbox::open(&path, options(sync)).unwrap();
+    let start = Instant::now();
+    for i in 0..n {
+        outbox.enqueue(&reply(i)).unwrap();
+    }
+    per_s(n, start.elapsed())
+}
+
+/// Enqueues `n` replies quickly: many per transaction through `enqueue_in` (setup only).
+fn bulk_enqueue(path: &std::path::Path, outbox: &Outbox, from: u64, n: u64) {
+    let mut conn = raw(path, Synchronous::Normal);
+    let mut i = from;
+    while i < from + n {
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        for j in i..(i + 10_000).min(from + n) {
+            outbox.enqueue_in(&tx, &reply(j)).unwrap();
+        }
+        tx.commit().unwrap();
+        i += 10_000;
+    }
+}
+
+/// A no-op platform that counts what it was handed.
+#[derive(Clone, Default)]
+struct Counter(Arc<AtomicU64>);
+
+impl ChannelAdapter for Counter {
+    fn send(&self, _claim: &Claim) -> Outcome {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Outcome::delivered(None)
+    }
+}
+
+/// Runs a dispatcher until `n` more deliveries are finalized; chunks per second.
+fn drain(outbox: &Outbox, n: u64) -> f64 {
+    let running = Dispatcher::builder(outbox.clone())
+        .adapter("bench", Counter::default())
+        .workers(1)
+        .batch_size(64)
+        .build()
+        .unwrap()
+        .start()
+        .unwrap();
+    let start = Instant::now();
+    while running.stats().finalized < n {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let elapsed = start.elapsed();
+    running.shutdown(Duration::from_secs(10));
+    per_s(n, elapsed)
+}
+
+/// (b) end to end through the dispatcher, draining a backlog.
+fn crate_dispatch(backlog: u64, sync: Synchronous) -> f64 {
+    let (_dir, path) = temp_db("outbox.db");
+    let outbox = Outbox::open(&path, options(sync)).unwrap();
+    bulk_enqueue(&path, &outbox, 0, backlog);
+    drain(&outbox, backlog)
+}
+
+/// Median time of `f` over `runs` runs.
+fn median(runs: usize, mut f: impl FnMut() -> Duration) -> Duration {
+    let mut times: Vec<Duration> = (0..runs).map(|_| f()).collect();
+    times.sort();
+    times[runs / 2]
+}
+
+/// (c) and (d): history and backlog of `size` against 1k of each.
+fn scaling(size: u64, drained: u64) -> (f64, f64, f64, f64) {
+    let setup = |history: u64| {
+        let (dir, path) = temp_db("outbox.db");
+        let outbox = Outbox::open(&path, options(Synchronous::Normal)).unwrap();
+        bulk_enqueue(&path, &outbox, 0, history);
+        drain(&outbox, history);
+        (dir, path, outbox)
+    };
+    let health_time = |outbox: &Outbox| {
+        median(21, || {
+            let start = Instant::now();
+            outbox.health().unwrap();
+            start.elapsed()
+        })
+    };
+    // Small: 1k history; health; then 1k backlogs drained five times, median.
+    let (_small_dir, small_path, small) = setup(1_000);
+    let small_health = health_time(&small);
+    let mut rates: Vec<f64> = (0..5)
+        .map(|k| {
+            bulk_enqueue(&small_path, &small, 1_000 * (k + 1), 1_000);
+            drain(&small, 1_000)
+        })
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    let small_rate = rates[2];
+    // Large: `size` history; health; then a `size` backlog, of which `drained` is drained.
+    let (_big_dir, big_path, big) = setup(size);
+    let big_health = health_time(&big);
+    bulk_enqueue(&big_path, &big, size, size);
+    let big_rate = drain(&big, drained);
+    (
+        big_rate / small_rate,
+        big_health.as_secs_f64() / small_health.as_secs_f64(),
+        small_rate,
+        big_rate,
+    )
+}
+
+fn now_us() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros()
+}
+
+/// (e) enqueue → send latency with an idle dispatcher in the same process.
+fn latency(samples: usize) -> (u128, u128) {
+    #[derive(Clone, Default)]
+    struct Stopwatch(Arc<std::sync::Mutex<Vec<u128>>>);
+    impl ChannelAdapter for Stopwatch {
+        fn send(&self, claim: &Claim) -> Outcome {
+            let sent: u128 = claim.text.parse().unwrap();
+            self.0.lock().unwrap().push(now_us() - sent);
+            Outcome::delivered(None)
+        }
+    }
+    let (_dir, path) = temp_db("outbox.db");
+    let outbox = Outbox::open(&path, options(Synchronous::Normal)).unwrap();
+    let stopwatch = Stopwatch::default();
+    let running = Dispatcher::builder(outbox.clone())
+        .adapter("bench", stopwatch.clone())
+        .workers(1)
+        .build()
+        .unwrap()
+        .start()
+        .unwrap();
+    for i in 0..samples {
+        outbox
+            .enqueue(&NewDelivery::single(
+                "bench",
+                format!("c{i}"),
+                now_us().to_string(),
+            ))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(2)); // let it go idle again
+    }
+    while stopwatch.0.lock().unwrap().len() < samples {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    running.shutdown(Duration::from_secs(10));
+    let mut l = stopwatch.0.lock().unwrap().clone();
+    l.sort_unstable();
+    (l[l.len() / 2], l[(l.len() * 99 / 100).min(l.len() - 1)])
+}
+
+fn peak_rss_mb() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let s = if quick { QUICK } else { FULL };
+    // For profiling: `--only enqueue` or `--only dispatch` runs just that part.
+    let only: Option<String> = std::env::args().skip_while(|a| a != "--only").nth(1);
+    match only.as_deref() {
+        Some("enqueue") => {
+            return println!(
+                "enqueue {:.0} /s",
+                crate_enqueue(s.enqueues * 4, Synchronous::Normal)
+            );
+        }
+        Some("dispatch") => {
+            return println!(
+                "dispatch {:.0} /s",
+                crate_dispatch(s.dispatch_backlog * 5, Synchronous::Normal)
+            );
+        }
+        _ => {}
+    }
+    println!(
+        "throughput report ({}), WAL, synchronous=NORMAL unless noted, temp dir on the local disk",
+        if quick { "--quick" } else { "full" }
+    );
+
+    let f_insert = floor_insert(s.floor_ops);
+    let f_single = floor_claim_ack(s.floor_ops, 1);
+    let f_batch = floor_claim_ack(s.floor_ops * 5, 64);
+    println!("floor: single-row insert per transaction       {f_insert:>10.0} /s");
+    println!("floor: claim 1 + ack 1 per transaction          {f_single:>10.0} /s");
+    println!("floor: claim 64 + ack 64 per transaction        {f_batch:>10.0} /s");
+
+    let enqueue = crate_enqueue(s.enqueues, Synchronous::Normal);
+    println!(
+        "(a) enqueue, 1 chunk, one per transaction       {enqueue:>10.0} /s   {:.2} of floor",
+        enqueue / f_insert
+    );
+    let dispatch = crate_dispatch(s.dispatch_backlog, Synchronous::Normal);
+    println!(
+        "(b) dispatch {}-chunk backlog, 1 worker, batch 64 {dispatch:>10.0} /s   {:.2} of floor",
+        s.dispatch_backlog,
+        dispatch / f_batch
+    );
+    let (backlog_ratio, health_ratio, small_rate, big_rate) = scaling(s.big, s.big_drain);
+    println!(
+        "(c) dispatch with {} history + backlog: {big_rate:.0} /s vs {small_rate:.0} /s with 1k: ratio {backlog_ratio:.2}",
+        s.big
+    );
+    println!(
+        "(d) health with {} vs 1k rows of history: time ratio {health_ratio:.2}",
+        s.big
+    );
+    let (p50, p99) = latency(s.latency_samples);
+    println!("(e) enqueue → send latency, idle dispatcher: p50 {p50} µs, p99 {p99} µs");
+    let full_enqueue = crate_enqueue(s.enqueues / 4, Synchronous::Full);
+    let full_dispatch = crate_dispatch(s.dispatch_backlog / 4, Synchronous::Full);
+    println!("(f) synchronous=FULL: enqueue {full_enqueue:.0} /s, dispatch {full_dispatch:.0} /s");
+    let rss = peak_rss_mb();
+    println!("peak RSS {rss:.0} MB");
+    println!(
+        "{{\"enqueue_per_s\":{enqueue:.0},\"enqueue_vs_floor\":{:.3},\"dispatch_per_s\":{dispatch:.0},\"dispatch_vs_floor\":{:.3},\"backlog_1m_vs_1k\":{backlog_ratio:.3},\"health_1m_vs_1k\":{health_ratio:.3},\"latency_p50_us\":{p50},\"latency_p99_us\":{p99},\"full_enqueue_per_s\":{full_enqueue:.0},\"full_dispatch_per_s\":{full_dispatch:.0},\"peak_rss_mb\":{rss:.0},\"floor_insert_per_s\":{f_insert:.0},\"floor_claim_ack_1_per_s\":{f_single:.0},\"floor_claim_ack_64_per_s\":{f_batch:.0},\"quick\":{quick}}}",
+        enqueue / f_insert,
+        dispatch / f_batch
+    );
+}
