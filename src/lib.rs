@@ -84,6 +84,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod checkpoint;
 mod claim;
 mod classify;
 mod clock;

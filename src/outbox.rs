@@ -8,6 +8,7 @@ use std::time::Duration;
 use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::{Connection, Transaction, TransactionBehavior};
 
+use crate::checkpoint::Checkpointer;
 use crate::schema::{self, StorageSettings};
 use crate::{Error, OutboxOptions, Result};
 
@@ -29,6 +30,8 @@ struct Inner {
     readers: Option<r2d2::Pool<SqliteConnectionManager>>,
     options: OutboxOptions,
     path: Option<PathBuf>,
+    /// Stops (and is joined) when the last clone of the outbox is dropped.
+    _checkpointer: Option<Checkpointer>,
 }
 
 impl std::fmt::Debug for Outbox {
@@ -73,11 +76,16 @@ impl Outbox {
             .max_size(options.readers)
             .min_idle(Some(0))
             .build(manager)?;
+        let checkpointer = options
+            .checkpoint_every
+            .map(|every| Checkpointer::start(&path, &options, every))
+            .transpose()?;
         Ok(Outbox::from_parts(
             writer,
             Some(readers),
             options,
             Some(path),
+            checkpointer,
         ))
     }
 
@@ -91,7 +99,7 @@ impl Outbox {
         let mut writer = Connection::open_in_memory()?;
         schema::configure(&writer, &options, true)?;
         schema::migrate(&mut writer)?;
-        Ok(Outbox::from_parts(writer, None, options, None))
+        Ok(Outbox::from_parts(writer, None, options, None, None))
     }
 
     /// Sets the policy of one channel on this running outbox (what
@@ -152,6 +160,7 @@ impl Outbox {
         readers: Option<r2d2::Pool<SqliteConnectionManager>>,
         options: OutboxOptions,
         path: Option<PathBuf>,
+        checkpointer: Option<Checkpointer>,
     ) -> Outbox {
         Outbox {
             inner: Arc::new(Inner {
@@ -160,6 +169,7 @@ impl Outbox {
                 readers,
                 options,
                 path,
+                _checkpointer: checkpointer,
             }),
         }
     }

@@ -86,9 +86,10 @@ impl Outbox {
         }
     }
 
-    /// Copies the WAL back into the database file and truncates it. SQLite also does
-    /// this automatically every 1000 pages; call it after a large purge or during quiet
-    /// periods to bound the `-wal` file's size.
+    /// Copies the WAL back into the database file and truncates it. The outbox already
+    /// checkpoints in the background
+    /// ([`with_background_checkpoints`](crate::OutboxOptions::with_background_checkpoints));
+    /// call this after a large purge or in quiet periods to shrink the `-wal` file.
     ///
     /// # Errors
     ///

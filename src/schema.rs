@@ -75,6 +75,9 @@ pub(crate) fn configure(conn: &Connection, options: &OutboxOptions, in_memory: b
     )?;
     let fk: i64 = conn.query_row("PRAGMA foreign_keys", [], |r| r.get(0))?;
     expect_pragma("foreign_keys", "1", &fk.to_string())?;
+    // The writer walks several indexes per chunk; a page cache of 32 MiB (SQLite's
+    // default is 2 MiB) keeps their upper levels in memory as history grows.
+    conn.pragma_update(None, "cache_size", -32_768)?;
     if let Some(bytes) = options.max_size {
         let page_size: i64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
         let pages = bytes / page_size.max(1) as u64;
@@ -149,6 +152,8 @@ pub struct StorageSettings {
     pub busy_timeout_ms: i64,
     /// `PRAGMA query_only`: true for the pooled read connections.
     pub query_only: bool,
+    /// `PRAGMA wal_autocheckpoint`: SQLite's own checkpoint threshold, in pages.
+    pub wal_autocheckpoint: i64,
 }
 
 pub(crate) fn read_settings(conn: &Connection) -> Result<StorageSettings> {
@@ -171,6 +176,7 @@ pub(crate) fn read_settings(conn: &Connection) -> Result<StorageSettings> {
         foreign_keys: int("foreign_keys")? == 1,
         busy_timeout_ms: int("busy_timeout")?,
         query_only: int("query_only")? == 1,
+        wal_autocheckpoint: int("wal_autocheckpoint")?,
     })
 }
 

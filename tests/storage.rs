@@ -32,6 +32,10 @@ fn pragmas_are_read_back_on_writer_and_readers() -> Result<()> {
         }
         assert!(!w.query_only);
         assert!(r.query_only, "pooled readers can never write");
+        assert_eq!(
+            w.wal_autocheckpoint, 1000,
+            "the automatic checkpoint bounds the WAL"
+        );
     }
     let mem = Outbox::open_in_memory(OutboxOptions::default())?;
     assert_eq!(mem.writer_settings()?.journal_mode, "memory");
@@ -208,5 +212,24 @@ fn several_handles_on_one_file_share_the_schema() -> Result<()> {
     second.ack(&claim, None)?;
     assert_eq!(db.outbox.health()?.totals.delivered_deliveries, 1);
     db.outbox.checkpoint()?;
+    Ok(())
+}
+
+#[test]
+fn background_checkpoints_keep_the_wal_bounded() -> Result<()> {
+    let db = TestDb::new(
+        OutboxOptions::default().with_background_checkpoints(Some(Duration::from_millis(5))),
+    );
+    // About 7 pages per enqueue: 3000 back-to-back enqueues would leave ~80 MB of WAL
+    // if nothing checkpointed.
+    for n in 0..3000 {
+        let _ = db
+            .outbox
+            .enqueue(&NewDelivery::single("telegram", format!("c{n}"), "x"))?;
+    }
+    let wal = std::fs::metadata(format!("{}-wal", db.path().display()))
+        .unwrap()
+        .len();
+    assert!(wal < 40 * 1024 * 1024, "the WAL grew to {wal} bytes");
     Ok(())
 }
