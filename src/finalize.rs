@@ -7,14 +7,15 @@ use crate::{OutboxOptions, Result, lane};
 
 /// Writes a fully delivered delivery to `messages` and marks it delivered, in the
 /// caller's transaction (the one that recorded its last ack). `messages.delivery_id` is
-/// UNIQUE, so a second finalization fails instead of writing a duplicate row.
+/// UNIQUE, so a second finalization fails instead of writing a duplicate row. `active`
+/// says the delivery held its lane (an ack), so its lane has no active delivery left.
 pub(crate) fn finalize(
     tx: &Connection,
     options: &OutboxOptions,
     delivery: i64,
-    channel: &str,
-    chat_id: &str,
+    (channel, chat_id): (&str, &str),
     now: i64,
+    active: bool,
 ) -> Result<()> {
     tx.prepare_cached(
         "INSERT INTO messages
@@ -35,13 +36,8 @@ pub(crate) fn finalize(
          SET delivered = delivered + 1, last_delivered_at = max(coalesce(last_delivered_at, ?2), ?2)",
     )?
     .execute(params![channel, now])?;
-    lane::advance(
-        tx,
-        options,
-        channel,
-        chat_id,
-        earliest_send(options, channel, now),
-    )
+    let earliest = earliest_send(options, channel, now);
+    lane::advance(tx, options, channel, chat_id, earliest, active)
 }
 
 /// Finalizes unfinished deliveries whose chunks are all delivered: what a crash in a
@@ -64,7 +60,7 @@ pub(crate) fn sweep(tx: &Connection, options: &OutboxOptions, now: i64) -> Resul
         })?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     for (delivery, channel, chat_id) in &done {
-        finalize(tx, options, *delivery, channel, chat_id, now)?;
+        finalize(tx, options, *delivery, (channel, chat_id), now, false)?;
     }
     Ok(done.len() as u64)
 }

@@ -42,14 +42,17 @@ const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
        AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL))";
 
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
+/// `active_finished` says the caller just settled the lane's active delivery: a FIFO
+/// lane has at most one, so none is active now and the check is skipped.
 pub(crate) fn head(
     tx: &Connection,
     options: &OutboxOptions,
     channel: &str,
     chat_id: &str,
+    active_finished: bool,
 ) -> Result<LaneHead> {
     let lane = params![channel, chat_id];
-    if tx.prepare_cached(ACTIVE_SQL)?.exists(lane)? {
+    if !active_finished && tx.prepare_cached(ACTIVE_SQL)?.exists(lane)? {
         return Ok(LaneHead::Busy);
     }
     let next: Option<i64> = tx
@@ -67,18 +70,19 @@ pub(crate) fn head(
 
 /// Activates the next queued delivery of a FIFO lane if the lane is free, making its
 /// head chunk due no earlier than `earliest`. Does nothing for parallel lanes, whose
-/// deliveries are active from the start.
+/// deliveries are active from the start. `active_finished` as for [`head`].
 pub(crate) fn advance(
     tx: &Connection,
     options: &OutboxOptions,
     channel: &str,
     chat_id: &str,
     earliest: i64,
+    active_finished: bool,
 ) -> Result<()> {
     if options.lane_order == LaneOrder::Parallel {
         return Ok(());
     }
-    if let LaneHead::Next(delivery) = head(tx, options, channel, chat_id)? {
+    if let LaneHead::Next(delivery) = head(tx, options, channel, chat_id, active_finished)? {
         activate(tx, delivery, channel, chat_id, earliest)?;
     }
     Ok(())
@@ -112,12 +116,14 @@ pub(crate) fn make_due(
     chat_id: &str,
     earliest: i64,
 ) -> Result<()> {
-    let due = due_time(tx, channel, chat_id, earliest)?;
+    // The pause lookup of `due_time`, folded into the update: one statement.
     tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks SET due_at = ?3
+        "UPDATE outbound_delivery_chunks
+         SET due_at = max(?3, coalesce((SELECT paused_until FROM outbound_lane_pauses
+                                        WHERE channel = ?4 AND chat_id = ?5), ?3))
          WHERE delivery_id = ?1 AND chunk_index = ?2",
     )?
-    .execute(params![delivery, index, due])?;
+    .execute(params![delivery, index, earliest, channel, chat_id])?;
     Ok(())
 }
 
@@ -176,5 +182,5 @@ pub(crate) fn rejoin(
          SET status = 'queued', finished_at = NULL, acknowledged_at = NULL WHERE id = ?1",
     )?
     .execute([delivery])?;
-    advance(tx, options, channel, chat_id, earliest)
+    advance(tx, options, channel, chat_id, earliest, false)
 }

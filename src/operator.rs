@@ -145,7 +145,7 @@ impl Outbox {
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             let count = lanes.len() as u64;
             for (channel, chat_id) in lanes.into_iter().collect::<BTreeSet<_>>() {
-                lane::advance(tx, options, &channel, &chat_id, now)?;
+                lane::advance(tx, options, &channel, &chat_id, now, false)?;
             }
             Ok(count)
         })

@@ -426,14 +426,8 @@ pub(crate) fn deliver_chunk(
     )?
     .execute(params![chunk.id, platform_message_id, now])?;
     if chunk.index + 1 >= chunk.total {
-        finalize::finalize(
-            tx,
-            options,
-            chunk.delivery,
-            &chunk.channel,
-            &chunk.chat_id,
-            now,
-        )?;
+        let lane = (chunk.channel.as_str(), chunk.chat_id.as_str());
+        finalize::finalize(tx, options, chunk.delivery, lane, now, active)?;
         return Ok(true);
     }
     // One write to the delivery row: the count, and for an active delivery its status.
@@ -478,7 +472,8 @@ pub(crate) fn fail_chunk(
     now: i64,
 ) -> Result<()> {
     set_held(tx, chunk, ChunkStatus::Failed, error, now)?;
-    lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now)
+    // A chunk that was sending or due belongs to its lane's active delivery.
+    lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now, true)
 }
 
 /// Holds a chunk that may have been sent as `uncertain` until someone decides.
@@ -490,7 +485,8 @@ pub(crate) fn hold_uncertain(
     now: i64,
 ) -> Result<()> {
     set_held(tx, chunk, ChunkStatus::Uncertain, error, now)?;
-    lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now)
+    // A chunk that was sending or due belongs to its lane's active delivery.
+    lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now, true)
 }
 
 fn set_held(
