@@ -1,10 +1,10 @@
 //! Criterion benchmarks of the core operations on a file database (WAL,
-//! `synchronous=NORMAL`) in a temp dir. Setup (filling the backlog) is outside the timed
+//! `synchronous=NORMAL`) in a temp dir, and of the splitter. Setup (filling the backlog) is outside the timed
 //! part. Run: `cargo bench --bench outbox`.
 
 use std::time::Duration;
 
-use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome};
+use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome, Splitter};
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 
 fn open() -> (tempfile::TempDir, Outbox) {
@@ -57,11 +57,11 @@ fn claim_ack(c: &mut Criterion) {
                     }
                 },
                 |()| {
+                    // One claim transaction and one group-committed ack transaction;
+                    // every ack finalizes its 1-chunk delivery into `messages`.
                     let claims = outbox.claim(batch).expect("claim");
-                    for claim in &claims {
-                        outbox.record(claim, Outcome::delivered(None)).expect("ack");
-                    }
-                    claims.len()
+                    let acks = claims.iter().map(|c| (c, Outcome::delivered(None)));
+                    outbox.record_batch(acks).expect("ack").len()
                 },
                 BatchSize::PerIteration,
             )
@@ -92,5 +92,19 @@ fn health(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, enqueue, claim_ack, health);
+fn split(c: &mut Criterion) {
+    let text = "A paragraph of an answer, with a few sentences. Another one follows here.\n\n"
+        .repeat(1_400); // about 100 KB
+    let mut group = c.benchmark_group("split_100kb");
+    group.throughput(Throughput::Bytes(text.len() as u64));
+    for (name, splitter) in [
+        ("telegram", Splitter::telegram()),
+        ("wecom_bytes", Splitter::wecom()),
+    ] {
+        group.bench_function(name, |b| b.iter(|| splitter.split(&text).expect("split")));
+    }
+    group.finish();
+}
+
+criterion_group!(benches, enqueue, claim_ack, health, split);
 criterion_main!(benches);

@@ -72,7 +72,9 @@
 //! [`Synchronous::Normal`] (the default) every committed transaction survives a crash of
 //! the process; a power loss may lose the last few commits but never corrupts the file.
 //! [`Synchronous::Full`] also survives power loss, at the cost of an fsync per commit.
-//! The file is created with mode 0600. Message text is never logged.
+//! The file is created with mode 0600. Message text is never logged above `debug`.
+//! A background thread runs passive WAL checkpoints so that they rarely fall inside a
+//! commit ([`OutboxOptions::with_background_checkpoints`]).
 //!
 //! # Concurrency
 //!
