@@ -239,7 +239,7 @@ struct Candidate {
 pub(crate) fn claim_sql(channels: usize) -> String {
     due_sql(
         "c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
-         d.channel, d.chat_id, d.created_at, d.uid, d.chunk_count, c.text",
+         d.channel, d.chat_id, d.created_at, d.chunk_count, d.uid, c.text",
         "c.due_at <= ?1",
         channels,
     )
@@ -286,18 +286,9 @@ fn due_chunks(
     let mut stmt = tx.prepare_cached(&sql)?;
     let rows = stmt.query_map(params_from_iter(due_params(channels, now, limit)), |r| {
         Ok(Candidate {
-            chunk: ChunkRef {
-                id: r.get(0)?,
-                delivery: r.get(1)?,
-                index: r.get(2)?,
-                status: r.get(3)?,
-                attempts: r.get(4)?,
-                channel: r.get(5)?,
-                chat_id: r.get(6)?,
-                created_at: r.get(7)?,
-                total: r.get(9)?,
-            },
-            uid: r.get(8)?,
+            // The claim query selects ChunkRef's columns first, in its order.
+            chunk: ChunkRef::from_row(r)?,
+            uid: r.get(9)?,
             text: r.get(10)?,
         })
     })?;

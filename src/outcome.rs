@@ -471,9 +471,7 @@ pub(crate) fn fail_chunk(
     error: &str,
     now: i64,
 ) -> Result<()> {
-    set_held(tx, chunk, ChunkStatus::Failed, error, now)?;
-    // A chunk that was sending or due belongs to its lane's active delivery.
-    lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now, true)
+    set_aside(tx, options, chunk, ChunkStatus::Failed, error, now)
 }
 
 /// Holds a chunk that may have been sent as `uncertain` until someone decides.
@@ -484,7 +482,19 @@ pub(crate) fn hold_uncertain(
     error: &str,
     now: i64,
 ) -> Result<()> {
-    set_held(tx, chunk, ChunkStatus::Uncertain, error, now)?;
+    set_aside(tx, options, chunk, ChunkStatus::Uncertain, error, now)
+}
+
+/// Takes a chunk and its delivery out of the lane as `failed` or `uncertain`.
+fn set_aside(
+    tx: &Connection,
+    options: &OutboxOptions,
+    chunk: &ChunkRef,
+    status: ChunkStatus,
+    error: &str,
+    now: i64,
+) -> Result<()> {
+    set_held(tx, chunk, status, error, now)?;
     // A chunk that was sending or due belongs to its lane's active delivery.
     lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now, true)
 }
