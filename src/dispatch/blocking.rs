@@ -11,22 +11,26 @@ use tracing::warn;
 use super::{ChannelAdapter, Core, DispatchStats, Gate, Pacing, Settings};
 use crate::{Claim, Outbox, Outcome, ReplayPolicy, Result};
 
-/// Builds a [`Dispatcher`]: register one adapter per channel, then
-/// [`build`](Self::build).
-pub struct DispatcherBuilder {
-    outbox: Outbox,
-    settings: Settings,
-    adapters: HashMap<String, Arc<dyn ChannelAdapter>>,
+/// Builds a [`Dispatcher`] (or, as
+/// [`AsyncDispatcherBuilder`](crate::AsyncDispatcherBuilder), an async one): register
+/// one adapter per channel, then `build`.
+pub struct DispatcherBuilder<A: ?Sized = dyn ChannelAdapter> {
+    pub(crate) outbox: Outbox,
+    pub(crate) settings: Settings,
+    pub(crate) adapters: HashMap<String, Arc<A>>,
 }
 
-impl DispatcherBuilder {
-    /// Serves `channel` with `adapter`. Registering a channel again replaces its adapter.
-    pub fn adapter(mut self, channel: impl Into<String>, adapter: impl ChannelAdapter) -> Self {
-        self.adapters.insert(channel.into(), Arc::new(adapter));
-        self
+impl<A: ?Sized> DispatcherBuilder<A> {
+    pub(crate) fn new(outbox: Outbox) -> Self {
+        DispatcherBuilder {
+            outbox,
+            settings: Settings::default(),
+            adapters: HashMap::new(),
+        }
     }
 
-    /// Worker threads, each claiming and sending its own batches. Default 2.
+    /// Worker threads (tasks, for the async flavour), each claiming and sending its own
+    /// batches. Default 2.
     pub fn workers(mut self, workers: usize) -> Self {
         self.settings.workers = workers;
         self
@@ -54,6 +58,14 @@ impl DispatcherBuilder {
     /// each outcome on its own. Default 2 ms.
     pub fn group_commit_window(mut self, window: Duration) -> Self {
         self.settings.group_window = window;
+        self
+    }
+}
+
+impl DispatcherBuilder<dyn ChannelAdapter> {
+    /// Serves `channel` with `adapter`. Registering a channel again replaces its adapter.
+    pub fn adapter(mut self, channel: impl Into<String>, adapter: impl ChannelAdapter) -> Self {
+        self.adapters.insert(channel.into(), Arc::new(adapter));
         self
     }
 
@@ -129,11 +141,7 @@ impl std::fmt::Debug for Dispatcher {
 impl Dispatcher {
     /// A builder for a dispatcher on `outbox`.
     pub fn builder(outbox: Outbox) -> DispatcherBuilder {
-        DispatcherBuilder {
-            outbox,
-            settings: Settings::default(),
-            adapters: HashMap::new(),
-        }
+        DispatcherBuilder::new(outbox)
     }
 
     /// Claims one batch of due chunks of the registered channels, sends each through

@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tracing::{Instrument, warn};
 
-use super::{Core, DispatchStats, Gate, Pacing, Settings, ShutdownReport};
+use super::{Core, DispatchStats, DispatcherBuilder, Gate, Pacing, ShutdownReport};
 use crate::outbox::ChangeWatcher;
 use crate::{Claim, Outbox, Outcome, ReplayPolicy, Result};
 
@@ -51,14 +51,11 @@ pub trait AsyncChannelAdapter: Send + Sync + 'static {
     }
 }
 
-/// Builds an [`AsyncDispatcher`].
-pub struct AsyncDispatcherBuilder {
-    outbox: Outbox,
-    settings: Settings,
-    adapters: HashMap<String, Arc<dyn AsyncChannelAdapter>>,
-}
+/// Builds an [`AsyncDispatcher`]; the settings are those of
+/// [`DispatcherBuilder`](crate::DispatcherBuilder).
+pub type AsyncDispatcherBuilder = DispatcherBuilder<dyn AsyncChannelAdapter>;
 
-impl AsyncDispatcherBuilder {
+impl DispatcherBuilder<dyn AsyncChannelAdapter> {
     /// Serves `channel` with `adapter`.
     pub fn adapter(
         mut self,
@@ -66,32 +63,6 @@ impl AsyncDispatcherBuilder {
         adapter: impl AsyncChannelAdapter,
     ) -> Self {
         self.adapters.insert(channel.into(), Arc::new(adapter));
-        self
-    }
-
-    /// Worker tasks. Default 2.
-    pub fn workers(mut self, workers: usize) -> Self {
-        self.settings.workers = workers;
-        self
-    }
-
-    /// Chunks claimed per transaction. Default 16.
-    pub fn batch_size(mut self, batch: usize) -> Self {
-        self.settings.batch = batch;
-        self
-    }
-
-    /// Group-commit window, as
-    /// [`DispatcherBuilder::group_commit_window`](crate::DispatcherBuilder::group_commit_window).
-    /// Default 2 ms.
-    pub fn group_commit_window(mut self, window: Duration) -> Self {
-        self.settings.group_window = window;
-        self
-    }
-
-    /// Bound on how late an idle worker notices another process's commit. Default 50 ms.
-    pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.settings.poll_interval = interval;
         self
     }
 
@@ -142,11 +113,7 @@ impl std::fmt::Debug for AsyncDispatcher {
 impl AsyncDispatcher {
     /// A builder for a dispatcher on `outbox`.
     pub fn builder(outbox: Outbox) -> AsyncDispatcherBuilder {
-        AsyncDispatcherBuilder {
-            outbox,
-            settings: Settings::default(),
-            adapters: HashMap::new(),
-        }
+        DispatcherBuilder::new(outbox)
     }
 
     /// What this dispatcher has done so far.
