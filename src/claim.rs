@@ -297,9 +297,8 @@ fn due_chunks(
 
 /// `sending` chunks whose lease ends at or before `until`.
 fn sending_chunks(tx: &Connection, until: i64) -> Result<Vec<ChunkRef>> {
-    let mut stmt = tx.prepare_cached(&format!(
-        "{} WHERE c.due_at IS NOT NULL AND c.due_at <= ?1 AND c.status = 'sending'",
-        ChunkRef::SELECT
+    let mut stmt = tx.prepare_cached(outcome::chunk_ref_where!(
+        "c.due_at IS NOT NULL AND c.due_at <= ?1 AND c.status = 'sending'"
     ))?;
     let rows = stmt.query_map([until], ChunkRef::from_row)?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)

@@ -313,7 +313,7 @@ fn insert(tx: &Connection, options: &OutboxOptions, d: &NewDelivery) -> Result<E
     let id = DeliveryId::new_v7();
     let active = match options.lane_order {
         LaneOrder::Parallel => true,
-        LaneOrder::Fifo => match lane::head(tx, options, &d.channel, &d.chat_id, false)? {
+        LaneOrder::Fifo => match lane::head(tx, options, &d.channel, &d.chat_id)? {
             LaneHead::Idle => true,
             LaneHead::Busy => false,
             // A queued delivery with nothing in front of it: start that one first.

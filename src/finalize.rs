@@ -7,15 +7,13 @@ use crate::{OutboxOptions, Result, lane};
 
 /// Writes a fully delivered delivery to `messages` and marks it delivered, in the
 /// caller's transaction (the one that recorded its last ack). `messages.delivery_id` is
-/// UNIQUE, so a second finalization fails instead of writing a duplicate row. `active`
-/// says the delivery held its lane (an ack), so its lane has no active delivery left.
+/// UNIQUE, so a second finalization fails instead of writing a duplicate row.
 pub(crate) fn finalize(
     tx: &Connection,
     options: &OutboxOptions,
     delivery: i64,
     (channel, chat_id): (&str, &str),
     now: i64,
-    active: bool,
 ) -> Result<()> {
     tx.prepare_cached(
         "INSERT INTO messages
@@ -37,7 +35,7 @@ pub(crate) fn finalize(
     )?
     .execute(params![channel, now])?;
     let earliest = earliest_send(options, channel, now);
-    lane::advance(tx, options, channel, chat_id, earliest, active)
+    lane::advance(tx, options, channel, chat_id, earliest)
 }
 
 /// Finalizes unfinished deliveries whose chunks are all delivered: what a crash in a
@@ -60,7 +58,7 @@ pub(crate) fn sweep(tx: &Connection, options: &OutboxOptions, now: i64) -> Resul
         })?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     for (delivery, channel, chat_id) in &done {
-        finalize(tx, options, *delivery, (channel, chat_id), now, false)?;
+        finalize(tx, options, *delivery, (channel, chat_id), now)?;
     }
     Ok(done.len() as u64)
 }

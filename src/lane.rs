@@ -42,17 +42,14 @@ const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
        AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL))";
 
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
-/// `active_finished` says the caller just settled the lane's active delivery: a FIFO
-/// lane has at most one, so none is active now and the check is skipped.
 pub(crate) fn head(
     tx: &Connection,
     options: &OutboxOptions,
     channel: &str,
     chat_id: &str,
-    active_finished: bool,
 ) -> Result<LaneHead> {
     let lane = params![channel, chat_id];
-    if !active_finished && tx.prepare_cached(ACTIVE_SQL)?.exists(lane)? {
+    if tx.prepare_cached(ACTIVE_SQL)?.exists(lane)? {
         return Ok(LaneHead::Busy);
     }
     let next: Option<i64> = tx
@@ -70,19 +67,18 @@ pub(crate) fn head(
 
 /// Activates the next queued delivery of a FIFO lane if the lane is free, making its
 /// head chunk due no earlier than `earliest`. Does nothing for parallel lanes, whose
-/// deliveries are active from the start. `active_finished` as for [`head`].
+/// deliveries are active from the start.
 pub(crate) fn advance(
     tx: &Connection,
     options: &OutboxOptions,
     channel: &str,
     chat_id: &str,
     earliest: i64,
-    active_finished: bool,
 ) -> Result<()> {
     if options.lane_order == LaneOrder::Parallel {
         return Ok(());
     }
-    if let LaneHead::Next(delivery) = head(tx, options, channel, chat_id, active_finished)? {
+    if let LaneHead::Next(delivery) = head(tx, options, channel, chat_id)? {
         activate(tx, delivery, channel, chat_id, earliest)?;
     }
     Ok(())
@@ -116,19 +112,18 @@ pub(crate) fn make_due(
     chat_id: &str,
     earliest: i64,
 ) -> Result<()> {
-    // The pause lookup of `due_time`, folded into the update: one statement.
+    let due = due_time(tx, channel, chat_id, earliest)?;
     tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks
-         SET due_at = max(?3, coalesce((SELECT paused_until FROM outbound_lane_pauses
-                                        WHERE channel = ?4 AND chat_id = ?5), ?3))
+        "UPDATE outbound_delivery_chunks SET due_at = ?3
          WHERE delivery_id = ?1 AND chunk_index = ?2",
     )?
-    .execute(params![delivery, index, earliest, channel, chat_id])?;
+    .execute(params![delivery, index, due])?;
     Ok(())
 }
 
 /// `earliest`, or the end of the lane's rate-limit pause if that is later. Every due
-/// time handed to a chunk goes through here, so no send of a paused lane starts early.
+/// time handed to a chunk (other than a claim's lease expiry) goes through here, so no
+/// send of a paused lane starts early.
 pub(crate) fn due_time(
     tx: &Connection,
     channel: &str,
@@ -182,5 +177,5 @@ pub(crate) fn rejoin(
          SET status = 'queued', finished_at = NULL, acknowledged_at = NULL WHERE id = ?1",
     )?
     .execute([delivery])?;
-    advance(tx, options, channel, chat_id, earliest, false)
+    advance(tx, options, channel, chat_id, earliest)
 }

@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use crate::outcome::{ChunkRef, Recorded, deliver_chunk};
+use crate::outcome::{ChunkRef, Recorded, chunk_ref_where, deliver_chunk};
 use crate::status::ChunkStatus;
 use crate::{ChunkId, DeliveryId, Error, Outbox, OutboxOptions, Result, lane};
 
@@ -64,10 +64,9 @@ impl Outbox {
         let options = self.options();
         self.write_and_wake(|tx| {
             let now = options.now_ms();
-            let mut stmt = tx.prepare_cached(&format!(
-                "{} WHERE d.status = 'failed' AND d.status <> 'delivered' AND c.status = 'failed'
-                 ORDER BY d.id",
-                ChunkRef::SELECT
+            let mut stmt = tx.prepare_cached(chunk_ref_where!(
+                "d.status = 'failed' AND d.status <> 'delivered' AND c.status = 'failed'
+                 ORDER BY d.id"
             ))?;
             let chunks = stmt
                 .query_map([], ChunkRef::from_row)?
@@ -145,7 +144,7 @@ impl Outbox {
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             let count = lanes.len() as u64;
             for (channel, chat_id) in lanes.into_iter().collect::<BTreeSet<_>>() {
-                lane::advance(tx, options, &channel, &chat_id, now, false)?;
+                lane::advance(tx, options, &channel, &chat_id, now)?;
             }
             Ok(count)
         })
@@ -202,12 +201,11 @@ fn requeue(
 /// error message).
 fn held_or_head_chunk(tx: &Connection, delivery: DeliveryId) -> Result<ChunkRef> {
     let chunk = tx
-        .prepare_cached(&format!(
-            "{} WHERE d.uid = ?1
+        .prepare_cached(chunk_ref_where!(
+            "d.uid = ?1
              ORDER BY c.status IN ('failed', 'uncertain') DESC,
                       c.chunk_index = min(d.delivered_count, d.chunk_count - 1) DESC
-             LIMIT 1",
-            ChunkRef::SELECT
+             LIMIT 1"
         ))?
         .query_row(params![delivery.to_string()], ChunkRef::from_row)
         .optional()?;

@@ -118,12 +118,10 @@ impl Outbox {
     /// [`Error::StaleClaim`]; [`Error::InvalidInput`] for a platform id over
     /// [`MAX_PLATFORM_ID_BYTES`]; database errors. Nothing is changed on error.
     pub fn record(&self, claim: &Claim, outcome: Outcome) -> Result<Recorded> {
-        check_outcome(&outcome)?;
-        let options = self.options();
-        self.write_and_wake(|tx| {
-            let chunk = claimed(tx, claim)?;
-            apply(tx, options, &chunk, outcome, options.now_ms())
-        })
+        let mut results = self.record_batch([(claim, outcome)])?;
+        results.pop().unwrap_or(Err(Error::StaleClaim {
+            chunk: claim.chunk_id,
+        }))
     }
 
     /// Records the outcomes of several claims in one transaction (group commit): one
@@ -247,12 +245,22 @@ pub(crate) struct ChunkRef {
     pub total: i64,
 }
 
-impl ChunkRef {
-    pub const SELECT: &'static str =
-        "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
-            d.channel, d.chat_id, d.created_at, d.chunk_count
-     FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id";
+/// The query that loads a [`ChunkRef`], followed by a literal condition: SQL built at
+/// compile time, so loading a chunk on the hot path formats nothing.
+macro_rules! chunk_ref_where {
+    ($condition:literal) => {
+        concat!(
+            "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
+                    d.channel, d.chat_id, d.created_at, d.chunk_count
+             FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
+             WHERE ",
+            $condition
+        )
+    };
+}
+pub(crate) use chunk_ref_where;
 
+impl ChunkRef {
     pub fn from_row(r: &Row<'_>) -> rusqlite::Result<Self> {
         Ok(ChunkRef {
             id: r.get(0)?,
@@ -269,7 +277,7 @@ impl ChunkRef {
 
     /// Loads a chunk by id.
     pub fn load(tx: &Connection, id: ChunkId) -> Result<ChunkRef> {
-        tx.prepare_cached(&format!("{} WHERE c.id = ?1", Self::SELECT))?
+        tx.prepare_cached(chunk_ref_where!("c.id = ?1"))?
             .query_row([id.0], Self::from_row)
             .optional()?
             .ok_or(Error::ChunkNotFound(id))
@@ -279,9 +287,8 @@ impl ChunkRef {
 /// The claimed chunk, if the claim still owns it: `sending` with the claim's token.
 fn claimed(tx: &Connection, claim: &Claim) -> Result<ChunkRef> {
     let chunk = tx
-        .prepare_cached(&format!(
-            "{} WHERE c.id = ?1 AND c.status = 'sending' AND c.claim_token = ?2",
-            ChunkRef::SELECT
+        .prepare_cached(chunk_ref_where!(
+            "c.id = ?1 AND c.status = 'sending' AND c.claim_token = ?2"
         ))?
         .query_row(params![claim.chunk_id.0, claim.token], ChunkRef::from_row)
         .optional()?;
@@ -427,7 +434,7 @@ pub(crate) fn deliver_chunk(
     .execute(params![chunk.id, platform_message_id, now])?;
     if chunk.index + 1 >= chunk.total {
         let lane = (chunk.channel.as_str(), chunk.chat_id.as_str());
-        finalize::finalize(tx, options, chunk.delivery, lane, now, active)?;
+        finalize::finalize(tx, options, chunk.delivery, lane, now)?;
         return Ok(true);
     }
     // One write to the delivery row: the count, and for an active delivery its status.
@@ -495,8 +502,7 @@ fn set_aside(
     now: i64,
 ) -> Result<()> {
     set_held(tx, chunk, status, error, now)?;
-    // A chunk that was sending or due belongs to its lane's active delivery.
-    lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now, true)
+    lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now)
 }
 
 fn set_held(

@@ -17,6 +17,27 @@ fn outbox(db: &Path) -> Command {
     cmd
 }
 
+/// Runs a command that must succeed and end with one JSON object; returns it.
+fn json_verdict(cmd: &mut Command) -> serde_json::Value {
+    let out = cmd.output().expect("run");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = text.lines().last().expect("a last line");
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last}"))
+}
+
+/// The tool with no database named, for subcommands that make their own.
+fn outbox_without_db() -> Command {
+    let mut cmd = Command::cargo_bin("outbox").expect("binary");
+    cmd.env_remove("OUTBOX_DB");
+    cmd
+}
+
 fn stdout(cmd: &mut Command) -> (i32, String) {
     let out = cmd.output().expect("run");
     (
@@ -91,12 +112,7 @@ fn read_only_commands_never_create_a_database() {
     }
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 
-    let out = Command::cargo_bin("outbox")
-        .unwrap()
-        .env_remove("OUTBOX_DB")
-        .arg("health")
-        .output()
-        .unwrap();
+    let out = outbox_without_db().arg("health").output().unwrap();
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--db"));
 }
@@ -299,30 +315,19 @@ fn migrate_creates_and_is_idempotent() {
 fn small_demo_proves_the_invariants() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("demo.db");
-    let out = outbox(&db)
-        .args([
-            "demo",
-            "--json",
-            "--replies",
-            "300",
-            "--chats",
-            "30",
-            "--crashes",
-            "2",
-            "--seed",
-            "11",
-        ])
-        .output()
-        .unwrap();
-    let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let last = text.lines().last().expect("a last line");
-    let v: serde_json::Value = serde_json::from_str(last).expect("last line is JSON");
+    let v = json_verdict(outbox(&db).args([
+        "demo",
+        "--json",
+        "--replies",
+        "300",
+        "--chats",
+        "30",
+        "--crashes",
+        "2",
+        "--seed",
+        "11",
+    ]));
+    let last = v.to_string();
     for field in [
         "deliveries",
         "chunks",
@@ -348,20 +353,8 @@ fn small_demo_proves_the_invariants() {
 
 #[test]
 fn torture_survives_twenty_kills() {
-    let out = Command::cargo_bin("outbox")
-        .unwrap()
-        .env_remove("OUTBOX_DB")
-        .args(["torture", "--kills", "25", "--seed", "17"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    let v = json_verdict(outbox_without_db().args(["torture", "--kills", "25", "--seed", "17"]));
+    let text = v.to_string();
     assert_eq!(v["kills"], 25);
     assert_eq!(v["seed"], 17);
     for zero in [
@@ -378,28 +371,15 @@ fn torture_survives_twenty_kills() {
 
 #[test]
 fn contention_reaches_no_caller_and_claims_nothing_twice() {
-    let out = Command::cargo_bin("outbox")
-        .unwrap()
-        .env_remove("OUTBOX_DB")
-        .args([
-            "stress",
-            "--dispatchers",
-            "4",
-            "--workers",
-            "2",
-            "--replies",
-            "3000",
-        ])
-        .output()
-        .unwrap();
-    let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    let v = json_verdict(outbox_without_db().args([
+        "stress",
+        "--dispatchers",
+        "4",
+        "--workers",
+        "2",
+        "--replies",
+        "3000",
+    ]));
     assert_eq!(v["busy_errors"], 0);
     assert_eq!(v["other_errors"], 0);
     assert_eq!(v["claimed_twice"], 0);

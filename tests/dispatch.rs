@@ -577,9 +577,14 @@ fn enqueue_in_this_process_wakes_an_idle_dispatcher() -> Result<()> {
         .poll_interval(Duration::from_secs(3600))
         .build()?
         .start()?;
-    std::thread::sleep(Duration::from_millis(50)); // let the worker go idle
-    let _ = outbox.enqueue(&NewDelivery::single("telegram", "1", "wake up"))?;
-    wait_until("the send", || !recorder.0.lock().unwrap().is_empty());
+    // Each reply arrives after the previous one was delivered, when the worker has
+    // nothing due and sleeps on the hour-long poll: only a wake-up gets it sent.
+    for n in 1..=20 {
+        let _ = outbox.enqueue(&NewDelivery::single("telegram", format!("c{n}"), "wake up"))?;
+        wait_until("the send", || {
+            outbox.health().unwrap().totals.delivered_deliveries == n
+        });
+    }
     assert!(running.shutdown(Duration::from_secs(10)).clean);
     Ok(())
 }

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tracing::warn;
 
-use super::{ChannelAdapter, Core, DispatchStats, Gate, Pacing, Settings};
-use crate::{Claim, Outbox, Outcome, ReplayPolicy, Result};
+use super::{ChannelAdapter, Core, DispatchStats, Settings, Shared, Unrecorded};
+use crate::{Claim, Outbox, Result};
 
 /// Builds a [`Dispatcher`] (or, as
 /// [`AsyncDispatcherBuilder`](crate::AsyncDispatcherBuilder), an async one): register
@@ -77,24 +77,9 @@ impl DispatcherBuilder<dyn ChannelAdapter> {
     /// [`Error::InvalidInput`](crate::Error::InvalidInput) for no adapters, zero
     /// workers, a batch size outside `1..=MAX_CLAIM_BATCH` or a zero poll interval.
     pub fn build(self) -> Result<Dispatcher> {
-        let declared = self
-            .adapters
-            .iter()
-            .map(|(name, a)| (name.clone(), a.replay(), a.pacing()))
-            .collect::<Vec<(String, ReplayPolicy, Pacing)>>();
-        let core = Core::new(self.outbox, self.settings, declared)?;
-        Ok(Dispatcher {
-            shared: Arc::new(Shared {
-                core,
-                adapters: self.adapters,
-            }),
-        })
+        let shared = self.into_shared(|a| (a.replay(), a.pacing()))?;
+        Ok(Dispatcher { shared })
     }
-}
-
-struct Shared {
-    core: Core,
-    adapters: HashMap<String, Arc<dyn ChannelAdapter>>,
 }
 
 /// Moves due chunks from the outbox to the platforms through blocking adapters.
@@ -126,7 +111,7 @@ struct Shared {
 /// ```
 #[derive(Clone)]
 pub struct Dispatcher {
-    shared: Arc<Shared>,
+    shared: Arc<Shared<dyn ChannelAdapter>>,
 }
 
 impl std::fmt::Debug for Dispatcher {
@@ -233,35 +218,23 @@ impl Dispatcher {
     /// stopping, the unstarted rest is released.
     fn process(&self, claims: Vec<Claim>) {
         let core = &self.shared.core;
-        let mut unrecorded: Vec<(Claim, Outcome)> = Vec::new();
-        let mut first_unrecorded = Instant::now();
+        let mut unrecorded = Unrecorded::new(core.settings.group_window);
         for claim in claims {
-            if core.stopping() {
-                core.release(&claim, Duration::ZERO);
-                continue;
-            }
-            let span = Core::span(&claim);
-            let entered = span.enter();
-            let adapter = self.shared.adapters.get(&claim.channel);
-            match (core.gate(&claim), adapter) {
-                (Gate::Send, Some(adapter)) => {
-                    core.before_send(&claim);
-                    let outcome = adapter.send(&claim);
-                    drop(entered);
-                    if unrecorded.is_empty() {
-                        first_unrecorded = Instant::now();
-                    }
-                    unrecorded.push((claim, outcome));
-                    if first_unrecorded.elapsed() >= core.settings.group_window {
-                        core.record_all(&unrecorded);
-                        unrecorded.clear();
+            match self.shared.admit(&claim) {
+                Ok(adapter) => {
+                    let outcome = {
+                        let _entered = Core::span(&claim).entered();
+                        core.before_send(&claim);
+                        adapter.send(&claim)
+                    };
+                    if let Some(batch) = unrecorded.push(claim, outcome) {
+                        core.record_all(&batch);
                     }
                 }
-                (Gate::Defer(wait), _) => core.release(&claim, wait),
-                (Gate::Send, None) => core.release(&claim, Duration::ZERO),
+                Err(delay) => core.release(&claim, delay),
             }
         }
-        core.record_all(&unrecorded);
+        core.record_all(&unrecorded.take());
     }
 }
 

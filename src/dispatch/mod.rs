@@ -10,9 +10,9 @@ mod blocking;
 pub(crate) mod tokio;
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tracing::{Span, debug, info, info_span, warn};
@@ -185,11 +185,78 @@ pub(crate) struct Core {
     counters: Counters,
 }
 
-/// What to do with a claim before sending it.
-pub(crate) enum Gate {
-    Send,
-    /// Give it back; the channel's next slot is this far away.
-    Defer(Duration),
+/// Adapters by channel with the core, shared by a dispatcher's workers.
+pub(crate) struct Shared<A: ?Sized> {
+    pub core: Core,
+    pub adapters: HashMap<String, Arc<A>>,
+}
+
+impl<A: ?Sized> DispatcherBuilder<A> {
+    /// Registers each adapter's declarations (`declare` reads them) with the outbox.
+    pub(crate) fn into_shared(
+        self,
+        declare: impl Fn(&A) -> (ReplayPolicy, Pacing),
+    ) -> Result<Arc<Shared<A>>> {
+        let declared = self
+            .adapters
+            .iter()
+            .map(|(name, a)| {
+                let (replay, pacing) = declare(a);
+                (name.clone(), replay, pacing)
+            })
+            .collect();
+        let core = Core::new(self.outbox, self.settings, declared)?;
+        Ok(Arc::new(Shared {
+            core,
+            adapters: self.adapters,
+        }))
+    }
+}
+
+impl<A: ?Sized> Shared<A> {
+    /// The adapter to send `claim` with, or how long to wait before it may be tried
+    /// again: at once when stopping or when no adapter serves the channel, later when
+    /// the channel's rate slot is taken.
+    pub(crate) fn admit(&self, claim: &Claim) -> Result<&Arc<A>, Duration> {
+        if self.core.stopping() {
+            return Err(Duration::ZERO);
+        }
+        let adapter = self.adapters.get(&claim.channel).ok_or(Duration::ZERO)?;
+        self.core.take_slot(claim)?;
+        Ok(adapter)
+    }
+}
+
+/// Outcomes waiting to be recorded together (group commit).
+pub(crate) struct Unrecorded {
+    outcomes: Vec<(Claim, Outcome)>,
+    since: Instant,
+    window: Duration,
+}
+
+impl Unrecorded {
+    pub(crate) fn new(window: Duration) -> Self {
+        Unrecorded {
+            outcomes: Vec::new(),
+            since: Instant::now(),
+            window,
+        }
+    }
+
+    /// Adds an outcome; returns the batch to record now if the window since the first
+    /// unrecorded outcome has passed (always, for a send slower than the window).
+    pub(crate) fn push(&mut self, claim: Claim, outcome: Outcome) -> Option<Vec<(Claim, Outcome)>> {
+        if self.outcomes.is_empty() {
+            self.since = Instant::now();
+        }
+        self.outcomes.push((claim, outcome));
+        (self.since.elapsed() >= self.window).then(|| self.take())
+    }
+
+    /// Everything not yet recorded.
+    pub(crate) fn take(&mut self) -> Vec<(Claim, Outcome)> {
+        std::mem::take(&mut self.outcomes)
+    }
 }
 
 impl Core {
@@ -288,22 +355,22 @@ impl Core {
     }
 
     /// Takes the channel's next rate slot for this claim, or says how long to wait.
-    pub(crate) fn gate(&self, claim: &Claim) -> Gate {
+    fn take_slot(&self, claim: &Claim) -> Result<(), Duration> {
         let interval = self
             .pacing
             .get(&claim.channel)
             .map_or(Duration::ZERO, |p| p.channel_interval);
         if interval.is_zero() {
-            return Gate::Send;
+            return Ok(());
         }
         let now = self.outbox.options().now_ms();
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         let slot = slots.entry(claim.channel.clone()).or_insert(i64::MIN);
         if *slot > now {
-            return Gate::Defer(Duration::from_millis((*slot - now) as u64));
+            return Err(Duration::from_millis((*slot - now) as u64));
         }
         *slot = now.saturating_add(duration_ms(interval));
-        Gate::Send
+        Ok(())
     }
 
     /// A span for one send, with the ids that correlate it.

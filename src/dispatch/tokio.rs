@@ -1,7 +1,6 @@
 //! The tokio dispatcher: worker tasks for async engines. Database work runs on tokio's
 //! blocking pool (`spawn_blocking`), never on the async worker threads.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -10,7 +9,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tracing::{Instrument, warn};
 
-use super::{Core, DispatchStats, DispatcherBuilder, Gate, Pacing, ShutdownReport};
+use super::{Core, DispatchStats, DispatcherBuilder, Pacing, Shared, ShutdownReport, Unrecorded};
 use crate::outbox::ChangeWatcher;
 use crate::{Claim, Outbox, Outcome, ReplayPolicy, Result};
 
@@ -72,24 +71,9 @@ impl DispatcherBuilder<dyn AsyncChannelAdapter> {
     ///
     /// As [`DispatcherBuilder::build`](crate::DispatcherBuilder::build).
     pub fn build(self) -> Result<AsyncDispatcher> {
-        let declared = self
-            .adapters
-            .iter()
-            .map(|(name, a)| (name.clone(), a.replay(), a.pacing()))
-            .collect();
-        let core = Core::new(self.outbox, self.settings, declared)?;
-        Ok(AsyncDispatcher {
-            shared: Arc::new(Shared {
-                core,
-                adapters: self.adapters,
-            }),
-        })
+        let shared = self.into_shared(|a| (a.replay(), a.pacing()))?;
+        Ok(AsyncDispatcher { shared })
     }
-}
-
-struct Shared {
-    core: Core,
-    adapters: HashMap<String, Arc<dyn AsyncChannelAdapter>>,
 }
 
 /// Moves due chunks to the platforms through async adapters, on a tokio runtime.
@@ -99,7 +83,7 @@ struct Shared {
 /// interval, graceful shutdown that finishes sends in flight and releases the rest.
 #[derive(Clone)]
 pub struct AsyncDispatcher {
-    shared: Arc<Shared>,
+    shared: Arc<Shared<dyn AsyncChannelAdapter>>,
 }
 
 impl std::fmt::Debug for AsyncDispatcher {
@@ -124,7 +108,7 @@ impl AsyncDispatcher {
     /// Runs `f` with the shared state on tokio's blocking pool.
     async fn blocking<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&Shared) -> T + Send + 'static,
+        f: impl FnOnce(&Shared<dyn AsyncChannelAdapter>) -> T + Send + 'static,
     ) -> T {
         let shared = self.shared.clone();
         match tokio::task::spawn_blocking(move || f(&shared)).await {
@@ -141,43 +125,30 @@ impl AsyncDispatcher {
     pub async fn run_once(&self) -> Result<usize> {
         let claims = self.blocking(|s| s.core.claim()).await?;
         let n = claims.len();
-        let mut unrecorded: Vec<(Claim, Outcome)> = Vec::new();
-        let mut first_unrecorded = std::time::Instant::now();
+        let mut unrecorded = Unrecorded::new(self.shared.core.settings.group_window);
         for claim in claims {
             let span = Core::span(&claim);
-            if let Some(outcome) = self.send(&claim).instrument(span).await {
-                if unrecorded.is_empty() {
-                    first_unrecorded = std::time::Instant::now();
-                }
-                unrecorded.push((claim, outcome));
-                if first_unrecorded.elapsed() >= self.shared.core.settings.group_window {
-                    let batch = std::mem::take(&mut unrecorded);
-                    self.blocking(move |s| s.core.record_all(&batch)).await;
-                }
+            if let Some(outcome) = self.send(&claim).instrument(span).await
+                && let Some(batch) = unrecorded.push(claim, outcome)
+            {
+                self.blocking(move |s| s.core.record_all(&batch)).await;
             }
         }
-        self.blocking(move |s| s.core.record_all(&unrecorded)).await;
+        let rest = unrecorded.take();
+        self.blocking(move |s| s.core.record_all(&rest)).await;
         Ok(n)
     }
 
     /// Sends one claim, or releases it (stopping, rate slot taken, no adapter).
     async fn send(&self, claim: &Claim) -> Option<Outcome> {
-        let core = &self.shared.core;
-        let delay = if core.stopping() {
-            Some(Duration::ZERO)
-        } else {
-            match core.gate(claim) {
-                Gate::Defer(wait) => Some(wait),
-                Gate::Send => None,
-            }
-        };
-        match (delay, self.shared.adapters.get(&claim.channel).cloned()) {
-            (None, Some(adapter)) => {
-                core.before_send(claim);
+        match self.shared.admit(claim) {
+            Ok(adapter) => {
+                let adapter = adapter.clone();
+                self.shared.core.before_send(claim);
                 Some(adapter.send(claim).await)
             }
-            (delay, _) => {
-                let (claim, delay) = (claim.clone(), delay.unwrap_or_default());
+            Err(delay) => {
+                let claim = claim.clone();
                 self.blocking(move |s| s.core.release(&claim, delay)).await;
                 None
             }

@@ -240,7 +240,6 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
     ));
 
     let outbox = Outbox::open(&files.db, sim_options())?;
-    open_platform(&files.platform)?;
     let platform = open_platform(&files.platform)?;
 
     // The chat engine runs beside the worker, as in a real deployment.

@@ -217,14 +217,15 @@ fn run(cli: Cli) -> CliResult<u8> {
             }
             Ok(0)
         }
-        Command::Requeue { delivery, failed } => {
+        Command::Requeue { delivery, .. } => {
+            // clap makes DELIVERY and --failed exclusive, and one of them required.
             let outbox = open_existing(db)?;
             let count = match delivery {
-                Some(id) if !failed => {
+                Some(id) => {
                     outbox.requeue_delivery(id.parse()?)?;
                     1
                 }
-                _ => outbox.requeue_dead_letters()?,
+                None => outbox.requeue_dead_letters()?,
             };
             println!("requeued {}", plural(count, "delivery", "deliveries"));
             Ok(0)
