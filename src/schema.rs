@@ -126,8 +126,10 @@ pub(crate) fn check_file(path: &Path) -> Result<()> {
     };
     let pages = u64::from(be32(28));
     // The in-header size is only meaningful when it was written by the same change as
-    // the header's change counter (SQLite's own rule).
-    let size_valid = be32(92) == be32(24) && pages > 0;
+    // the header's change counter (SQLite's own rule), and only for a file at rest: while
+    // a WAL holds commits, a checkpoint in another connection may have written the new
+    // header before the pages that extend the file.
+    let size_valid = be32(92) == be32(24) && pages > 0 && !has_wal(path);
     if size_valid && pages * page_size > len {
         return Err(Error::Corrupt {
             path: path.to_owned(),
@@ -137,6 +139,14 @@ pub(crate) fn check_file(path: &Path) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Whether a non-empty `-wal` file sits beside the database (it is in use, or a process
+/// using it crashed).
+fn has_wal(path: &Path) -> bool {
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    std::fs::metadata(wal).is_ok_and(|m| m.len() > 0)
 }
 
 /// The settings a connection actually runs with, read back from SQLite.
@@ -246,6 +256,25 @@ mod tests {
             .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
             .unwrap();
         assert_eq!(tables, 0);
+    }
+
+    /// A header naming more pages than the file holds is a truncation for a file at
+    /// rest, but not while a WAL holds commits: a checkpoint in another connection
+    /// writes the new header before the pages that extend the file.
+    #[test]
+    fn size_check_applies_to_files_at_rest_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.db");
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch("CREATE TABLE t (v); INSERT INTO t VALUES (zeroblob(20000));")
+            .unwrap();
+        drop(conn);
+        let full = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &full[..full.len() - 4096]).unwrap();
+        assert!(matches!(check_file(&path), Err(Error::Corrupt { .. })));
+
+        std::fs::write(dir.path().join("x.db-wal"), b"frames").unwrap();
+        check_file(&path).unwrap();
     }
 }
 
