@@ -4,12 +4,23 @@
 -- Statuses are stored as short lowercase words so the file stays readable with the
 -- sqlite3 shell; CHECK constraints keep them to the known set.
 
+-- Per-database constants.
+CREATE TABLE outbound_meta (
+    id      INTEGER PRIMARY KEY CHECK (id = 1),
+    -- Random; scrambles row ids into delivery uids (see outbound_deliveries.uid).
+    id_salt INTEGER NOT NULL
+);
+INSERT INTO outbound_meta (id, id_salt) VALUES (1, random());
+
 -- One logical outbound message.
 CREATE TABLE outbound_deliveries (
     id              INTEGER PRIMARY KEY,
-    -- Public id (UUID v7, time ordered). Prefix of every chunk's idempotency key, so
-    -- keys stay unique even across databases that were deleted and created again.
-    uid             TEXT    NOT NULL UNIQUE,
+    -- Public id (UUID v7: creation time, random bits, and the row id scrambled with this
+    -- database's id_salt). Prefix of every chunk's idempotency key, so keys stay unique
+    -- even across databases that were deleted and created again. The row id is
+    -- recovered from the uid, so no index on this column is needed: lookups are
+    -- "id = (row id from uid) AND uid = ?".
+    uid             TEXT    NOT NULL,
     channel         TEXT    NOT NULL,
     chat_id         TEXT    NOT NULL,
     sender          TEXT,
@@ -42,10 +53,16 @@ CREATE INDEX outbound_deliveries_open
     ON outbound_deliveries (channel, chat_id, status, id) WHERE status <> 'delivered';
 
 -- One platform send: an independently retryable part of a delivery.
+--
+-- A chunk's id is derived from its place: delivery_id * 16384 + chunk_index (a delivery
+-- has at most 10,000 chunks). The table's own B-tree is then ordered by delivery and
+-- index, so "chunk k of delivery d" and "the chunks of delivery d" are primary-key
+-- lookups and ranges, and no separate (delivery_id, chunk_index) index has to be
+-- written on every enqueue. The CHECK keeps the columns and the id in agreement.
 CREATE TABLE outbound_delivery_chunks (
     id                  INTEGER PRIMARY KEY,
-    delivery_id         INTEGER NOT NULL REFERENCES outbound_deliveries (id),
-    chunk_index         INTEGER NOT NULL CHECK (chunk_index >= 0),
+    delivery_id         INTEGER NOT NULL,
+    chunk_index         INTEGER NOT NULL CHECK (chunk_index >= 0 AND chunk_index < 16384),
     status              TEXT    NOT NULL CHECK (status IN
                             ('pending', 'sending', 'retry', 'failed', 'delivered', 'uncertain')),
     attempts            INTEGER NOT NULL DEFAULT 0,
@@ -59,7 +76,7 @@ CREATE TABLE outbound_delivery_chunks (
     platform_message_id TEXT,
     delivered_at        INTEGER,
     text                TEXT    NOT NULL,
-    UNIQUE (delivery_id, chunk_index)
+    CHECK (id = delivery_id * 16384 + chunk_index)
 );
 
 -- The claim index. It holds only claimable and leased chunks, ordered exactly as the
@@ -82,10 +99,11 @@ CREATE TABLE messages (
     delivered_at INTEGER NOT NULL
 );
 
--- Maintained per-channel counters, so health never counts history rows.
+-- Per-channel counters of finalized deliveries still stored, maintained by
+-- finalization and purge, so health never counts history rows. (Unfinished deliveries
+-- are counted from the index of open deliveries, so enqueue does not touch this table.)
 CREATE TABLE outbound_channel_stats (
     channel           TEXT PRIMARY KEY,
-    deliveries        INTEGER NOT NULL DEFAULT 0,
     delivered         INTEGER NOT NULL DEFAULT 0,
     last_delivered_at INTEGER
 ) WITHOUT ROWID;

@@ -3,8 +3,9 @@
 use rusqlite::{Connection, OptionalExtension, params};
 use serde::Serialize;
 
+use crate::ids::{CHUNK_STRIDE, chunks_of_delivery};
 use crate::lane::{self, LaneHead};
-use crate::{DeliveryId, Error, LaneOrder, Outbox, OutboxOptions, Result};
+use crate::{DeliveryId, Error, LaneOrder, Outbox, Result};
 
 /// Longest accepted channel name, in bytes.
 pub const MAX_CHANNEL_BYTES: usize = 128;
@@ -208,7 +209,7 @@ impl Outbox {
     /// content. Nothing is written in either case.
     pub fn enqueue(&self, delivery: &NewDelivery) -> Result<Enqueued> {
         delivery.validate()?;
-        self.write_and_wake(|tx| insert(tx, self.options(), delivery))
+        self.write_and_wake(|tx| insert(tx, self, delivery))
     }
 
     /// Splits `text` with `splitter` and enqueues the chunks in one call.
@@ -274,7 +275,7 @@ impl Outbox {
         // A savepoint makes our writes all-or-nothing even if the caller goes on to
         // commit after we returned an error.
         conn.execute_batch("SAVEPOINT chunked_outbox_enqueue")?;
-        match insert(conn, self.options(), delivery) {
+        match insert(conn, self, delivery) {
             Ok(enqueued) => {
                 conn.execute_batch("RELEASE chunked_outbox_enqueue")?;
                 // Visible once the caller commits; a dispatcher's change watcher sees
@@ -292,7 +293,8 @@ impl Outbox {
     }
 }
 
-fn insert(tx: &Connection, options: &OutboxOptions, d: &NewDelivery) -> Result<Enqueued> {
+fn insert(tx: &Connection, outbox: &Outbox, d: &NewDelivery) -> Result<Enqueued> {
+    let options = outbox.options();
     if let Some(key) = &d.idempotency_key
         && let Some((rowid, existing)) = find_by_key(tx, key)?
     {
@@ -310,7 +312,16 @@ fn insert(tx: &Connection, options: &OutboxOptions, d: &NewDelivery) -> Result<E
     }
 
     let now = options.now_ms();
-    let id = DeliveryId::new_v7();
+    // The next row id, chosen here (under the write lock) so the uid can be derived
+    // from it: the uid needs no index of its own.
+    let rowid: i64 = tx
+        .prepare_cached("SELECT coalesce(max(id), 0) + 1 FROM outbound_deliveries")?
+        .query_row([], |r| r.get(0))?;
+    let first_chunk = rowid.checked_mul(CHUNK_STRIDE).ok_or(Error::invalid(
+        "delivery",
+        "the database has used up its row ids; purge it or start a new file",
+    ))?;
+    let id = outbox.new_delivery_id(rowid, now);
     let active = match options.lane_order {
         LaneOrder::Parallel => true,
         LaneOrder::Fifo => match lane::head(tx, options, &d.channel, &d.chat_id)? {
@@ -323,27 +334,24 @@ fn insert(tx: &Connection, options: &OutboxOptions, d: &NewDelivery) -> Result<E
             }
         },
     };
-    let rowid: i64 = tx
-        .prepare_cached(
-            "INSERT INTO outbound_deliveries
-                 (uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
-                  created_at, updated_at, text)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, ?9) RETURNING id",
-        )?
-        .query_row(
-            params![
-                id.to_string(),
-                d.channel,
-                d.chat_id,
-                d.sender,
-                d.idempotency_key,
-                if active { "pending" } else { "queued" },
-                d.chunks.len() as i64,
-                now,
-                d.text,
-            ],
-            |r| r.get(0),
-        )?;
+    tx.prepare_cached(
+        "INSERT INTO outbound_deliveries
+             (id, uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
+              created_at, updated_at, text)
+         VALUES (?10, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, ?9)",
+    )?
+    .execute(params![
+        id.to_string(),
+        d.channel,
+        d.chat_id,
+        d.sender,
+        d.idempotency_key,
+        if active { "pending" } else { "queued" },
+        d.chunks.len() as i64,
+        now,
+        d.text,
+        rowid,
+    ])?;
     // The head chunk of an active delivery is inserted already due, so it enters the
     // claim index once instead of being inserted and then updated.
     let head_due = if active {
@@ -352,18 +360,14 @@ fn insert(tx: &Connection, options: &OutboxOptions, d: &NewDelivery) -> Result<E
         None
     };
     let mut chunk = tx.prepare_cached(
-        "INSERT INTO outbound_delivery_chunks (delivery_id, chunk_index, status, due_at, text)
-         VALUES (?1, ?2, 'pending', ?3, ?4)",
+        "INSERT INTO outbound_delivery_chunks (id, delivery_id, chunk_index, status, due_at, text)
+         VALUES (?1, ?2, ?3, 'pending', ?4, ?5)",
     )?;
     for (index, text) in d.chunks.iter().enumerate() {
+        let index = index as i64;
         let due = if index == 0 { head_due } else { None };
-        chunk.execute(params![rowid, index as i64, due, text])?;
+        chunk.execute(params![first_chunk + index, rowid, index, due, text])?;
     }
-    tx.prepare_cached(
-        "INSERT INTO outbound_channel_stats (channel, deliveries) VALUES (?1, 1)
-         ON CONFLICT (channel) DO UPDATE SET deliveries = deliveries + 1",
-    )?
-    .execute([&d.channel])?;
     Ok(Enqueued { id, created: true })
 }
 
@@ -387,9 +391,11 @@ fn same_content(tx: &Connection, rowid: i64, d: &NewDelivery) -> Result<bool> {
     if channel != d.channel || chat_id != d.chat_id || sender != d.sender || text != d.text {
         return Ok(false);
     }
-    let mut stmt = tx.prepare_cached(
-        "SELECT text FROM outbound_delivery_chunks WHERE delivery_id = ?1 ORDER BY chunk_index",
-    )?;
+    let mut stmt = tx.prepare_cached(concat!(
+        "SELECT text FROM outbound_delivery_chunks c WHERE ",
+        chunks_of_delivery!("c", "?1"),
+        " ORDER BY c.id"
+    ))?;
     let chunks = stmt
         .query_map([rowid], |r| r.get::<_, String>(0))?
         .collect::<rusqlite::Result<Vec<_>>>()?;

@@ -2,6 +2,7 @@
 
 use rusqlite::{Connection, params};
 
+use crate::ids::chunks_of_delivery;
 use crate::outcome::earliest_send;
 use crate::{OutboxOptions, Result, lane};
 
@@ -42,12 +43,14 @@ pub(crate) fn finalize(
 /// path that recorded chunk acks separately from finalization (an older outbox, a
 /// manual repair) leaves behind. Reads only unfinished deliveries, never history.
 pub(crate) fn sweep(tx: &Connection, options: &OutboxOptions, now: i64) -> Result<u64> {
-    let mut stmt = tx.prepare_cached(
+    let mut stmt = tx.prepare_cached(concat!(
         "SELECT d.id, d.channel, d.chat_id FROM outbound_deliveries d
          WHERE d.status <> 'delivered' AND NOT EXISTS (
              SELECT 1 FROM outbound_delivery_chunks c
-             WHERE c.delivery_id = d.id AND c.status <> 'delivered')",
-    )?;
+             WHERE c.status <> 'delivered' AND ",
+        chunks_of_delivery!("c", "d.id"),
+        ")"
+    ))?;
     let done = stmt
         .query_map([], |r| {
             Ok((

@@ -10,6 +10,7 @@ use serde::Serialize;
 use crate::Outbox;
 use crate::Result;
 use crate::clock::to_datetime;
+use crate::ids::chunks_of_delivery;
 use crate::status::{ChunkStatus, DeliveryStatus};
 
 /// Counts for one channel.
@@ -235,27 +236,31 @@ pub(crate) const OPEN_DELIVERIES_SQL: &str =
 
 /// Counted per channel and chunk status, over the chunks of unfinished deliveries only.
 /// The unsent rest of a dead letter is not pending work, so it is left out.
-pub(crate) const OPEN_CHUNKS_SQL: &str = "SELECT d.channel, c.status, count(*),
+pub(crate) const OPEN_CHUNKS_SQL: &str = concat!(
+    "SELECT d.channel, c.status, count(*),
         sum(c.due_at IS NOT NULL AND c.due_at <= ?1),
         min(CASE WHEN c.status <> 'sending' THEN c.due_at END)
  FROM outbound_deliveries d INDEXED BY outbound_deliveries_open
- JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
+ JOIN outbound_delivery_chunks c ON ",
+    chunks_of_delivery!("c", "d.id"),
+    "
  WHERE d.status <> 'delivered' AND c.status <> 'delivered'
    AND NOT (d.status = 'failed' AND c.status = 'pending')
- GROUP BY d.channel, c.status";
+ GROUP BY d.channel, c.status"
+);
 
 fn snapshot(tx: &Connection, now: i64) -> Result<Health> {
     let mut channels: BTreeMap<String, ChannelHealth> = BTreeMap::new();
 
     let mut stats = tx.prepare_cached(
-        "SELECT channel, deliveries, delivered, last_delivered_at FROM outbound_channel_stats",
+        "SELECT channel, delivered, last_delivered_at FROM outbound_channel_stats",
     )?;
     let mut rows = stats.query([])?;
     while let Some(r) = rows.next()? {
         let h = channels.entry(r.get(0)?).or_default();
-        h.total_deliveries = count(r, 1)?;
-        h.delivered_deliveries = count(r, 2)?;
-        h.last_delivered_at = r.get::<_, Option<i64>>(3)?.map(to_datetime);
+        h.delivered_deliveries = count(r, 1)?;
+        h.total_deliveries += h.delivered_deliveries;
+        h.last_delivered_at = r.get::<_, Option<i64>>(2)?.map(to_datetime);
     }
 
     let mut open = tx.prepare_cached(OPEN_DELIVERIES_SQL)?;
@@ -265,6 +270,7 @@ fn snapshot(tx: &Connection, now: i64) -> Result<Health> {
         let status: DeliveryStatus = r.get(1)?;
         let unacknowledged: bool = r.get(2)?;
         let n = count(r, 3)?;
+        h.total_deliveries += n;
         match status {
             DeliveryStatus::Queued | DeliveryStatus::Pending => h.pending_deliveries += n,
             DeliveryStatus::Partial => h.partial_deliveries += n,

@@ -17,9 +17,27 @@ use crate::{Error, Result};
 #[serde(transparent)]
 pub struct DeliveryId(Uuid);
 
+/// The 62 low bits of a UUID v7 (its `rand_b` field).
+const RAND_B: u128 = (1 << 62) - 1;
+
 impl DeliveryId {
-    pub(crate) fn new_v7() -> Self {
-        DeliveryId(Uuid::now_v7())
+    /// The uid of the delivery in row `rowid` of a database whose salt is `salt`: a UUID
+    /// v7 with the creation time, 12 random bits, and `rowid XOR salt` in its 62 low
+    /// bits. Unique within a database because row ids are (purge never frees the
+    /// highest one), and across databases because salts and times differ.
+    pub(crate) fn for_row(rowid: i64, salt: i64, created_ms: i64) -> Self {
+        let millis = (created_ms.max(0) as u128) & ((1 << 48) - 1);
+        let rand_a = u128::from(fastrand::u16(..) & 0x0fff);
+        let scrambled = u128::from((rowid ^ salt) as u64) & RAND_B;
+        DeliveryId(Uuid::from_u128(
+            (millis << 80) | (0x7 << 76) | (rand_a << 64) | (0b10 << 62) | scrambled,
+        ))
+    }
+
+    /// The row id this uid was made for, if it came from the database with `salt`
+    /// (callers confirm by also matching the stored uid).
+    pub(crate) fn rowid(&self, salt: i64) -> i64 {
+        ((self.0.as_u128() ^ u128::from(salt as u64)) & RAND_B) as i64
     }
 
     /// The underlying UUID.
@@ -56,6 +74,26 @@ impl From<Uuid> for DeliveryId {
         DeliveryId(uuid)
     }
 }
+
+/// Chunk ids are derived from their place: `delivery row * CHUNK_STRIDE + index`, so
+/// the chunk table's primary key orders chunks by delivery and index (see the schema).
+pub(crate) const CHUNK_STRIDE: i64 = 16_384;
+
+/// SQL condition: chunk row `c` belongs to delivery row `d` (a range of the chunk
+/// table's primary key).
+macro_rules! chunks_of_delivery {
+    ($c:literal, $d:literal) => {
+        concat!(
+            $c,
+            ".id BETWEEN ",
+            $d,
+            " * 16384 AND ",
+            $d,
+            " * 16384 + 16383"
+        )
+    };
+}
+pub(crate) use chunks_of_delivery;
 
 /// The id of one chunk within this database.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -112,4 +150,23 @@ impl From<i64> for ChunkId {
 /// ```
 pub fn chunk_idempotency_key(delivery: &DeliveryId, index: u32) -> String {
     format!("{delivery}:{}", u64::from(index) + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_uid_gives_back_its_row_with_its_salt_only() {
+        for _ in 0..1000 {
+            let (row, salt) = (fastrand::i64(1..1 << 49), fastrand::i64(..));
+            let id = DeliveryId::for_row(row, salt, 1_790_000_000_000);
+            assert_eq!(id.rowid(salt), row);
+            assert_ne!(id.rowid(salt ^ 1), row);
+            assert_eq!(id.as_uuid().get_version_num(), 7);
+            assert_eq!(id.as_uuid().get_variant(), uuid::Variant::RFC4122);
+            let (secs, _) = id.as_uuid().get_timestamp().unwrap().to_unix();
+            assert_eq!(secs, 1_790_000_000);
+        }
+    }
 }

@@ -5,6 +5,7 @@ use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter, typ
 use serde::Serialize;
 
 use crate::clock::to_datetime;
+use crate::ids::chunks_of_delivery;
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::{ChunkId, DeliveryId, Error, Outbox, Result, chunk_idempotency_key};
 
@@ -104,8 +105,11 @@ impl Outbox {
     pub fn delivery(&self, id: DeliveryId) -> Result<Option<DeliveryView>> {
         self.read(|tx| {
             let Some((rowid, mut view)) = tx
-                .prepare_cached(&format!("{DELIVERY_SELECT} WHERE uid = ?1"))?
-                .query_row([id.to_string()], delivery_row)
+                .prepare_cached(&format!("{DELIVERY_SELECT} WHERE id = ?1 AND uid = ?2"))?
+                .query_row(
+                    params![self.delivery_rowid(id), id.to_string()],
+                    delivery_row,
+                )
                 .optional()?
             else {
                 return Ok(None);
@@ -189,11 +193,13 @@ fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
 }
 
 fn chunks_of(tx: &Connection, delivery: i64, id: &DeliveryId) -> Result<Vec<ChunkView>> {
-    let mut stmt = tx.prepare_cached(
+    let mut stmt = tx.prepare_cached(concat!(
         "SELECT id, chunk_index, status, attempts, due_at, last_error, platform_message_id,
                 delivered_at, text
-         FROM outbound_delivery_chunks WHERE delivery_id = ?1 ORDER BY chunk_index",
-    )?;
+         FROM outbound_delivery_chunks c WHERE ",
+        chunks_of_delivery!("c", "?1"),
+        " ORDER BY c.id"
+    ))?;
     let rows = stmt.query_map(params![delivery], |r| {
         let index: u32 = r.get(1)?;
         let status: ChunkStatus = r.get(2)?;

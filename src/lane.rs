@@ -13,6 +13,7 @@
 
 use rusqlite::{Connection, OptionalExtension, params};
 
+use crate::ids::CHUNK_STRIDE;
 use crate::{LaneFailurePolicy, LaneOrder, OutboxOptions, Result};
 
 /// Where a lane stands for scheduling purposes.
@@ -113,11 +114,8 @@ pub(crate) fn make_due(
     earliest: i64,
 ) -> Result<()> {
     let due = due_time(tx, channel, chat_id, earliest)?;
-    tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks SET due_at = ?3
-         WHERE delivery_id = ?1 AND chunk_index = ?2",
-    )?
-    .execute(params![delivery, index, due])?;
+    tx.prepare_cached("UPDATE outbound_delivery_chunks SET due_at = ?2 WHERE id = ?1")?
+        .execute(params![delivery * CHUNK_STRIDE + index, due])?;
     Ok(())
 }
 
@@ -148,10 +146,11 @@ pub(crate) fn pause(tx: &Connection, channel: &str, chat_id: &str, until: i64) -
          SET paused_until = max(paused_until, excluded.paused_until)",
     )?
     .execute(params![channel, chat_id, until])?;
+    // Only head chunks are ever due: chunk `delivered_count` of an unfinished delivery.
     tx.prepare_cached(
         "UPDATE outbound_delivery_chunks SET due_at = ?3
-         WHERE due_at < ?3 AND status IN ('pending', 'retry') AND delivery_id IN (
-             SELECT id FROM outbound_deliveries
+         WHERE due_at < ?3 AND status IN ('pending', 'retry') AND id IN (
+             SELECT id * 16384 + delivered_count FROM outbound_deliveries
              WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered')",
     )?
     .execute(params![channel, chat_id, until])?;

@@ -50,7 +50,7 @@ impl Outbox {
     pub fn requeue_delivery(&self, delivery: DeliveryId) -> Result<()> {
         let options = self.options();
         self.write_and_wake(|tx| {
-            let chunk = held_or_head_chunk(tx, delivery)?;
+            let chunk = held_or_head_chunk(self, tx, delivery)?;
             requeue(tx, options, &chunk, "requeue", options.now_ms())
         })
     }
@@ -199,15 +199,18 @@ fn requeue(
 
 /// The failed or uncertain chunk of a delivery, or else its current head chunk (for the
 /// error message).
-fn held_or_head_chunk(tx: &Connection, delivery: DeliveryId) -> Result<ChunkRef> {
+fn held_or_head_chunk(outbox: &Outbox, tx: &Connection, delivery: DeliveryId) -> Result<ChunkRef> {
     let chunk = tx
         .prepare_cached(chunk_ref_where!(
-            "d.uid = ?1
+            "d.id = ?1 AND d.uid = ?2
              ORDER BY c.status IN ('failed', 'uncertain') DESC,
                       c.chunk_index = min(d.delivered_count, d.chunk_count - 1) DESC
              LIMIT 1"
         ))?
-        .query_row(params![delivery.to_string()], ChunkRef::from_row)
+        .query_row(
+            params![outbox.delivery_rowid(delivery), delivery.to_string()],
+            ChunkRef::from_row,
+        )
         .optional()?;
     chunk.ok_or(Error::DeliveryNotFound(delivery))
 }

@@ -10,7 +10,7 @@ use rusqlite::{Connection, Transaction, TransactionBehavior};
 
 use crate::checkpoint::Checkpointer;
 use crate::schema::{self, StorageSettings};
-use crate::{Error, OutboxOptions, Result};
+use crate::{DeliveryId, Error, OutboxOptions, Result};
 
 /// A durable outbox on one SQLite database. Cheap to clone; `Send + Sync`.
 ///
@@ -30,6 +30,8 @@ struct Inner {
     readers: Option<r2d2::Pool<SqliteConnectionManager>>,
     options: OutboxOptions,
     path: Option<PathBuf>,
+    /// This database's salt for delivery uids (see [`DeliveryId::for_row`]).
+    id_salt: i64,
     /// Stops (and is joined) when the last clone of the outbox is dropped.
     _checkpointer: Option<Checkpointer>,
 }
@@ -80,13 +82,7 @@ impl Outbox {
             .checkpoint_every
             .map(|every| Checkpointer::start(&path, &options, every))
             .transpose()?;
-        Ok(Outbox::from_parts(
-            writer,
-            Some(readers),
-            options,
-            Some(path),
-            checkpointer,
-        ))
+        Outbox::from_parts(writer, Some(readers), options, Some(path), checkpointer)
     }
 
     /// Opens a private in-memory outbox: nothing reaches disk, everything is gone when
@@ -99,7 +95,7 @@ impl Outbox {
         let mut writer = Connection::open_in_memory()?;
         schema::configure(&writer, &options, true)?;
         schema::migrate(&mut writer)?;
-        Ok(Outbox::from_parts(writer, None, options, None, None))
+        Outbox::from_parts(writer, None, options, None, None)
     }
 
     /// Sets the policy of one channel on this running outbox (what
@@ -161,17 +157,30 @@ impl Outbox {
         options: OutboxOptions,
         path: Option<PathBuf>,
         checkpointer: Option<Checkpointer>,
-    ) -> Outbox {
-        Outbox {
+    ) -> Result<Outbox> {
+        let id_salt = writer.query_row("SELECT id_salt FROM outbound_meta", [], |r| r.get(0))?;
+        Ok(Outbox {
             inner: Arc::new(Inner {
                 writer: Mutex::new(writer),
                 notifier: Notifier::default(),
                 readers,
                 options,
                 path,
+                id_salt,
                 _checkpointer: checkpointer,
             }),
-        }
+        })
+    }
+
+    /// The uid of a new delivery in row `rowid`.
+    pub(crate) fn new_delivery_id(&self, rowid: i64, created_ms: i64) -> DeliveryId {
+        DeliveryId::for_row(rowid, self.inner.id_salt, created_ms)
+    }
+
+    /// The row of delivery `id` in this database, if it is one of ours (callers also
+    /// match the stored uid).
+    pub(crate) fn delivery_rowid(&self, id: DeliveryId) -> i64 {
+        id.rowid(self.inner.id_salt)
     }
 
     /// The database file, or `None` for an in-memory outbox.

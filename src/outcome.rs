@@ -252,8 +252,10 @@ macro_rules! chunk_ref_where {
         concat!(
             "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
                     d.channel, d.chat_id, d.created_at, d.chunk_count
-             FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
-             WHERE ",
+             FROM outbound_delivery_chunks c JOIN outbound_deliveries d
+                  ON d.id = c.delivery_id AND ",
+            $crate::ids::chunks_of_delivery!("c", "d.id"),
+            " WHERE ",
             $condition
         )
     };

@@ -6,6 +6,7 @@ use chrono::{DateTime, Utc};
 use rusqlite::params;
 use serde::Serialize;
 
+use crate::ids::chunks_of_delivery;
 use crate::{Outbox, Result};
 
 /// Deliveries purged per transaction, so a large purge never holds the write lock long.
@@ -23,7 +24,9 @@ pub struct PurgeReport {
 impl Outbox {
     /// Removes deliveries (and their chunks) that finished before `finished_before`:
     /// delivered ones, and dead letters that were acknowledged. Their `messages` rows
-    /// stay. Unacknowledged dead letters and unfinished deliveries are never purged.
+    /// stay. Unacknowledged dead letters and unfinished deliveries are never purged, nor
+    /// is the newest delivery: keeping it means row ids, from which delivery ids are
+    /// derived, are never handed out twice.
     ///
     /// The retention window is also the idempotency window: once a delivery is purged,
     /// its caller key may be used again.
@@ -44,6 +47,7 @@ impl Outbox {
                     "SELECT id, channel, status = 'delivered' FROM outbound_deliveries
                      WHERE id > ?1 AND finished_at < ?2
                        AND (status = 'delivered' OR (status = 'failed' AND acknowledged_at IS NOT NULL))
+                       AND id < (SELECT max(id) FROM outbound_deliveries)
                      ORDER BY id LIMIT ?3",
                 )?;
                 let rows = stmt
@@ -52,24 +56,26 @@ impl Outbox {
                     })?
                     .collect::<rusqlite::Result<Vec<_>>>()?;
                 let mut chunks = 0;
-                let mut per_channel: BTreeMap<&str, (i64, i64)> = BTreeMap::new();
+                let mut per_channel: BTreeMap<&str, i64> = BTreeMap::new();
                 for (id, channel, delivered) in &rows {
                     chunks += tx
-                        .prepare_cached("DELETE FROM outbound_delivery_chunks WHERE delivery_id = ?1")?
+                        .prepare_cached(concat!(
+                            "DELETE FROM outbound_delivery_chunks AS c WHERE ",
+                            chunks_of_delivery!("c", "?1")
+                        ))?
                         .execute([id])? as u64;
                     tx.prepare_cached("DELETE FROM outbound_deliveries WHERE id = ?1")?
                         .execute([id])?;
-                    let counts = per_channel.entry(channel).or_default();
-                    counts.0 += 1;
-                    counts.1 += i64::from(*delivered);
+                    if *delivered {
+                        *per_channel.entry(channel).or_default() += 1;
+                    }
                 }
-                for (channel, (deliveries, delivered)) in per_channel {
+                for (channel, delivered) in per_channel {
                     tx.prepare_cached(
-                        "UPDATE outbound_channel_stats
-                         SET deliveries = deliveries - ?2, delivered = delivered - ?3
+                        "UPDATE outbound_channel_stats SET delivered = delivered - ?2
                          WHERE channel = ?1",
                     )?
-                    .execute(params![channel, deliveries, delivered])?;
+                    .execute(params![channel, delivered])?;
                 }
                 if rows.is_empty() {
                     tx.prepare_cached("DELETE FROM outbound_lane_pauses WHERE paused_until < ?1")?

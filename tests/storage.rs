@@ -202,6 +202,36 @@ fn purge_removes_old_finished_deliveries_and_keeps_messages() -> Result<()> {
     Ok(())
 }
 
+/// Delivery ids are derived from row ids, so purge must never free a row id for reuse:
+/// it keeps the newest delivery, and ids and chunk keys stay distinct across purges.
+#[test]
+fn purge_keeps_the_newest_delivery_so_ids_are_never_reused() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    let mut seen = std::collections::HashSet::new();
+    for round in 0..3 {
+        for chat in 0..3 {
+            let id = enqueue(ob, &format!("{round}-{chat}"), &["x"]);
+            assert!(seen.insert(id), "{id} handed out twice");
+        }
+        for c in claim_all(ob) {
+            ob.ack(&c, None)?;
+        }
+        db.advance(Duration::from_secs(10));
+        let cutoff = Utc.timestamp_millis_opt(db.now_ms()).unwrap();
+        let report = ob.purge(cutoff)?;
+        assert_eq!(report.deliveries, if round == 0 { 2 } else { 3 });
+        assert_eq!(ob.health()?.totals.total_deliveries, 1);
+    }
+    let stored: i64 = db.raw().query_row(
+        "SELECT count(DISTINCT delivery_id) FROM messages",
+        [],
+        |r| r.get(0),
+    )?;
+    assert_eq!(stored, 9);
+    Ok(())
+}
+
 #[test]
 fn several_handles_on_one_file_share_the_schema() -> Result<()> {
     let db = TestDb::default();
