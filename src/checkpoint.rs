@@ -2,12 +2,13 @@
 //!
 //! SQLite's automatic checkpoint runs inside whichever commit pushes the WAL past 1000
 //! pages, and with `synchronous=NORMAL` it fsyncs the database file: that one commit
-//! then takes milliseconds, which is what an enqueue → send latency p99 sees. With
+//! then takes milliseconds, which is what an enqueue → send latency p99 sees, and under
+//! sustained writes the writer spends a tenth of its time checkpointing. With
 //! background checkpoints on (the default for files), a thread of the outbox runs a
 //! `PASSIVE` checkpoint — which never waits for readers or writers — on its own
-//! connection at a fixed interval. Chat traffic comes in bursts, so the thread catches
-//! up in the gaps and the next commit starts the WAL afresh; the automatic checkpoint
-//! stays on as the bound on the WAL's size under sustained writes.
+//! connection at a fixed interval, and the writer's automatic checkpoint threshold is
+//! raised to [`BACKGROUND_AUTOCHECKPOINT_PAGES`](crate::BACKGROUND_AUTOCHECKPOINT_PAGES),
+//! where it only bounds the WAL if the thread falls behind.
 
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};

@@ -134,6 +134,6 @@ pub use options::{
 pub use outbox::Outbox;
 pub use outcome::{MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES, Outcome, Recorded};
 pub use retention::PurgeReport;
-pub use schema::{SCHEMA_VERSION, StorageSettings};
+pub use schema::{BACKGROUND_AUTOCHECKPOINT_PAGES, SCHEMA_VERSION, StorageSettings};
 pub use split::{LengthUnit, Splitter};
 pub use status::{ChunkStatus, DeliveryStatus};

@@ -52,6 +52,11 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     }
 }
 
+/// SQLite's automatic checkpoint threshold, in pages, on a writer whose outbox runs
+/// background checkpoints (SQLite's default of 1000 otherwise): 40 MiB of WAL at the
+/// default page size.
+pub const BACKGROUND_AUTOCHECKPOINT_PAGES: i64 = 10_000;
+
 /// Sets the connection's pragmas and reads each one back.
 ///
 /// `journal_mode` is persistent in the file; the others are per connection. A pragma
@@ -78,6 +83,12 @@ pub(crate) fn configure(conn: &Connection, options: &OutboxOptions, in_memory: b
     // The writer walks several indexes per chunk; a page cache of 32 MiB (SQLite's
     // default is 2 MiB) keeps their upper levels in memory as history grows.
     conn.pragma_update(None, "cache_size", -32_768)?;
+    if !in_memory && options.checkpoint_every.is_some() {
+        // The background thread does the regular checkpoints; SQLite's own, which runs
+        // (with an fsync) inside whichever commit crosses the threshold, stays only as
+        // the bound on the WAL under sustained writes.
+        conn.pragma_update(None, "wal_autocheckpoint", BACKGROUND_AUTOCHECKPOINT_PAGES)?;
+    }
     if let Some(bytes) = options.max_size {
         let page_size: i64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
         let pages = bytes / page_size.max(1) as u64;
