@@ -75,7 +75,9 @@ CREATE TABLE outbound_delivery_chunks (
     last_error          TEXT,
     platform_message_id TEXT,
     delivered_at        INTEGER,
-    text                TEXT    NOT NULL,
+    -- NULL when the chunk is the delivery's whole text (a reply sent as one chunk, the
+    -- common case), so that text is stored once.
+    text                TEXT,
     CHECK (id = delivery_id * 16384 + chunk_index)
 );
 

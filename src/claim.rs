@@ -239,7 +239,7 @@ struct Candidate {
 pub(crate) fn claim_sql(channels: usize) -> String {
     due_sql(
         "c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
-         d.channel, d.chat_id, d.created_at, d.chunk_count, d.uid, c.text",
+         d.channel, d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text)",
         "c.due_at <= ?1",
         channels,
     )

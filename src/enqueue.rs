@@ -364,6 +364,8 @@ fn insert(tx: &Connection, outbox: &Outbox, d: &NewDelivery) -> Result<Enqueued>
          VALUES (?1, ?2, ?3, 'pending', ?4, ?5)",
     )?;
     for (index, text) in d.chunks.iter().enumerate() {
+        // A chunk that is the whole text points at the delivery's copy (NULL).
+        let text = (*text != d.text).then_some(text);
         let index = index as i64;
         let due = if index == 0 { head_due } else { None };
         chunk.execute(params![first_chunk + index, rowid, index, due, text])?;
@@ -392,12 +394,16 @@ fn same_content(tx: &Connection, rowid: i64, d: &NewDelivery) -> Result<bool> {
         return Ok(false);
     }
     let mut stmt = tx.prepare_cached(concat!(
-        "SELECT text FROM outbound_delivery_chunks c WHERE ",
+        "SELECT c.text FROM outbound_delivery_chunks c WHERE ",
         chunks_of_delivery!("c", "?1"),
         " ORDER BY c.id"
     ))?;
     let chunks = stmt
-        .query_map([rowid], |r| r.get::<_, String>(0))?
+        .query_map([rowid], |r| r.get::<_, Option<String>>(0))?
         .collect::<rusqlite::Result<Vec<_>>>()?;
-    Ok(chunks == d.chunks)
+    Ok(chunks.len() == d.chunks.len()
+        && chunks
+            .iter()
+            .zip(&d.chunks)
+            .all(|(stored, new)| stored.as_ref().unwrap_or(&text) == new))
 }

@@ -194,9 +194,9 @@ fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
 
 fn chunks_of(tx: &Connection, delivery: i64, id: &DeliveryId) -> Result<Vec<ChunkView>> {
     let mut stmt = tx.prepare_cached(concat!(
-        "SELECT id, chunk_index, status, attempts, due_at, last_error, platform_message_id,
-                delivered_at, text
-         FROM outbound_delivery_chunks c WHERE ",
+        "SELECT c.id, c.chunk_index, c.status, c.attempts, c.due_at, c.last_error,
+                c.platform_message_id, c.delivered_at, coalesce(c.text, d.text)
+         FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = ?1 WHERE ",
         chunks_of_delivery!("c", "?1"),
         " ORDER BY c.id"
     ))?;

@@ -204,3 +204,35 @@ fn awkward_but_valid_input_round_trips_exactly() -> Result<()> {
     assert_eq!(messages_for(&db.raw(), id)?, [text]);
     Ok(())
 }
+
+/// A reply sent as one chunk is stored once: the chunk row points at the delivery's
+/// text, and every reader (claim, inspection, the idempotency check) sees it whole.
+#[test]
+fn a_reply_sent_as_one_chunk_stores_its_text_once() -> Result<()> {
+    let db = TestDb::default();
+    let text = "long reply ".repeat(300);
+    let single = || NewDelivery::single("telegram", "1", text.clone()).with_idempotency_key("k");
+    let id = db.outbox.enqueue(&single())?.id;
+    let (stored, total): (Option<String>, i64) = db.raw().query_row(
+        "SELECT c.text, length(d.text) FROM outbound_delivery_chunks c
+         JOIN outbound_deliveries d ON d.id = c.delivery_id",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )?;
+    assert_eq!((stored, total), (None, text.len() as i64));
+
+    assert!(!db.outbox.enqueue(&single())?.created);
+    let split = NewDelivery::chunked("telegram", "1", text.clone(), [&text[..9], &text[9..]])
+        .with_idempotency_key("k");
+    assert!(matches!(
+        db.outbox.enqueue(&split),
+        Err(Error::IdempotencyConflict { .. })
+    ));
+
+    assert_eq!(view(&db.outbox, id).chunks[0].text, text);
+    let claim = claim_one(&db.outbox);
+    assert_eq!(claim.text, text);
+    db.outbox.ack(&claim, None)?;
+    assert_eq!(messages_for(&db.raw(), id)?, [text]);
+    Ok(())
+}
