@@ -152,28 +152,77 @@ fn floor_claim_ack(n: u64, batch: u64) -> f64 {
     per_s(n, start.elapsed())
 }
 
-/// Model: the dispatch semantics written by hand in raw SQL on the leanest schema that
-/// keeps them — one row per 1-chunk reply (no separate chunk row), a lane index, a claim
-/// index — draining the same lane shape as (b): claim 64 with lease and token, then per
-/// chunk an ack fenced by the token, the `messages` row (unique key), and the chat's next
-/// queued reply made due; one per-channel counter update per batch. What any
-/// implementation of these semantics pays before its own overhead.
+/// The models: the crate's semantics written by hand in raw SQL on the leanest schema
+/// that keeps them — one row per 1-chunk reply (no separate chunk row), a lane index, a
+/// claim index, `messages` with its unique key, lane pauses, a per-channel counter. What
+/// any implementation of these semantics pays before its own overhead.
+const MODEL_SCHEMA: &str = "
+    CREATE TABLE d (id INTEGER PRIMARY KEY, uid TEXT NOT NULL, channel TEXT NOT NULL,
+        chat_id TEXT NOT NULL, status TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
+        due_at INTEGER, token INTEGER, created_at INTEGER NOT NULL, finished_at INTEGER,
+        text TEXT NOT NULL);
+    CREATE INDEX d_lane ON d (channel, chat_id, status, id) WHERE status <> 'delivered';
+    CREATE INDEX d_due ON d (due_at) WHERE due_at IS NOT NULL;
+    CREATE TABLE messages (id INTEGER PRIMARY KEY, delivery_id TEXT NOT NULL UNIQUE,
+        channel TEXT NOT NULL, chat_id TEXT NOT NULL, content TEXT NOT NULL,
+        delivered_at INTEGER NOT NULL);
+    CREATE TABLE pauses (channel TEXT, chat_id TEXT, until INTEGER NOT NULL,
+        PRIMARY KEY (channel, chat_id)) WITHOUT ROWID;
+    CREATE TABLE stats (channel TEXT PRIMARY KEY, delivered INTEGER NOT NULL) WITHOUT ROWID;";
+
+/// Model of (a): per transaction, is the chat's lane busy, is it paused, and the row
+/// (due at once if the lane is free).
+fn model_enqueue(n: u64) -> f64 {
+    let (_dir, path) = temp_db("model.db");
+    let mut conn = raw(&path, Synchronous::Normal);
+    conn.execute_batch(MODEL_SCHEMA).unwrap();
+    let chats = n / PER_CHAT;
+    let start = Instant::now();
+    for i in 0..n {
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        let chat = format!("chat-{}", i % chats);
+        let busy = tx
+            .prepare_cached(
+                "SELECT 1 FROM d WHERE channel = 'bench' AND chat_id = ?1
+                   AND status IN ('pending', 'sending') AND status <> 'delivered' LIMIT 1",
+            )
+            .unwrap()
+            .exists([&chat])
+            .unwrap();
+        let paused: Option<i64> = tx
+            .prepare_cached("SELECT until FROM pauses WHERE channel = 'bench' AND chat_id = ?1")
+            .unwrap()
+            .query_row([&chat], |r| r.get(0))
+            .ok();
+        let due = (!busy).then(|| paused.unwrap_or(0).max(i as i64));
+        tx.prepare_cached(
+            "INSERT INTO d (uid, channel, chat_id, status, due_at, created_at, text)
+             VALUES (?1, 'bench', ?2, ?3, ?4, ?5, ?6)",
+        )
+        .unwrap()
+        .execute(params![
+            format!("{:032x}", fastrand::u128(..)),
+            chat,
+            if busy { "queued" } else { "pending" },
+            due,
+            i as i64,
+            format!("reply {i}")
+        ])
+        .unwrap();
+        tx.commit().unwrap();
+    }
+    per_s(n, start.elapsed())
+}
+
+/// Model of (b), draining the same lane shape: claim 64 with lease and token, then per
+/// chunk an ack fenced by the token, the `messages` row, and the chat's next queued
+/// reply made due; one counter update per batch.
 fn model_dispatch(n: u64) -> f64 {
     let (_dir, path) = temp_db("model.db");
     let mut conn = raw(&path, Synchronous::Normal);
-    conn.execute_batch(
-        "CREATE TABLE d (id INTEGER PRIMARY KEY, uid TEXT NOT NULL, channel TEXT NOT NULL,
-             chat_id TEXT NOT NULL, status TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
-             due_at INTEGER, token INTEGER, created_at INTEGER NOT NULL, finished_at INTEGER,
-             text TEXT NOT NULL);
-         CREATE INDEX d_lane ON d (channel, chat_id, status, id) WHERE status <> 'delivered';
-         CREATE INDEX d_due ON d (due_at) WHERE due_at IS NOT NULL;
-         CREATE TABLE messages (id INTEGER PRIMARY KEY, delivery_id TEXT NOT NULL UNIQUE,
-             channel TEXT NOT NULL, chat_id TEXT NOT NULL, content TEXT NOT NULL,
-             delivered_at INTEGER NOT NULL);
-         CREATE TABLE stats (channel TEXT PRIMARY KEY, delivered INTEGER NOT NULL) WITHOUT ROWID;",
-    )
-    .unwrap();
+    conn.execute_batch(MODEL_SCHEMA).unwrap();
     let chats = (n / PER_CHAT) as i64;
     {
         let tx = conn.transaction().unwrap();
@@ -481,10 +530,15 @@ fn main() {
     let f_insert = floor_insert(s.floor_ops);
     let f_single = floor_claim_ack(s.floor_ops, 1);
     let f_batch = floor_claim_ack(s.floor_ops * 5, 64);
+    let model_in = model_enqueue(s.enqueues);
     let model = model_dispatch(s.dispatch_backlog);
     println!("floor: single-row insert per transaction       {f_insert:>10.0} /s");
     println!("floor: claim 1 + ack 1 per transaction          {f_single:>10.0} /s");
     println!("floor: claim 64 + ack 64 per transaction        {f_batch:>10.0} /s");
+    println!(
+        "model: enqueue semantics by hand, raw SQL        {model_in:>10.0} /s   {:.2} of floor",
+        model_in / f_insert
+    );
     println!(
         "model: dispatch semantics by hand, raw SQL       {model:>10.0} /s   {:.2} of floor",
         model / f_batch
@@ -495,6 +549,7 @@ fn main() {
         "(a) enqueue, 1 chunk, one per transaction       {enqueue:>10.0} /s   {:.2} of floor",
         enqueue / f_insert
     );
+    println!("    {:.2} of the hand-written model", enqueue / model_in);
     let dispatch = crate_dispatch(s.dispatch_backlog, Synchronous::Normal);
     println!(
         "(b) dispatch {}-chunk backlog, 1 worker, batch 64 {dispatch:>10.0} /s   {:.2} of floor",
@@ -519,9 +574,10 @@ fn main() {
     let rss = peak_rss_mb();
     println!("peak RSS {rss:.0} MB");
     println!(
-        "{{\"enqueue_per_s\":{enqueue:.0},\"enqueue_vs_floor\":{:.3},\"dispatch_per_s\":{dispatch:.0},\"dispatch_vs_floor\":{:.3},\"backlog_1m_vs_1k\":{backlog_ratio:.3},\"health_1m_vs_1k\":{health_ratio:.3},\"latency_p50_us\":{p50},\"latency_p99_us\":{p99},\"full_enqueue_per_s\":{full_enqueue:.0},\"full_dispatch_per_s\":{full_dispatch:.0},\"peak_rss_mb\":{rss:.0},\"floor_insert_per_s\":{f_insert:.0},\"floor_claim_ack_1_per_s\":{f_single:.0},\"floor_claim_ack_64_per_s\":{f_batch:.0},\"model_dispatch_per_s\":{model:.0},\"dispatch_vs_model\":{:.3},\"quick\":{quick}}}",
+        "{{\"enqueue_per_s\":{enqueue:.0},\"enqueue_vs_floor\":{:.3},\"dispatch_per_s\":{dispatch:.0},\"dispatch_vs_floor\":{:.3},\"backlog_1m_vs_1k\":{backlog_ratio:.3},\"health_1m_vs_1k\":{health_ratio:.3},\"latency_p50_us\":{p50},\"latency_p99_us\":{p99},\"full_enqueue_per_s\":{full_enqueue:.0},\"full_dispatch_per_s\":{full_dispatch:.0},\"peak_rss_mb\":{rss:.0},\"floor_insert_per_s\":{f_insert:.0},\"floor_claim_ack_1_per_s\":{f_single:.0},\"floor_claim_ack_64_per_s\":{f_batch:.0},\"model_enqueue_per_s\":{model_in:.0},\"enqueue_vs_model\":{:.3},\"model_dispatch_per_s\":{model:.0},\"dispatch_vs_model\":{:.3},\"quick\":{quick}}}",
         enqueue / f_insert,
         dispatch / f_batch,
+        enqueue / model_in,
         dispatch / model
     );
 }
