@@ -23,8 +23,8 @@ const RAND_B: u128 = (1 << 62) - 1;
 impl DeliveryId {
     /// The uid of the delivery in row `rowid` of a database whose salt is `salt`: a UUID
     /// v7 with the creation time, 12 random bits, and `rowid XOR salt` in its 62 low
-    /// bits. Unique within a database because row ids are (purge never frees the
-    /// highest one), and across databases because salts and times differ.
+    /// bits. Unique within a database because its row ids are never reused (purge keeps
+    /// the newest delivery), and across databases because salts and times differ.
     pub(crate) fn for_row(rowid: i64, salt: i64, created_ms: i64) -> Self {
         let millis = (created_ms.max(0) as u128) & ((1 << 48) - 1);
         let rand_a = u128::from(fastrand::u16(..) & 0x0fff);
@@ -168,5 +168,15 @@ mod tests {
             let (secs, _) = id.as_uuid().get_timestamp().unwrap().to_unix();
             assert_eq!(secs, 1_790_000_000);
         }
+    }
+
+    #[test]
+    fn the_sql_range_uses_the_chunk_stride() {
+        let sql = chunks_of_delivery!("c", "d.id");
+        let last = CHUNK_STRIDE - 1;
+        assert_eq!(
+            sql,
+            format!("c.id BETWEEN d.id * {CHUNK_STRIDE} AND d.id * {CHUNK_STRIDE} + {last}")
+        );
     }
 }

@@ -146,7 +146,8 @@ pub(crate) fn pause(tx: &Connection, channel: &str, chat_id: &str, until: i64) -
          SET paused_until = max(paused_until, excluded.paused_until)",
     )?
     .execute(params![channel, chat_id, until])?;
-    // Only head chunks are ever due: chunk `delivered_count` of an unfinished delivery.
+    // Only head chunks are ever due: chunk `delivered_count` of an unfinished delivery,
+    // whose id is `id * CHUNK_STRIDE + delivered_count`.
     tx.prepare_cached(
         "UPDATE outbound_delivery_chunks SET due_at = ?3
          WHERE due_at < ?3 AND status IN ('pending', 'retry') AND id IN (
