@@ -1,0 +1,94 @@
+//! What the dispatcher logs: ids, outcomes and statuses at `info`, message text only at
+//! `debug`.
+//!
+//! A file of its own, so this is the only test in its process: `tracing` caches per
+//! call site whether anyone listens, and tests on other threads with no subscriber
+//! could otherwise leave a span switched off while this one captures logs.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chunked_outbox::{ChannelAdapter, Claim, Dispatcher, Outcome, Result};
+use common::*;
+
+/// Fails the first attempt (so the retry path logs too), then delivers.
+struct FlakyOnce;
+
+impl ChannelAdapter for FlakyOnce {
+    fn send(&self, claim: &Claim) -> Outcome {
+        if claim.attempt == 1 {
+            Outcome::Transient {
+                error: "503".into(),
+            }
+        } else {
+            Outcome::delivered(None)
+        }
+    }
+}
+
+/// A log sink for `tracing_subscriber` that keeps everything written to it.
+#[derive(Clone, Default)]
+struct LogSink(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Enqueues `text`, dispatches it to the end in this thread (moving the manual clock
+/// past the retry) with logs captured at `level`; the delivery id and the logs.
+fn dispatch_logged(level: tracing::Level, text: &str) -> (chunked_outbox::DeliveryId, String) {
+    let db = TestDb::default();
+    let id = enqueue(&db.outbox, "1", &[text]);
+    let dispatcher = Dispatcher::builder(db.outbox.clone())
+        .adapter("telegram", FlakyOnce)
+        .build()
+        .expect("build dispatcher");
+    let sink = LogSink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, || {
+        while view(&db.outbox, id).chunks[0].delivered_at.is_none() {
+            if dispatcher.run_once().expect("run_once") == 0 {
+                db.advance(Duration::from_secs(1));
+            }
+        }
+    });
+    let logs = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+    (id, logs)
+}
+
+#[test]
+fn message_text_is_logged_only_at_debug_level() -> Result<()> {
+    let secret = "my bank PIN is 4711";
+    let (id, info) = dispatch_logged(tracing::Level::INFO, secret);
+    assert!(
+        info.contains(&id.to_string()),
+        "the delivery id is logged: {info}"
+    );
+    assert!(
+        info.contains("transient") && info.contains("delivered"),
+        "{info}"
+    );
+    assert!(
+        !info.contains(secret),
+        "message text leaked at info level:\n{info}"
+    );
+    let (_, debug) = dispatch_logged(tracing::Level::DEBUG, secret);
+    assert!(
+        debug.contains(secret),
+        "debug level shows the text for troubleshooting"
+    );
+    Ok(())
+}
