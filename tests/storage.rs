@@ -264,8 +264,10 @@ fn the_wal_stays_bounded_under_sustained_writes() -> Result<()> {
     let wal = std::fs::metadata(format!("{}-wal", db.path().display()))
         .unwrap()
         .len();
+    // The threshold plus slack: a commit that crosses it while the background thread
+    // holds the checkpoint lock skips its checkpoint, and a later commit does it.
     let frame = 4096 + 24;
-    let bound = (BACKGROUND_AUTOCHECKPOINT_PAGES as u64 + 100) * frame;
+    let bound = BACKGROUND_AUTOCHECKPOINT_PAGES as u64 * 5 / 4 * frame;
     assert!(wal <= bound, "the WAL grew to {wal} bytes (bound {bound})");
     // A checkpoint in a quiet moment gives the space back.
     db.outbox.checkpoint()?;
