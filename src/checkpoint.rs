@@ -11,7 +11,7 @@
 //! where it only bounds the WAL if the thread falls behind.
 
 use std::path::Path;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -22,6 +22,9 @@ use crate::{Error, OutboxOptions, Result};
 /// The checkpointing thread; stopping it is dropping it.
 pub(crate) struct Checkpointer {
     stop: Arc<(Mutex<bool>, Condvar)>,
+    /// Held while a checkpoint runs, so [`Outbox::checkpoint`](crate::Outbox::checkpoint)
+    /// waits for the thread's instead of failing with `Busy` on SQLite's checkpoint lock.
+    running: Arc<Mutex<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -35,6 +38,8 @@ impl Checkpointer {
         conn.busy_timeout(options.busy_timeout)?;
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let signal = stop.clone();
+        let running = Arc::new(Mutex::new(()));
+        let turn = running.clone();
         let thread = std::thread::Builder::new()
             .name("outbox-checkpoint".into())
             .spawn(move || {
@@ -50,6 +55,7 @@ impl Checkpointer {
                     }
                     // A failed or partial checkpoint is retried at the next tick; the
                     // WAL only grows meanwhile, nothing is lost.
+                    let _running = turn.lock().unwrap_or_else(|e| e.into_inner());
                     let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
                 }
             })
@@ -59,8 +65,14 @@ impl Checkpointer {
             })?;
         Ok(Checkpointer {
             stop,
+            running,
             thread: Some(thread),
         })
+    }
+
+    /// Keeps the thread from checkpointing while the guard lives.
+    pub(crate) fn exclusive(&self) -> MutexGuard<'_, ()> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

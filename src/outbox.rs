@@ -33,7 +33,7 @@ struct Inner {
     /// This database's salt for delivery uids (see [`DeliveryId::for_row`]).
     id_salt: i64,
     /// Stops (and is joined) when the last clone of the outbox is dropped.
-    _checkpointer: Option<Checkpointer>,
+    checkpointer: Option<Checkpointer>,
 }
 
 impl std::fmt::Debug for Outbox {
@@ -167,7 +167,7 @@ impl Outbox {
                 options,
                 path,
                 id_salt,
-                _checkpointer: checkpointer,
+                checkpointer,
             }),
         })
     }
@@ -191,6 +191,14 @@ impl Outbox {
     /// The options this outbox was opened with.
     pub fn options(&self) -> &OutboxOptions {
         &self.inner.options
+    }
+
+    /// Keeps this outbox's background checkpoints from running while the guard lives.
+    pub(crate) fn pause_background_checkpoints(&self) -> Option<MutexGuard<'_, ()>> {
+        self.inner
+            .checkpointer
+            .as_ref()
+            .map(Checkpointer::exclusive)
     }
 
     pub(crate) fn writer(&self) -> MutexGuard<'_, Connection> {

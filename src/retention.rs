@@ -99,9 +99,11 @@ impl Outbox {
     ///
     /// # Errors
     ///
-    /// Database errors; [`Error::Busy`](crate::Error::Busy) if readers kept the
-    /// checkpoint from completing.
+    /// Database errors; [`Error::Busy`](crate::Error::Busy) if readers, or a checkpoint
+    /// by another process, kept it from completing. (This outbox's own background
+    /// checkpoints wait while it runs.)
     pub fn checkpoint(&self) -> Result<()> {
+        let _background = self.pause_background_checkpoints();
         let conn = self.writer();
         let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
         if busy != 0 {
