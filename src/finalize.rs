@@ -39,18 +39,21 @@ pub(crate) fn finalize(
     lane::advance(tx, options, channel, chat_id, earliest)
 }
 
+/// Unfinished deliveries whose chunks are all delivered.
+pub(crate) const SWEEP_SQL: &str = concat!(
+    "SELECT d.id, d.channel, d.chat_id FROM outbound_deliveries d
+     WHERE d.status <> 'delivered' AND NOT EXISTS (
+         SELECT 1 FROM outbound_delivery_chunks c
+         WHERE c.status <> 'delivered' AND ",
+    chunks_of_delivery!("c", "d.id"),
+    ")"
+);
+
 /// Finalizes unfinished deliveries whose chunks are all delivered: what a crash in a
 /// path that recorded chunk acks separately from finalization (an older outbox, a
 /// manual repair) leaves behind. Reads only unfinished deliveries, never history.
 pub(crate) fn sweep(tx: &Connection, options: &OutboxOptions, now: i64) -> Result<u64> {
-    let mut stmt = tx.prepare_cached(concat!(
-        "SELECT d.id, d.channel, d.chat_id FROM outbound_deliveries d
-         WHERE d.status <> 'delivered' AND NOT EXISTS (
-             SELECT 1 FROM outbound_delivery_chunks c
-             WHERE c.status <> 'delivered' AND ",
-        chunks_of_delivery!("c", "d.id"),
-        ")"
-    ))?;
+    let mut stmt = tx.prepare_cached(SWEEP_SQL)?;
     let done = stmt
         .query_map([], |r| {
             Ok((

@@ -137,6 +137,15 @@ pub(crate) fn due_time(
     Ok(paused.map_or(earliest, |p| p.max(earliest)))
 }
 
+/// Pushes the lane's due chunks back to `?3`. Only head chunks are ever due: chunk
+/// `delivered_count` of an unfinished delivery, whose id is
+/// `id * CHUNK_STRIDE + delivered_count`, so this is one key lookup per unfinished
+/// delivery of the lane.
+pub(crate) const PAUSE_DUE_SQL: &str = "UPDATE outbound_delivery_chunks SET due_at = ?3
+     WHERE due_at < ?3 AND status IN ('pending', 'retry') AND id IN (
+         SELECT id * 16384 + delivered_count FROM outbound_deliveries
+         WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered')";
+
 /// Pauses a lane until `until`: records the pause for chunks that become due later,
 /// and pushes back the chunks of the lane that are already due.
 pub(crate) fn pause(tx: &Connection, channel: &str, chat_id: &str, until: i64) -> Result<()> {
@@ -146,15 +155,8 @@ pub(crate) fn pause(tx: &Connection, channel: &str, chat_id: &str, until: i64) -
          SET paused_until = max(paused_until, excluded.paused_until)",
     )?
     .execute(params![channel, chat_id, until])?;
-    // Only head chunks are ever due: chunk `delivered_count` of an unfinished delivery,
-    // whose id is `id * CHUNK_STRIDE + delivered_count`.
-    tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks SET due_at = ?3
-         WHERE due_at < ?3 AND status IN ('pending', 'retry') AND id IN (
-             SELECT id * 16384 + delivered_count FROM outbound_deliveries
-             WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered')",
-    )?
-    .execute(params![channel, chat_id, until])?;
+    tx.prepare_cached(PAUSE_DUE_SQL)?
+        .execute(params![channel, chat_id, until])?;
     Ok(())
 }
 

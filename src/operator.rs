@@ -64,10 +64,7 @@ impl Outbox {
         let options = self.options();
         self.write_and_wake(|tx| {
             let now = options.now_ms();
-            let mut stmt = tx.prepare_cached(chunk_ref_where!(
-                "d.status = 'failed' AND d.status <> 'delivered' AND c.status = 'failed'
-                 ORDER BY d.id"
-            ))?;
+            let mut stmt = tx.prepare_cached(DEAD_LETTER_CHUNKS_SQL)?;
             let chunks = stmt
                 .query_map([], ChunkRef::from_row)?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
@@ -196,6 +193,14 @@ fn requeue(
         now,
     )
 }
+
+/// The failed chunks of dead letters, oldest delivery first. Starts from the index of
+/// unfinished deliveries (a join led by the chunk table would read all of history).
+pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
+    "d.id IN (SELECT id FROM outbound_deliveries WHERE status = 'failed' AND status <> 'delivered')
+     AND c.status = 'failed'
+     ORDER BY d.id"
+);
 
 /// The failed or uncertain chunk of a delivery, or else its current head chunk (for the
 /// error message).

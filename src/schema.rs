@@ -380,6 +380,26 @@ mod plan_tests {
         assert!(!plan.contains("messages"), "{plan}");
     }
 
+    /// The queries that find a delivery's chunks now that chunks have no index of their
+    /// own: each must reach them through the chunk table's key, never by a scan.
+    #[test]
+    fn chunk_lookups_use_the_chunk_key_and_never_scan_history() {
+        let ob = populated();
+        for (sql, params) in [
+            (crate::operator::DEAD_LETTER_CHUNKS_SQL, 0),
+            (crate::lane::PAUSE_DUE_SQL, 3),
+            (crate::finalize::SWEEP_SQL, 0),
+            (crate::outcome::chunk_ref_where!("c.id = ?1"), 1),
+        ] {
+            let plan = explain(&ob, sql, params);
+            assert!(plan.contains("INTEGER PRIMARY KEY"), "{plan}");
+            assert_no_full_scan(&plan, "c");
+            assert_no_full_scan(&plan, "d");
+            assert_no_full_scan(&plan, "outbound_delivery_chunks");
+            assert_no_full_scan(&plan, "outbound_deliveries");
+        }
+    }
+
     #[test]
     fn lane_lookups_are_seeks_on_the_open_index() {
         let ob = populated();
