@@ -1,11 +1,11 @@
 //! Claiming due chunks under a lease, and recovering expired leases.
 
 use chrono::{DateTime, Utc};
-use rusqlite::{Connection, OptionalExtension, params_from_iter, types::Value};
+use rusqlite::{Connection, OptionalExtension, params, params_from_iter, types::Value};
 use serde::Serialize;
 
 use crate::clock::{duration_ms, to_datetime};
-use crate::outcome::{self, ChunkRef};
+use crate::outcome::{self, ChunkRef, Outcome, Recorded};
 use crate::status::ChunkStatus;
 use crate::{
     ChunkId, DeliveryId, Error, Outbox, ReplayPolicy, Result, chunk_idempotency_key, lane,
@@ -99,6 +99,13 @@ impl Outbox {
     /// [`LaneOrder::Fifo`](crate::LaneOrder::Fifo) only the active delivery of a lane.
     /// Concurrent claimers never receive the same chunk.
     ///
+    /// A claim is a send in flight: if the claimer dies before recording an outcome,
+    /// each claimed chunk counts as possibly sent once its lease runs out (`uncertain`
+    /// on a channel that must not replay). Claim what you are about to send, record (or
+    /// [`release`](Self::release)) every claim, and keep a lease alive for a send slower
+    /// than it by recording before it ends — or let a [`Dispatcher`](crate::Dispatcher)
+    /// do all of that.
+    ///
     /// # Errors
     ///
     /// [`Error::InvalidInput`] if `limit` is 0 or above [`MAX_CLAIM_BATCH`];
@@ -121,52 +128,62 @@ impl Outbox {
     }
 
     fn claim_where(&self, channels: Option<&[&str]>, limit: usize) -> Result<Vec<Claim>> {
-        if limit == 0 || limit > MAX_CLAIM_BATCH {
-            return Err(Error::invalid(
-                "limit",
-                format!("{limit} is outside 1..={MAX_CLAIM_BATCH}"),
-            ));
+        check_limit(limit)?;
+        let options = self.options();
+        self.write(|tx| claim_in(tx, self, channels, limit, options.now_ms()))
+    }
+
+    /// Records the outcomes of a dispatcher's finished sends and claims its next ones in
+    /// one transaction, so a known outcome is durable before the next send starts and
+    /// one commit serves both. `limit` 0 only records.
+    pub(crate) fn record_and_claim(
+        &self,
+        outcomes: &[(Claim, Outcome)],
+        channels: &[&str],
+        limit: usize,
+    ) -> Result<(Vec<Result<Recorded>>, Vec<Claim>)> {
+        if limit > 0 {
+            check_limit(limit)?;
         }
         let options = self.options();
-        self.write(|tx| {
+        let step = |tx: &rusqlite::Transaction<'_>| {
             let now = options.now_ms();
-            let lease_until = now.saturating_add(duration_ms(options.lease));
-            let candidates = due_chunks(tx, channels, now, limit)?;
-            let mut claims = Vec::with_capacity(candidates.len());
-            for c in candidates {
-                if c.chunk.status == ChunkStatus::Sending
-                    && expire(tx, options, &c.chunk, now)? != Expired::Replayable
-                {
-                    continue;
-                }
-                if let Some(reason) = outcome::out_of_budget(options, &c.chunk, now) {
-                    outcome::fail_chunk(tx, options, &c.chunk, &reason, now)?;
-                    continue;
-                }
-                let token = fastrand::i64(..);
-                tx.prepare_cached(
-                    "UPDATE outbound_delivery_chunks
-                     SET status = 'sending', attempts = attempts + 1, due_at = ?2,
-                         claim_token = ?3
-                     WHERE id = ?1",
-                )?
-                .execute(rusqlite::params![c.chunk.id, lease_until, token])?;
-                let delivery_id: DeliveryId = c.uid.parse()?;
-                claims.push(Claim {
-                    chunk_id: ChunkId(c.chunk.id),
-                    idempotency_key: chunk_idempotency_key(&delivery_id, c.chunk.index as u32),
-                    delivery_id,
-                    channel: c.chunk.channel,
-                    chat_id: c.chunk.chat_id,
-                    index: c.chunk.index as u32,
-                    total: c.chunk.total as u32,
-                    text: c.text,
-                    attempt: c.chunk.attempts + 1,
-                    lease_until: to_datetime(lease_until),
-                    token,
-                });
-            }
-            Ok(claims)
+            let recorded = outcome::record_in(
+                tx,
+                options,
+                outcomes.iter().map(|(c, o)| (c, o.clone())),
+                now,
+            )?;
+            let claims = if limit > 0 {
+                claim_in(tx, self, Some(channels), limit, now)?
+            } else {
+                Vec::new()
+            };
+            Ok((recorded, claims))
+        };
+        if outcomes.is_empty() {
+            self.write(step)
+        } else {
+            self.write_and_wake(step)
+        }
+    }
+
+    /// Extends the leases of claims this process still holds to a full lease from now;
+    /// per claim, the new expiry, or `None` if the claim no longer owns its chunk.
+    pub(crate) fn renew_leases(&self, claims: &[(ChunkId, i64)]) -> Result<Vec<Option<i64>>> {
+        let options = self.options();
+        self.write(|tx| {
+            let until = options.now_ms().saturating_add(duration_ms(options.lease));
+            let mut stmt = tx.prepare_cached(
+                "UPDATE outbound_delivery_chunks SET due_at = ?3
+                 WHERE id = ?1 AND claim_token = ?2 AND status = 'sending'",
+            )?;
+            claims
+                .iter()
+                .map(|(chunk, token)| {
+                    Ok((stmt.execute(params![chunk.0, token, until])? == 1).then_some(until))
+                })
+                .collect()
         })
     }
 
@@ -212,8 +229,7 @@ impl Outbox {
                 match expire(tx, options, &chunk, now)? {
                     Expired::Replayable => {
                         let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, now)?;
-                        let attempts = chunk.attempts;
-                        outcome::reschedule(tx, &chunk, ChunkStatus::Retry, attempts, due, None)?;
+                        outcome::retry_abandoned(tx, &chunk, due)?;
                         report.retried += 1;
                     }
                     Expired::Held => report.held_uncertain += 1,
@@ -224,6 +240,64 @@ impl Outbox {
             Ok(report)
         })
     }
+}
+
+fn check_limit(limit: usize) -> Result<()> {
+    if limit == 0 || limit > MAX_CLAIM_BATCH {
+        return Err(Error::invalid(
+            "limit",
+            format!("{limit} is outside 1..={MAX_CLAIM_BATCH}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Claims up to `limit` due chunks in the caller's transaction (see [`Outbox::claim`]).
+fn claim_in(
+    tx: &Connection,
+    outbox: &Outbox,
+    channels: Option<&[&str]>,
+    limit: usize,
+    now: i64,
+) -> Result<Vec<Claim>> {
+    let options = outbox.options();
+    let lease_until = now.saturating_add(duration_ms(options.lease));
+    let candidates = due_chunks(tx, channels, now, limit)?;
+    let mut claims = Vec::with_capacity(candidates.len());
+    for c in candidates {
+        if c.chunk.status == ChunkStatus::Sending
+            && expire(tx, options, &c.chunk, now)? != Expired::Replayable
+        {
+            continue;
+        }
+        if let Some(reason) = outcome::out_of_budget(options, &c.chunk, now) {
+            outcome::fail_chunk(tx, options, &c.chunk, &reason, now)?;
+            continue;
+        }
+        let token = outbox.next_token();
+        tx.prepare_cached(
+            "UPDATE outbound_delivery_chunks
+             SET status = 'sending', attempts = attempts + 1, due_at = ?2,
+                 claim_token = ?3
+             WHERE id = ?1",
+        )?
+        .execute(params![c.chunk.id, lease_until, token])?;
+        let delivery_id: DeliveryId = c.uid.parse()?;
+        claims.push(Claim {
+            chunk_id: ChunkId(c.chunk.id),
+            idempotency_key: chunk_idempotency_key(&delivery_id, c.chunk.index as u32),
+            delivery_id,
+            channel: c.chunk.channel,
+            chat_id: c.chunk.chat_id,
+            index: c.chunk.index as u32,
+            total: c.chunk.total as u32,
+            text: c.text,
+            attempt: c.chunk.attempts + 1,
+            lease_until: to_datetime(lease_until),
+            token,
+        });
+    }
+    Ok(claims)
 }
 
 /// A claimable (or lease-expired) chunk read by the claim query.
@@ -324,7 +398,7 @@ fn expire(
     match options.channel(&chunk.channel).replay {
         ReplayPolicy::Replay => Ok(Expired::Replayable),
         _ => {
-            outcome::hold_uncertain(
+            outcome::hold_abandoned(
                 tx,
                 options,
                 chunk,

@@ -110,6 +110,11 @@ impl NewDelivery {
         self
     }
 
+    /// The full text, as it is written to `messages` once every chunk is delivered.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
     /// The chunk texts.
     pub fn chunks(&self) -> &[String] {
         &self.chunks

@@ -137,6 +137,47 @@ impl From<i64> for ChunkId {
     }
 }
 
+/// Which outbox handle holds (or last held) a claim: the high half of its fencing
+/// token, random per [`Outbox`](crate::Outbox) handle.
+///
+/// [`ChunkView::claimant`](crate::ChunkView::claimant) shows it for `sending` chunks and
+/// for chunks whose lease ran out while their send was unsettled (`uncertain`, or
+/// `retry` on a replayable channel): it names the process that may still report an
+/// outcome for them, or that died holding them. [`Outbox::claimant`](crate::Outbox::claimant)
+/// is this handle's own.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ClaimantId(pub(crate) u32);
+
+impl ClaimantId {
+    /// A fresh random claimant id (never zero).
+    pub(crate) fn random() -> Self {
+        ClaimantId(fastrand::u32(1..))
+    }
+
+    /// The claimant of a stored fencing token.
+    pub(crate) fn of_token(token: i64) -> Self {
+        ClaimantId((token as u64 >> 32) as u32)
+    }
+
+    /// The fencing token of this claimant's claim number `seq`.
+    pub(crate) fn token(self, seq: u32) -> i64 {
+        ((u64::from(self.0) << 32) | u64::from(seq)) as i64
+    }
+}
+
+impl fmt::Display for ClaimantId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:08x}", self.0)
+    }
+}
+
+impl fmt::Debug for ClaimantId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ClaimantId({self})")
+    }
+}
+
 /// The idempotency key of chunk `index` (0-based) of a delivery: `"{delivery}:{index + 1}"`.
 ///
 /// This is the only place the key is derived. Every send of a chunk carries the same
@@ -168,6 +209,17 @@ mod tests {
             let (secs, _) = id.as_uuid().get_timestamp().unwrap().to_unix();
             assert_eq!(secs, 1_790_000_000);
         }
+    }
+
+    #[test]
+    fn a_token_names_its_claimant_and_differs_per_claim() {
+        let me = ClaimantId::random();
+        assert_ne!(me.0, 0);
+        for seq in [0, 1, u32::MAX] {
+            assert_eq!(ClaimantId::of_token(me.token(seq)), me);
+        }
+        assert_ne!(me.token(1), me.token(2));
+        assert_eq!(ClaimantId(0xdead_beef).to_string(), "deadbeef");
     }
 
     /// The SQL range spells the stride out (SQL text is built at compile time); it must

@@ -7,7 +7,7 @@ use serde::Serialize;
 use crate::clock::to_datetime;
 use crate::ids::chunks_of_delivery;
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::{ChunkId, DeliveryId, Error, Outbox, Result, chunk_idempotency_key};
+use crate::{ChunkId, ClaimantId, DeliveryId, Error, Outbox, Result, chunk_idempotency_key};
 
 /// Most rows one [`Outbox::list`] returns.
 pub const MAX_LIST_LIMIT: usize = 10_000;
@@ -60,6 +60,10 @@ pub struct ChunkView {
     pub next_attempt_at: Option<DateTime<Utc>>,
     /// When the current claim's lease ends (`sending` chunks).
     pub lease_until: Option<DateTime<Utc>>,
+    /// Which outbox handle's claim is unsettled on this chunk: the one sending it, or —
+    /// for an `uncertain` or `retry` chunk whose lease ran out — the one that was, and
+    /// may still report its outcome (or died holding it). `None` otherwise.
+    pub claimant: Option<ClaimantId>,
     /// Last error reported for it.
     pub last_error: Option<String>,
     /// The platform's id, once delivered.
@@ -195,7 +199,7 @@ fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
 fn chunks_of(tx: &Connection, delivery: i64, id: &DeliveryId) -> Result<Vec<ChunkView>> {
     let mut stmt = tx.prepare_cached(concat!(
         "SELECT c.id, c.chunk_index, c.status, c.attempts, c.due_at, c.last_error,
-                c.platform_message_id, c.delivered_at, coalesce(c.text, d.text)
+                c.platform_message_id, c.delivered_at, coalesce(c.text, d.text), c.claim_token
          FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = ?1 WHERE ",
         chunks_of_delivery!("c", "?1"),
         " ORDER BY c.id"
@@ -217,6 +221,7 @@ fn chunks_of(tx: &Connection, delivery: i64, id: &DeliveryId) -> Result<Vec<Chun
             delivered_at: r.get::<_, Option<i64>>(7)?.map(to_datetime),
             idempotency_key: chunk_idempotency_key(id, index),
             text: r.get(8)?,
+            claimant: r.get::<_, Option<i64>>(9)?.map(ClaimantId::of_token),
         })
     })?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)

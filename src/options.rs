@@ -5,6 +5,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::clock::{Clock, SystemClock, duration_ms};
+use crate::{Error, Result};
 
 /// SQLite's `synchronous` setting for the database.
 ///
@@ -155,6 +156,7 @@ pub struct RetryPolicy {
     /// still runs out.
     pub max_attempts: u32,
     /// Relative jitter applied to each delay, in `0.0..=1.0` (0.1 = ±10 %).
+    /// [`validate`](Self::validate) refuses anything else, NaN included.
     pub jitter: f64,
     /// A chunk whose delivery is older than this is failed instead of retried.
     pub max_age: Option<Duration>,
@@ -177,14 +179,57 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// Checks that the policy can be followed: at least one attempt, a non-empty
+    /// schedule, an exponential factor that is a finite number of at least 1, a jitter
+    /// in `0.0..=1.0`, and a maximum age above zero.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] naming the field and the value.
+    pub fn validate(&self) -> Result<()> {
+        if self.max_attempts == 0 {
+            return Err(Error::invalid(
+                "retry policy",
+                "max_attempts is 0; a chunk needs at least one attempt",
+            ));
+        }
+        match &self.backoff {
+            Backoff::Schedule(steps) if steps.is_empty() => {
+                return Err(Error::invalid(
+                    "retry policy",
+                    "the backoff schedule is empty; give at least one delay",
+                ));
+            }
+            Backoff::Exponential { factor, .. } if !(factor.is_finite() && *factor >= 1.0) => {
+                return Err(Error::invalid(
+                    "retry policy",
+                    format!("the exponential factor {factor} is not a finite number >= 1"),
+                ));
+            }
+            _ => {}
+        }
+        if !(0.0..=1.0).contains(&self.jitter) {
+            return Err(Error::invalid(
+                "retry policy",
+                format!("jitter {} is outside 0.0..=1.0", self.jitter),
+            ));
+        }
+        if self.max_age.is_some_and(|age| age.is_zero()) {
+            return Err(Error::invalid(
+                "retry policy",
+                "max_age is zero; every chunk would fail at once (use None for no limit)",
+            ));
+        }
+        Ok(())
+    }
+
     /// Delay in milliseconds before the retry after attempt `attempt`, with jitter.
     pub(crate) fn delay_ms(&self, attempt: u32) -> i64 {
         let base = duration_ms(self.backoff.delay(attempt));
-        let jitter = self.jitter.clamp(0.0, 1.0);
-        if jitter == 0.0 || base == 0 {
+        if self.jitter == 0.0 || base == 0 {
             return base;
         }
-        let factor = 1.0 + jitter * (fastrand::f64() * 2.0 - 1.0);
+        let factor = 1.0 + self.jitter * (fastrand::f64() * 2.0 - 1.0);
         (base as f64 * factor).round() as i64
     }
 }
@@ -196,7 +241,7 @@ impl RetryPolicy {
 /// |---|---|
 /// | busy timeout | 5 s |
 /// | `synchronous` | [`Synchronous::Normal`] |
-/// | lease | 60 s |
+/// | lease | 60 s (at least 1 ms) |
 /// | retry | [`RetryPolicy::default`] (5 s, 25 s, 2 min, 10 min; 5 attempts; ±10 %) |
 /// | channel policy | [`ChannelPolicy::default`] (hold ambiguous sends, no pacing) for every channel |
 /// | lane order | [`LaneOrder::Fifo`] |
@@ -284,6 +329,34 @@ impl Clone for OutboxOptions {
 }
 
 impl OutboxOptions {
+    /// Checks every option against its documented range; [`Outbox::open`](crate::Outbox::open)
+    /// calls it before touching the file.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for a lease under 1 ms (a claim that protects nothing:
+    /// two claimers would get the same chunk), an invalid retry policy (see
+    /// [`RetryPolicy::validate`]), or a zero background checkpoint interval.
+    pub fn validate(&self) -> Result<()> {
+        if duration_ms(self.lease) < 1 {
+            return Err(Error::invalid(
+                "lease",
+                format!(
+                    "{:?} is under 1 ms; a lease must cover a send, or another claimer gets the same chunk",
+                    self.lease
+                ),
+            ));
+        }
+        self.retry.validate()?;
+        if self.checkpoint_every.is_some_and(|every| every.is_zero()) {
+            return Err(Error::invalid(
+                "background checkpoints",
+                "the interval is zero; use None to turn them off",
+            ));
+        }
+        Ok(())
+    }
+
     /// How long a connection waits for another one's write lock before giving up with
     /// [`Error::Busy`](crate::Error::Busy).
     pub fn with_busy_timeout(mut self, timeout: Duration) -> Self {
@@ -297,8 +370,10 @@ impl OutboxOptions {
         self
     }
 
-    /// How long a claim owns its chunk. A claim whose lease expired can be recovered by
-    /// any claimer; choose it well above the slowest send.
+    /// How long a claim owns its chunk unless renewed. A claim whose lease expired can be
+    /// recovered by any claimer; a running [`Dispatcher`](crate::Dispatcher) renews the
+    /// leases of the sends it has in flight, so the lease bounds how long a crashed
+    /// dispatcher's chunks stay held, not how long a send may take. At least 1 ms.
     pub fn with_lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self

@@ -2,6 +2,7 @@
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use rusqlite::{Connection, Transaction, TransactionBehavior};
 
 use crate::checkpoint::Checkpointer;
 use crate::schema::{self, StorageSettings};
-use crate::{DeliveryId, Error, OutboxOptions, Result};
+use crate::{ClaimantId, DeliveryId, Error, OutboxOptions, Result};
 
 /// A durable outbox on one SQLite database. Cheap to clone; `Send + Sync`.
 ///
@@ -32,6 +33,10 @@ struct Inner {
     path: Option<PathBuf>,
     /// This database's salt for delivery uids (see [`DeliveryId::for_row`]).
     id_salt: i64,
+    /// The high half of every fencing token this handle hands out.
+    claimant: ClaimantId,
+    /// The low half: a counter, so two claims of this handle never share a token.
+    claims: AtomicU32,
     /// Stops (and is joined) when the last clone of the outbox is dropped.
     checkpointer: Option<Checkpointer>,
 }
@@ -53,6 +58,9 @@ impl Outbox {
     ///
     /// # Errors
     ///
+    /// [`Error::InvalidInput`] for options out of range (a zero lease, no attempts, an
+    /// empty backoff schedule, a jitter outside `0.0..=1.0`; see
+    /// [`OutboxOptions`]), before anything is touched on disk;
     /// [`Error::DatabaseMissing`] if the file is missing and creation is off;
     /// [`Error::NotADatabase`] if the file is not an SQLite database and
     /// [`Error::Corrupt`] if it is a damaged one (either is left untouched); [`Error::SchemaTooNew`] if a newer version of this crate wrote it;
@@ -61,6 +69,7 @@ impl Outbox {
     /// another pragma could not be set;
     /// [`Error::Io`] if the file could not be created.
     pub fn open(path: impl AsRef<Path>, options: OutboxOptions) -> Result<Outbox> {
+        options.validate()?;
         let path = path.as_ref().to_owned();
         create_private_file(&path, options.create_if_missing)?;
         schema::check_file(&path)?;
@@ -90,8 +99,10 @@ impl Outbox {
     ///
     /// # Errors
     ///
-    /// Only if SQLite itself fails to start.
+    /// [`Error::InvalidInput`] for options out of range (as [`open`](Self::open));
+    /// otherwise only if SQLite itself fails to start.
     pub fn open_in_memory(options: OutboxOptions) -> Result<Outbox> {
+        options.validate()?;
         let mut writer = Connection::open_in_memory()?;
         schema::configure(&writer, &options, true)?;
         schema::migrate(&mut writer)?;
@@ -105,9 +116,26 @@ impl Outbox {
         self.inner.options.set_channel(channel.to_owned(), policy);
     }
 
-    /// Wakes everything waiting in this process for new due work (dispatchers).
-    pub(crate) fn wake(&self) {
+    /// Wakes this process's dispatchers to look for due work now.
+    ///
+    /// Every write of this handle that can make work due does this itself. Call it after
+    /// committing a transaction in which you used [`enqueue_in`](Self::enqueue_in): the
+    /// reply becomes visible only at your commit, so a wake-up before it would find
+    /// nothing. Without the call, a dispatcher still notices the commit within its poll
+    /// interval.
+    pub fn wake(&self) {
         self.inner.notifier.notify();
+    }
+
+    /// The claimant id this handle stamps on its claims (see [`ClaimantId`]).
+    pub fn claimant(&self) -> ClaimantId {
+        self.inner.claimant
+    }
+
+    /// A fencing token no other claim of this handle has, naming this handle.
+    pub(crate) fn next_token(&self) -> i64 {
+        let seq = self.inner.claims.fetch_add(1, Ordering::Relaxed);
+        self.inner.claimant.token(seq)
     }
 
     pub(crate) fn notifier(&self) -> &Notifier {
@@ -167,6 +195,8 @@ impl Outbox {
                 options,
                 path,
                 id_salt,
+                claimant: ClaimantId::random(),
+                claims: AtomicU32::new(0),
                 checkpointer,
             }),
         })

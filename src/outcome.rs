@@ -13,7 +13,7 @@ use crate::{ChunkId, Claim, Error, Outbox, OutboxOptions, ReplayPolicy, Result, 
 
 /// Longest error text kept with a chunk; longer texts are cut at a character boundary.
 pub const MAX_ERROR_BYTES: usize = 4096;
-/// Longest platform message id accepted with an ack.
+/// Longest platform message id kept with an ack; a longer one is cut to this length.
 pub const MAX_PLATFORM_ID_BYTES: usize = 1024;
 
 /// What the channel adapter reports for one send.
@@ -108,15 +108,23 @@ impl Recorded {
 impl Outbox {
     /// Records the outcome of a claimed send and moves the chunk on (see [`Outcome`]).
     ///
-    /// The claim's token is checked first: if the lease expired and the chunk was
-    /// recovered or claimed again, or an outcome was already recorded, nothing changes
-    /// and the call fails with [`Error::StaleClaim`]. An ack of the last chunk writes the
-    /// delivery to `messages` in the same transaction.
+    /// The claim's token is checked first: if the chunk was claimed again by someone
+    /// else, resolved or requeued by an operator, or an outcome was already recorded,
+    /// nothing changes and the call fails with [`Error::StaleClaim`]. A claim whose
+    /// lease ran out still settles its chunk as long as nobody else took it over: the
+    /// chunk is then `uncertain` (or `retry`, on a channel that may replay) and still
+    /// carries this claim's token, and an outcome recorded now settles it as it
+    /// should — a late ack delivers it instead of leaving a sent chunk to be resent. An
+    /// ack of the last chunk writes the delivery to `messages` in the same transaction.
+    ///
+    /// A platform message id longer than [`MAX_PLATFORM_ID_BYTES`] is cut to that length
+    /// (at a character boundary) rather than refused: the ack matters more than the id.
     ///
     /// # Errors
     ///
-    /// [`Error::StaleClaim`]; [`Error::InvalidInput`] for a platform id over
-    /// [`MAX_PLATFORM_ID_BYTES`]; database errors. Nothing is changed on error.
+    /// [`Error::StaleClaim`]; database errors ([`Error::Busy`], [`Error::DiskFull`],
+    /// ...), after which nothing was changed and the same call may be retried: the
+    /// token makes a retry safe.
     pub fn record(&self, claim: &Claim, outcome: Outcome) -> Result<Recorded> {
         let mut results = self.record_batch([(claim, outcome)])?;
         results.pop().unwrap_or(Err(Error::StaleClaim {
@@ -139,22 +147,7 @@ impl Outbox {
     ) -> Result<Vec<Result<Recorded>>> {
         let options = self.options();
         let outcomes: Vec<(&Claim, Outcome)> = outcomes.into_iter().collect();
-        self.write_and_wake(|tx| {
-            let now = options.now_ms();
-            let mut results = Vec::with_capacity(outcomes.len());
-            for (claim, outcome) in outcomes {
-                if let Err(e) = check_outcome(&outcome) {
-                    results.push(Err(e));
-                    continue;
-                }
-                match claimed(tx, claim) {
-                    Ok(chunk) => results.push(Ok(apply(tx, options, &chunk, outcome, now)?)),
-                    Err(e @ Error::StaleClaim { .. }) => results.push(Err(e)),
-                    Err(e) => return Err(e),
-                }
-            }
-            Ok(results)
-        })
+        self.write_and_wake(|tx| record_in(tx, options, outcomes, options.now_ms()))
     }
 
     /// Records a successful send: shorthand for [`record`](Self::record) with
@@ -201,9 +194,15 @@ impl Outbox {
         let options = self.options();
         self.write_and_wake(|tx| {
             let chunk = claimed(tx, claim)?;
-            let earliest = options.now_ms().saturating_add(duration_ms(delay));
-            let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, earliest)?;
+            let now = options.now_ms();
+            let earliest = now.saturating_add(duration_ms(delay));
             let attempts = chunk.attempts.saturating_sub(1);
+            if chunk.status == ChunkStatus::Uncertain {
+                // Its lease ran out and it was held as possibly sent; it was not.
+                rejoin_lane(tx, options, &chunk, attempts, earliest, None, now)?;
+                return Ok(Recorded::settled(ChunkStatus::Retry));
+            }
+            let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, earliest)?;
             let status = if attempts == 0 {
                 ChunkStatus::Pending
             } else {
@@ -215,19 +214,41 @@ impl Outbox {
     }
 }
 
-/// Refuses an outcome that carries something unreasonable, before any write.
-fn check_outcome(outcome: &Outcome) -> Result<()> {
-    if let Outcome::Delivered {
-        platform_message_id: Some(id),
-    } = outcome
-        && id.len() > MAX_PLATFORM_ID_BYTES
-    {
-        return Err(Error::invalid(
-            "platform message id",
-            format!("{} bytes is more than {MAX_PLATFORM_ID_BYTES}", id.len()),
-        ));
+/// Records each outcome in the caller's transaction; a stale claim gets
+/// [`Error::StaleClaim`] in its slot and changes nothing.
+pub(crate) fn record_in(
+    tx: &Connection,
+    options: &OutboxOptions,
+    outcomes: impl IntoIterator<Item = (impl std::borrow::Borrow<Claim>, Outcome)>,
+    now: i64,
+) -> Result<Vec<Result<Recorded>>> {
+    let mut results = Vec::new();
+    for (claim, outcome) in outcomes {
+        match claimed(tx, claim.borrow()) {
+            Ok(chunk) => results.push(Ok(apply(tx, options, &chunk, trimmed(outcome), now)?)),
+            Err(e @ Error::StaleClaim { .. }) => results.push(Err(e)),
+            Err(e) => return Err(e),
+        }
     }
-    Ok(())
+    Ok(results)
+}
+
+/// The outcome with a platform message id cut to [`MAX_PLATFORM_ID_BYTES`]: an ack is
+/// never refused for an id too long to keep.
+fn trimmed(outcome: Outcome) -> Outcome {
+    match outcome {
+        Outcome::Delivered {
+            platform_message_id: Some(id),
+        } if id.len() > MAX_PLATFORM_ID_BYTES => {
+            tracing::warn!(
+                bytes = id.len(),
+                kept = MAX_PLATFORM_ID_BYTES,
+                "platform message id too long; keeping its start"
+            );
+            Outcome::delivered(Some(cut_at(&id, MAX_PLATFORM_ID_BYTES).to_owned()))
+        }
+        other => other,
+    }
 }
 
 /// A chunk with the delivery facts its transitions need.
@@ -286,11 +307,13 @@ impl ChunkRef {
     }
 }
 
-/// The claimed chunk, if the claim still owns it: `sending` with the claim's token.
+/// The claimed chunk, if the claim still owns it: it carries the claim's token, either
+/// `sending` or — after its lease ran out and nobody else took it — `uncertain` or
+/// `retry`. Every other transition clears the token.
 fn claimed(tx: &Connection, claim: &Claim) -> Result<ChunkRef> {
     let chunk = tx
         .prepare_cached(chunk_ref_where!(
-            "c.id = ?1 AND c.status = 'sending' AND c.claim_token = ?2"
+            "c.id = ?1 AND c.claim_token = ?2 AND c.status IN ('sending', 'uncertain', 'retry')"
         ))?
         .query_row(params![claim.chunk_id.0, claim.token], ChunkRef::from_row)
         .optional()?;
@@ -306,6 +329,9 @@ fn apply(
     outcome: Outcome,
     now: i64,
 ) -> Result<Recorded> {
+    if chunk.status == ChunkStatus::Uncertain {
+        return settle_held(tx, options, chunk, outcome, now);
+    }
     match outcome {
         Outcome::Delivered {
             platform_message_id,
@@ -343,6 +369,96 @@ fn apply(
             Ok(Recorded::due(ChunkStatus::Retry, until))
         }
     }
+}
+
+/// A late outcome for a chunk held `uncertain` after its lease ran out: its delivery was
+/// set aside from its lane, so it goes back through the lane like an operator's
+/// decision would — delivered (and on to its next chunk, or finalized), retried, or a
+/// dead letter. Another ambiguous outcome leaves it held.
+fn settle_held(
+    tx: &Connection,
+    options: &OutboxOptions,
+    chunk: &ChunkRef,
+    outcome: Outcome,
+    now: i64,
+) -> Result<Recorded> {
+    let (earliest, attempts, error) = match outcome {
+        Outcome::Delivered {
+            platform_message_id,
+        } => {
+            let finalized = deliver_chunk(
+                tx,
+                options,
+                chunk,
+                platform_message_id.as_deref(),
+                now,
+                false,
+            )?;
+            return Ok(Recorded {
+                finalized,
+                ..Recorded::settled(ChunkStatus::Delivered)
+            });
+        }
+        Outcome::Permanent { error } => {
+            set_held(tx, chunk, ChunkStatus::Failed, &error, now)?;
+            lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now)?;
+            return Ok(Recorded::settled(ChunkStatus::Failed));
+        }
+        Outcome::Ambiguous { error } => {
+            set_held(tx, chunk, ChunkStatus::Uncertain, &error, now)?;
+            return Ok(Recorded::settled(ChunkStatus::Uncertain));
+        }
+        Outcome::Transient { error } => {
+            if let Some(reason) = out_of_budget(options, chunk, now) {
+                let error = format!("{error} ({reason})");
+                set_held(tx, chunk, ChunkStatus::Failed, &error, now)?;
+                lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now)?;
+                return Ok(Recorded::settled(ChunkStatus::Failed));
+            }
+            let backoff = now.saturating_add(options.retry.delay_ms(chunk.attempts));
+            (backoff, chunk.attempts, error)
+        }
+        Outcome::RateLimited { retry_after, error } => {
+            let until = now.saturating_add(duration_ms(retry_after));
+            lane::pause(tx, &chunk.channel, &chunk.chat_id, until)?;
+            (until, chunk.attempts.saturating_sub(1), error)
+        }
+    };
+    rejoin_lane(tx, options, chunk, attempts, earliest, Some(&error), now)?;
+    Ok(Recorded {
+        status: ChunkStatus::Retry,
+        next_attempt_at: None,
+        finalized: false,
+    })
+}
+
+/// Sends a chunk whose delivery was set aside again from its lane, as a requeue would:
+/// `retry` with `attempts`, due no earlier than `earliest` once its lane lets it.
+fn rejoin_lane(
+    tx: &Connection,
+    options: &OutboxOptions,
+    chunk: &ChunkRef,
+    attempts: u32,
+    earliest: i64,
+    error: Option<&str>,
+    now: i64,
+) -> Result<()> {
+    tx.prepare_cached(
+        "UPDATE outbound_delivery_chunks
+         SET status = 'retry', attempts = ?2, due_at = NULL, claim_token = NULL,
+             last_error = coalesce(?3, last_error)
+         WHERE id = ?1",
+    )?
+    .execute(params![chunk.id, attempts, error.map(truncate_error)])?;
+    let earliest = earliest.max(earliest_send(options, &chunk.channel, now));
+    lane::rejoin(
+        tx,
+        options,
+        chunk.delivery,
+        &chunk.channel,
+        &chunk.chat_id,
+        earliest,
+    )
 }
 
 /// Why a chunk may not be sent (again), if it may not.
@@ -494,6 +610,37 @@ pub(crate) fn hold_uncertain(
     set_aside(tx, options, chunk, ChunkStatus::Uncertain, error, now)
 }
 
+/// Holds a chunk whose lease ran out while `sending` as `uncertain`, keeping the
+/// claim's token: the worker that held it may still be alive and report its outcome
+/// ([`Outbox::record`] accepts it until someone else decides).
+pub(crate) fn hold_abandoned(
+    tx: &Connection,
+    options: &OutboxOptions,
+    chunk: &ChunkRef,
+    error: &str,
+    now: i64,
+) -> Result<()> {
+    tx.prepare_cached(
+        "UPDATE outbound_delivery_chunks
+         SET status = 'uncertain', due_at = NULL, last_error = ?2
+         WHERE id = ?1",
+    )?
+    .execute(params![chunk.id, truncate_error(error)])?;
+    set_delivery_held(tx, chunk, ChunkStatus::Uncertain, now)?;
+    lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now)
+}
+
+/// Puts a chunk whose lease ran out on a channel that may replay back to `retry`, due
+/// at `due`, keeping the claim's token until it is claimed again (see
+/// [`hold_abandoned`]).
+pub(crate) fn retry_abandoned(tx: &Connection, chunk: &ChunkRef, due: i64) -> Result<()> {
+    tx.prepare_cached(
+        "UPDATE outbound_delivery_chunks SET status = 'retry', due_at = ?2 WHERE id = ?1",
+    )?
+    .execute(params![chunk.id, due])?;
+    Ok(())
+}
+
 /// Takes a chunk and its delivery out of the lane as `failed` or `uncertain`.
 fn set_aside(
     tx: &Connection,
@@ -520,6 +667,16 @@ fn set_held(
          WHERE id = ?1",
     )?
     .execute(params![chunk.id, status.as_str(), truncate_error(error)])?;
+    set_delivery_held(tx, chunk, status, now)
+}
+
+/// The delivery of a chunk set aside takes the chunk's status (`failed`, `uncertain`).
+fn set_delivery_held(
+    tx: &Connection,
+    chunk: &ChunkRef,
+    status: ChunkStatus,
+    now: i64,
+) -> Result<()> {
     let finished = (status == ChunkStatus::Failed).then_some(now);
     tx.prepare_cached(
         "UPDATE outbound_deliveries SET status = ?2, updated_at = ?3, finished_at = ?4
@@ -530,12 +687,18 @@ fn set_held(
 }
 
 fn truncate_error(error: &str) -> &str {
-    if error.len() <= MAX_ERROR_BYTES {
-        return error;
+    cut_at(error, MAX_ERROR_BYTES)
+}
+
+/// The longest prefix of `text` of at most `max` bytes that ends on a character
+/// boundary.
+fn cut_at(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
     }
-    let mut end = MAX_ERROR_BYTES;
-    while !error.is_char_boundary(end) {
+    let mut end = max;
+    while !text.is_char_boundary(end) {
         end -= 1;
     }
-    &error[..end]
+    &text[..end]
 }

@@ -238,6 +238,13 @@ fn expired_lease_on_a_hold_channel_becomes_uncertain_during_claiming() -> Result
     assert!(claim_all(ob).is_empty(), "not replayed blindly");
     let v = view(ob, id);
     assert_eq!(v.chunks[0].status, ChunkStatus::Uncertain);
+    assert_eq!(
+        v.chunks[0].claimant,
+        Some(ob.claimant()),
+        "still names its claim"
+    );
+    // The worker was only slow: nobody else took the chunk, so its ack still counts.
+    assert!(ob.ack(&lost, None)?.finalized);
     assert!(matches!(ob.ack(&lost, None), Err(Error::StaleClaim { .. })));
     Ok(())
 }
@@ -362,5 +369,205 @@ fn record_batch_settles_each_claim_and_refuses_only_stale_ones() -> Result<()> {
         (h.totals.delivered_deliveries, h.totals.retry_chunks),
         (2, 1)
     );
+    Ok(())
+}
+
+/// A worker whose lease ran out while it was still sending (a stalled machine, a slow
+/// platform) used to be refused when it came back, although nobody else had taken the
+/// chunk: the platform had the message, the outbox held it `uncertain`. Its outcome now
+/// settles the chunk — whatever it is — as long as nobody else took the chunk over.
+#[test]
+fn a_late_outcome_settles_a_chunk_held_after_its_lease_ran_out() -> Result<()> {
+    let late = |outcome: Outcome| -> Result<(DeliveryStatus, ChunkStatus, usize)> {
+        let db = TestDb::new(OutboxOptions::default().with_lease(Duration::from_secs(10)));
+        let ob = &db.outbox;
+        // Another handle on the file (another process) runs the recovery.
+        let other = db.reopen(OutboxOptions::default());
+        let id = ob
+            .enqueue(&NewDelivery::chunked("telegram", "c", "a b", ["a", "b"]))?
+            .id;
+        let claim = claim_one(ob);
+        db.advance(Duration::from_secs(11));
+        assert_eq!(
+            other.recover(RecoverScope::ExpiredLeases)?.held_uncertain,
+            1
+        );
+        assert_eq!(view(ob, id).chunks[0].claimant, Some(ob.claimant()));
+        ob.record(&claim, outcome)?;
+        assert!(
+            matches!(ob.ack(&claim, None), Err(Error::StaleClaim { .. })),
+            "settled once"
+        );
+        let v = view(ob, id);
+        assert_eq!(v.chunks[0].claimant, None);
+        Ok((v.status, v.chunks[0].status, claim_all(ob).len()))
+    };
+    // Delivered: chunk 1 counts, and chunk 2 is due next (the delivery is back in its
+    // lane).
+    assert_eq!(
+        late(Outcome::delivered(Some("m".into())))?,
+        (DeliveryStatus::Partial, ChunkStatus::Delivered, 1)
+    );
+    // Not sent after all: due again from its lane, after the backoff.
+    assert_eq!(
+        late(Outcome::Transient {
+            error: "502".into()
+        })?,
+        (DeliveryStatus::Pending, ChunkStatus::Retry, 0)
+    );
+    // A dead letter.
+    assert_eq!(
+        late(Outcome::Permanent {
+            error: "chat not found".into()
+        })?,
+        (DeliveryStatus::Failed, ChunkStatus::Failed, 0)
+    );
+    // Still unknown: stays held, and no longer names a claimant.
+    let (d, c, due) = late(Outcome::Ambiguous {
+        error: "timeout".into(),
+    })?;
+    assert_eq!(
+        (d, c, due),
+        (DeliveryStatus::Uncertain, ChunkStatus::Uncertain, 0)
+    );
+    Ok(())
+}
+
+/// The same for a chunk given back unsent after its lease ran out: it was never sent,
+/// so it goes back to its lane, attempt refunded, instead of staying `uncertain`.
+#[test]
+fn a_late_release_sends_a_held_chunk_again() -> Result<()> {
+    let db = TestDb::new(OutboxOptions::default().with_lease(Duration::from_secs(10)));
+    let ob = &db.outbox;
+    let id = enqueue(ob, "1", &["x"]);
+    let claim = claim_one(ob);
+    db.advance(Duration::from_secs(11));
+    assert!(claim_all(ob).is_empty(), "held, not replayed");
+    ob.release(&claim)?;
+    let again = claim_one(ob);
+    assert_eq!((again.chunk_id, again.attempt), (claim.chunk_id, 1));
+    assert!(ob.ack(&again, None)?.finalized);
+    assert_eq!(view(ob, id).status, DeliveryStatus::Delivered);
+    Ok(())
+}
+
+/// On a channel that may replay, an expired lease puts the chunk back to `retry` still
+/// naming its claim: the late worker's ack counts until someone claims it again.
+#[test]
+fn a_late_ack_counts_until_a_replayable_chunk_is_claimed_again() -> Result<()> {
+    let options = OutboxOptions::default()
+        .with_channel("telegram", ChannelPolicy::replayable())
+        .with_lease(Duration::from_secs(10));
+    let db = TestDb::new(options);
+    let ob = &db.outbox;
+    let first = enqueue(ob, "1", &["x"]);
+    let claim = claim_one(ob);
+    db.advance(Duration::from_secs(11));
+    assert_eq!(ob.recover(RecoverScope::ExpiredLeases)?.retried, 1);
+    assert_eq!(view(ob, first).chunks[0].status, ChunkStatus::Retry);
+    assert!(ob.ack(&claim, None)?.finalized, "nobody took it over yet");
+    assert!(claim_all(ob).is_empty(), "and it is not sent again");
+
+    let second = enqueue(ob, "2", &["y"]);
+    let slow = claim_one(ob);
+    db.advance(Duration::from_secs(11));
+    let fresh = claim_one(ob); // claimed again: the slow one is out
+    assert!(matches!(ob.ack(&slow, None), Err(Error::StaleClaim { .. })));
+    assert!(ob.ack(&fresh, None)?.finalized);
+    assert_eq!(view(ob, second).status, DeliveryStatus::Delivered);
+    Ok(())
+}
+
+/// `RetryPolicy::max_age`: a delivery older than it is failed instead of retried, both
+/// when an outcome asks for a retry and when a due chunk is claimed.
+#[test]
+fn deliveries_older_than_the_maximum_age_are_failed_not_retried() -> Result<()> {
+    let retry = chunked_outbox::RetryPolicy {
+        max_age: Some(Duration::from_secs(3600)),
+        max_attempts: 100,
+        ..Default::default()
+    };
+    let db = TestDb::new(OutboxOptions::default().with_retry(retry));
+    let ob = &db.outbox;
+    let young = enqueue(ob, "young", &["x"]);
+    let old = enqueue(ob, "old", &["y"]);
+    let transient = || Outcome::Transient {
+        error: "503".into(),
+    };
+    // Within the age: retried.
+    db.advance(Duration::from_secs(1800));
+    for c in claim_all(ob) {
+        assert_eq!(ob.record(&c, transient())?.status, ChunkStatus::Retry);
+    }
+    // Past it, at the outcome: failed, with the reason.
+    db.advance(Duration::from_secs(1801));
+    let c = claim_all(ob).into_iter().find(|c| c.delivery_id == young);
+    assert!(
+        c.is_none(),
+        "a due chunk past the age is failed at the claim"
+    );
+    let v = view(ob, young);
+    assert_eq!(v.status, DeliveryStatus::Failed);
+    assert!(
+        v.chunks[0]
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("maximum age")
+    );
+    assert_eq!(view(ob, old).status, DeliveryStatus::Failed);
+
+    // A reply enqueued later is still served, and one failing past its age at the
+    // outcome is failed there.
+    let late = enqueue(ob, "late", &["z"]);
+    let c = claim_one(ob);
+    db.advance(Duration::from_secs(3601));
+    assert_eq!(ob.record(&c, transient())?.status, ChunkStatus::Failed);
+    let v = view(ob, late);
+    assert!(
+        v.chunks[0]
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("maximum age"),
+        "{v:?}"
+    );
+    Ok(())
+}
+
+/// Error texts are kept up to `MAX_ERROR_BYTES`, cut at a character boundary; platform
+/// ids up to `MAX_PLATFORM_ID_BYTES` — and an ack with a longer id is kept, not refused.
+#[test]
+fn long_error_texts_and_platform_ids_are_cut_at_a_character_boundary() -> Result<()> {
+    use chunked_outbox::{MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES};
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    // An odd prefix puts a two-byte character across the limit.
+    let error = format!("x{}", "é".repeat(MAX_ERROR_BYTES));
+    let exact = "y".repeat(MAX_ERROR_BYTES);
+    for (text, kept) in [
+        (error.as_str(), &error[..MAX_ERROR_BYTES - 1]),
+        (exact.as_str(), exact.as_str()),
+        ("short", "short"),
+    ] {
+        let id = enqueue(ob, &format!("e{}", text.len()), &["x"]);
+        let c = claim_one(ob);
+        ob.record(
+            &c,
+            Outcome::Transient {
+                error: text.to_owned(),
+            },
+        )?;
+        assert_eq!(view(ob, id).chunks[0].last_error.as_deref(), Some(kept));
+    }
+    let long_id = format!("z{}", "ü".repeat(MAX_PLATFORM_ID_BYTES));
+    let id = enqueue(ob, "p", &["x"]);
+    let c = claim_all(ob)
+        .into_iter()
+        .find(|c| c.delivery_id == id)
+        .unwrap();
+    assert!(ob.ack(&c, Some(&long_id))?.finalized, "the ack is kept");
+    let stored = view(ob, id).chunks[0].platform_message_id.clone().unwrap();
+    assert_eq!(stored, long_id[..MAX_PLATFORM_ID_BYTES - 1]);
     Ok(())
 }

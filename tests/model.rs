@@ -118,6 +118,14 @@ impl World {
             .1
     }
 
+    /// Whether the claim's delivery is held `uncertain` (its lease ran out unsettled).
+    fn was_held(&self, claim: &Claim) -> bool {
+        self.outbox
+            .delivery(claim.delivery_id)
+            .unwrap()
+            .is_some_and(|d| d.status == DeliveryStatus::Uncertain)
+    }
+
     fn take_held(&mut self, pick: usize) -> Option<Claim> {
         (!self.held.is_empty()).then(|| self.held.remove(pick % self.held.len()))
     }
@@ -127,8 +135,14 @@ impl World {
     fn settle(&mut self, claim: Claim, outcome: Outcome) {
         let live = self.now() < claim.lease_until.timestamp_millis();
         let acking = matches!(outcome, Outcome::Delivered { .. });
+        let held = self.was_held(&claim);
         match self.outbox.record(&claim, outcome) {
             Ok(recorded) => {
+                // A late outcome for a chunk held `uncertain` after its lease ran out:
+                // its delivery rejoins its lane as a requeue would.
+                if held {
+                    self.model(claim.delivery_id).requeued = true;
+                }
                 if acking {
                     let m = self.model(claim.delivery_id);
                     assert_eq!(
@@ -265,7 +279,9 @@ impl World {
             Op::Release { pick } => {
                 if let Some(c) = self.take_held(pick) {
                     let live = self.now() < c.lease_until.timestamp_millis();
+                    let held = self.was_held(&c);
                     match self.outbox.release(&c) {
+                        Ok(_) if held => self.model(c.delivery_id).requeued = true,
                         Ok(_) => {}
                         Err(Error::StaleClaim { .. }) => assert!(!live),
                         Err(e) => panic!("{e:?}"),
