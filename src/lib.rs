@@ -11,20 +11,36 @@
 //! use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome};
 //!
 //! let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
-//! let reply = NewDelivery::chunked("telegram", "42", "Hello\n\nWorld", ["Hello", "World"]);
-//! let delivery = outbox.enqueue(&reply)?.id;
+//! for chat in ["42", "43", "44"] {
+//!     let reply = NewDelivery::chunked("telegram", chat, "Hello\n\nWorld", ["Hello", "World"]);
+//!     outbox.enqueue(&reply)?;
+//! }
 //!
-//! // A worker loop: claim due chunks, send each with its stable key, record the outcome.
-//! while let Some(claim) = outbox.claim(16)?.into_iter().next() {
-//!     // send_to_platform(&claim.chat_id, &claim.text, &claim.idempotency_key) ...
-//!     let recorded = outbox.record(&claim, Outcome::delivered(Some("msg-1".into())))?;
-//!     if recorded.finalized {
-//!         println!("{} fully delivered", claim.delivery_id);
+//! // A worker loop: claim what you are about to send, send each chunk with its stable
+//! // key, and record the outcome of every claim you took.
+//! loop {
+//!     let claims = outbox.claim(16)?;
+//!     if claims.is_empty() {
+//!         break;
+//!     }
+//!     for claim in claims {
+//!         // send_to_platform(&claim.chat_id, &claim.text, &claim.idempotency_key) ...
+//!         let recorded = outbox.record(&claim, Outcome::delivered(Some("msg-1".into())))?;
+//!         if recorded.finalized {
+//!             println!("{} fully delivered", claim.delivery_id);
+//!         }
 //!     }
 //! }
-//! assert_eq!(outbox.delivery(delivery)?.unwrap().status, chunked_outbox::DeliveryStatus::Delivered);
+//! let totals = outbox.health()?.totals;
+//! assert_eq!(totals.delivered_deliveries, 3);
+//! assert_eq!(totals.sending_chunks + totals.uncertain_chunks, 0, "no claim left behind");
 //! # Ok::<(), chunked_outbox::Error>(())
 //! ```
+//!
+//! A claim counts as a send in flight: if the process dies holding it, the chunk may
+//! have reached the platform. A [`Dispatcher`] claims exactly the sends it has in
+//! flight, renews their leases, catches adapter panics and records each outcome before
+//! its next send — most applications run one instead of this loop.
 //!
 //! # Chunk states
 //!
@@ -53,8 +69,12 @@
 //! * **Exactly-once finalization.** A delivery is written to `messages` in the
 //!   transaction that records its last ack, and `messages.delivery_id` is UNIQUE.
 //! * **Fenced claims.** Every outcome checks the claim's token: a worker whose lease
-//!   expired cannot settle a chunk that was recovered or claimed again
-//!   ([`Error::StaleClaim`]). Expired leases are reclaimed by ordinary claiming.
+//!   expired cannot settle a chunk that was claimed again or settled by an operator
+//!   ([`Error::StaleClaim`]), and can still settle one nobody else took. Expired leases
+//!   are reclaimed by ordinary claiming.
+//! * **A crash leaves only what was in flight.** After a dispatcher process dies, at
+//!   most one chunk per send it had in flight (`workers × batch_size`) can be held
+//!   `uncertain`; everything else it had not started stays due, uncharged.
 //! * **Attempts are counted before I/O**, in the claim transaction, so a chunk that
 //!   crashes the process every time still runs out of attempts.
 //! * **Bad input changes nothing.** Invalid input is refused with
@@ -124,7 +144,7 @@ pub use enqueue::{
 };
 pub use error::{Error, Result};
 pub use health::{ChannelHealth, Health};
-pub use ids::{ChunkId, DeliveryId, chunk_idempotency_key};
+pub use ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
 pub use inspect::{ChunkView, DeliveryView, ListFilter, MAX_LIST_LIMIT};
 pub use operator::Resolution;
 pub use options::{

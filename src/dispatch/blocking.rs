@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tracing::warn;
 
-use super::{ChannelAdapter, Core, DispatchStats, Settings, Shared, Unrecorded};
-use crate::{Claim, Outbox, Result};
+use super::{ChannelAdapter, Core, DispatchStats, Run, Settings, Shared, guarded, keep_leases};
+use crate::{Claim, Outbox, Outcome, Result};
 
 /// Builds a [`Dispatcher`] (or, as
 /// [`AsyncDispatcherBuilder`](crate::AsyncDispatcherBuilder), an async one): register
@@ -29,14 +29,22 @@ impl<A: ?Sized> DispatcherBuilder<A> {
         }
     }
 
-    /// Worker threads (tasks, for the async flavour), each claiming and sending its own
-    /// batches. Default 2.
+    /// Worker threads (tasks, for the async flavour), each claiming and sending on its
+    /// own. Default 2.
     pub fn workers(mut self, workers: usize) -> Self {
         self.settings.workers = workers;
         self
     }
 
-    /// Chunks claimed per transaction. Default 16.
+    /// Sends each worker has in flight at once, to different chats (at most 1024).
+    /// Default 1.
+    ///
+    /// A worker claims exactly the chunks it sends at once, and the outcomes of one
+    /// round are committed in the transaction that claims the next, so a crash leaves
+    /// at most `workers × batch_size` chunks possibly sent — the sends that were in
+    /// flight. A larger batch means fewer commits per chunk (more throughput with fast
+    /// platforms) and more concurrent sends; the blocking flavour sends a batch of
+    /// more than one on a thread per chunk.
     pub fn batch_size(mut self, batch: usize) -> Self {
         self.settings.batch = batch;
         self
@@ -50,14 +58,13 @@ impl<A: ?Sized> DispatcherBuilder<A> {
         self
     }
 
-    /// Outcomes that arrive within this window of the first unrecorded one are recorded
-    /// in one transaction (group commit). A send slower than the window is recorded on
-    /// its own right after it returns, so with real network sends every outcome is
-    /// committed at once; with very fast adapters a crash can leave up to one batch of
-    /// sent-but-unrecorded chunks, which recovery treats as possibly sent. Zero records
-    /// each outcome on its own. Default 2 ms.
-    pub fn group_commit_window(mut self, window: Duration) -> Self {
-        self.settings.group_window = window;
+    /// Records a send that has not returned within `timeout` as
+    /// [`Outcome::Ambiguous`] (it may have reached the platform) and moves on. Default
+    /// none: an adapter should bound its own I/O. The async flavour drops the send's
+    /// future; the blocking flavour runs each send on a thread of its own and abandons
+    /// one that does not return in time (its eventual result is ignored).
+    pub fn send_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.settings.send_timeout = timeout;
         self
     }
 }
@@ -75,7 +82,8 @@ impl DispatcherBuilder<dyn ChannelAdapter> {
     /// # Errors
     ///
     /// [`Error::InvalidInput`](crate::Error::InvalidInput) for no adapters, zero
-    /// workers, a batch size outside `1..=MAX_CLAIM_BATCH` or a zero poll interval.
+    /// workers, a batch size outside `1..=1024`, a zero poll interval or a zero send
+    /// timeout.
     pub fn build(self) -> Result<Dispatcher> {
         let shared = self.into_shared(|a| (a.replay(), a.pacing()))?;
         Ok(Dispatcher { shared })
@@ -86,7 +94,8 @@ impl DispatcherBuilder<dyn ChannelAdapter> {
 ///
 /// [`start`](Self::start) runs it on worker threads; [`run_once`](Self::run_once) runs
 /// one claim-send-record round on the calling thread (deterministic, for tests with a
-/// [`ManualClock`](crate::ManualClock)).
+/// [`ManualClock`](crate::ManualClock)). A dispatcher can be started again after a
+/// shutdown.
 ///
 /// ```
 /// use std::time::Duration;
@@ -129,80 +138,113 @@ impl Dispatcher {
         DispatcherBuilder::new(outbox)
     }
 
-    /// Claims one batch of due chunks of the registered channels, sends each through
-    /// its adapter in order and records the outcomes. Returns how many were claimed.
+    /// One round on the calling thread: claims up to [`batch_size`](DispatcherBuilder::batch_size)
+    /// due chunks of the registered channels, sends them and records their outcomes.
+    /// Returns how many were claimed. No lease is renewed meanwhile: a send must return
+    /// within the lease.
     ///
     /// # Errors
     ///
-    /// Errors of the claim ([`Error::Busy`](crate::Error::Busy), ...). Errors recording
-    /// single outcomes are logged and counted in [`stats`](Self::stats) instead.
+    /// Errors of the claim ([`Error::Busy`](crate::Error::Busy), ...). Outcomes are
+    /// recorded as [`Core::step`] describes: retried when the database is busy or full,
+    /// and errors recording single outcomes are logged and counted in
+    /// [`stats`](Self::stats).
     pub fn run_once(&self) -> Result<usize> {
-        let claims = self.shared.core.claim()?;
+        let (core, run) = (&self.shared.core, Run::default());
+        let claims = core.step(&run, &mut Vec::new(), core.settings.batch)?;
         let n = claims.len();
-        self.process(claims);
+        let mut done = self.send_all(&run, claims);
+        core.step(&run, &mut done, 0)?;
         Ok(n)
     }
 
-    /// What this dispatcher has done so far.
+    /// What this dispatcher has done so far, over all its runs.
     pub fn stats(&self) -> DispatchStats {
         self.shared.core.stats()
     }
 
-    /// Starts the worker threads.
+    /// Starts the worker threads and the thread that renews their leases.
     ///
-    /// Each worker claims a batch, sends it, records the outcomes, and when nothing is
-    /// due sleeps until the next due time; an enqueue in this process wakes it at once,
-    /// and a commit by another process within the poll interval.
+    /// Each worker claims what it sends, sends it, and records the outcome together with
+    /// its next claim; when nothing is due it sleeps until the next due time; an enqueue
+    /// in this process wakes it at once, and a commit by another process within the poll
+    /// interval.
     ///
     /// # Errors
     ///
-    /// Database errors opening the connections that watch for other processes' commits.
+    /// Database errors opening the connections that watch for other processes' commits,
+    /// and [`Error::Io`](crate::Error::Io) if a thread cannot be started (any started
+    /// already are stopped).
     pub fn start(&self) -> Result<RunningDispatcher> {
-        let mut workers = Vec::with_capacity(self.shared.core.settings.workers);
+        let run = Arc::new(Run::default());
         let (finished, done) = mpsc::channel();
+        let mut running = RunningDispatcher {
+            dispatcher: self.clone(),
+            run: run.clone(),
+            workers: Vec::new(),
+            keeper: None,
+            done,
+        };
+        let spawn_error = |source| crate::Error::Io {
+            path: "dispatcher thread".into(),
+            source,
+        };
         for n in 0..self.shared.core.settings.workers {
             let watcher = self.shared.core.outbox.change_watcher()?;
-            let me = self.clone();
-            let finished = finished.clone();
+            let (me, run) = (self.clone(), run.clone());
+            let finished = Finished {
+                tx: finished.clone(),
+                _live: run.enter(),
+            };
             let thread = std::thread::Builder::new()
                 .name(format!("outbox-worker-{n}"))
                 .spawn(move || {
-                    me.work(watcher);
-                    let _ = finished.send(());
+                    // Reports the worker's end, by returning or by panicking.
+                    let _finished = finished;
+                    me.work(&run, watcher);
                 })
-                .map_err(|source| crate::Error::Io {
-                    path: "worker thread".into(),
-                    source,
-                })?;
-            workers.push(thread);
+                .map_err(spawn_error)?;
+            running.workers.push(thread);
         }
-        Ok(RunningDispatcher {
-            dispatcher: self.clone(),
-            workers,
-            done,
-        })
+        let (me, keeper_run) = (self.clone(), run.clone());
+        running.keeper = Some(
+            std::thread::Builder::new()
+                .name("outbox-lease-keeper".into())
+                .spawn(move || keep_leases(&me.shared.core, &keeper_run))
+                .map_err(spawn_error)?,
+        );
+        Ok(running)
     }
 
-    fn work(&self, mut watcher: crate::outbox::ChangeWatcher) {
+    fn work(&self, run: &Run, mut watcher: crate::outbox::ChangeWatcher) {
         let core = &self.shared.core;
         let notifier = core.outbox.notifier();
         let mut seen = notifier.generation();
-        while !core.stopping() {
-            match self.run_once() {
-                Ok(0) => {}
-                Ok(_) => continue,
-                Err(e) => {
-                    core.note_error();
-                    warn!(error = %e, "claim failed; retrying after the poll interval");
-                }
+        let mut done = Vec::new();
+        loop {
+            let limit = if run.stopping() {
+                0
+            } else {
+                core.settings.batch
+            };
+            let claims = core.step(run, &mut done, limit).unwrap_or_else(|e| {
+                core.claim_failed(&e);
+                Vec::new()
+            });
+            if limit == 0 {
+                return;
+            }
+            if !claims.is_empty() {
+                done = self.send_all(run, claims);
+                continue;
             }
             // Idle: sleep until something of ours is due, an enqueue in this process,
             // or a commit by another connection (seen by the watcher at each poll).
             // Only those make it worth reading the next due time again.
             let mut next_due = core.next_due();
             while let Some(wait) = core.sleep_for(next_due) {
-                if core.stopping() {
-                    return;
+                if run.stopping() {
+                    break;
                 }
                 let now = notifier.wait(seen, wait);
                 if now != seen || watcher.changed().unwrap_or(true) {
@@ -213,48 +255,108 @@ impl Dispatcher {
         }
     }
 
-    /// Sends a batch in order. Outcomes are recorded together when they come within the
-    /// group-commit window of each other (fast sends), or one by one (slow sends). Once
-    /// stopping, the unstarted rest is released.
-    fn process(&self, claims: Vec<Claim>) {
+    /// Sends freshly claimed chunks at once — on this thread for one, on a thread each
+    /// for more, or with a send timeout — and returns their outcomes. Chunks that may
+    /// not be sent now are given back first (see [`Shared::admit`]).
+    fn send_all(&self, run: &Run, claims: Vec<Claim>) -> Vec<(Claim, Outcome)> {
         let core = &self.shared.core;
-        let mut unrecorded = Unrecorded::new(core.settings.group_window);
-        for claim in claims {
-            match self.shared.admit(&claim) {
-                Ok(adapter) => {
-                    let outcome = {
-                        let _entered = Core::span(&claim).entered();
-                        core.before_send(&claim);
-                        adapter.send(&claim)
-                    };
-                    if let Some(batch) = unrecorded.push(claim, outcome) {
-                        core.record_all(&batch);
-                    }
-                }
-                Err(delay) => core.release(&claim, delay),
+        let admitted = self.shared.admit(run, claims);
+        match (admitted.len(), core.settings.send_timeout) {
+            (0, _) => Vec::new(),
+            (1, None) => admitted
+                .into_iter()
+                .map(|(claim, adapter)| {
+                    let outcome = self.send_one(&adapter, &claim);
+                    (claim, outcome)
+                })
+                .collect(),
+            (_, timeout) => {
+                let started = Instant::now();
+                let pending: Vec<_> = admitted
+                    .into_iter()
+                    .map(|(claim, adapter)| {
+                        let (tx, rx) = mpsc::channel();
+                        let (me, c, a) = (self.clone(), claim.clone(), adapter.clone());
+                        let spawned = std::thread::Builder::new()
+                            .name("outbox-send".into())
+                            .spawn(move || {
+                                let _ = tx.send(me.send_one(&a, &c));
+                            });
+                        match spawned {
+                            Ok(_) => (claim, Err(rx)),
+                            Err(e) => {
+                                warn!(error = %e, "could not start a send thread; sending on this one");
+                                let outcome = self.send_one(&adapter, &claim);
+                                (claim, Ok(outcome))
+                            }
+                        }
+                    })
+                    .collect();
+                pending
+                    .into_iter()
+                    .map(|(claim, outcome)| {
+                        // `send_one` catches panics, so the thread always answers; only
+                        // the timeout can cut the wait short.
+                        let outcome = outcome.unwrap_or_else(|rx| match timeout {
+                            Some(t) => rx
+                                .recv_timeout(t.saturating_sub(started.elapsed()))
+                                .unwrap_or_else(|_| core.timed_out(t)),
+                            None => rx.recv().unwrap_or_else(|_| {
+                                core.panicked(Box::new("the send thread ended"))
+                            }),
+                        });
+                        (claim, outcome)
+                    })
+                    .collect()
             }
         }
-        core.record_all(&unrecorded.take());
+    }
+
+    fn send_one(&self, adapter: &Arc<dyn ChannelAdapter>, claim: &Claim) -> Outcome {
+        let core = &self.shared.core;
+        let _entered = Core::span(claim).entered();
+        core.before_send(claim);
+        guarded(core, || adapter.send(claim))
     }
 }
 
-/// A dispatcher whose workers are running. Dropping it stops them and waits for them.
+/// Tells a run's owner that one worker ended (and whether by a panic), then counts it
+/// out of the run.
+struct Finished {
+    tx: mpsc::Sender<bool>,
+    _live: super::WorkerGuard,
+}
+
+impl Drop for Finished {
+    fn drop(&mut self) {
+        let _ = self.tx.send(std::thread::panicking());
+    }
+}
+
+/// A dispatcher whose workers are running. Dropping it stops them and waits for them
+/// (up to 30 s).
 #[must_use = "dropping a running dispatcher stops it at once"]
 pub struct RunningDispatcher {
     dispatcher: Dispatcher,
+    run: Arc<Run>,
     workers: Vec<JoinHandle<()>>,
-    /// One message per worker that has finished.
-    done: mpsc::Receiver<()>,
+    keeper: Option<JoinHandle<()>>,
+    /// One message per worker that has ended: whether it panicked.
+    done: mpsc::Receiver<bool>,
 }
 
 /// How a shutdown went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct ShutdownReport {
-    /// Every worker finished within the timeout.
+    /// Every worker finished within the timeout, none by a panic.
     pub clean: bool,
     /// Workers still inside an adapter's `send` when the timeout passed. They record
-    /// their outcome when it returns.
+    /// their outcome when it returns; their leases are renewed until then.
     pub still_sending: usize,
+    /// Workers that ended by a panic of the dispatcher itself (adapter panics are
+    /// caught and counted in [`DispatchStats::panics`]; a worker goes on after them).
+    pub workers_lost: usize,
     /// What the dispatcher did over its life.
     pub stats: DispatchStats,
 }
@@ -266,42 +368,56 @@ impl RunningDispatcher {
     }
 
     /// Asks the workers to stop without waiting for them (for a signal handler, say):
-    /// each finishes the send it is in, releases the rest of its batch and exits.
+    /// each finishes the send it is in, records it and exits.
     /// [`shutdown`](Self::shutdown) then waits.
     pub fn request_shutdown(&self) {
-        self.dispatcher.shared.core.stop();
+        self.run.stop();
+        self.dispatcher.shared.core.outbox.wake();
     }
 
-    /// Stops the workers: sends in flight finish and are recorded, claimed chunks not
-    /// yet started are released, idle workers wake and exit. Waits up to `timeout` for
-    /// them; nothing is left `sending` unless an adapter is still inside `send` then.
+    /// Stops the workers: sends in flight finish and are recorded, idle workers wake and
+    /// exit. Waits up to `timeout` for them; nothing is left `sending` unless an adapter
+    /// is still inside `send` then.
     pub fn shutdown(mut self, timeout: Duration) -> ShutdownReport {
         self.stop(timeout)
     }
 
     fn stop(&mut self, timeout: Duration) -> ShutdownReport {
-        self.dispatcher.shared.core.stop();
+        self.request_shutdown();
         let deadline = Instant::now() + timeout;
-        let mut finished = 0;
+        let (mut finished, mut lost) = (0, 0);
         while finished < self.workers.len() {
             let left = deadline.saturating_duration_since(Instant::now());
-            if self.done.recv_timeout(left).is_err() {
-                break;
+            match self.done.recv_timeout(left) {
+                Ok(panicked) => {
+                    finished += 1;
+                    lost += usize::from(panicked);
+                }
+                Err(_) => break,
             }
-            finished += 1;
         }
         let still_sending = self.workers.len() - finished;
         for worker in self.workers.drain(..) {
             if still_sending == 0 {
-                // Each has sent its last message; joining only waits for it to return.
+                // Each has ended; joining only waits for it to return.
                 let _ = worker.join();
             }
             // Otherwise the handle is dropped: a worker stuck in `send` is detached and
             // records its outcome when `send` returns.
         }
+        if let Some(keeper) = self.keeper.take()
+            && still_sending == 0
+        {
+            // It ends at its next tick once no worker is left.
+            let _ = keeper.join();
+        }
+        if lost > 0 {
+            warn!(workers = lost, "dispatcher workers ended by a panic");
+        }
         ShutdownReport {
-            clean: still_sending == 0,
+            clean: still_sending == 0 && lost == 0,
             still_sending,
+            workers_lost: lost,
             stats: self.dispatcher.stats(),
         }
     }

@@ -2,16 +2,30 @@
 //!
 //! [`Dispatcher`] runs it on threads, for CLI agents and simple bots;
 //! [`AsyncDispatcher`](crate::AsyncDispatcher) (feature `tokio`) runs it as tasks for
-//! async engines. Both share [`Core`]: which channels are served, the per-channel rate
-//! slots, recording outcomes with logs and counters.
+//! async engines. Both share [`Core`] and one [`Run`] per start.
+//!
+//! The promises both keep, and where each is kept:
+//!
+//! * **A claim is a send in flight.** A worker claims exactly the chunks it is about to
+//!   send at once ([`Settings::batch`], one by default), so a crash can leave at most
+//!   that many chunks possibly sent per worker ([`Core::step`]).
+//! * **A known outcome is durable before the next send starts**: the outcomes of a
+//!   worker's sends are recorded in the same transaction that claims its next ones, and
+//!   a record that fails with `Busy` or `DiskFull` is retried — the claim's token makes
+//!   that safe — before anything new is claimed ([`Core::step`]).
+//! * **No send on a lease that cannot cover it**: a claim with less than a quarter of
+//!   its lease left is given back unsent ([`Shared::admit`]), and the run's keeper
+//!   thread renews the leases of claims it still holds ([`keep_leases`]).
+//! * **An adapter's panic is an ambiguous send**, not a dead worker ([`guarded`]).
 
 mod blocking;
 #[cfg(feature = "tokio")]
 pub(crate) mod tokio;
 
+use std::any::Any;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -19,7 +33,8 @@ use tracing::{Span, debug, info, info_span, warn};
 
 use crate::clock::duration_ms;
 use crate::{
-    ChannelPolicy, ChunkStatus, Claim, Error, Outbox, Outcome, Recorded, ReplayPolicy, Result,
+    ChannelPolicy, ChunkId, ChunkStatus, Claim, Error, Outbox, Outcome, Recorded, ReplayPolicy,
+    Result,
 };
 
 pub use blocking::{Dispatcher, DispatcherBuilder, RunningDispatcher, ShutdownReport};
@@ -28,8 +43,10 @@ pub use blocking::{Dispatcher, DispatcherBuilder, RunningDispatcher, ShutdownRep
 ///
 /// `send` gets everything needed for one chunk — ids, chat, index and total, text, the
 /// stable idempotency key and the attempt number — and reports a typed [`Outcome`].
-/// It must not panic and should bound its own I/O with a timeout well below the
-/// outbox lease: a dispatcher shuts down only once in-flight sends return.
+/// It should bound its own I/O with a timeout: a dispatcher shuts down only once
+/// in-flight sends return (or set
+/// [`send_timeout`](crate::DispatcherBuilder::send_timeout)). A panic is caught and
+/// recorded as an [`Outcome::Ambiguous`] send; the worker carries on.
 ///
 /// ```
 /// use chunked_outbox::{ChannelAdapter, Claim, Outcome, Pacing, ReplayPolicy};
@@ -79,24 +96,27 @@ pub struct Pacing {
     pub channel_interval: Duration,
 }
 
+/// Most sends one worker may have in flight at once ([`DispatcherBuilder::batch_size`]).
+pub(crate) const MAX_IN_FLIGHT: usize = 1024;
+
 /// Settings shared by both dispatcher flavours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Settings {
     pub workers: usize,
+    /// Sends one worker has in flight at once; it claims exactly that many.
     pub batch: usize,
     pub poll_interval: Duration,
-    /// Outcomes gathered within this window of the first unrecorded one are recorded in
-    /// one transaction. Slow sends exceed it, so each of them is recorded at once.
-    pub group_window: Duration,
+    /// A send that has not returned by then is recorded as ambiguous.
+    pub send_timeout: Option<Duration>,
 }
 
 impl Default for Settings {
     fn default() -> Self {
         Settings {
             workers: 2,
-            batch: 16,
+            batch: 1,
             poll_interval: Duration::from_millis(50),
-            group_window: Duration::from_millis(2),
+            send_timeout: None,
         }
     }
 }
@@ -106,14 +126,20 @@ impl Settings {
         if self.workers == 0 {
             return Err(Error::invalid("workers", "must be at least 1"));
         }
-        if self.batch == 0 || self.batch > crate::MAX_CLAIM_BATCH {
+        if self.batch == 0 || self.batch > MAX_IN_FLIGHT {
             return Err(Error::invalid(
                 "batch size",
-                format!("{} is outside 1..={}", self.batch, crate::MAX_CLAIM_BATCH),
+                format!("{} is outside 1..={MAX_IN_FLIGHT}", self.batch),
             ));
         }
         if self.poll_interval.is_zero() {
             return Err(Error::invalid("poll interval", "must be above zero"));
+        }
+        if self.send_timeout.is_some_and(|t| t.is_zero()) {
+            return Err(Error::invalid(
+                "send timeout",
+                "must be above zero (None for no timeout)",
+            ));
         }
         Ok(())
     }
@@ -121,6 +147,7 @@ impl Settings {
 
 /// Counters of what a dispatcher did since it was built.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct DispatchStats {
     /// Chunks handed to an adapter.
     pub sent: u64,
@@ -134,10 +161,19 @@ pub struct DispatchStats {
     pub failed: u64,
     /// Chunks held as uncertain.
     pub uncertain: u64,
-    /// Claims given back unstarted (channel rate slot taken, or shutting down).
+    /// Claims given back unsent: the channel's rate slot was taken, too little of the
+    /// lease was left to start the send, or the dispatcher was stopping.
     pub released: u64,
     /// Claims and outcomes that failed (stale claim, busy or failing database).
     pub errors: u64,
+    /// Adapter panics, each recorded as an ambiguous send.
+    pub panics: u64,
+    /// Sends that did not return within the send timeout, recorded as ambiguous.
+    pub timed_out: u64,
+    /// Lease renewals of claims a running dispatcher still held.
+    pub renewed: u64,
+    /// Records retried after the database was busy or full.
+    pub record_retries: u64,
 }
 
 #[derive(Debug, Default)]
@@ -150,13 +186,21 @@ struct Counters {
     uncertain: AtomicU64,
     released: AtomicU64,
     errors: AtomicU64,
+    panics: AtomicU64,
+    timed_out: AtomicU64,
+    renewed: AtomicU64,
+    record_retries: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    add(counter, 1);
+}
+
+fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
 }
 
 impl Counters {
-    fn bump(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-
     fn snapshot(&self) -> DispatchStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         DispatchStats {
@@ -168,12 +212,84 @@ impl Counters {
             uncertain: get(&self.uncertain),
             released: get(&self.released),
             errors: get(&self.errors),
+            panics: get(&self.panics),
+            timed_out: get(&self.timed_out),
+            renewed: get(&self.renewed),
+            record_retries: get(&self.record_retries),
         }
     }
 }
 
+/// One start of a dispatcher: its stop flag, the claims it holds, and its workers'
+/// lives. A dispatcher can be started again after a shutdown; each start gets its own.
+#[derive(Default)]
+pub(crate) struct Run {
+    stopping: AtomicBool,
+    /// Claims this run holds (in flight, or waiting for their outcome to be recorded),
+    /// with their token and lease expiry (outbox clock, ms), for the keeper to renew.
+    held: Mutex<HashMap<ChunkId, (i64, i64)>>,
+    /// Workers still running; the keeper stops once none is left.
+    live: AtomicUsize,
+    /// Wakes the keeper when the last worker ends.
+    keeper: (Mutex<()>, Condvar),
+}
+
+impl Run {
+    pub(crate) fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    fn hold(&self, claims: &[Claim]) {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        for c in claims {
+            held.insert(c.chunk_id, (c.token, c.lease_until.timestamp_millis()));
+        }
+    }
+
+    fn let_go(&self, chunk: ChunkId) {
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&chunk);
+    }
+
+    /// The lease expiry this run knows for a claim it holds (renewals included).
+    fn lease_until(&self, claim: &Claim) -> i64 {
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&claim.chunk_id)
+            .map_or(claim.lease_until.timestamp_millis(), |(_, until)| *until)
+    }
+
+    /// Counts a worker in; the returned guard counts it out when the worker ends, by
+    /// returning or by panicking.
+    pub(crate) fn enter(self: &Arc<Self>) -> WorkerGuard {
+        self.live.fetch_add(1, Ordering::SeqCst);
+        WorkerGuard(self.clone())
+    }
+}
+
+/// Counts a worker out of its run when dropped.
+pub(crate) struct WorkerGuard(Arc<Run>);
+
+impl Drop for WorkerGuard {
+    fn drop(&mut self) {
+        self.0.live.fetch_sub(1, Ordering::SeqCst);
+        // Under the keeper's lock, so the keeper cannot miss it between its check and
+        // its wait.
+        let (lock, wake) = &self.0.keeper;
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        wake.notify_all();
+    }
+}
+
 /// What both flavours share: the outbox, the served channels and their pacing, rate
-/// slots, the stop flag and the counters.
+/// slots and the counters.
 pub(crate) struct Core {
     pub outbox: Outbox,
     pub settings: Settings,
@@ -181,7 +297,6 @@ pub(crate) struct Core {
     pacing: HashMap<String, Pacing>,
     /// Per channel, the earliest time (outbox clock, ms) the next send may start.
     slots: Mutex<HashMap<String, i64>>,
-    stopping: AtomicBool,
     counters: Counters,
 }
 
@@ -214,48 +329,35 @@ impl<A: ?Sized> DispatcherBuilder<A> {
 }
 
 impl<A: ?Sized> Shared<A> {
-    /// The adapter to send `claim` with, or how long to wait before it may be tried
-    /// again: at once when stopping or when no adapter serves the channel, later when
-    /// the channel's rate slot is taken.
-    pub(crate) fn admit(&self, claim: &Claim) -> Result<&Arc<A>, Duration> {
-        if self.core.stopping() {
-            return Err(Duration::ZERO);
+    /// Splits freshly claimed chunks into the ones to send now, each with its adapter,
+    /// and gives the others back unsent: all of them when the run is stopping; a chunk
+    /// whose channel has no adapter; one whose channel's rate slot is taken (due again
+    /// when the slot frees); one whose lease has less than a quarter left (a send must
+    /// never start on a lease that cannot cover it).
+    pub(crate) fn admit(&self, run: &Run, claims: Vec<Claim>) -> Vec<(Claim, Arc<A>)> {
+        let core = &self.core;
+        let lease = duration_ms(core.outbox.options().lease);
+        let mut admitted = Vec::with_capacity(claims.len());
+        for claim in claims {
+            let verdict = if run.stopping() {
+                Err(Duration::ZERO)
+            } else if let Some(adapter) = self.adapters.get(&claim.channel) {
+                let left = run.lease_until(&claim) - core.outbox.options().now_ms();
+                if left < lease / 4 {
+                    warn!(chunk = %claim.chunk_id, left_ms = left, "too little of the lease left to start the send; giving the claim back");
+                    Err(Duration::ZERO)
+                } else {
+                    core.take_slot(&claim).map(|()| adapter.clone())
+                }
+            } else {
+                Err(Duration::ZERO)
+            };
+            match verdict {
+                Ok(adapter) => admitted.push((claim, adapter)),
+                Err(delay) => core.release(run, &claim, delay),
+            }
         }
-        let adapter = self.adapters.get(&claim.channel).ok_or(Duration::ZERO)?;
-        self.core.take_slot(claim)?;
-        Ok(adapter)
-    }
-}
-
-/// Outcomes waiting to be recorded together (group commit).
-pub(crate) struct Unrecorded {
-    outcomes: Vec<(Claim, Outcome)>,
-    since: Instant,
-    window: Duration,
-}
-
-impl Unrecorded {
-    pub(crate) fn new(window: Duration) -> Self {
-        Unrecorded {
-            outcomes: Vec::new(),
-            since: Instant::now(),
-            window,
-        }
-    }
-
-    /// Adds an outcome; returns the batch to record now if the window since the first
-    /// unrecorded outcome has passed (always, for a send slower than the window).
-    pub(crate) fn push(&mut self, claim: Claim, outcome: Outcome) -> Option<Vec<(Claim, Outcome)>> {
-        if self.outcomes.is_empty() {
-            self.since = Instant::now();
-        }
-        self.outcomes.push((claim, outcome));
-        (self.since.elapsed() >= self.window).then(|| self.take())
-    }
-
-    /// Everything not yet recorded.
-    pub(crate) fn take(&mut self) -> Vec<(Claim, Outcome)> {
-        std::mem::take(&mut self.outcomes)
+        admitted
     }
 }
 
@@ -299,7 +401,6 @@ impl Core {
             channels,
             pacing,
             slots: Mutex::default(),
-            stopping: AtomicBool::new(false),
             counters: Counters::default(),
         })
     }
@@ -308,9 +409,62 @@ impl Core {
         self.channels.iter().map(String::as_str).collect()
     }
 
-    pub(crate) fn claim(&self) -> Result<Vec<Claim>> {
-        self.outbox
-            .claim_channels(&self.channel_names(), self.settings.batch)
+    /// Records the outcomes in `done` and claims up to `limit` new chunks, in one
+    /// transaction; `done` is empty afterwards.
+    ///
+    /// A known outcome is never dropped for a passing condition: when the database is
+    /// busy or full, the outcomes are recorded on their own, retried with backoff for
+    /// up to a lease (the keeper keeps their claims alive meanwhile, and a claim whose
+    /// lease ran out still settles its chunk while nobody else took it), and nothing
+    /// new is claimed until they are in. Only a lasting failure drops them — counted and
+    /// logged; their chunks are then settled by lease expiry.
+    ///
+    /// # Errors
+    ///
+    /// A failed claim when there was nothing to record.
+    pub(crate) fn step(
+        &self,
+        run: &Run,
+        done: &mut Vec<(Claim, Outcome)>,
+        limit: usize,
+    ) -> Result<Vec<Claim>> {
+        if done.is_empty() && limit == 0 {
+            return Ok(Vec::new());
+        }
+        let channels = self.channel_names();
+        let mut limit = limit;
+        let mut pause = Duration::from_millis(2);
+        let give_up = Instant::now() + self.outbox.options().lease;
+        loop {
+            match self.outbox.record_and_claim(done, &channels, limit) {
+                Ok((results, claims)) => {
+                    self.count_recorded(run, done, results);
+                    done.clear();
+                    run.hold(&claims);
+                    return Ok(claims);
+                }
+                Err(e) if done.is_empty() => return Err(e),
+                Err(e) if limit > 0 => {
+                    // Whatever made the claim fail, the outcomes go first, on their own.
+                    warn!(error = %e, outcomes = done.len(), "recording with the next claim failed; recording alone");
+                    limit = 0;
+                }
+                Err(e @ (Error::Busy | Error::DiskFull)) if Instant::now() < give_up => {
+                    bump(&self.counters.record_retries);
+                    warn!(error = %e, outcomes = done.len(), retry_in_ms = pause.as_millis() as u64, "could not record outcomes yet; retrying");
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(500));
+                }
+                Err(e) => {
+                    add(&self.counters.errors, done.len() as u64);
+                    warn!(error = %e, outcomes = done.len(), "could not record outcomes; their leases will settle them");
+                    for (claim, _) in done.drain(..) {
+                        run.let_go(claim.chunk_id);
+                    }
+                    return Ok(Vec::new());
+                }
+            }
+        }
     }
 
     /// When the next chunk of our channels is due (ms, outbox clock), if any.
@@ -336,22 +490,15 @@ impl Core {
         (left > 0).then(|| Duration::from_millis(left as u64).min(poll))
     }
 
-    /// Counts an error the dispatcher logged instead of returning (a failed claim).
-    pub(crate) fn note_error(&self) {
-        Counters::bump(&self.counters.errors);
-    }
-
-    pub(crate) fn stop(&self) {
-        self.stopping.store(true, Ordering::SeqCst);
-        self.outbox.wake();
-    }
-
-    pub(crate) fn stopping(&self) -> bool {
-        self.stopping.load(Ordering::SeqCst)
-    }
-
     pub(crate) fn stats(&self) -> DispatchStats {
         self.counters.snapshot()
+    }
+
+    /// Counts and logs a claim that failed in a running worker, which then idles for a
+    /// poll interval before trying again.
+    pub(crate) fn claim_failed(&self, e: &Error) {
+        bump(&self.counters.errors);
+        warn!(error = %e, "claim failed; trying again after the poll interval");
     }
 
     /// Takes the channel's next rate slot for this claim, or says how long to wait.
@@ -387,37 +534,48 @@ impl Core {
     }
 
     pub(crate) fn before_send(&self, claim: &Claim) {
-        Counters::bump(&self.counters.sent);
+        bump(&self.counters.sent);
         // Message text is private: debug level only.
         debug!(text = %claim.text, key = %claim.idempotency_key, "sending");
     }
 
-    /// Records the adapters' outcomes in one transaction and counts them. Errors are
-    /// logged and counted, not returned: the chunks' leases then settle them.
-    pub(crate) fn record_all(&self, outcomes: &[(Claim, Outcome)]) {
-        if outcomes.is_empty() {
-            return;
+    /// The outcome for a send whose adapter panicked: it may have reached the platform.
+    pub(crate) fn panicked(&self, payload: Box<dyn Any + Send>) -> Outcome {
+        bump(&self.counters.panics);
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a non-text payload".to_owned());
+        warn!(panic = %message, "channel adapter panicked; recording an ambiguous send");
+        Outcome::Ambiguous {
+            error: format!("the channel adapter panicked: {message}"),
         }
-        let batch = outcomes.iter().map(|(c, o)| (c, o.clone()));
-        match self.outbox.record_batch(batch) {
-            Ok(results) => {
-                for ((claim, outcome), result) in outcomes.iter().zip(results) {
-                    let kind = outcome_kind(outcome);
-                    let _entered = Core::span(claim).entered();
-                    match result {
-                        Ok(recorded) => self.count(kind, &recorded),
-                        Err(e) => {
-                            Counters::bump(&self.counters.errors);
-                            warn!(error = %e, outcome = kind, "could not record outcome");
-                        }
-                    }
+    }
+
+    /// The outcome for a send that outlived the send timeout.
+    pub(crate) fn timed_out(&self, timeout: Duration) -> Outcome {
+        bump(&self.counters.timed_out);
+        warn!(
+            timeout_ms = timeout.as_millis() as u64,
+            "send did not return in time; recording an ambiguous send"
+        );
+        Outcome::Ambiguous {
+            error: format!("the send did not return within {timeout:?}"),
+        }
+    }
+
+    fn count_recorded(&self, run: &Run, done: &[(Claim, Outcome)], results: Vec<Result<Recorded>>) {
+        for ((claim, outcome), result) in done.iter().zip(results) {
+            run.let_go(claim.chunk_id);
+            let kind = outcome_kind(outcome);
+            let _entered = Core::span(claim).entered();
+            match result {
+                Ok(recorded) => self.count(kind, &recorded),
+                Err(e) => {
+                    bump(&self.counters.errors);
+                    warn!(error = %e, outcome = kind, "could not record outcome");
                 }
-            }
-            Err(e) => {
-                for _ in outcomes {
-                    Counters::bump(&self.counters.errors);
-                }
-                warn!(error = %e, outcomes = outcomes.len(), "could not record outcomes; their leases will settle them");
             }
         }
     }
@@ -426,15 +584,15 @@ impl Core {
         let c = &self.counters;
         match recorded.status {
             ChunkStatus::Delivered => {
-                Counters::bump(&c.delivered);
+                bump(&c.delivered);
                 if recorded.finalized {
-                    Counters::bump(&c.finalized);
+                    bump(&c.finalized);
                 }
             }
-            ChunkStatus::Retry => Counters::bump(&c.retried),
-            ChunkStatus::Failed => Counters::bump(&c.failed),
-            ChunkStatus::Uncertain => Counters::bump(&c.uncertain),
-            _ => {}
+            ChunkStatus::Retry => bump(&c.retried),
+            ChunkStatus::Failed => bump(&c.failed),
+            ChunkStatus::Uncertain => bump(&c.uncertain),
+            ChunkStatus::Pending | ChunkStatus::Sending => {}
         }
         let next = recorded.next_attempt_at.map(|t| t.to_rfc3339());
         match recorded.status {
@@ -447,16 +605,70 @@ impl Core {
         }
     }
 
-    /// Gives a claim back unstarted, due again after `delay`.
-    pub(crate) fn release(&self, claim: &Claim, delay: Duration) {
+    /// Gives a claim back unsent, due again after `delay`.
+    fn release(&self, run: &Run, claim: &Claim, delay: Duration) {
+        run.let_go(claim.chunk_id);
         match self.outbox.release_after(claim, delay) {
-            Ok(_) => Counters::bump(&self.counters.released),
+            Ok(_) => bump(&self.counters.released),
             Err(e) => {
-                Counters::bump(&self.counters.errors);
+                bump(&self.counters.errors);
                 warn!(error = %e, "could not release claim");
             }
         }
     }
+}
+
+/// The keeper of a run's leases: renews every claim the run holds once less than half
+/// of its lease is left, until the run's last worker ended. Runs on a thread of its
+/// own in both flavours (it only does short database writes), so a busy worker — or
+/// an async runtime starved of threads — cannot keep it from renewing.
+pub(crate) fn keep_leases(core: &Core, run: &Run) {
+    let lease = duration_ms(core.outbox.options().lease);
+    let tick = Duration::from_millis((lease / 4).clamp(1, 1_000) as u64);
+    let (lock, wake) = &run.keeper;
+    loop {
+        {
+            let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = wake
+                .wait_timeout_while(guard, tick, |_| run.live.load(Ordering::SeqCst) > 0)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        if run.live.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let now = core.outbox.options().now_ms();
+        let due: Vec<(ChunkId, i64)> = run
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, (_, until))| until - now <= lease / 2)
+            .map(|(chunk, (token, _))| (*chunk, *token))
+            .collect();
+        if due.is_empty() {
+            continue;
+        }
+        match core.outbox.renew_leases(&due) {
+            Ok(renewed) => {
+                let mut held = run.held.lock().unwrap_or_else(|e| e.into_inner());
+                for ((chunk, token), until) in due.into_iter().zip(renewed) {
+                    if let (Some(until), Some(h)) = (until, held.get_mut(&chunk))
+                        && h.0 == token
+                    {
+                        h.1 = until;
+                        bump(&core.counters.renewed);
+                    }
+                }
+            }
+            Err(e) => warn!(error = %e, claims = due.len(), "could not renew leases; trying again"),
+        }
+    }
+}
+
+/// Runs a blocking send, turning a panic into an ambiguous outcome.
+pub(crate) fn guarded(core: &Core, send: impl FnOnce() -> Outcome) -> Outcome {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(send))
+        .unwrap_or_else(|payload| core.panicked(payload))
 }
 
 fn outcome_kind(outcome: &Outcome) -> &'static str {

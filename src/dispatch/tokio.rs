@@ -7,9 +7,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
-use tracing::{Instrument, warn};
+use tracing::Instrument;
 
-use super::{Core, DispatchStats, DispatcherBuilder, Pacing, Shared, ShutdownReport, Unrecorded};
+use super::{
+    Core, DispatchStats, DispatcherBuilder, Pacing, Run, Shared, ShutdownReport, keep_leases,
+};
 use crate::outbox::ChangeWatcher;
 use crate::{Claim, Outbox, Outcome, ReplayPolicy, Result};
 
@@ -100,7 +102,7 @@ impl AsyncDispatcher {
         DispatcherBuilder::new(outbox)
     }
 
-    /// What this dispatcher has done so far.
+    /// What this dispatcher has done so far, over all its runs.
     pub fn stats(&self) -> DispatchStats {
         self.shared.core.stats()
     }
@@ -117,62 +119,125 @@ impl AsyncDispatcher {
         }
     }
 
-    /// One claim-send-record round; returns how many chunks were claimed.
+    /// Records `done` and claims up to `limit` chunks on the blocking pool (see
+    /// [`Core::step`]).
+    async fn step(
+        &self,
+        run: &Arc<Run>,
+        mut done: Vec<(Claim, Outcome)>,
+        limit: usize,
+    ) -> Result<Vec<Claim>> {
+        let run = run.clone();
+        self.blocking(move |s| s.core.step(&run, &mut done, limit))
+            .await
+    }
+
+    /// One round: claims up to [`batch_size`](DispatcherBuilder::batch_size) due
+    /// chunks, sends them concurrently and records their outcomes; returns how many were
+    /// claimed. No lease is renewed meanwhile.
     ///
     /// # Errors
     ///
     /// Errors of the claim. Errors recording single outcomes are logged and counted.
     pub async fn run_once(&self) -> Result<usize> {
-        let claims = self.blocking(|s| s.core.claim()).await?;
+        let run = Arc::new(Run::default());
+        let claims = self
+            .step(&run, Vec::new(), self.shared.core.settings.batch)
+            .await?;
         let n = claims.len();
-        let mut unrecorded = Unrecorded::new(self.shared.core.settings.group_window);
-        for claim in claims {
-            let span = Core::span(&claim);
-            if let Some(outcome) = self.send(&claim).instrument(span).await
-                && let Some(batch) = unrecorded.push(claim, outcome)
-            {
-                self.blocking(move |s| s.core.record_all(&batch)).await;
-            }
-        }
-        let rest = unrecorded.take();
-        self.blocking(move |s| s.core.record_all(&rest)).await;
+        let done = self.send_all(&run, claims).await;
+        self.step(&run, done, 0).await?;
         Ok(n)
     }
 
-    /// Sends one claim, or releases it (stopping, rate slot taken, no adapter).
-    async fn send(&self, claim: &Claim) -> Option<Outcome> {
-        match self.shared.admit(claim) {
-            Ok(adapter) => {
-                let adapter = adapter.clone();
-                self.shared.core.before_send(claim);
-                Some(adapter.send(claim).await)
-            }
-            Err(delay) => {
-                let claim = claim.clone();
-                self.blocking(move |s| s.core.release(&claim, delay)).await;
-                None
-            }
+    /// Sends freshly claimed chunks concurrently, each as a task of its own (so a panic
+    /// comes back as an error rather than taking the worker down), within the send
+    /// timeout if one is set. Chunks that may not be sent now are given back first.
+    async fn send_all(&self, run: &Arc<Run>, claims: Vec<Claim>) -> Vec<(Claim, Outcome)> {
+        let admit_run = run.clone();
+        let admitted = self.blocking(move |s| s.admit(&admit_run, claims)).await;
+        let core = &self.shared.core;
+        let sends: Vec<_> = admitted
+            .into_iter()
+            .map(|(claim, adapter)| {
+                let span = Core::span(&claim);
+                span.in_scope(|| core.before_send(&claim));
+                let c = claim.clone();
+                let task = tokio::spawn(async move { adapter.send(&c).await }.instrument(span));
+                (claim, task)
+            })
+            .collect();
+        let deadline = core
+            .settings
+            .send_timeout
+            .map(|t| (t, tokio::time::Instant::now() + t));
+        let mut done = Vec::with_capacity(sends.len());
+        for (claim, mut task) in sends {
+            let joined = match deadline {
+                Some((timeout, at)) => match tokio::time::timeout_at(at, &mut task).await {
+                    Ok(joined) => joined,
+                    Err(_) => {
+                        task.abort();
+                        done.push((claim, core.timed_out(timeout)));
+                        continue;
+                    }
+                },
+                None => task.await,
+            };
+            let outcome = joined.unwrap_or_else(|e| {
+                if e.is_panic() {
+                    core.panicked(e.into_panic())
+                } else {
+                    Outcome::Ambiguous {
+                        error: "the send task was cancelled (runtime shutting down)".into(),
+                    }
+                }
+            });
+            done.push((claim, outcome));
         }
+        done
     }
 
-    /// Spawns the worker tasks on the current tokio runtime.
+    /// Spawns the worker tasks on the current tokio runtime, and a thread that renews
+    /// their leases.
     ///
     /// # Errors
     ///
-    /// Database errors opening the connections that watch for other processes' commits.
+    /// Database errors opening the connections that watch for other processes' commits;
+    /// [`Error::Io`](crate::Error::Io) if the lease keeper's thread cannot start.
     ///
     /// # Panics
     ///
     /// If called outside a tokio runtime.
     pub fn start(&self) -> Result<RunningAsyncDispatcher> {
+        let run = Arc::new(Run::default());
         let mut tasks = Vec::new();
+        let mut watchers = Vec::new();
         for _ in 0..self.shared.core.settings.workers {
-            let watcher = Arc::new(Mutex::new(self.shared.core.outbox.change_watcher()?));
-            let me = self.clone();
-            tasks.push(tokio::spawn(async move { me.work(watcher).await }));
+            watchers.push(Arc::new(Mutex::new(
+                self.shared.core.outbox.change_watcher()?,
+            )));
+        }
+        let guards: Vec<_> = watchers.iter().map(|_| run.enter()).collect();
+        let (me, keeper_run) = (self.clone(), run.clone());
+        std::thread::Builder::new()
+            .name("outbox-lease-keeper".into())
+            .spawn(move || keep_leases(&me.shared.core, &keeper_run))
+            .map_err(|source| crate::Error::Io {
+                path: "dispatcher thread".into(),
+                source,
+            })?;
+        for (watcher, guard) in watchers.into_iter().zip(guards) {
+            let (me, run) = (self.clone(), run.clone());
+            tasks.push(tokio::spawn(async move {
+                // Counts the worker out of its run however the task ends.
+                let _live = guard;
+                me.work(&run, watcher).await
+            }));
         }
         Ok(RunningAsyncDispatcher {
             dispatcher: self.clone(),
+            run,
             tasks,
         })
     }
@@ -193,23 +258,35 @@ impl AsyncDispatcher {
         Ok(running.shutdown(grace).await)
     }
 
-    async fn work(self, watcher: Arc<Mutex<ChangeWatcher>>) {
+    async fn work(&self, run: &Arc<Run>, watcher: Arc<Mutex<ChangeWatcher>>) {
         let core = &self.shared.core;
         let notifier = core.outbox.notifier();
         let mut seen = notifier.generation();
-        while !core.stopping() {
-            match self.run_once().await {
-                Ok(0) => {}
-                Ok(_) => continue,
-                Err(e) => {
-                    core.note_error();
-                    warn!(error = %e, "claim failed; retrying after the poll interval");
-                }
+        let mut done = Vec::new();
+        loop {
+            let limit = if run.stopping() {
+                0
+            } else {
+                core.settings.batch
+            };
+            let claims = self
+                .step(run, std::mem::take(&mut done), limit)
+                .await
+                .unwrap_or_else(|e| {
+                    core.claim_failed(&e);
+                    Vec::new()
+                });
+            if limit == 0 {
+                return;
+            }
+            if !claims.is_empty() {
+                done = self.send_all(run, claims).await;
+                continue;
             }
             let mut next_due = self.blocking(|s| s.core.next_due()).await;
             while let Some(wait) = core.sleep_for(next_due) {
-                if core.stopping() {
-                    return;
+                if run.stopping() {
+                    break;
                 }
                 let notified = notifier.async_changed.notified();
                 tokio::pin!(notified);
@@ -239,10 +316,13 @@ impl AsyncDispatcher {
     }
 }
 
-/// An async dispatcher whose worker tasks are running.
-#[must_use = "call shutdown to stop the workers gracefully"]
+/// An async dispatcher whose worker tasks are running. Dropping it asks them to stop:
+/// each finishes and records the send it is in, then ends (call
+/// [`shutdown`](Self::shutdown) to wait for that).
+#[must_use = "dropping a running dispatcher stops it; call shutdown to wait for it"]
 pub struct RunningAsyncDispatcher {
     dispatcher: AsyncDispatcher,
+    run: Arc<Run>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -255,25 +335,35 @@ impl RunningAsyncDispatcher {
     /// Asks the workers to stop without waiting for them; [`shutdown`](Self::shutdown)
     /// then waits.
     pub fn request_shutdown(&self) {
-        self.dispatcher.shared.core.stop();
+        self.run.stop();
+        self.dispatcher.shared.core.outbox.wake();
     }
 
-    /// Stops the workers: sends in flight finish and are recorded, unstarted claims are
-    /// released. Waits up to `timeout`.
-    pub async fn shutdown(self, timeout: Duration) -> ShutdownReport {
-        self.dispatcher.shared.core.stop();
-        let mut tasks = self.tasks;
-        let _ = tokio::time::timeout(timeout, async {
-            for task in &mut tasks {
-                let _ = task.await;
+    /// Stops the workers: sends in flight finish and are recorded. Waits up to
+    /// `timeout`.
+    pub async fn shutdown(mut self, timeout: Duration) -> ShutdownReport {
+        self.request_shutdown();
+        let deadline = tokio::time::Instant::now() + timeout;
+        let (mut still_sending, mut lost) = (0, 0);
+        for task in &mut self.tasks {
+            // A finished task answers even once the deadline has passed.
+            match tokio::time::timeout_at(deadline, task).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => lost += usize::from(e.is_panic()),
+                Err(_) => still_sending += 1,
             }
-        })
-        .await;
-        let still_sending = tasks.iter().filter(|t| !t.is_finished()).count();
+        }
         ShutdownReport {
-            clean: still_sending == 0,
+            clean: still_sending == 0 && lost == 0,
             still_sending,
+            workers_lost: lost,
             stats: self.dispatcher.stats(),
         }
+    }
+}
+
+impl Drop for RunningAsyncDispatcher {
+    fn drop(&mut self) {
+        self.request_shutdown();
     }
 }
