@@ -1,10 +1,12 @@
 //! `outbox demo`: a simulated chat engine sends thousands of replies through flaky
 //! simulated platforms; a worker process is killed with SIGKILL mid-flight and
-//! restarted; at the end the platforms' own records prove the invariants.
+//! restarted; an operator settles what the crashes left uncertain the way a real one
+//! could; at the end the platforms' own records prove the invariants.
 //!
 //! The worker (`outbox demo-worker`, hidden) runs a [`Dispatcher`] whose adapters play
 //! the platforms. Each platform writes what it accepts to its own SQLite file,
-//! separate from the outbox, so the verdict is read from what the "users" received.
+//! separate from the outbox, so the verdict is read from what the "users" received —
+//! and only the verdict reads it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -14,13 +16,12 @@ use std::time::{Duration, Instant};
 use chunked_outbox::{DeliveryStatus, Dispatcher, NewDelivery, Outbox, RecoverScope};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use rusqlite::Connection;
 use serde::Serialize;
 
 use crate::CliResult;
 use crate::sim::{
-    CHANNELS, PlatformRecord, SimPlatform, finalizations, open_platform, reply_text,
-    resolve_like_an_operator, sim_options,
+    CHANNELS, OperatorLog, PlatformApi, PlatformRecord, SimPlatform, history, open_platform,
+    reply_text, settle_like_an_operator, sim_options,
 };
 
 /// Options of `outbox demo`.
@@ -55,7 +56,21 @@ pub struct WorkerArgs {
     /// Seed for this worker's random choices.
     #[arg(long)]
     seed: u64,
+    /// Which start of the worker this is (logged with its claimant).
+    #[arg(long)]
+    generation: u64,
+    /// Where it logs its claimant.
+    #[arg(long)]
+    claimants: PathBuf,
 }
+
+/// The worker's dispatcher: workers, and sends each has in flight. Their product bounds
+/// what one crash may leave `uncertain`.
+const WORKERS: usize = 2;
+const BATCH: usize = 4;
+
+/// How long the operator leaves a chunk `uncertain` before deciding.
+const OPERATOR_GRACE: Duration = Duration::from_secs(1);
 
 /// The worker process: recovers what a killed predecessor left in flight, then
 /// dispatches until the engine leaves a stop file next to the platform record.
@@ -64,9 +79,17 @@ pub fn worker(args: &WorkerArgs) -> CliResult<u8> {
         .map(PathBuf::from)
         .ok_or("demo-worker needs OUTBOX_DB")?;
     let outbox = Outbox::open(&db, sim_options())?;
+    let mut claimants = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&args.claimants)?;
+    std::io::Write::write_all(
+        &mut claimants,
+        format!("{} {}\n", args.generation, outbox.claimant()).as_bytes(),
+    )?;
     let mut builder = Dispatcher::builder(outbox.clone())
-        .workers(2)
-        .batch_size(16)
+        .workers(WORKERS)
+        .batch_size(BATCH)
         .poll_interval(Duration::from_millis(20));
     for (i, channel) in CHANNELS.iter().enumerate() {
         let seed = args.seed.wrapping_mul(31).wrapping_add(i as u64);
@@ -122,7 +145,7 @@ fn simulate_engine(
             }
             run.again += 1;
         }
-        run.order.push((chat, id.to_string()));
+        run.order.push((id.to_string(), reply.text().to_owned()));
         if n % 100 == 99 {
             std::thread::sleep(Duration::from_millis(15));
         }
@@ -130,20 +153,30 @@ fn simulate_engine(
     Ok(run)
 }
 
-/// What the run produced, as the JSON line prints it.
+/// What the run produced, as the JSON line prints it. Every check can fail: each was
+/// seen failing on a build broken on purpose.
 #[derive(Debug, Default, Serialize)]
 struct Summary {
     deliveries: u64,
     chunks: u64,
     delivered: u64,
     failed: u64,
+    /// Chunks still uncertain at the end.
     uncertain: u64,
+    /// Chunks of delivered replies that never arrived, and replies that ended unsettled.
     lost: u64,
     out_of_order: u64,
-    duplicate_finalizations: u64,
-    duplicates_allowed: u64,
+    /// Delivered replies with no `messages` row.
+    missing_finalizations: u64,
+    /// `messages` rows that are not what was enqueued, or for replies not delivered.
+    wrong_finalizations: u64,
+    duplicates_deduplicated: u64,
+    duplicates_by_policy: u64,
     duplicates_unexplained: u64,
-    resolved_uncertain: u64,
+    settled_by_lookup: u64,
+    resent_blind: u64,
+    max_uncertain_per_kill: u64,
+    max_sends_in_flight: u64,
     idempotent_reenqueues: u64,
     crashes: u64,
     elapsed_ms: u64,
@@ -154,7 +187,7 @@ struct EngineRun {
     chunks: u64,
     /// Replies submitted a second time with the same caller key.
     again: u64,
-    /// (chat, delivery id) in enqueue order.
+    /// (delivery id, text) in enqueue order.
     order: Vec<(String, String)>,
 }
 
@@ -162,6 +195,9 @@ struct Files {
     dir: PathBuf,
     db: PathBuf,
     platform: PathBuf,
+    /// The operator's decisions, and each worker start's claimant.
+    operator_log: PathBuf,
+    claimants: PathBuf,
     temporary: bool,
 }
 
@@ -180,6 +216,8 @@ fn files(db: Option<&Path>) -> CliResult<Files> {
                 .map_or_else(|| PathBuf::from("."), Path::to_owned);
             Ok(Files {
                 platform: db.with_extension("platform.db"),
+                operator_log: db.with_extension("operator.log"),
+                claimants: db.with_extension("claimants.log"),
                 db: db.to_owned(),
                 dir,
                 temporary: false,
@@ -191,6 +229,8 @@ fn files(db: Option<&Path>) -> CliResult<Files> {
             Ok(Files {
                 db: dir.join("outbox.db"),
                 platform: dir.join("platform.db"),
+                operator_log: dir.join("operator.log"),
+                claimants: dir.join("claimants.log"),
                 dir,
                 temporary: true,
             })
@@ -198,11 +238,14 @@ fn files(db: Option<&Path>) -> CliResult<Files> {
     }
 }
 
-fn spawn_worker(files: &Files, seed: u64) -> CliResult<Child> {
+fn spawn_worker(files: &Files, seed: u64, generation: u64) -> CliResult<Child> {
     Ok(Command::new(std::env::current_exe()?)
         .args(["demo-worker", "--platform"])
         .arg(&files.platform)
         .args(["--seed", &seed.to_string()])
+        .args(["--generation", &generation.to_string()])
+        .arg("--claimants")
+        .arg(&files.claimants)
         .env("OUTBOX_DB", &files.db)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -235,12 +278,18 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
     ));
     say(format!(
         "{} replies to {} chats on telegram (no replay), discord (replays deduplicated by nonce) and slack (no replay); \
-         fast retry schedule for the demo: 50, 100, 200, 400 ms",
+         fast retry schedule for the demo: 50, 100, 200, 400 ms; uncertain chunks are settled by \
+         asking slack (which has a lookup) and by resending on telegram (which has none)",
         args.replies, args.chats
     ));
 
     let outbox = Outbox::open(&files.db, sim_options())?;
-    let platform = open_platform(&files.platform)?;
+    open_platform(&files.platform)?;
+    let api = PlatformApi::open(&files.platform)?;
+    let mut operator_log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&files.operator_log)?;
 
     // The chat engine runs beside the worker, as in a real deployment.
     let engine = {
@@ -257,7 +306,7 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let mut summary = Summary::default();
-    let mut worker = spawn_worker(&files, args.seed)?;
+    let mut worker = spawn_worker(&files, args.seed, 0)?;
     let kill_at: Vec<u64> = (1..=args.crashes as u64)
         .map(|k| args.replies as u64 * k / (args.crashes as u64 + 1))
         .collect();
@@ -266,7 +315,9 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
     let mut engine_result = None;
     loop {
         std::thread::sleep(Duration::from_millis(25));
-        summary.resolved_uncertain += resolve_like_an_operator(&outbox, &platform)?;
+        let settled = settle_like_an_operator(&outbox, &api, OPERATOR_GRACE, &mut operator_log)?;
+        summary.settled_by_lookup += settled.looked_up;
+        summary.resent_blind += settled.resent_blind;
         let h = outbox.health()?;
         let settled = h.totals.delivered_deliveries + h.totals.failed_deliveries;
         bar.set_position(settled);
@@ -287,7 +338,7 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
             } else {
                 bar.println(line)
             }
-            worker = spawn_worker(&files, args.seed + summary.crashes)?;
+            worker = spawn_worker(&files, args.seed + summary.crashes, summary.crashes)?;
         }
         if engine.as_ref().is_some_and(|e| e.is_finished()) {
             engine_result = Some(
@@ -318,7 +369,7 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
     summary.chunks = run.chunks;
     summary.idempotent_reenqueues = run.again;
     summary.deliveries = args.replies as u64;
-    verify(&outbox, &platform, &run.order, &mut summary)?;
+    verify(&outbox, &files, &run.order, &mut summary)?;
     summary.elapsed_ms = started.elapsed().as_millis() as u64;
 
     let h = outbox.health()?;
@@ -333,17 +384,26 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
     if files.temporary && !args.keep {
         std::fs::remove_dir_all(&files.dir)?;
     }
-    let ok = summary.lost == 0
-        && summary.out_of_order == 0
-        && summary.duplicate_finalizations == 0
-        && summary.duplicates_unexplained == 0;
-    Ok(if ok { 0 } else { 1 })
+    Ok(if summary.ok() { 0 } else { 1 })
 }
 
-/// Reads the verdict from the platforms' record and the `messages` table.
+impl Summary {
+    fn ok(&self) -> bool {
+        self.lost == 0
+            && self.out_of_order == 0
+            && self.missing_finalizations == 0
+            && self.wrong_finalizations == 0
+            && self.duplicates_unexplained == 0
+            && self.max_uncertain_per_kill <= self.max_sends_in_flight
+            && self.uncertain == 0
+    }
+}
+
+/// Reads the verdict from the platforms' record, the `messages` table and the
+/// operator's log.
 fn verify(
     outbox: &Outbox,
-    platform: &Connection,
+    files: &Files,
     order: &[(String, String)],
     s: &mut Summary,
 ) -> CliResult<()> {
@@ -352,15 +412,23 @@ fn verify(
     s.failed = h.totals.failed_deliveries;
     s.uncertain = h.totals.uncertain_chunks;
 
-    let record = PlatformRecord::read(platform)?;
+    let record = PlatformRecord::read(&open_platform(&files.platform)?)?;
+    let operator = OperatorLog::read(&std::fs::read_to_string(&files.operator_log)?);
     let arrived = record.keys();
-    (s.duplicates_allowed, s.duplicates_unexplained) = record.duplicates();
+    let d = record.duplicates(&operator.blind);
+    (
+        s.duplicates_deduplicated,
+        s.duplicates_by_policy,
+        s.duplicates_unexplained,
+    ) = (d.deduplicated, d.by_policy, d.unexplained);
+    let mut rows = history(&files.db)?;
 
     // Lost: a chunk of a delivered delivery the platform never got, or a delivery that
     // ended neither delivered nor failed.
     let mut position = HashMap::new();
-    for (seq, (_, id)) in order.iter().enumerate() {
+    for (seq, (id, text)) in order.iter().enumerate() {
         let view = outbox.delivery(id.parse()?)?.ok_or("delivery vanished")?;
+        let row = rows.remove(id);
         match view.status {
             DeliveryStatus::Delivered => {
                 s.lost += view
@@ -368,7 +436,15 @@ fn verify(
                     .iter()
                     .filter(|c| !arrived.contains(c.idempotency_key.as_str()))
                     .count() as u64;
+                match row {
+                    None => s.missing_finalizations += 1,
+                    Some((content, count)) if content != *text || count != view.chunk_count => {
+                        s.wrong_finalizations += 1
+                    }
+                    Some(_) => {}
+                }
             }
+            _ if row.is_some() => s.wrong_finalizations += 1,
             DeliveryStatus::Failed => {}
             _ => s.lost += 1,
         }
@@ -376,12 +452,26 @@ fn verify(
             position.insert(c.idempotency_key.clone(), (seq as u64, c.index));
         }
     }
+    s.wrong_finalizations += rows.len() as u64; // rows for replies nobody enqueued
     s.out_of_order = record.chats_out_of_order(&position);
 
-    // Double finalizations: a second row for a delivery, or rows for deliveries that
-    // are not delivered.
-    let (extra, distinct) = finalizations(outbox.path().ok_or("the demo outbox is a file")?)?;
-    s.duplicate_finalizations = extra + distinct.abs_diff(s.delivered);
+    // What each crash left uncertain, under the killed worker's claimant.
+    let claimants: HashMap<u64, String> = std::fs::read_to_string(&files.claimants)?
+        .lines()
+        .filter_map(|l| {
+            let (g, c) = l.split_once(' ')?;
+            Some((g.parse().ok()?, c.to_owned()))
+        })
+        .collect();
+    for killed in 0..s.crashes {
+        if let Some(held) = claimants
+            .get(&killed)
+            .and_then(|c| operator.uncertain_by_claimant.get(c))
+        {
+            s.max_uncertain_per_kill = s.max_uncertain_per_kill.max(held.len() as u64);
+        }
+    }
+    s.max_sends_in_flight = (WORKERS * BATCH) as u64;
     Ok(())
 }
 
@@ -409,19 +499,27 @@ fn print_verdict(s: &Summary) {
         s.out_of_order
     );
     println!(
-        "  {} duplicate sends: {} allowed (discord replays, deduplicated by the platform's nonce), {} unexplained",
+        "  {} duplicate sends nobody decided on: {} (deduplicated by discord's nonce: {}; caused by resending on telegram, which cannot be asked: {})",
         mark(s.duplicates_unexplained == 0),
-        s.duplicates_allowed,
-        s.duplicates_unexplained
+        s.duplicates_unexplained,
+        s.duplicates_deduplicated,
+        s.duplicates_by_policy
     );
     println!(
-        "  {} double finalizations into messages: {}",
-        mark(s.duplicate_finalizations == 0),
-        s.duplicate_finalizations
+        "  {} finalizations into messages: {} missing, {} wrong",
+        mark(s.missing_finalizations + s.wrong_finalizations == 0),
+        s.missing_finalizations,
+        s.wrong_finalizations
     );
     println!(
-        "  uncertain chunks resolved by asking the platform: {}; engine re-enqueues deduplicated by caller key: {}",
-        s.resolved_uncertain, s.idempotent_reenqueues
+        "  {} most chunks one crash left uncertain: {} (sends in flight at most: {})",
+        mark(s.max_uncertain_per_kill <= s.max_sends_in_flight),
+        s.max_uncertain_per_kill,
+        s.max_sends_in_flight
+    );
+    println!(
+        "  uncertain chunks settled by asking slack: {}; resent on telegram by policy: {}; engine re-enqueues deduplicated by caller key: {}",
+        s.settled_by_lookup, s.resent_blind, s.idempotent_reenqueues
     );
     println!(
         "  worker processes killed with SIGKILL: {}; elapsed {:.1} s",

@@ -1,6 +1,11 @@
 //! The simulated world shared by `outbox demo` and `outbox torture`: three platforms
 //! that fail in the ways real ones do and record what they accept in their own SQLite
 //! file, replies of realistic shapes, and the operator who settles uncertain chunks.
+//!
+//! The operator knows only what a real one could: what the outbox shows, and what a
+//! platform's own API answers where it has one (Slack lets a bot look its messages up
+//! by metadata; Telegram has no such call). It never reads the platforms' record — that
+//! is for the verdict alone.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -8,8 +13,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use chunked_outbox::{
-    Backoff, ChannelAdapter, ChunkStatus, Claim, DeliveryStatus, LaneFailurePolicy, ListFilter,
-    Outbox, OutboxOptions, Outcome, ReplayPolicy, Resolution, RetryPolicy, Splitter,
+    Backoff, ChannelAdapter, ChannelPolicy, ChunkStatus, Claim, DeliveryStatus, LaneFailurePolicy,
+    ListFilter, Outbox, OutboxOptions, Outcome, ReplayPolicy, Resolution, RetryPolicy, Splitter,
 };
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -23,6 +28,10 @@ pub struct SimChannel {
     pub dedupes: bool,
     /// The error text for a chat that no longer exists.
     pub gone_error: &'static str,
+    /// The platform has an API that tells whether a message arrived (Slack:
+    /// `conversations.history` with the message metadata the bot sent). Telegram has
+    /// none; Discord does not need one (it deduplicates by nonce, so it replays).
+    pub lookup: bool,
 }
 
 pub const CHANNELS: [SimChannel; 3] = [
@@ -31,18 +40,21 @@ pub const CHANNELS: [SimChannel; 3] = [
         splitter: Splitter::telegram(),
         dedupes: false,
         gone_error: "Bad Request: chat not found",
+        lookup: false,
     },
     SimChannel {
         name: "discord",
         splitter: Splitter::discord(),
         dedupes: true,
         gone_error: "Unknown Channel (code 10003)",
+        lookup: false,
     },
     SimChannel {
         name: "slack",
         splitter: Splitter::slack(),
         dedupes: false,
         gone_error: "channel_not_found",
+        lookup: true,
     },
 ];
 
@@ -58,6 +70,10 @@ pub fn sim_options() -> OutboxOptions {
         })
         .with_lease(Duration::from_secs(2))
         .with_lane_failure(LaneFailurePolicy::Block)
+        // Declared here too, not only by the dispatcher's adapters, so that every
+        // process that recovers expired leases (the operator, a restarted worker before
+        // its dispatcher is built) follows the same replay policy.
+        .with_channel("discord", ChannelPolicy::replayable())
 }
 
 pub fn open_platform(path: &Path) -> rusqlite::Result<Connection> {
@@ -234,43 +250,145 @@ pub fn reply_text(rng: &mut fastrand::Rng, n: usize) -> String {
     text
 }
 
+/// The platforms' public API as a client sees it: only the calls real platforms offer.
+pub struct PlatformApi(Connection);
+
+impl PlatformApi {
+    pub fn open(path: &Path) -> rusqlite::Result<PlatformApi> {
+        open_platform(path).map(PlatformApi)
+    }
+
+    /// Whether the message with this key reached this chat, on a platform that can be
+    /// asked (see [`SimChannel::lookup`]); `None` where the platform offers no way.
+    pub fn lookup(&self, channel: &str, chat: &str, key: &str) -> CliResult<Option<bool>> {
+        if !CHANNELS.iter().any(|c| c.name == channel && c.lookup) {
+            return Ok(None);
+        }
+        let found = self.0.query_row(
+            "SELECT EXISTS (SELECT 1 FROM received WHERE key = ?1 AND channel = ?2 AND chat = ?3)",
+            params![key, channel, chat],
+            |r| r.get(0),
+        )?;
+        Ok(Some(found))
+    }
+}
+
+/// What the operator did in one pass.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Settled {
+    /// Uncertain chunks settled by asking the platform.
+    pub looked_up: u64,
+    /// Uncertain chunks on platforms that cannot be asked, resent by policy (a
+    /// duplicate is possible and is counted against this decision).
+    pub resent_blind: u64,
+}
+
 /// What an operator (or the application's reconciliation job) does: for every chunk
-/// held as uncertain, ask the platform whether it arrived and resolve accordingly; and
+/// held as uncertain for longer than `grace` (a live worker may still report it), ask
+/// the platform where it can be asked, and otherwise follow the explicit policy for
+/// platforms without a lookup — resend, accepting a possible duplicate. Then
 /// acknowledge dead letters so their chats move on.
-pub fn resolve_like_an_operator(outbox: &Outbox, platform: &Connection) -> CliResult<u64> {
-    let mut resolved = 0;
+///
+/// Every decision is appended to `log` before it is carried out, as lines
+/// `uncertain <claimant or -> <attempts> <key>`, then `lookup <key>` or `blind <key>`,
+/// so the verdict can
+/// tell a duplicate this policy caused from one nobody chose, and can attribute chunks
+/// held after a crash to the process that died holding them.
+pub fn settle_like_an_operator(
+    outbox: &Outbox,
+    api: &PlatformApi,
+    grace: Duration,
+    log: &mut impl std::io::Write,
+) -> CliResult<Settled> {
+    let mut settled = Settled::default();
     let filter = ListFilter {
         status: Some(DeliveryStatus::Uncertain),
         limit: 10_000,
         ..ListFilter::default()
     };
+    let ripe = chrono::Utc::now() - grace;
     for d in outbox.list(&filter)? {
         let Some(view) = outbox.delivery(d.id)? else {
             continue;
         };
+        if view.updated_at > ripe {
+            continue;
+        }
         for chunk in view
             .chunks
             .iter()
             .filter(|c| c.status == ChunkStatus::Uncertain)
         {
-            let arrived: bool = platform.query_row(
-                "SELECT EXISTS (SELECT 1 FROM received WHERE key = ?1)",
-                [&chunk.idempotency_key],
-                |r| r.get(0),
+            let claimant = chunk.claimant.map_or("-".to_owned(), |c| c.to_string());
+            writeln!(
+                log,
+                "uncertain {claimant} {} {}",
+                chunk.attempts, chunk.idempotency_key
             )?;
-            let resolution = if arrived {
-                Resolution::Delivered {
-                    platform_message_id: None,
-                }
-            } else {
-                Resolution::Resend
-            };
-            outbox.resolve_uncertain(chunk.id, resolution)?;
-            resolved += 1;
+            let resolution =
+                match api.lookup(&view.channel, &view.chat_id, &chunk.idempotency_key)? {
+                    Some(arrived) => {
+                        writeln!(log, "lookup {}", chunk.idempotency_key)?;
+                        settled.looked_up += 1;
+                        if arrived {
+                            Resolution::Delivered {
+                                platform_message_id: None,
+                            }
+                        } else {
+                            Resolution::Resend
+                        }
+                    }
+                    None => {
+                        writeln!(log, "blind {}", chunk.idempotency_key)?;
+                        settled.resent_blind += 1;
+                        Resolution::Resend
+                    }
+                };
+            match outbox.resolve_uncertain(chunk.id, resolution) {
+                // Settled meanwhile by the worker that held it: nothing to decide.
+                Ok(_) | Err(chunked_outbox::Error::InvalidState { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
         }
     }
     outbox.acknowledge_dead_letters()?;
-    Ok(resolved)
+    Ok(settled)
+}
+
+/// What an operator's log says (see [`settle_like_an_operator`]).
+#[derive(Debug, Default)]
+pub struct OperatorLog {
+    /// Keys resent without being able to ask the platform.
+    pub blind: HashSet<String>,
+    /// Decisions taken by asking the platform.
+    pub looked_up: u64,
+    /// Per claimant, the distinct (attempts, key) of chunks it left uncertain.
+    pub uncertain_by_claimant: HashMap<String, HashSet<(u32, String)>>,
+}
+
+impl OperatorLog {
+    pub fn read(text: &str) -> OperatorLog {
+        let mut log = OperatorLog::default();
+        for line in text.lines() {
+            let words: Vec<&str> = line.split(' ').collect();
+            match words[..] {
+                ["blind", key] => {
+                    log.blind.insert(key.to_owned());
+                }
+                ["lookup", _] => log.looked_up += 1,
+                ["uncertain", claimant, attempts, key] if claimant != "-" => {
+                    if let Ok(attempts) = attempts.parse() {
+                        log.uncertain_by_claimant
+                            .entry(claimant.to_owned())
+                            .or_default()
+                            .insert((attempts, key.to_owned()));
+                    }
+                }
+                _ => {} // a torn last line, or a chunk no claimant left behind
+            }
+        }
+        log
+    }
 }
 
 /// What the platforms recorded: every accepted send in arrival order, and how many
@@ -300,21 +418,29 @@ impl PlatformRecord {
         self.received.iter().map(|(_, _, k)| k.as_str()).collect()
     }
 
-    /// Second arrivals of a key: (allowed, unexplained). A platform that deduplicates
-    /// never stores a second copy; the replays it dropped are allowed by its policy.
-    pub fn duplicates(&self) -> (u64, u64) {
-        let (mut allowed, mut unexplained) = (self.replays_dropped, 0);
+    /// Second arrivals of a key, by cause: dropped by a platform that deduplicates
+    /// (the replay policy working as designed), caused by a resend the operator chose
+    /// without being able to ask the platform (`blind`), or unexplained — a duplicate
+    /// nobody decided on, which the outbox exists to prevent.
+    pub fn duplicates(&self, blind: &HashSet<String>) -> Duplicates {
+        let mut d = Duplicates {
+            deduplicated: self.replays_dropped,
+            ..Duplicates::default()
+        };
         let mut seen = HashSet::new();
         for (channel, _, key) in &self.received {
-            if !seen.insert(key) {
-                if CHANNELS.iter().any(|c| c.name == channel && c.dedupes) {
-                    allowed += 1;
-                } else {
-                    unexplained += 1;
-                }
+            if seen.insert(key) {
+                continue;
+            }
+            if CHANNELS.iter().any(|c| c.name == channel && c.dedupes) {
+                d.deduplicated += 1;
+            } else if blind.contains(key) {
+                d.by_policy += 1;
+            } else {
+                d.unexplained += 1;
             }
         }
-        (allowed, unexplained)
+        d
     }
 
     /// Chats whose first arrivals do not follow `position` (enqueue order, then chunk).
@@ -339,13 +465,20 @@ impl PlatformRecord {
     }
 }
 
-/// `messages` rows beyond one per delivery, and the number of distinct deliveries.
-pub fn finalizations(outbox_db: &Path) -> CliResult<(u64, u64)> {
+/// Duplicate arrivals by cause (see [`PlatformRecord::duplicates`]).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Duplicates {
+    pub deduplicated: u64,
+    pub by_policy: u64,
+    pub unexplained: u64,
+}
+
+/// The `messages` rows: delivery id → (content, chunk count).
+pub fn history(outbox_db: &Path) -> CliResult<HashMap<String, (String, u32)>> {
     let conn = Connection::open(outbox_db)?;
-    let (rows, distinct): (i64, i64) = conn.query_row(
-        "SELECT count(*), count(DISTINCT delivery_id) FROM messages",
-        [],
-        |r| Ok((r.get(0)?, r.get(1)?)),
-    )?;
-    Ok(((rows - distinct) as u64, distinct as u64))
+    let mut stmt = conn.prepare("SELECT delivery_id, content, chunk_count FROM messages")?;
+    let rows = stmt
+        .query_map([], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))))?
+        .collect::<rusqlite::Result<_>>()?;
+    Ok(rows)
 }

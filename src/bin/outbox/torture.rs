@@ -1,8 +1,10 @@
 //! `outbox torture`: crash-consistency on this machine. A producer process enqueues,
 //! two dispatcher processes send through the simulated platforms, a maintenance process
-//! recovers, resolves, acknowledges, purges and checkpoints — and all of them are killed
-//! with SIGKILL at seeded random moments and restarted. At the end the invariants are
-//! checked against what the platforms recorded in their own file.
+//! recovers, settles uncertain chunks as an operator could (asking the platform where
+//! it can be asked, resending by policy where it cannot), acknowledges, purges and
+//! checkpoints — and all of them are killed with SIGKILL at seeded random moments and
+//! restarted. At the end the invariants are checked against what the platforms
+//! recorded in their own file, which no role reads.
 //!
 //! `outbox stress` is the contention run: several dispatcher processes, an enqueuer and
 //! a health reader on one file, with every caller-visible error counted.
@@ -20,13 +22,12 @@ use chunked_outbox::{
     Outcome, RecoverScope,
 };
 use clap::{Args, ValueEnum};
-use rusqlite::Connection;
 use serde::Serialize;
 
 use crate::CliResult;
 use crate::sim::{
-    CHANNELS, PlatformRecord, SimPlatform, chat_is_gone, finalizations, open_platform, reply_text,
-    resolve_like_an_operator, sim_options,
+    CHANNELS, OperatorLog, PlatformApi, PlatformRecord, SimPlatform, chat_is_gone, history,
+    open_platform, reply_text, settle_like_an_operator, sim_options,
 };
 
 /// Options of `outbox torture`.
@@ -67,24 +68,56 @@ pub struct RoleArgs {
     /// Replies the producer must have enqueued before it stops.
     #[arg(long, default_value_t = 0)]
     replies: u64,
+    /// Which start of a role this process is (dispatchers log it with their claimant).
+    #[arg(long, default_value_t = 0)]
+    generation: u64,
 }
 
-/// The verdict, printed as one JSON line.
+/// The verdict, printed as one JSON line. Every check can fail: each was seen failing
+/// on a build broken on purpose.
 #[derive(Debug, Default, Serialize)]
 struct Verdict {
     kills: u64,
     deliveries: u64,
     chunks: u64,
+    /// Chunks of finalized deliveries that never arrived, and confirmed deliveries that
+    /// vanished or ended unsettled.
     lost: u64,
+    /// Chats whose first arrivals do not follow enqueue order.
     out_of_order: u64,
-    duplicate_finalizations: u64,
+    /// Deliveries all of whose chunks arrived but that have no `messages` row.
     missing_finalizations: u64,
+    /// `messages` rows that are not what was enqueued: wrong content or chunk count, or
+    /// a delivery nobody enqueued.
+    wrong_finalizations: u64,
+    /// Second arrivals on a platform that does not deduplicate that no decision
+    /// explains.
     unexplained_duplicates: u64,
+    /// Second arrivals caused by the operator's resends where no lookup exists.
+    duplicates_by_policy: u64,
     replays_deduplicated: u64,
+    /// Uncertain chunks settled by asking the platform, and resent blind by policy.
+    settled_by_lookup: u64,
+    resent_blind: u64,
+    /// The most chunks that became `uncertain` through one kill of a dispatcher, and
+    /// the most sends that dispatcher could have had in flight (workers × batch).
+    max_uncertain_per_kill: u64,
+    max_sends_in_flight: u64,
+    /// Chunks still `uncertain` when the run ended.
+    uncertain_left: u64,
     dead_letters: u64,
     seed: u64,
     elapsed_ms: u64,
 }
+
+/// Dispatcher processes under torture: workers each, and sends each worker has in
+/// flight. Their product bounds what one kill may leave `uncertain`.
+const DISPATCH_WORKERS: usize = 2;
+const DISPATCH_BATCH: usize = 2;
+
+/// How long the operator leaves a chunk `uncertain` before deciding (a live worker
+/// whose lease ran out may still report it).
+const OPERATOR_GRACE: Duration = Duration::from_secs(1);
 
 /// Torture settings: the simulation's, with a short lease so the chunks a killed
 /// dispatcher held come back quickly (several dispatchers run, so recovery must defer
@@ -97,7 +130,7 @@ fn stop_path(dir: &Path) -> PathBuf {
     dir.join("stop")
 }
 
-fn spawn(role: Role, dir: &Path, seed: u64, replies: u64) -> CliResult<Child> {
+fn spawn(role: Role, dir: &Path, seed: u64, replies: u64, generation: u64) -> CliResult<Child> {
     Ok(Command::new(std::env::current_exe()?)
         .args(["torture-role", "--role"])
         .arg(format!("{role:?}").to_lowercase())
@@ -108,6 +141,8 @@ fn spawn(role: Role, dir: &Path, seed: u64, replies: u64) -> CliResult<Child> {
             &seed.to_string(),
             "--replies",
             &replies.to_string(),
+            "--generation",
+            &generation.to_string(),
         ])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -156,8 +191,10 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
     let mut children: Vec<Child> = roles
         .iter()
         .enumerate()
-        .map(|(i, r)| spawn(*r, &dir, args.seed + i as u64, replies))
+        .map(|(i, r)| spawn(*r, &dir, args.seed + i as u64, replies, i as u64))
         .collect::<CliResult<_>>()?;
+    let mut generations: Vec<u64> = (0..roles.len() as u64).collect();
+    let mut killed_dispatchers = Vec::new();
     let mut rng = fastrand::Rng::with_seed(args.seed);
     let mut generation = roles.len() as u64;
     for _ in 0..args.kills {
@@ -171,14 +208,18 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         let child = &mut children[victim];
         child.kill()?;
         child.wait()?;
+        if roles[victim] == Role::Dispatcher {
+            killed_dispatchers.push(generations[victim]);
+        }
         generation += 1;
+        generations[victim] = generation;
         // The producer keeps the run's seed: it decides which chat each reply goes to.
         let seed = if victim == 0 {
             args.seed
         } else {
             args.seed.wrapping_add(generation)
         };
-        *child = spawn(roles[victim], &dir, seed, replies)?;
+        *child = spawn(roles[victim], &dir, seed, replies, generation)?;
     }
 
     // No more kills: let everything settle, then stop the roles.
@@ -207,7 +248,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         child.wait()?;
     }
 
-    let mut verdict = verify(&dir, &outbox, args.seed)?;
+    let mut verdict = verify(&dir, &outbox, args.seed, &killed_dispatchers)?;
     verdict.kills = args.kills;
     verdict.seed = args.seed;
     verdict.elapsed_ms = started.elapsed().as_millis() as u64;
@@ -218,9 +259,11 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
     }
     let ok = verdict.lost == 0
         && verdict.out_of_order == 0
-        && verdict.duplicate_finalizations == 0
         && verdict.missing_finalizations == 0
-        && verdict.unexplained_duplicates == 0;
+        && verdict.wrong_finalizations == 0
+        && verdict.unexplained_duplicates == 0
+        && verdict.max_uncertain_per_kill <= verdict.max_sends_in_flight
+        && verdict.uncertain_left == 0;
     Ok(if ok { 0 } else { 1 })
 }
 
@@ -233,9 +276,15 @@ pub fn role(args: &RoleArgs) -> CliResult<u8> {
     match args.role {
         Role::Producer => produce(&outbox, &args.dir, args.seed, args.replies),
         Role::Dispatcher => {
+            // Who this process is, for the verdict to attribute what a kill leaves.
+            let mut claimants = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(args.dir.join("claimants.log"))?;
+            writeln!(claimants, "{} {}", args.generation, outbox.claimant())?;
             let mut builder = Dispatcher::builder(outbox.clone())
-                .workers(2)
-                .batch_size(8)
+                .workers(DISPATCH_WORKERS)
+                .batch_size(DISPATCH_BATCH)
                 .poll_interval(Duration::from_millis(10));
             for (i, channel) in CHANNELS.iter().enumerate() {
                 let seed = args.seed.wrapping_mul(31).wrapping_add(i as u64);
@@ -252,11 +301,15 @@ pub fn role(args: &RoleArgs) -> CliResult<u8> {
             Ok(0)
         }
         Role::Maintenance => {
-            let record = open_platform(&platform)?;
+            let api = PlatformApi::open(&platform)?;
+            let mut log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(args.dir.join("operator.log"))?;
             let mut rng = fastrand::Rng::with_seed(args.seed);
             while !stop.exists() {
                 outbox.recover(RecoverScope::ExpiredLeases)?;
-                resolve_like_an_operator(&outbox, &record)?;
+                settle_like_an_operator(&outbox, &api, OPERATOR_GRACE, &mut log)?;
                 if rng.u8(0..4) == 0 {
                     outbox.purge(chrono::Utc::now() - chrono::Duration::seconds(1))?;
                 }
@@ -305,7 +358,7 @@ fn produce(outbox: &Outbox, dir: &Path, seed: u64, replies: u64) -> CliResult<u8
     Ok(0)
 }
 
-fn verify(dir: &Path, outbox: &Outbox, seed: u64) -> CliResult<Verdict> {
+fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<Verdict> {
     let mut v = Verdict::default();
     // What the producer knows it enqueued (enqueue returned Ok), in order.
     let mut confirmed: Vec<(u64, DeliveryId)> = Vec::new();
@@ -324,26 +377,33 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64) -> CliResult<Verdict> {
     confirmed.sort();
     v.deliveries = confirmed.len() as u64;
 
-    let conn = Connection::open(dir.join("outbox.db"))?;
     let record = PlatformRecord::read(&open_platform(&dir.join("platform.db"))?)?;
     let arrived = record.keys();
-    v.replays_deduplicated = record.replays_dropped;
-    v.unexplained_duplicates = record.duplicates().1;
+    let operator =
+        OperatorLog::read(&std::fs::read_to_string(dir.join("operator.log")).unwrap_or_default());
+    let duplicates = record.duplicates(&operator.blind);
+    v.replays_deduplicated = duplicates.deduplicated;
+    v.duplicates_by_policy = duplicates.by_policy;
+    v.unexplained_duplicates = duplicates.unexplained;
+    v.resent_blind = operator.blind.len() as u64;
+    v.settled_by_lookup = operator.looked_up;
+    let mut rows = history(&dir.join("outbox.db"))?;
 
     // Each confirmed delivery: finalized (a messages row), a dead letter, or lost.
     let mut position: HashMap<String, (u64, u32)> = HashMap::new();
     for (n, id) in &confirmed {
         let uid = id.to_string();
-        let finalized: Option<i64> = conn
-            .query_row(
-                "SELECT chunk_count FROM messages WHERE delivery_id = ?1",
-                [&uid],
-                |r| r.get(0),
-            )
-            .ok();
+        let finalized = rows.remove(&uid);
         let stored = outbox.delivery(*id)?;
+        let expected = reply_text(&mut fastrand::Rng::with_seed(*n), *n as usize);
         let chunks = match (&finalized, &stored) {
-            (Some(count), _) => *count as u32,
+            (Some((content, count)), _) => {
+                let split = stored.as_ref().map_or(*count, |d| d.chunk_count);
+                if *content != expected || split != *count {
+                    v.wrong_finalizations += 1;
+                }
+                *count
+            }
             (None, Some(d)) => d.chunk_count,
             (None, None) => {
                 // Gone from the outbox without a history row: only an acknowledged dead
@@ -365,6 +425,7 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64) -> CliResult<Verdict> {
         match (&finalized, stored.as_ref().map(|d| d.status)) {
             (Some(_), _) => v.lost += u64::from(chunks - got),
             (None, Some(chunked_outbox::DeliveryStatus::Failed)) => v.dead_letters += 1,
+            (None, Some(chunked_outbox::DeliveryStatus::Uncertain)) => {}
             (None, _) if got == chunks => v.missing_finalizations += 1,
             (None, _) => v.lost += 1,
         }
@@ -372,8 +433,57 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64) -> CliResult<Verdict> {
             position.insert(key, (*n, i as u32));
         }
     }
-    v.duplicate_finalizations = finalizations(&dir.join("outbox.db"))?.0;
+    // History rows of deliveries nobody enqueued.
+    v.wrong_finalizations += rows.len() as u64;
     v.out_of_order = record.chats_out_of_order(&position);
+
+    // What each kill of a dispatcher left uncertain: the chunks the operator found held
+    // under the dead process's claimant, plus any still held at the end.
+    let mut held_at_end: HashMap<String, HashSet<(u32, String)>> = HashMap::new();
+    let h = outbox.health()?;
+    v.uncertain_left = h.totals.uncertain_chunks;
+    if v.uncertain_left > 0 {
+        let filter = chunked_outbox::ListFilter {
+            status: Some(chunked_outbox::DeliveryStatus::Uncertain),
+            limit: 10_000,
+            ..Default::default()
+        };
+        for d in outbox.list(&filter)? {
+            for c in outbox.delivery(d.id)?.into_iter().flat_map(|d| d.chunks) {
+                if let (chunked_outbox::ChunkStatus::Uncertain, Some(claimant)) =
+                    (c.status, c.claimant)
+                {
+                    held_at_end
+                        .entry(claimant.to_string())
+                        .or_default()
+                        .insert((c.attempts, c.idempotency_key));
+                }
+            }
+        }
+    }
+    let claimants: HashMap<u64, String> = std::fs::read_to_string(dir.join("claimants.log"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let (g, c) = l.split_once(' ')?;
+            Some((g.parse().ok()?, c.to_owned()))
+        })
+        .collect();
+    let empty = HashSet::new();
+    for generation in killed {
+        let Some(claimant) = claimants.get(generation) else {
+            continue; // killed before it claimed anything
+        };
+        let seen = operator
+            .uncertain_by_claimant
+            .get(claimant)
+            .unwrap_or(&empty);
+        let left = held_at_end.get(claimant).unwrap_or(&empty);
+        v.max_uncertain_per_kill = v
+            .max_uncertain_per_kill
+            .max(seen.union(left).count() as u64);
+    }
+    v.max_sends_in_flight = (DISPATCH_WORKERS * DISPATCH_BATCH) as u64;
     Ok(v)
 }
 
