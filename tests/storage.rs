@@ -250,10 +250,17 @@ fn several_handles_on_one_file_share_the_schema() -> Result<()> {
 }
 
 /// Under sustained writes the WAL never gets a quiet moment to restart from, so it is
-/// bounded by the writer's raised automatic checkpoint, not by the write volume.
+/// bounded by the writer's raised automatic checkpoint, not by the write volume — even
+/// if the background checkpointer never runs (here its interval is an hour). With it
+/// running, a checkpointer preempted while it holds SQLite's checkpoint lock makes the
+/// writer skip its own checkpoint for as long as that lasts, so on a busy machine the
+/// WAL can overshoot the threshold by the writes of that stall (69 MB seen under
+/// `../shared/tools/under-load`, against 41 MB): a scheduling figure, not a bound.
 #[test]
 fn the_wal_stays_bounded_under_sustained_writes() -> Result<()> {
-    let db = TestDb::default();
+    let db = TestDb::new(
+        OutboxOptions::default().with_background_checkpoints(Some(Duration::from_secs(3600))),
+    );
     // About 4 pages per enqueue: 15,000 back-to-back enqueues would leave ~240 MB of
     // WAL if nothing checkpointed.
     for n in 0..15_000 {
