@@ -45,6 +45,10 @@ pub struct TortureArgs {
     /// Keep the files instead of deleting them.
     #[arg(long)]
     keep: bool,
+    /// How long to wait, after the last kill, for everything to settle; the verdict is
+    /// printed either way (unsettled work counts against it).
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    settle_timeout: Duration,
 }
 
 /// The roles of the processes under torture.
@@ -224,7 +228,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
 
     // No more kills: let everything settle, then stop the roles.
     let outbox = Outbox::open(dir.join("outbox.db"), torture_options())?;
-    let deadline = Instant::now() + Duration::from_secs(300);
+    let deadline = Instant::now() + args.settle_timeout;
     loop {
         std::thread::sleep(Duration::from_millis(50));
         let producer_done = children[0].try_wait()?.is_some_and(|s| s.success());
@@ -236,11 +240,12 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
             break;
         }
         if Instant::now() > deadline {
-            return Err(format!(
-                "torture did not settle within 5 minutes (seed {})",
+            eprintln!(
+                "torture: not settled after {} (seed {}); the verdict counts what is left",
+                humantime::format_duration(args.settle_timeout),
                 args.seed
-            )
-            .into());
+            );
+            break;
         }
     }
     std::fs::write(stop_path(&dir), b"")?;
