@@ -380,12 +380,22 @@ impl ChannelAdapter for Counter {
     }
 }
 
+/// Sends a worker has in flight at once in the dispatch measures: each round claims 64,
+/// sends them concurrently and records them with the next claim, as a fast platform
+/// allows.
+const BATCH: usize = 64;
+
 /// Runs a dispatcher until `n` more deliveries are finalized; chunks per second.
 fn drain(outbox: &Outbox, n: u64) -> f64 {
+    drain_with(outbox, n, BATCH)
+}
+
+/// As [`drain`], with `batch` sends in flight per round.
+fn drain_with(outbox: &Outbox, n: u64, batch: usize) -> f64 {
     let running = Dispatcher::builder(outbox.clone())
         .adapter("bench", Counter::default())
         .workers(1)
-        .batch_size(64)
+        .batch_size(batch)
         .build()
         .unwrap()
         .start()
@@ -401,11 +411,15 @@ fn drain(outbox: &Outbox, n: u64) -> f64 {
 
 /// (b) end to end through the dispatcher, draining a backlog.
 fn crate_dispatch(backlog: u64, sync: Synchronous) -> f64 {
+    crate_dispatch_with(backlog, sync, BATCH)
+}
+
+fn crate_dispatch_with(backlog: u64, sync: Synchronous, batch: usize) -> f64 {
     let (_dir, path) = temp_db("outbox.db");
     let outbox = Outbox::open(&path, options(sync)).unwrap();
     bulk_enqueue(&path, &outbox, 0, backlog);
     let _ = outbox.checkpoint();
-    drain(&outbox, backlog)
+    drain_with(&outbox, backlog, batch)
 }
 
 /// (c) and (d): history and backlog of `size` against 1k of each.
@@ -533,6 +547,12 @@ fn main() {
                 crate_dispatch(s.dispatch_backlog * 5, Synchronous::Normal)
             );
         }
+        Some("dispatch1") => {
+            return println!(
+                "dispatch, one send in flight {:.0} /s",
+                crate_dispatch_with(s.dispatch_backlog, Synchronous::Normal, 1)
+            );
+        }
         _ => {}
     }
     println!(
@@ -570,6 +590,13 @@ fn main() {
         dispatch / f_batch
     );
     println!("    {:.2} of the hand-written model", dispatch / model);
+    // What "a crash leaves at most one possibly-sent chunk per send in flight" costs a
+    // worker that sends one chunk at a time: a commit per send.
+    let one = crate_dispatch_with(s.dispatch_backlog / 4, Synchronous::Normal, 1);
+    println!(
+        "(b1) the same, one send in flight (batch 1)      {one:>10.0} /s   {:.2} of (b)",
+        one / dispatch
+    );
     let (backlog_ratio, health_ratio, small_rate, big_rate) = scaling(s.big, s.big_drain);
     println!(
         "(c) dispatch with {} history + backlog: {big_rate:.0} /s vs {small_rate:.0} /s with 1k: ratio {backlog_ratio:.2}",
@@ -587,9 +614,10 @@ fn main() {
     let rss = peak_rss_mb();
     println!("peak RSS {rss:.0} MB");
     println!(
-        "{{\"enqueue_per_s\":{enqueue:.0},\"enqueue_vs_floor\":{:.3},\"dispatch_per_s\":{dispatch:.0},\"dispatch_vs_floor\":{:.3},\"backlog_1m_vs_1k\":{backlog_ratio:.3},\"health_1m_vs_1k\":{health_ratio:.3},\"latency_p50_us\":{p50},\"latency_p99_us\":{p99},\"full_enqueue_per_s\":{full_enqueue:.0},\"full_dispatch_per_s\":{full_dispatch:.0},\"peak_rss_mb\":{rss:.0},\"floor_insert_per_s\":{f_insert:.0},\"floor_claim_ack_1_per_s\":{f_single:.0},\"floor_claim_ack_64_per_s\":{f_batch:.0},\"model_enqueue_per_s\":{model_in:.0},\"enqueue_vs_model\":{:.3},\"model_dispatch_per_s\":{model:.0},\"dispatch_vs_model\":{:.3},\"quick\":{quick}}}",
+        "{{\"enqueue_per_s\":{enqueue:.0},\"enqueue_vs_floor\":{:.3},\"dispatch_per_s\":{dispatch:.0},\"dispatch_vs_floor\":{:.3},\"dispatch_one_in_flight_per_s\":{one:.0},\"one_in_flight_vs_batch\":{:.3},\"backlog_1m_vs_1k\":{backlog_ratio:.3},\"health_1m_vs_1k\":{health_ratio:.3},\"latency_p50_us\":{p50},\"latency_p99_us\":{p99},\"full_enqueue_per_s\":{full_enqueue:.0},\"full_dispatch_per_s\":{full_dispatch:.0},\"peak_rss_mb\":{rss:.0},\"floor_insert_per_s\":{f_insert:.0},\"floor_claim_ack_1_per_s\":{f_single:.0},\"floor_claim_ack_64_per_s\":{f_batch:.0},\"model_enqueue_per_s\":{model_in:.0},\"enqueue_vs_model\":{:.3},\"model_dispatch_per_s\":{model:.0},\"dispatch_vs_model\":{:.3},\"quick\":{quick}}}",
         enqueue / f_insert,
         dispatch / f_batch,
+        one / dispatch,
         enqueue / model_in,
         dispatch / model
     );

@@ -54,6 +54,7 @@
 //!                                                         ─▶ uncertain  otherwise
 //! failed | uncertain ──requeue──▶ retry
 //! uncertain ──resolve as delivered──▶ delivered
+//! uncertain ──late outcome of the claim whose lease ran out──▶ delivered | retry | failed
 //! ```
 //!
 //! # Guarantees

@@ -70,21 +70,45 @@ impl chunked_outbox::AsyncChannelAdapter for Scripted {
 #[derive(Clone, Default)]
 struct Gate(Arc<(Mutex<(usize, bool)>, Condvar)>);
 
+/// Opens its gate when dropped, so a test that fails while a send waits at the gate
+/// does not leave that send (and the runtime that waits for it) stuck forever.
+struct OpenOnDrop(Gate);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
 impl Gate {
+    /// A gate, and the guard that opens it at the end of the test, however it ends.
+    fn new() -> (Gate, OpenOnDrop) {
+        let gate = Gate::default();
+        (gate.clone(), OpenOnDrop(gate))
+    }
+
+    /// Waits at the gate until it opens — at most a minute, so that a failing test
+    /// (whose runtime waits for this thread when it is dropped) cannot hang the run.
     fn pass(&self) {
         let (lock, cv) = &*self.0;
-        let mut s = lock.lock().unwrap();
+        let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
         s.0 += 1;
         cv.notify_all();
+        let deadline = Instant::now() + Duration::from_secs(60);
         while !s.1 {
-            s = cv.wait(s).unwrap();
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "the gate never opened");
+            s = cv
+                .wait_timeout(s, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 
     fn wait_arrived(&self, n: usize) {
         let (lock, cv) = &*self.0;
         let deadline = Instant::now() + Duration::from_secs(60);
-        let mut s = lock.lock().unwrap();
+        let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
         while s.0 < n {
             let left = deadline.saturating_duration_since(Instant::now());
             assert!(
@@ -92,13 +116,16 @@ impl Gate {
                 "only {} of {n} sends reached the gate",
                 s.0
             );
-            s = cv.wait_timeout(s, left).unwrap().0;
+            s = cv
+                .wait_timeout(s, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 
     fn open(&self) {
         let (lock, cv) = &*self.0;
-        lock.lock().unwrap().1 = true;
+        lock.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
         cv.notify_all();
     }
 }
@@ -118,28 +145,73 @@ enum Flavour {
     Tokio,
 }
 
-/// Settings a test gives its dispatcher.
-#[derive(Clone, Copy)]
+/// Settings a test gives its dispatcher; `None` keeps the dispatcher's default (the
+/// scenarios run on the defaults unless they need otherwise).
+#[derive(Clone, Copy, Default)]
 struct Tuning {
-    workers: usize,
-    batch: usize,
-    poll: Duration,
+    workers: Option<usize>,
+    batch: Option<usize>,
+    poll: Option<Duration>,
 }
 
-impl Default for Tuning {
-    fn default() -> Self {
+impl Tuning {
+    fn one_worker() -> Self {
         Tuning {
-            workers: 1,
-            batch: 1,
-            poll: Duration::from_millis(20),
+            workers: Some(1),
+            ..Tuning::default()
         }
     }
 }
 
-fn tuned<A: ?Sized>(b: DispatcherBuilder<A>, t: Tuning) -> DispatcherBuilder<A> {
-    b.workers(t.workers)
-        .batch_size(t.batch)
-        .poll_interval(t.poll)
+fn tuned<A: ?Sized>(mut b: DispatcherBuilder<A>, t: Tuning) -> DispatcherBuilder<A> {
+    if let Some(n) = t.workers {
+        b = b.workers(n);
+    }
+    if let Some(n) = t.batch {
+        b = b.batch_size(n);
+    }
+    b.poll_interval(t.poll.unwrap_or(Duration::from_millis(20)))
+}
+
+/// A built dispatcher of either flavour, which can be started (again).
+enum Built {
+    Blocking(Dispatcher),
+    #[cfg(feature = "tokio")]
+    Tokio(
+        chunked_outbox::AsyncDispatcher,
+        Arc<tokio::runtime::Runtime>,
+    ),
+}
+
+impl Built {
+    fn new(flavour: Flavour, outbox: &Outbox, channel: &str, adapter: Scripted, t: Tuning) -> Self {
+        match flavour {
+            Flavour::Blocking => Built::Blocking(
+                tuned(
+                    Dispatcher::builder(outbox.clone()).adapter(channel, adapter),
+                    t,
+                )
+                .build()
+                .unwrap(),
+            ),
+            #[cfg(feature = "tokio")]
+            Flavour::Tokio => {
+                let builder = chunked_outbox::AsyncDispatcher::builder(outbox.clone());
+                let dispatcher = tuned(builder.adapter(channel, adapter), t).build().unwrap();
+                Built::Tokio(dispatcher, Arc::new(runtime()))
+            }
+        }
+    }
+
+    fn start(&self) -> Running {
+        match self {
+            Built::Blocking(d) => Running::Blocking(d.start().unwrap()),
+            #[cfg(feature = "tokio")]
+            Built::Tokio(d, rt) => {
+                Running::Tokio(rt.block_on(async { d.start() }).unwrap(), rt.clone())
+            }
+        }
+    }
 }
 
 /// A started dispatcher of either flavour.
@@ -148,7 +220,7 @@ enum Running {
     #[cfg(feature = "tokio")]
     Tokio(
         chunked_outbox::RunningAsyncDispatcher,
-        tokio::runtime::Runtime,
+        Arc<tokio::runtime::Runtime>,
     ),
 }
 
@@ -160,26 +232,7 @@ impl Running {
         adapter: Scripted,
         t: Tuning,
     ) -> Self {
-        match flavour {
-            Flavour::Blocking => Running::Blocking(
-                tuned(
-                    Dispatcher::builder(outbox.clone()).adapter(channel, adapter),
-                    t,
-                )
-                .build()
-                .unwrap()
-                .start()
-                .unwrap(),
-            ),
-            #[cfg(feature = "tokio")]
-            Flavour::Tokio => {
-                let rt = runtime();
-                let builder = chunked_outbox::AsyncDispatcher::builder(outbox.clone());
-                let dispatcher = tuned(builder.adapter(channel, adapter), t).build().unwrap();
-                let running = rt.block_on(async { dispatcher.start() }).unwrap();
-                Running::Tokio(running, rt)
-            }
-        }
+        Built::new(flavour, outbox, channel, adapter, t).start()
     }
 
     fn stats(&self) -> DispatchStats {
@@ -263,13 +316,13 @@ fn a_hung_send_holds_only_its_own_chat(flavour: Flavour) -> Result<()> {
     let (_dir, path) = file_db();
     let outbox = Outbox::open(&path, OutboxOptions::default())?;
     replies(&outbox, "telegram", 8);
-    let gate = Gate::default();
+    let (gate, _open) = Gate::new();
     let g = gate.clone();
     let adapter = Scripted::new(move |_| {
         g.pass();
         Outcome::delivered(None)
     });
-    let running = Running::start(flavour, &outbox, "telegram", adapter, Tuning::default());
+    let running = Running::start(flavour, &outbox, "telegram", adapter, Tuning::one_worker());
     gate.wait_arrived(1);
     let h = outbox.health()?;
     assert_eq!(
@@ -291,7 +344,7 @@ fn a_known_outcome_is_recorded_before_the_next_send_starts(flavour: Flavour) -> 
     let (_dir, path) = file_db();
     let outbox = Outbox::open(&path, OutboxOptions::default())?;
     let ids = replies(&outbox, "telegram", 2);
-    let gate = Gate::default();
+    let (gate, _open) = Gate::new();
     let g = gate.clone();
     let adapter = Scripted::new(move |claim| {
         if claim.chat_id == "chat-0" {
@@ -301,7 +354,7 @@ fn a_known_outcome_is_recorded_before_the_next_send_starts(flavour: Flavour) -> 
         }
         Outcome::delivered(None)
     });
-    let running = Running::start(flavour, &outbox, "telegram", adapter, Tuning::default());
+    let running = Running::start(flavour, &outbox, "telegram", adapter, Tuning::one_worker());
     gate.wait_arrived(1);
     assert_eq!(
         status(&outbox, ids[0]),
@@ -327,7 +380,7 @@ fn a_busy_database_delays_an_outcome_but_never_drops_it(flavour: Flavour) -> Res
     };
     let outbox = Outbox::open(&path, options())?;
     let ids = replies(&outbox, "telegram", 1);
-    let gate = Gate::default();
+    let (gate, _open) = Gate::new();
     let g = gate.clone();
     let adapter = Scripted::new(move |_| {
         g.pass();
@@ -348,7 +401,7 @@ fn a_busy_database_delays_an_outcome_but_never_drops_it(flavour: Flavour) -> Res
     });
     let report = running.shutdown();
     assert!(report.clean);
-    assert_eq!((report.stats.delivered, report.stats.errors), (1, 0));
+    assert_eq!((report.stats.delivered, report.stats.dropped), (1, 0));
     let view = outbox.delivery(ids[0])?.unwrap();
     assert_eq!(view.chunks[0].platform_message_id.as_deref(), Some("m-1"));
     assert_eq!(outbox.health()?.totals.uncertain_chunks, 0);
@@ -373,7 +426,7 @@ fn a_full_database_delays_an_outcome_but_never_drops_it() -> Result<()> {
             outbox.enqueue(&reply).unwrap().id
         })
         .collect();
-    let gate = Gate::default();
+    let (gate, _open) = Gate::new();
     let g = gate.clone();
     let adapter = Scripted::new(move |claim| {
         if claim.chat_id == "chat-1" {
@@ -386,7 +439,7 @@ fn a_full_database_delays_an_outcome_but_never_drops_it() -> Result<()> {
         &outbox,
         "telegram",
         adapter,
-        Tuning::default(),
+        Tuning::one_worker(),
     );
     gate.wait_arrived(1);
     assert_eq!(status(&outbox, ids[0]), DeliveryStatus::Delivered);
@@ -418,7 +471,7 @@ fn a_full_database_delays_an_outcome_but_never_drops_it() -> Result<()> {
     });
     let report = running.shutdown();
     assert!(report.clean);
-    assert_eq!((report.stats.delivered, report.stats.errors), (2, 0));
+    assert_eq!((report.stats.delivered, report.stats.dropped), (2, 0));
     Ok(())
 }
 
@@ -481,11 +534,7 @@ fn a_replayed_poison_panic_fails_alone_and_every_other_chat_is_served(
         Outcome::delivered(None)
     })
     .replaying();
-    let tuning = Tuning {
-        workers: 2,
-        ..Tuning::default()
-    };
-    let running = Running::start(flavour, &outbox, "discord", adapter, tuning);
+    let running = Running::start(flavour, &outbox, "discord", adapter, Tuning::default());
     wait_until("everything settled", || {
         let t = outbox.health().unwrap().totals;
         t.delivered_deliveries == 11 && t.failed_deliveries == 1
@@ -509,14 +558,9 @@ fn a_dispatcher_can_be_started_again_after_shutdown(flavour: Flavour) -> Result<
     let (_dir, path) = file_db();
     let outbox = Outbox::open(&path, OutboxOptions::default())?;
     let adapter = Scripted::new(|_| Outcome::delivered(None));
+    let dispatcher = Built::new(flavour, &outbox, "telegram", adapter, Tuning::default());
     for round in 1..=3 {
-        let running = Running::start(
-            flavour,
-            &outbox,
-            "telegram",
-            adapter.clone(),
-            Tuning::default(),
-        );
+        let running = dispatcher.start();
         let id = outbox
             .enqueue(&NewDelivery::single(
                 "telegram",
@@ -540,7 +584,7 @@ fn a_wake_after_the_callers_commit_reaches_a_sleeping_dispatcher(flavour: Flavou
     let outbox = Outbox::open(&path, OutboxOptions::default())?;
     let adapter = Scripted::new(|_| Outcome::delivered(None));
     let tuning = Tuning {
-        poll: Duration::from_secs(3600),
+        poll: Some(Duration::from_secs(3600)),
         ..Tuning::default()
     };
     let running = Running::start(flavour, &outbox, "telegram", adapter, tuning);
@@ -626,7 +670,7 @@ fn child_process() {
         })
         .replaying()
     };
-    let running = Running::start(flavour, &outbox, "telegram", adapter, Tuning::default());
+    let running = Running::start(flavour, &outbox, "telegram", adapter, Tuning::one_worker());
     wait_until("nothing left to send", || {
         let t = outbox.health().unwrap().totals;
         t.pending_chunks + t.retry_chunks + t.sending_chunks == 0
@@ -757,7 +801,7 @@ mod dropped {
         let (_dir, path) = file_db();
         let outbox = Outbox::open(&path, OutboxOptions::default())?;
         let ids = replies(&outbox, "telegram", 3);
-        let gate = Gate::default();
+        let (gate, _open) = Gate::new();
         let g = gate.clone();
         let (tx, rx) = std::sync::mpsc::channel();
         let adapter = Tracked(

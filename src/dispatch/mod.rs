@@ -164,8 +164,13 @@ pub struct DispatchStats {
     /// Claims given back unsent: the channel's rate slot was taken, too little of the
     /// lease was left to start the send, or the dispatcher was stopping.
     pub released: u64,
-    /// Claims and outcomes that failed (stale claim, busy or failing database).
+    /// Claims that failed (busy or failing database) and outcomes refused as stale (the
+    /// chunk was taken over or settled by someone else meanwhile).
     pub errors: u64,
+    /// Known outcomes that could not be recorded even after retrying for a lease: their
+    /// chunks are settled by lease expiry instead (possibly as `uncertain`). Should stay
+    /// 0; alert on it.
+    pub dropped: u64,
     /// Adapter panics, each recorded as an ambiguous send.
     pub panics: u64,
     /// Sends that did not return within the send timeout, recorded as ambiguous.
@@ -186,6 +191,7 @@ struct Counters {
     uncertain: AtomicU64,
     released: AtomicU64,
     errors: AtomicU64,
+    dropped: AtomicU64,
     panics: AtomicU64,
     timed_out: AtomicU64,
     renewed: AtomicU64,
@@ -212,6 +218,7 @@ impl Counters {
             uncertain: get(&self.uncertain),
             released: get(&self.released),
             errors: get(&self.errors),
+            dropped: get(&self.dropped),
             panics: get(&self.panics),
             timed_out: get(&self.timed_out),
             renewed: get(&self.renewed),
@@ -456,8 +463,8 @@ impl Core {
                     pause = (pause * 2).min(Duration::from_millis(500));
                 }
                 Err(e) => {
-                    add(&self.counters.errors, done.len() as u64);
-                    warn!(error = %e, outcomes = done.len(), "could not record outcomes; their leases will settle them");
+                    add(&self.counters.dropped, done.len() as u64);
+                    tracing::error!(error = %e, outcomes = done.len(), "could not record outcomes; their leases will settle them");
                     for (claim, _) in done.drain(..) {
                         run.let_go(claim.chunk_id);
                     }
