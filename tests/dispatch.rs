@@ -752,6 +752,34 @@ mod tokio_running {
         Ok(())
     }
 
+    /// On a current-thread runtime the database work goes to the blocking pool (there
+    /// is no other thread to hand the runtime to), and the dispatcher works the same.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_current_thread_runtime_is_served_too() -> Result<()> {
+        let (_dir, path) = real_time_db();
+        let outbox = Outbox::open(&path, OutboxOptions::default())?;
+        let gate = AsyncGate::default();
+        gate.proceed.add_permits(100);
+        let running = AsyncDispatcher::builder(outbox.clone())
+            .adapter("telegram", gate.clone())
+            .batch_size(2)
+            .build()?
+            .start()?;
+        for n in 0..6 {
+            let _ = outbox.enqueue(&NewDelivery::single("telegram", format!("c{n}"), "x"))?;
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while gate.sent.lock().unwrap().len() < 6 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "sends did not happen"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(running.shutdown(Duration::from_secs(10)).await.clean);
+        Ok(())
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn enqueue_wakes_an_idle_dispatcher_and_other_connections_are_noticed() -> Result<()> {
         let (_dir, path) = real_time_db();

@@ -153,7 +153,7 @@ impl Dispatcher {
         let (core, run) = (&self.shared.core, Run::default());
         let claims = core.step(&run, &mut Vec::new(), core.settings.batch)?;
         let n = claims.len();
-        let mut done = self.send_all(&run, claims);
+        let mut done = self.send_all(&run, &mut SendThreads::new(self.clone()), claims);
         core.step(&run, &mut done, 0)?;
         Ok(n)
     }
@@ -221,6 +221,7 @@ impl Dispatcher {
         let notifier = core.outbox.notifier();
         let mut seen = notifier.generation();
         let mut done = Vec::new();
+        let mut threads = SendThreads::new(self.clone());
         loop {
             let limit = if run.stopping() {
                 0
@@ -235,7 +236,7 @@ impl Dispatcher {
                 return;
             }
             if !claims.is_empty() {
-                done = self.send_all(run, claims);
+                done = self.send_all(run, &mut threads, claims);
                 continue;
             }
             // Idle: sleep until something of ours is due, an enqueue in this process,
@@ -255,13 +256,17 @@ impl Dispatcher {
         }
     }
 
-    /// Sends freshly claimed chunks at once — on this thread for one, on a thread each
-    /// for more, or with a send timeout — and returns their outcomes. Chunks that may
-    /// not be sent now are given back first (see [`Shared::admit`]).
-    fn send_all(&self, run: &Run, claims: Vec<Claim>) -> Vec<(Claim, Outcome)> {
-        let core = &self.shared.core;
+    /// Sends freshly claimed chunks at once — on this thread for one, on the worker's
+    /// send threads for more, or with a send timeout — and returns their outcomes.
+    /// Chunks that may not be sent now are given back first (see [`Shared::admit`]).
+    fn send_all(
+        &self,
+        run: &Run,
+        threads: &mut SendThreads,
+        claims: Vec<Claim>,
+    ) -> Vec<(Claim, Outcome)> {
         let admitted = self.shared.admit(run, claims);
-        match (admitted.len(), core.settings.send_timeout) {
+        match (admitted.len(), self.shared.core.settings.send_timeout) {
             (0, _) => Vec::new(),
             (1, None) => admitted
                 .into_iter()
@@ -270,45 +275,7 @@ impl Dispatcher {
                     (claim, outcome)
                 })
                 .collect(),
-            (_, timeout) => {
-                let started = Instant::now();
-                let pending: Vec<_> = admitted
-                    .into_iter()
-                    .map(|(claim, adapter)| {
-                        let (tx, rx) = mpsc::channel();
-                        let (me, c, a) = (self.clone(), claim.clone(), adapter.clone());
-                        let spawned = std::thread::Builder::new()
-                            .name("outbox-send".into())
-                            .spawn(move || {
-                                let _ = tx.send(me.send_one(&a, &c));
-                            });
-                        match spawned {
-                            Ok(_) => (claim, Err(rx)),
-                            Err(e) => {
-                                warn!(error = %e, "could not start a send thread; sending on this one");
-                                let outcome = self.send_one(&adapter, &claim);
-                                (claim, Ok(outcome))
-                            }
-                        }
-                    })
-                    .collect();
-                pending
-                    .into_iter()
-                    .map(|(claim, outcome)| {
-                        // `send_one` catches panics, so the thread always answers; only
-                        // the timeout can cut the wait short.
-                        let outcome = outcome.unwrap_or_else(|rx| match timeout {
-                            Some(t) => rx
-                                .recv_timeout(t.saturating_sub(started.elapsed()))
-                                .unwrap_or_else(|_| core.timed_out(t)),
-                            None => rx.recv().unwrap_or_else(|_| {
-                                core.panicked(Box::new("the send thread ended"))
-                            }),
-                        });
-                        (claim, outcome)
-                    })
-                    .collect()
-            }
+            (_, timeout) => threads.send(admitted, timeout),
         }
     }
 
@@ -317,6 +284,143 @@ impl Dispatcher {
         let _entered = Core::span(claim).entered();
         core.before_send(claim);
         guarded(core, || adapter.send(claim))
+    }
+}
+
+/// One send handed to a send thread, in a round of the worker's.
+struct Job {
+    round: u64,
+    slot: usize,
+    adapter: Arc<dyn ChannelAdapter>,
+    claim: Claim,
+}
+
+/// A send thread's answer.
+struct Answer {
+    round: u64,
+    slot: usize,
+    outcome: Outcome,
+}
+
+/// A worker's send threads, kept for the worker's life, so a round of concurrent sends
+/// costs a message per send rather than a thread per send. A thread whose send outlives
+/// the send timeout is abandoned — it ends after that send, and its late answer is
+/// ignored — and replaced for the next round.
+struct SendThreads {
+    dispatcher: Dispatcher,
+    /// One per slot of a round; dropping a sender ends its thread after its send.
+    threads: Vec<mpsc::Sender<Job>>,
+    answers: (mpsc::Sender<Answer>, mpsc::Receiver<Answer>),
+    round: u64,
+}
+
+impl SendThreads {
+    fn new(dispatcher: Dispatcher) -> Self {
+        SendThreads {
+            dispatcher,
+            threads: Vec::new(),
+            answers: mpsc::channel(),
+            round: 0,
+        }
+    }
+
+    fn spawn(&self) -> std::io::Result<mpsc::Sender<Job>> {
+        let (jobs, inbox) = mpsc::channel::<Job>();
+        let (answers, me) = (self.answers.0.clone(), self.dispatcher.clone());
+        std::thread::Builder::new()
+            .name("outbox-send".into())
+            .spawn(move || {
+                for job in inbox {
+                    let outcome = me.send_one(&job.adapter, &job.claim);
+                    let answer = Answer {
+                        round: job.round,
+                        slot: job.slot,
+                        outcome,
+                    };
+                    if answers.send(answer).is_err() {
+                        return;
+                    }
+                }
+            })?;
+        Ok(jobs)
+    }
+
+    /// Sends a round concurrently and waits for every answer, or until `timeout`.
+    fn send(
+        &mut self,
+        round: Vec<(Claim, Arc<dyn ChannelAdapter>)>,
+        timeout: Option<Duration>,
+    ) -> Vec<(Claim, Outcome)> {
+        self.round += 1;
+        let started = Instant::now();
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; round.len()];
+        let mut claims = Vec::with_capacity(round.len());
+        let mut waiting = 0;
+        for (slot, (claim, adapter)) in round.into_iter().enumerate() {
+            if self.threads.len() == slot {
+                match self.spawn() {
+                    Ok(thread) => self.threads.push(thread),
+                    Err(e) => {
+                        warn!(error = %e, "could not start a send thread; sending on this one")
+                    }
+                }
+            }
+            let job = Job {
+                round: self.round,
+                slot,
+                adapter: adapter.clone(),
+                claim: claim.clone(),
+            };
+            let handed = self.threads.get(slot).is_some_and(|t| t.send(job).is_ok());
+            if handed {
+                waiting += 1;
+            } else {
+                outcomes[slot] = Some(self.dispatcher.send_one(&adapter, &claim));
+            }
+            claims.push(claim);
+        }
+        while waiting > 0 {
+            let answer = match timeout {
+                Some(t) => self
+                    .answers
+                    .1
+                    .recv_timeout(t.saturating_sub(started.elapsed())),
+                // `send_one` catches panics, so every thread answers.
+                None => self
+                    .answers
+                    .1
+                    .recv()
+                    .map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+            };
+            match answer {
+                Ok(a) if a.round == self.round => {
+                    outcomes[a.slot] = Some(a.outcome);
+                    waiting -= 1;
+                }
+                Ok(_) => {} // the late answer of a send abandoned in an earlier round
+                Err(_) => break,
+            }
+        }
+        let mut done = Vec::with_capacity(claims.len());
+        for (slot, (claim, outcome)) in claims.into_iter().zip(outcomes).enumerate() {
+            let outcome = match outcome {
+                Some(outcome) => outcome,
+                None => {
+                    // Stuck past the timeout: abandon its thread for a fresh one.
+                    if let Ok(fresh) = self.spawn()
+                        && let Some(thread) = self.threads.get_mut(slot)
+                    {
+                        *thread = fresh;
+                    }
+                    self.dispatcher
+                        .shared
+                        .core
+                        .timed_out(timeout.unwrap_or_default())
+                }
+            };
+            done.push((claim, outcome));
+        }
+        done
     }
 }
 

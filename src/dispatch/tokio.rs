@@ -1,5 +1,7 @@
-//! The tokio dispatcher: worker tasks for async engines. Database work runs on tokio's
-//! blocking pool (`spawn_blocking`), never on the async worker threads.
+//! The tokio dispatcher: worker tasks for async engines. Database work never blocks a
+//! runtime thread that other tasks need: it runs under `block_in_place` on a
+//! multi-thread runtime and on the blocking pool (`spawn_blocking`) on a current-thread
+//! one.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -14,6 +16,9 @@ use super::{
 };
 use crate::outbox::ChangeWatcher;
 use crate::{Claim, Outbox, Outcome, ReplayPolicy, Result};
+
+/// Claims admitted to be sent now, each with its adapter.
+type Admitted = Vec<(Claim, Arc<dyn AsyncChannelAdapter>)>;
 
 /// A boxed, sendable future: what [`AsyncChannelAdapter::send`] returns.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -107,11 +112,18 @@ impl AsyncDispatcher {
         self.shared.core.stats()
     }
 
-    /// Runs `f` with the shared state on tokio's blocking pool.
+    /// Runs `f` with the shared state where blocking is allowed: on this worker thread
+    /// (`block_in_place`, which moves the thread's other tasks elsewhere) on a
+    /// multi-thread runtime, on the blocking pool on a current-thread one.
     async fn blocking<T: Send + 'static>(
         &self,
         f: impl FnOnce(&Shared<dyn AsyncChannelAdapter>) -> T + Send + 'static,
     ) -> T {
+        if tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::MultiThread
+        {
+            return tokio::task::block_in_place(|| f(&self.shared));
+        }
         let shared = self.shared.clone();
         match tokio::task::spawn_blocking(move || f(&shared)).await {
             Ok(value) => value,
@@ -119,17 +131,21 @@ impl AsyncDispatcher {
         }
     }
 
-    /// Records `done` and claims up to `limit` chunks on the blocking pool (see
-    /// [`Core::step`]).
+    /// Records `done`, claims up to `limit` chunks (see [`Core::step`]) and admits them
+    /// (see [`Shared::admit`]), in one trip to the blocking pool; returns how many were
+    /// claimed and the sends to make.
     async fn step(
         &self,
         run: &Arc<Run>,
         mut done: Vec<(Claim, Outcome)>,
         limit: usize,
-    ) -> Result<Vec<Claim>> {
+    ) -> Result<(usize, Admitted)> {
         let run = run.clone();
-        self.blocking(move |s| s.core.step(&run, &mut done, limit))
-            .await
+        self.blocking(move |s| {
+            let claims = s.core.step(&run, &mut done, limit)?;
+            Ok((claims.len(), s.admit(&run, claims)))
+        })
+        .await
     }
 
     /// One round: claims up to [`batch_size`](DispatcherBuilder::batch_size) due
@@ -141,22 +157,34 @@ impl AsyncDispatcher {
     /// Errors of the claim. Errors recording single outcomes are logged and counted.
     pub async fn run_once(&self) -> Result<usize> {
         let run = Arc::new(Run::default());
-        let claims = self
+        let (n, admitted) = self
             .step(&run, Vec::new(), self.shared.core.settings.batch)
             .await?;
-        let n = claims.len();
-        let done = self.send_all(&run, claims).await;
+        let done = self.send_all(admitted).await;
         self.step(&run, done, 0).await?;
         Ok(n)
     }
 
-    /// Sends freshly claimed chunks concurrently, each as a task of its own (so a panic
-    /// comes back as an error rather than taking the worker down), within the send
-    /// timeout if one is set. Chunks that may not be sent now are given back first.
-    async fn send_all(&self, run: &Arc<Run>, claims: Vec<Claim>) -> Vec<(Claim, Outcome)> {
-        let admit_run = run.clone();
-        let admitted = self.blocking(move |s| s.admit(&admit_run, claims)).await;
+    /// Sends freshly claimed chunks concurrently — one on this task, more as a task
+    /// each — within the send timeout if one is set, and returns their outcomes. A panic
+    /// comes back as an ambiguous outcome rather than taking the worker down.
+    async fn send_all(&self, mut admitted: Admitted) -> Vec<(Claim, Outcome)> {
         let core = &self.shared.core;
+        let timeout = core.settings.send_timeout;
+        if admitted.len() == 1 {
+            let (claim, adapter) = admitted.remove(0);
+            let span = Core::span(&claim);
+            span.in_scope(|| core.before_send(&claim));
+            let send = CatchUnwind(adapter.send(&claim)).instrument(span);
+            let outcome = match timeout {
+                Some(t) => tokio::time::timeout(t, send)
+                    .await
+                    .unwrap_or_else(|_| Ok(core.timed_out(t))),
+                None => send.await,
+            }
+            .unwrap_or_else(|payload| core.panicked(payload));
+            return vec![(claim, outcome)];
+        }
         let sends: Vec<_> = admitted
             .into_iter()
             .map(|(claim, adapter)| {
@@ -167,10 +195,7 @@ impl AsyncDispatcher {
                 (claim, task)
             })
             .collect();
-        let deadline = core
-            .settings
-            .send_timeout
-            .map(|t| (t, tokio::time::Instant::now() + t));
+        let deadline = timeout.map(|t| (t, tokio::time::Instant::now() + t));
         let mut done = Vec::with_capacity(sends.len());
         for (claim, mut task) in sends {
             let joined = match deadline {
@@ -269,18 +294,18 @@ impl AsyncDispatcher {
             } else {
                 core.settings.batch
             };
-            let claims = self
+            let (claimed, admitted) = self
                 .step(run, std::mem::take(&mut done), limit)
                 .await
                 .unwrap_or_else(|e| {
                     core.claim_failed(&e);
-                    Vec::new()
+                    (0, Vec::new())
                 });
             if limit == 0 {
                 return;
             }
-            if !claims.is_empty() {
-                done = self.send_all(run, claims).await;
+            if claimed > 0 {
+                done = self.send_all(admitted).await;
                 continue;
             }
             let mut next_due = self.blocking(|s| s.core.next_due()).await;
@@ -312,6 +337,26 @@ impl AsyncDispatcher {
                     next_due = self.blocking(|s| s.core.next_due()).await;
                 }
             }
+        }
+    }
+}
+
+/// An adapter's send future with its panics caught: a panic while polling it ends it
+/// with the panic's payload.
+struct CatchUnwind<'a>(BoxFuture<'a, Outcome>);
+
+impl Future for CatchUnwind<'_> {
+    type Output = std::thread::Result<Outcome>;
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let send = &mut self.0;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| send.as_mut().poll(cx))) {
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Ok(std::task::Poll::Ready(outcome)) => std::task::Poll::Ready(Ok(outcome)),
+            Err(payload) => std::task::Poll::Ready(Err(payload)),
         }
     }
 }
