@@ -142,9 +142,7 @@ impl Outbox {
         channels: &[&str],
         limit: usize,
     ) -> Result<(Vec<Result<Recorded>>, Vec<Claim>)> {
-        if limit > 0 {
-            check_limit(limit)?;
-        }
+        // `limit` is a dispatcher's validated batch size (or 0), so within range.
         let options = self.options();
         let step = |tx: &rusqlite::Transaction<'_>| {
             let now = options.now_ms();
@@ -407,5 +405,45 @@ fn expire(
             )?;
             Ok(Expired::Held)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use crate::{ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome};
+
+    /// A renewal extends a live claim to a full lease from now, and refuses a claim that
+    /// no longer owns its chunk (another token, or settled).
+    #[test]
+    fn renewing_extends_live_claims_only() {
+        let clock = ManualClock::new(1_000_000);
+        let options = OutboxOptions::default()
+            .with_lease(Duration::from_secs(10))
+            .with_clock(Arc::new(clock.clone()));
+        let ob = Outbox::open_in_memory(options).unwrap();
+        for chat in ["a", "b"] {
+            ob.enqueue(&NewDelivery::single("t", chat, "x")).unwrap();
+        }
+        let claims = ob.claim(2).unwrap();
+        clock.advance(Duration::from_secs(8));
+        ob.record(&claims[1], Outcome::delivered(None)).unwrap();
+        let held = [
+            (claims[0].chunk_id, claims[0].token),
+            (claims[0].chunk_id, claims[0].token ^ 1),
+            (claims[1].chunk_id, claims[1].token),
+        ];
+        let renewed = ob.renew_leases(&held).unwrap();
+        assert_eq!(renewed, [Some(1_018_000), None, None]);
+        // The renewed lease protects the chunk past its first expiry.
+        clock.advance(Duration::from_secs(5));
+        assert!(ob.claim(2).unwrap().is_empty());
+        assert!(
+            ob.record(&claims[0], Outcome::delivered(None))
+                .unwrap()
+                .finalized
+        );
     }
 }

@@ -79,7 +79,6 @@ fn poison_chunk_exhausts_attempts_without_any_outcome() -> Result<()> {
         }
         db.advance(Duration::from_secs(11));
     }
-    let _ = claim_all(ob);
     assert_eq!(attempts, [1, 2, 3, 4, 5], "five claims, then no more");
     let v = view(ob, id);
     assert_eq!(v.status, DeliveryStatus::Failed);
@@ -91,6 +90,31 @@ fn poison_chunk_exhausts_attempts_without_any_outcome() -> Result<()> {
             .unwrap()
             .contains("lease expired")
     );
+    Ok(())
+}
+
+/// Recovery (not only claiming) fails a chunk whose last attempt ended without an
+/// outcome, and says so in its report.
+#[test]
+fn recovery_fails_a_chunk_whose_attempts_ran_out() -> Result<()> {
+    let options = OutboxOptions::default()
+        .with_channel("telegram", ChannelPolicy::replayable())
+        .with_lease(Duration::from_secs(10));
+    let db = TestDb::new(options);
+    let ob = &db.outbox;
+    let id = enqueue(ob, "1", &["boom"]);
+    for attempt in 1..=5 {
+        let _crashed = claim_one(ob);
+        db.advance(Duration::from_secs(11));
+        let r = ob.recover(RecoverScope::ExpiredLeases)?;
+        let expected = if attempt < 5 { (1, 0) } else { (0, 1) };
+        assert_eq!(
+            (r.retried, r.failed, r.held_uncertain),
+            (expected.0, expected.1, 0)
+        );
+    }
+    assert_eq!(view(ob, id).status, DeliveryStatus::Failed);
+    assert!(claim_all(ob).is_empty());
     Ok(())
 }
 
@@ -273,6 +297,9 @@ fn claim_limits_and_channel_filter() -> Result<()> {
         ob.claim(usize::MAX),
         Err(Error::InvalidInput { .. })
     ));
+    let max = chunked_outbox::MAX_CLAIM_BATCH;
+    assert!(matches!(ob.claim(max + 1), Err(Error::InvalidInput { .. })));
+    assert!(ob.claim(max)?.is_empty(), "the limit itself is allowed");
     assert!(matches!(
         ob.claim_channels(&[], 1),
         Err(Error::InvalidInput { .. })

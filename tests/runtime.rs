@@ -300,6 +300,7 @@ macro_rules! both_flavours {
 }
 
 both_flavours!(
+    a_send_slower_than_its_lease_keeps_it,
     a_hung_send_holds_only_its_own_chat,
     a_known_outcome_is_recorded_before_the_next_send_starts,
     a_busy_database_delays_an_outcome_but_never_drops_it,
@@ -335,6 +336,39 @@ fn a_hung_send_holds_only_its_own_chat(flavour: Flavour) -> Result<()> {
         outbox.health().unwrap().totals.delivered_deliveries == 8
     });
     assert!(running.shutdown().clean);
+    Ok(())
+}
+
+/// A live dispatcher keeps the leases of what it sends alive: a send that takes longer
+/// than the lease is never recovered or claimed by anyone else meanwhile.
+fn a_send_slower_than_its_lease_keeps_it(flavour: Flavour) -> Result<()> {
+    let (_dir, path) = file_db();
+    let options = || OutboxOptions::default().with_lease(Duration::from_secs(2));
+    let outbox = Outbox::open(&path, options())?;
+    let other = Outbox::open(&path, options())?; // another process watching the file
+    let ids = replies(&outbox, "telegram", 1);
+    let adapter = Scripted::new(|_| {
+        std::thread::sleep(Duration::from_secs(5));
+        Outcome::delivered(None)
+    });
+    let running = Running::start(flavour, &outbox, "telegram", adapter, Tuning::one_worker());
+    wait_until("the send started", || {
+        outbox.health().unwrap().totals.sending_chunks == 1
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while status(&outbox, ids[0]) != DeliveryStatus::Delivered {
+        assert!(Instant::now() < deadline, "the slow send was never recorded");
+        let r = other.recover(RecoverScope::ExpiredLeases)?;
+        assert_eq!((r.retried, r.held_uncertain, r.failed), (0, 0, 0), "{r:?}");
+        assert!(
+            other.claim(10)?.is_empty(),
+            "taken over while still being sent"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let report = running.shutdown();
+    assert!(report.stats.renewed >= 2, "{:?}", report.stats);
+    assert_eq!(report.stats.delivered, 1);
     Ok(())
 }
 
