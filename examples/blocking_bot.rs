@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chunked_outbox::{
-    Backoff, ChannelAdapter, Claim, Dispatcher, Outbox, OutboxOptions, Outcome, Pacing,
+    Backoff, ChannelAdapter, ChannelPolicy, Claim, Dispatcher, Outbox, OutboxOptions, Outcome,
     RetryPolicy, Splitter,
 };
 
@@ -41,21 +41,20 @@ impl ChannelAdapter for SimulatedTelegram {
         );
         Outcome::delivered(Some(format!("tg-{n}")))
     }
-
-    fn pacing(&self) -> Pacing {
-        Pacing {
-            lane_interval: Duration::from_millis(50),
-            ..Pacing::default()
-        }
-    }
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // Retries in milliseconds so the example finishes quickly (the default is 5 s, 25 s, ...).
-    let options = OutboxOptions::default().with_retry(RetryPolicy {
-        backoff: Backoff::Schedule(vec![Duration::from_millis(100)]),
-        ..RetryPolicy::default()
-    });
+    // Retries in milliseconds so the example finishes quickly (the default is 5 s, 25 s,
+    // ...), and at most one send per chat every 50 ms: rules stored in the file.
+    let options = OutboxOptions::default()
+        .with_retry(RetryPolicy {
+            backoff: Backoff::Schedule(vec![Duration::from_millis(100)]),
+            ..RetryPolicy::default()
+        })
+        .with_channel(
+            "telegram",
+            ChannelPolicy::default().with_lane_interval(Duration::from_millis(50)),
+        );
     let outbox = Outbox::open_in_memory(options)?;
     let running = Dispatcher::builder(outbox.clone())
         .adapter(

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chunked_outbox::{
-    AsyncChannelAdapter, AsyncDispatcher, Backoff, BoxFuture, Claim, Outbox, OutboxOptions,
-    Outcome, ReplayPolicy, RetryPolicy, Splitter,
+    AsyncChannelAdapter, AsyncDispatcher, Backoff, BoxFuture, ChannelPolicy, Claim, Outbox,
+    OutboxOptions, Outcome, RetryPolicy, Splitter,
 };
 
 struct SimulatedMatrix {
@@ -41,18 +41,18 @@ impl AsyncChannelAdapter for SimulatedMatrix {
             Outcome::delivered(Some(format!("$event{n}")))
         })
     }
-
-    fn replay(&self) -> ReplayPolicy {
-        ReplayPolicy::Replay
-    }
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let options = OutboxOptions::default().with_retry(RetryPolicy {
-        backoff: Backoff::Schedule(vec![Duration::from_millis(100)]),
-        ..RetryPolicy::default()
-    });
+    // Matrix deduplicates by transaction id, so a possibly-sent chunk may be replayed:
+    // a rule stored in the file, like the fast retry schedule of this example.
+    let options = OutboxOptions::default()
+        .with_retry(RetryPolicy {
+            backoff: Backoff::Schedule(vec![Duration::from_millis(100)]),
+            ..RetryPolicy::default()
+        })
+        .with_channel("matrix", ChannelPolicy::replayable());
     let outbox = Outbox::open_in_memory(options)?;
     let dispatcher = AsyncDispatcher::builder(outbox.clone())
         .adapter(

@@ -1,11 +1,12 @@
 //! Claiming due chunks under a lease, and recovering expired leases.
 
 use chrono::{DateTime, Utc};
-use rusqlite::{Connection, OptionalExtension, params, params_from_iter, types::Value};
+use rusqlite::{Connection, params};
 use serde::Serialize;
 
 use crate::clock::{duration_ms, to_datetime};
 use crate::outcome::{self, ChunkRef, Outcome, Recorded};
+use crate::policy::Stored;
 use crate::status::ChunkStatus;
 use crate::{
     ChunkId, DeliveryId, Error, Outbox, ReplayPolicy, Result, chunk_idempotency_key, lane,
@@ -129,8 +130,7 @@ impl Outbox {
 
     fn claim_where(&self, channels: Option<&[&str]>, limit: usize) -> Result<Vec<Claim>> {
         check_limit(limit)?;
-        let options = self.options();
-        self.write(|tx| claim_in(tx, self, channels, limit, options.now_ms()))
+        self.write(|tx, rules| claim_in(tx, self, rules, channels, limit, self.options().now_ms()))
     }
 
     /// Records the outcomes of a dispatcher's finished sends and claims its next ones in
@@ -143,17 +143,12 @@ impl Outbox {
         limit: usize,
     ) -> Result<(Vec<Result<Recorded>>, Vec<Claim>)> {
         // `limit` is a dispatcher's validated batch size (or 0), so within range.
-        let options = self.options();
-        let step = |tx: &rusqlite::Transaction<'_>| {
-            let now = options.now_ms();
-            let recorded = outcome::record_in(
-                tx,
-                options,
-                outcomes.iter().map(|(c, o)| (c, o.clone())),
-                now,
-            )?;
+        let step = |tx: &rusqlite::Transaction<'_>, rules: &Stored| {
+            let now = self.options().now_ms();
+            let recorded =
+                outcome::record_in(tx, rules, outcomes.iter().map(|(c, o)| (c, o.clone())), now)?;
             let claims = if limit > 0 {
-                claim_in(tx, self, Some(channels), limit, now)?
+                claim_in(tx, self, rules, Some(channels), limit, now)?
             } else {
                 Vec::new()
             };
@@ -170,7 +165,7 @@ impl Outbox {
     /// per claim, the new expiry, or `None` if the claim no longer owns its chunk.
     pub(crate) fn renew_leases(&self, claims: &[(ChunkId, i64)]) -> Result<Vec<Option<i64>>> {
         let options = self.options();
-        self.write(|tx| {
+        self.write(|tx, _| {
             let until = options.now_ms().saturating_add(duration_ms(options.lease));
             let mut stmt = tx.prepare_cached(
                 "UPDATE outbound_delivery_chunks SET due_at = ?3
@@ -185,20 +180,27 @@ impl Outbox {
         })
     }
 
-    /// When the next chunk of these channels (all, for `None`) becomes due, or its
-    /// lease expires; `None` if nothing is scheduled. A read; dispatchers sleep until
-    /// then.
+    /// When the next chunk of these channels (all, for `None`) may be claimed: it
+    /// becomes due, its lease expires, or its channel's rate allows its next send;
+    /// `None` if nothing is scheduled. A read of one index entry per channel; dispatchers
+    /// sleep until then.
     ///
     /// # Errors
     ///
     /// Database errors.
     pub fn next_due(&self, channels: Option<&[&str]>) -> Result<Option<DateTime<Utc>>> {
-        let sql = next_due_sql(channels.map_or(0, <[_]>::len));
-        let due: Option<i64> = self.read(|tx| {
-            Ok(tx
-                .prepare_cached(&sql)?
-                .query_row(params_from_iter(due_params(channels, 0, 1)), |r| r.get(0))
-                .optional()?)
+        let due = self.read(|tx| {
+            let mut earliest: Option<i64> = None;
+            for channel in channel_rows(tx, channels)? {
+                let due: Option<i64> = tx
+                    .prepare_cached(NEXT_DUE_SQL)?
+                    .query_row([channel.id], |r| r.get(0))?;
+                if let Some(due) = due {
+                    let due = due.max(channel.rate_slot());
+                    earliest = Some(earliest.map_or(due, |e| e.min(due)));
+                }
+            }
+            Ok(earliest)
         })?;
         Ok(due.map(to_datetime))
     }
@@ -206,35 +208,36 @@ impl Outbox {
     /// Settles `sending` chunks whose worker is gone, then finalizes deliveries whose
     /// chunks are all delivered but which were never written to `messages`.
     ///
-    /// Each abandoned chunk follows its channel's [`ReplayPolicy`]: `retry` (due now) if
-    /// the channel may replay, `uncertain` otherwise, `failed` if its attempts are used
-    /// up. Claiming does the same for expired leases as it meets them, so calling this
-    /// is only needed at start-up.
+    /// Each abandoned chunk follows its channel's stored [`ReplayPolicy`]: `retry` (due
+    /// now) if the channel may replay, `uncertain` otherwise, `failed` if its attempts
+    /// are used up. Claiming does the same for expired leases as it meets them, so
+    /// calling this is only needed at start-up.
     ///
     /// # Errors
     ///
     /// [`Error::Busy`] and other database errors; nothing is changed then.
     pub fn recover(&self, scope: RecoverScope) -> Result<RecoveryReport> {
-        let options = self.options();
-        self.write_and_wake(|tx| {
-            let now = options.now_ms();
+        self.write_and_wake(|tx, rules| {
+            let now = self.options().now_ms();
             let limit = match scope {
                 RecoverScope::ExpiredLeases => now,
                 RecoverScope::AllSending => i64::MAX,
             };
             let mut report = RecoveryReport::default();
-            for chunk in sending_chunks(tx, limit)? {
-                match expire(tx, options, &chunk, now)? {
-                    Expired::Replayable => {
-                        let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, now)?;
-                        outcome::retry_abandoned(tx, &chunk, due)?;
-                        report.retried += 1;
+            for channel in channel_rows(tx, None)? {
+                for chunk in sending_chunks(tx, channel.id, limit)? {
+                    match expire(tx, rules, &chunk, now)? {
+                        Expired::Replayable => {
+                            let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, now)?;
+                            outcome::retry_abandoned(tx, &chunk, due)?;
+                            report.retried += 1;
+                        }
+                        Expired::Held => report.held_uncertain += 1,
+                        Expired::Exhausted => report.failed += 1,
                     }
-                    Expired::Held => report.held_uncertain += 1,
-                    Expired::Exhausted => report.failed += 1,
                 }
             }
-            report.finalized = crate::finalize::sweep(tx, options, now)?;
+            report.finalized = crate::finalize::sweep(tx, rules, now)?;
             Ok(report)
         })
     }
@@ -250,26 +253,125 @@ fn check_limit(limit: usize) -> Result<()> {
     Ok(())
 }
 
+/// A channel as the claim needs it: its number, and its channel-wide rate.
+struct ChannelRow {
+    id: i64,
+    name: String,
+    /// The channel's interval between sends, ms (0: no rate limit), and the earliest
+    /// start of its next send.
+    interval: i64,
+    next_send_at: Option<i64>,
+}
+
+impl ChannelRow {
+    /// The earliest time the channel's rate lets a send start.
+    fn rate_slot(&self) -> i64 {
+        if self.interval > 0 {
+            self.next_send_at.unwrap_or(i64::MIN)
+        } else {
+            i64::MIN
+        }
+    }
+}
+
+/// The channel rows of `channels` (every channel, for `None`), with the interval their
+/// stored rules (or the default's) give. Channels the file has never seen have no
+/// chunks and are left out.
+fn channel_rows(tx: &Connection, channels: Option<&[&str]>) -> Result<Vec<ChannelRow>> {
+    let mut stmt = tx.prepare_cached(
+        "SELECT ch.id, ch.name, coalesce(ch.channel_interval_ms, p.channel_interval_ms),
+                ch.next_send_at
+         FROM outbound_channels ch, outbound_policy p
+         WHERE p.id = 1 AND (?1 IS NULL OR ch.name = ?1)",
+    )?;
+    let mut read = |name: Option<&str>| -> Result<Vec<ChannelRow>> {
+        let rows = stmt.query_map([name], |r| {
+            Ok(ChannelRow {
+                id: r.get(0)?,
+                name: r.get(1)?,
+                interval: r.get(2)?,
+                next_send_at: r.get(3)?,
+            })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    };
+    match channels {
+        None => read(None),
+        Some(names) => {
+            let mut rows = Vec::with_capacity(names.len());
+            for name in names {
+                rows.extend(read(Some(name))?);
+            }
+            Ok(rows)
+        }
+    }
+}
+
 /// Claims up to `limit` due chunks in the caller's transaction (see [`Outbox::claim`]).
+///
+/// Each channel's due chunks are a range of the claim index of its own; the oldest due
+/// of all of them go first. A channel whose rate has no slot yet is not read at all; a
+/// channel with a rate gives at most one chunk, and takes its next slot. A chunk whose
+/// lane interval has not passed since the lane's last send is pushed back to when it
+/// has; a row that cannot be read is set aside as corrupt.
 fn claim_in(
     tx: &Connection,
     outbox: &Outbox,
+    rules: &Stored,
     channels: Option<&[&str]>,
     limit: usize,
     now: i64,
 ) -> Result<Vec<Claim>> {
-    let options = outbox.options();
-    let lease_until = now.saturating_add(duration_ms(options.lease));
-    let candidates = due_chunks(tx, channels, now, limit)?;
-    let mut claims = Vec::with_capacity(candidates.len());
-    for c in candidates {
+    let lease_until = now.saturating_add(duration_ms(outbox.options().lease));
+    let mut candidates = Vec::new();
+    let mut paced = Vec::new();
+    for channel in channel_rows(tx, channels)? {
+        if channel.rate_slot() > now {
+            continue;
+        }
+        let take = if channel.interval > 0 {
+            paced.push((channel.id, channel.interval));
+            1
+        } else {
+            limit
+        };
+        candidates.extend(due_chunks(tx, channel.id, &channel.name, now, take)?);
+    }
+    candidates.sort_by_key(|c| c.due_at);
+    let mut claims = Vec::with_capacity(limit.min(candidates.len()));
+    let mut slots_taken = Vec::new();
+    for candidate in candidates {
+        if claims.len() == limit {
+            break;
+        }
+        let c = match candidate.row {
+            Ok(c) => c,
+            Err(reason) => {
+                outcome::set_aside_corrupt(
+                    tx,
+                    rules,
+                    candidate.chunk,
+                    candidate.delivery,
+                    &reason,
+                    now,
+                )?;
+                continue;
+            }
+        };
         if c.chunk.status == ChunkStatus::Sending
-            && expire(tx, options, &c.chunk, now)? != Expired::Replayable
+            && expire(tx, rules, &c.chunk, now)? != Expired::Replayable
         {
             continue;
         }
-        if let Some(reason) = outcome::out_of_budget(options, &c.chunk, now) {
-            outcome::fail_chunk(tx, options, &c.chunk, &reason, now)?;
+        if let Some(reason) = outcome::out_of_budget(rules, &c.chunk, now) {
+            outcome::fail_chunk(tx, rules, &c.chunk, &reason, now)?;
+            continue;
+        }
+        let lane_free = lane::due_time(tx, &c.chunk.channel, &c.chunk.chat_id, now)?;
+        if lane_free > now {
+            // Another send of the chat started less than its lane interval ago.
+            tx.prepare_cached("UPDATE outbound_delivery_chunks SET due_at = ?2 WHERE id = ?1")?
+                .execute(params![c.chunk.id, lane_free])?;
             continue;
         }
         let token = outbox.next_token();
@@ -280,11 +382,14 @@ fn claim_in(
              WHERE id = ?1",
         )?
         .execute(params![c.chunk.id, lease_until, token])?;
-        let delivery_id: DeliveryId = c.uid.parse()?;
+        lane::note_send(tx, rules, &c.chunk.channel, &c.chunk.chat_id, now)?;
+        if let Some((id, interval)) = paced.iter().find(|(id, _)| *id == candidate.channel_id) {
+            slots_taken.push((*id, now.saturating_add(*interval)));
+        }
         claims.push(Claim {
             chunk_id: ChunkId(c.chunk.id),
-            idempotency_key: chunk_idempotency_key(&delivery_id, c.chunk.index as u32),
-            delivery_id,
+            idempotency_key: chunk_idempotency_key(&c.uid, c.chunk.index as u32),
+            delivery_id: c.uid,
             channel: c.chunk.channel,
             chat_id: c.chunk.chat_id,
             index: c.chunk.index as u32,
@@ -295,110 +400,125 @@ fn claim_in(
             token,
         });
     }
+    for (channel, next) in slots_taken {
+        tx.prepare_cached("UPDATE outbound_channels SET next_send_at = ?2 WHERE id = ?1")?
+            .execute(params![channel, next])?;
+    }
     Ok(claims)
 }
 
-/// A claimable (or lease-expired) chunk read by the claim query.
+/// A claimable (or lease-expired) chunk read by the claim query: its row, or why the
+/// row cannot be read.
 struct Candidate {
+    chunk: i64,
+    delivery: i64,
+    channel_id: i64,
+    due_at: i64,
+    row: std::result::Result<Readable, String>,
+}
+
+struct Readable {
     chunk: ChunkRef,
-    uid: String,
+    uid: DeliveryId,
     text: String,
 }
 
-/// The claim query: a range search on the partial `due_at` index, in index order, so
-/// its cost is proportional to what it returns (plus rows of channels filtered out),
-/// never to backlog or history. `?1` is now, `?2` the limit, `?3..` the channels.
-pub(crate) fn claim_sql(channels: usize) -> String {
-    due_sql(
-        "c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
-         d.channel, d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text)",
-        "c.due_at <= ?1",
-        channels,
-    )
-}
+/// The claim query for one channel: a range search on the claim index, in its order,
+/// so its cost is what it returns, never another channel's backlog or any history.
+/// `?1` is the channel, `?2` now, `?3` the limit.
+pub(crate) const CLAIM_SQL: &str =
+    "SELECT c.id, c.delivery_id, c.due_at, c.chunk_index, c.status, c.attempts,
+            d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text)
+     FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
+     WHERE c.channel_id = ?1 AND c.due_at IS NOT NULL AND c.due_at <= ?2
+     ORDER BY c.due_at LIMIT ?3";
 
-/// The earliest due time among the given channels (`?1` unused, `?2` = 1): the same
-/// index search as the claim, stopping at the first row.
-pub(crate) fn next_due_sql(channels: usize) -> String {
-    due_sql("c.due_at", "?1 IS NOT NULL", channels)
-}
-
-fn due_sql(columns: &str, bound: &str, channels: usize) -> String {
-    let mut sql = format!(
-        "SELECT {columns}
-         FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
-         WHERE c.due_at IS NOT NULL AND {bound}"
-    );
-    if channels > 0 {
-        let placeholders: Vec<String> = (0..channels).map(|i| format!("?{}", i + 3)).collect();
-        sql.push_str(&format!(" AND d.channel IN ({})", placeholders.join(", ")));
-    }
-    sql.push_str(" ORDER BY c.due_at LIMIT ?2");
-    sql
-}
-
-fn due_params(channels: Option<&[&str]>, now: i64, limit: usize) -> Vec<Value> {
-    let mut values = vec![Value::Integer(now), Value::Integer(limit as i64)];
-    values.extend(
-        channels
-            .unwrap_or_default()
-            .iter()
-            .map(|c| Value::Text((*c).to_owned())),
-    );
-    values
-}
+/// The earliest due time of one channel (`?1`): the first entry of its claim index.
+pub(crate) const NEXT_DUE_SQL: &str = "SELECT min(due_at) FROM outbound_delivery_chunks
+     WHERE channel_id = ?1 AND due_at IS NOT NULL";
 
 fn due_chunks(
     tx: &Connection,
-    channels: Option<&[&str]>,
+    channel_id: i64,
+    channel: &str,
     now: i64,
     limit: usize,
 ) -> Result<Vec<Candidate>> {
-    let sql = claim_sql(channels.map_or(0, <[_]>::len));
-    let mut stmt = tx.prepare_cached(&sql)?;
-    let rows = stmt.query_map(params_from_iter(due_params(channels, now, limit)), |r| {
+    let mut stmt = tx.prepare_cached(CLAIM_SQL)?;
+    let rows = stmt.query_map(params![channel_id, now, limit as i64], |r| {
+        let readable = || -> std::result::Result<Readable, String> {
+            let text = |i: usize| -> std::result::Result<String, String> {
+                let value = r.get_ref(i).map_err(|e| e.to_string())?;
+                match value {
+                    rusqlite::types::ValueRef::Text(bytes) => String::from_utf8(bytes.to_vec())
+                        .map_err(|_| format!("column {i} is not UTF-8")),
+                    other => Err(format!("column {i} is {:?}, not text", other.data_type())),
+                }
+            };
+            let uid = text(9)?;
+            let uid: DeliveryId = uid
+                .parse()
+                .map_err(|_| format!("its delivery uid {uid:?} is not a UUID"))?;
+            let chunk = ChunkRef {
+                id: r.get(0).map_err(|e| e.to_string())?,
+                delivery: r.get(1).map_err(|e| e.to_string())?,
+                index: r.get(3).map_err(|e| e.to_string())?,
+                status: r.get(4).map_err(|e| e.to_string())?,
+                attempts: r.get(5).map_err(|e| e.to_string())?,
+                channel: channel.to_owned(),
+                chat_id: text(6)?,
+                created_at: r.get(7).map_err(|e| e.to_string())?,
+                total: r.get(8).map_err(|e| e.to_string())?,
+            };
+            Ok(Readable {
+                chunk,
+                uid,
+                text: text(10)?,
+            })
+        };
         Ok(Candidate {
-            // The claim query selects ChunkRef's columns first, in its order.
-            chunk: ChunkRef::from_row(r)?,
-            uid: r.get(9)?,
-            text: r.get(10)?,
+            chunk: r.get(0)?,
+            delivery: r.get(1)?,
+            channel_id,
+            due_at: r.get(2)?,
+            row: readable(),
         })
     })?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
 
-/// `sending` chunks whose lease ends at or before `until`.
-fn sending_chunks(tx: &Connection, until: i64) -> Result<Vec<ChunkRef>> {
-    let mut stmt = tx.prepare_cached(outcome::chunk_ref_where!(
-        "c.due_at IS NOT NULL AND c.due_at <= ?1 AND c.status = 'sending'"
-    ))?;
-    let rows = stmt.query_map([until], ChunkRef::from_row)?;
+/// `sending` chunks of one channel (`?1`) whose lease ends at or before `?2`: a range of
+/// that channel's part of the claim index.
+pub(crate) const EXPIRED_SQL: &str = outcome::chunk_ref_where!(
+    "c.channel_id = ?1 AND c.due_at IS NOT NULL AND c.due_at <= ?2 AND c.status = 'sending'"
+);
+
+/// `sending` chunks of one channel whose lease ends at or before `until`.
+fn sending_chunks(tx: &Connection, channel_id: i64, until: i64) -> Result<Vec<ChunkRef>> {
+    let mut stmt = tx.prepare_cached(EXPIRED_SQL)?;
+    let rows = stmt.query_map(params![channel_id, until], ChunkRef::from_row)?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
 
 /// Settles a chunk whose lease expired while `sending`. A replayable chunk is left for
 /// the caller to claim or reschedule; a held one becomes `uncertain`; one with no
 /// attempts left fails.
-fn expire(
-    tx: &Connection,
-    options: &crate::OutboxOptions,
-    chunk: &ChunkRef,
-    now: i64,
-) -> Result<Expired> {
-    if chunk.attempts >= options.retry.max_attempts {
+fn expire(tx: &Connection, rules: &Stored, chunk: &ChunkRef, now: i64) -> Result<Expired> {
+    let max_attempts = rules.policy.retry_for(&chunk.channel).max_attempts;
+    if chunk.attempts >= max_attempts {
         let reason = format!(
-            "lease expired without an outcome on attempt {} of {}; the worker may crash on this chunk",
-            chunk.attempts, options.retry.max_attempts
+            "lease expired without an outcome on attempt {} of {max_attempts}; the worker may crash on this chunk",
+            chunk.attempts
         );
-        outcome::fail_chunk(tx, options, chunk, &reason, now)?;
+        outcome::fail_chunk(tx, rules, chunk, &reason, now)?;
         return Ok(Expired::Exhausted);
     }
-    match options.channel(&chunk.channel).replay {
+    match rules.policy.channel(&chunk.channel).replay {
         ReplayPolicy::Replay => Ok(Expired::Replayable),
-        _ => {
+        ReplayPolicy::Hold => {
             outcome::hold_abandoned(
                 tx,
-                options,
+                rules,
                 chunk,
                 "lease expired while sending; the chunk may have reached the platform",
                 now,

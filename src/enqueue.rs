@@ -5,6 +5,7 @@ use serde::Serialize;
 
 use crate::ids::{CHUNK_STRIDE, chunks_of_delivery};
 use crate::lane::{self, LaneHead};
+use crate::policy::{self, Stored};
 use crate::{DeliveryId, Error, LaneOrder, Outbox, Result};
 
 /// Longest accepted channel name, in bytes.
@@ -214,7 +215,7 @@ impl Outbox {
     /// content. Nothing is written in either case.
     pub fn enqueue(&self, delivery: &NewDelivery) -> Result<Enqueued> {
         delivery.validate()?;
-        self.write_and_wake(|tx| insert(tx, self, delivery))
+        self.write_and_wake(|tx, rules| insert(tx, self, rules, delivery))
     }
 
     /// Splits `text` with `splitter` and enqueues the chunks in one call.
@@ -280,7 +281,10 @@ impl Outbox {
         // A savepoint makes our writes all-or-nothing even if the caller goes on to
         // commit after we returned an error.
         conn.execute_batch("SAVEPOINT chunked_outbox_enqueue")?;
-        match insert(conn, self, delivery) {
+        match self
+            .rules(conn)
+            .and_then(|rules| insert(conn, self, &rules, delivery))
+        {
             Ok(enqueued) => {
                 conn.execute_batch("RELEASE chunked_outbox_enqueue")?;
                 // Visible once the caller commits; a dispatcher's change watcher sees
@@ -298,8 +302,7 @@ impl Outbox {
     }
 }
 
-fn insert(tx: &Connection, outbox: &Outbox, d: &NewDelivery) -> Result<Enqueued> {
-    let options = outbox.options();
+fn insert(tx: &Connection, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> Result<Enqueued> {
     if let Some(key) = &d.idempotency_key
         && let Some((rowid, existing)) = find_by_key(tx, key)?
     {
@@ -316,7 +319,8 @@ fn insert(tx: &Connection, outbox: &Outbox, d: &NewDelivery) -> Result<Enqueued>
         };
     }
 
-    let now = options.now_ms();
+    let now = outbox.options().now_ms();
+    let channel_id = policy::channel_id(tx, rules, &d.channel)?;
     // The next row id, chosen here (under the write lock) so the uid can be derived
     // from it: the uid needs no index of its own.
     let rowid: i64 = tx
@@ -327,9 +331,9 @@ fn insert(tx: &Connection, outbox: &Outbox, d: &NewDelivery) -> Result<Enqueued>
         "the database has used up its row ids; purge it or start a new file",
     ))?;
     let id = outbox.new_delivery_id(rowid, now);
-    let active = match options.lane_order {
+    let active = match rules.policy.lane_order {
         LaneOrder::Parallel => true,
-        LaneOrder::Fifo => match lane::head(tx, options, &d.channel, &d.chat_id)? {
+        LaneOrder::Fifo => match lane::head(tx, &rules.policy, &d.channel, &d.chat_id)? {
             LaneHead::Idle => true,
             LaneHead::Busy => false,
             // A queued delivery with nothing in front of it: start that one first.
@@ -365,15 +369,23 @@ fn insert(tx: &Connection, outbox: &Outbox, d: &NewDelivery) -> Result<Enqueued>
         None
     };
     let mut chunk = tx.prepare_cached(
-        "INSERT INTO outbound_delivery_chunks (id, delivery_id, chunk_index, status, due_at, text)
-         VALUES (?1, ?2, ?3, 'pending', ?4, ?5)",
+        "INSERT INTO outbound_delivery_chunks
+             (id, delivery_id, chunk_index, status, due_at, text, channel_id)
+         VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6)",
     )?;
     for (index, text) in d.chunks.iter().enumerate() {
         // A chunk that is the whole text points at the delivery's copy (NULL).
         let text = (*text != d.text).then_some(text);
         let index = index as i64;
         let due = if index == 0 { head_due } else { None };
-        chunk.execute(params![first_chunk + index, rowid, index, due, text])?;
+        chunk.execute(params![
+            first_chunk + index,
+            rowid,
+            index,
+            due,
+            text,
+            channel_id
+        ])?;
     }
     Ok(Enqueued { id, created: true })
 }

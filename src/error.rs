@@ -80,6 +80,49 @@ pub enum Error {
         supported: i64,
     },
 
+    /// The database was written by an older version of this crate and this handle was
+    /// opened without schema upgrades (as the `outbox` tool opens files). Run `outbox
+    /// migrate` (or open it once with [`OutboxOptions::with_schema_upgrade`](crate::OutboxOptions::with_schema_upgrade));
+    /// nothing was changed in the file.
+    #[error(
+        "{} is at outbox schema version {found}, older than this build's {current}; run `outbox migrate` first (nothing was changed)", path.display()
+    )]
+    SchemaTooOld {
+        /// The database file.
+        path: PathBuf,
+        /// The schema version found in the file.
+        found: i64,
+        /// The version this build writes.
+        current: i64,
+    },
+
+    /// The file is an SQLite database, but not an outbox (it has tables of its own and
+    /// none of the outbox's), and this handle may not add them. It was left as it was.
+    #[error("{} is an SQLite database but not an outbox (no outbox tables); it was left untouched", path.display())]
+    NotAnOutbox {
+        /// The database file.
+        path: PathBuf,
+    },
+
+    /// A stored rule (see [`Policy`](crate::Policy)) differs from the one given in the
+    /// options: each process on a file follows the file's rules, so a different one is
+    /// refused rather than followed by one process only. Change the stored rule
+    /// ([`Outbox::set_policy`](crate::Outbox::set_policy),
+    /// [`Outbox::set_channel_policy`](crate::Outbox::set_channel_policy), `outbox config
+    /// set`), drop it from the options, or open with
+    /// [`OutboxOptions::with_policy_update`](crate::OutboxOptions::with_policy_update).
+    #[error(
+        "the file stores {rule} = {stored}, but these options give {given}; change the stored rule (Outbox::set_policy, `outbox config set`) or open with OutboxOptions::with_policy_update(true)"
+    )]
+    PolicyConflict {
+        /// Which rule.
+        rule: String,
+        /// What the file stores.
+        stored: String,
+        /// What the options give.
+        given: String,
+    },
+
     /// The file exists but is not an SQLite database (or is corrupt). It was left
     /// untouched; restore it from a backup or point the outbox at another path.
     #[error("{} is not an outbox database (not SQLite, or corrupt); it was left untouched", path.display())]

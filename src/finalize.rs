@@ -3,15 +3,15 @@
 use rusqlite::{Connection, params};
 
 use crate::ids::chunks_of_delivery;
-use crate::outcome::earliest_send;
-use crate::{OutboxOptions, Result, lane};
+use crate::policy::Stored;
+use crate::{Result, lane};
 
 /// Writes a fully delivered delivery to `messages` and marks it delivered, in the
 /// caller's transaction (the one that recorded its last ack). `messages.delivery_id` is
 /// UNIQUE, so a second finalization fails instead of writing a duplicate row.
 pub(crate) fn finalize(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Stored,
     delivery: i64,
     (channel, chat_id): (&str, &str),
     now: i64,
@@ -35,8 +35,7 @@ pub(crate) fn finalize(
          SET delivered = delivered + 1, last_delivered_at = max(coalesce(last_delivered_at, ?2), ?2)",
     )?
     .execute(params![channel, now])?;
-    let earliest = earliest_send(options, channel, now);
-    lane::advance(tx, options, channel, chat_id, earliest)
+    lane::advance(tx, &rules.policy, channel, chat_id, now)
 }
 
 /// Unfinished deliveries whose chunks are all delivered.
@@ -52,7 +51,7 @@ pub(crate) const SWEEP_SQL: &str = concat!(
 /// Finalizes unfinished deliveries whose chunks are all delivered: what a crash in a
 /// path that recorded chunk acks separately from finalization (an older outbox, a
 /// manual repair) leaves behind. Reads only unfinished deliveries, never history.
-pub(crate) fn sweep(tx: &Connection, options: &OutboxOptions, now: i64) -> Result<u64> {
+pub(crate) fn sweep(tx: &Connection, rules: &Stored, now: i64) -> Result<u64> {
     let mut stmt = tx.prepare_cached(SWEEP_SQL)?;
     let done = stmt
         .query_map([], |r| {
@@ -64,7 +63,7 @@ pub(crate) fn sweep(tx: &Connection, options: &OutboxOptions, now: i64) -> Resul
         })?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     for (delivery, channel, chat_id) in &done {
-        finalize(tx, options, *delivery, (channel, chat_id), now)?;
+        finalize(tx, rules, *delivery, (channel, chat_id), now)?;
     }
     Ok(done.len() as u64)
 }

@@ -9,12 +9,16 @@
 //! * with [`LaneOrder::Fifo`] a lane `(channel, chat_id)` has at most one active
 //!   delivery (`pending`/`partial`); the others are `queued` and wait for
 //!   [`advance`] to activate the oldest one;
-//! * a lane paused by a rate limit hands out nothing due before the pause ends.
+//! * a lane paused by a rate limit hands out nothing due before the pause ends, nor
+//!   anything before its channel's lane interval has passed since its last send
+//!   started, whoever sent it (`outbound_lanes`).
 
 use rusqlite::{Connection, OptionalExtension, params};
 
+use crate::clock::duration_ms;
 use crate::ids::CHUNK_STRIDE;
-use crate::{LaneFailurePolicy, LaneOrder, OutboxOptions, Result};
+use crate::policy::Stored;
+use crate::{LaneFailurePolicy, LaneOrder, Policy, Result};
 
 /// Where a lane stands for scheduling purposes.
 pub(crate) enum LaneHead {
@@ -45,7 +49,7 @@ const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
 pub(crate) fn head(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Policy,
     channel: &str,
     chat_id: &str,
 ) -> Result<LaneHead> {
@@ -57,7 +61,7 @@ pub(crate) fn head(
         .prepare_cached(QUEUED_SQL)?
         .query_row(lane, |r| r.get(0))
         .optional()?;
-    if options.lane_failure == LaneFailurePolicy::Block {
+    if rules.lane_failure == LaneFailurePolicy::Block {
         let held: Option<i64> = tx.prepare_cached(HELD_SQL)?.query_row(lane, |r| r.get(0))?;
         if held.is_some_and(|h| next.is_none_or(|n| h < n)) {
             return Ok(LaneHead::Busy);
@@ -71,15 +75,15 @@ pub(crate) fn head(
 /// deliveries are active from the start.
 pub(crate) fn advance(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Policy,
     channel: &str,
     chat_id: &str,
     earliest: i64,
 ) -> Result<()> {
-    if options.lane_order == LaneOrder::Parallel {
+    if rules.lane_order == LaneOrder::Parallel {
         return Ok(());
     }
-    if let LaneHead::Next(delivery) = head(tx, options, channel, chat_id)? {
+    if let LaneHead::Next(delivery) = head(tx, rules, channel, chat_id)? {
         activate(tx, delivery, channel, chat_id, earliest)?;
     }
     Ok(())
@@ -119,22 +123,50 @@ pub(crate) fn make_due(
     Ok(())
 }
 
-/// `earliest`, or the end of the lane's rate-limit pause if that is later. Every due
-/// time handed to a chunk (other than a claim's lease expiry) goes through here, so no
-/// send of a paused lane starts early.
+/// `earliest`, or later if the lane says so: the end of its rate-limit pause, or the
+/// time its channel's lane interval allows the next send. Every due time handed to a
+/// chunk (other than a claim's lease expiry) goes through here, so no send of a paused
+/// or paced lane starts early.
 pub(crate) fn due_time(
     tx: &Connection,
     channel: &str,
     chat_id: &str,
     earliest: i64,
 ) -> Result<i64> {
-    let paused: Option<i64> = tx
+    let lane: Option<(Option<i64>, Option<i64>)> = tx
         .prepare_cached(
-            "SELECT paused_until FROM outbound_lane_pauses WHERE channel = ?1 AND chat_id = ?2",
+            "SELECT paused_until, next_send_at FROM outbound_lanes
+             WHERE channel = ?1 AND chat_id = ?2",
         )?
-        .query_row(params![channel, chat_id], |r| r.get(0))
+        .query_row(params![channel, chat_id], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()?;
-    Ok(paused.map_or(earliest, |p| p.max(earliest)))
+    let (paused, next) = lane.unwrap_or_default();
+    Ok(earliest
+        .max(paused.unwrap_or(i64::MIN))
+        .max(next.unwrap_or(i64::MIN)))
+}
+
+/// Notes that a send of the lane starts `now`: under a lane interval, no other send of
+/// the lane may start before `now + interval`, whichever process makes it. Nothing is
+/// written for channels without one.
+pub(crate) fn note_send(
+    tx: &Connection,
+    rules: &Stored,
+    channel: &str,
+    chat_id: &str,
+    now: i64,
+) -> Result<()> {
+    let interval = duration_ms(rules.policy.channel(channel).lane_interval);
+    if interval == 0 {
+        return Ok(());
+    }
+    tx.prepare_cached(
+        "INSERT INTO outbound_lanes (channel, chat_id, next_send_at) VALUES (?1, ?2, ?3)
+         ON CONFLICT (channel, chat_id) DO UPDATE
+         SET next_send_at = max(coalesce(next_send_at, ?3), ?3)",
+    )?
+    .execute(params![channel, chat_id, now.saturating_add(interval)])?;
+    Ok(())
 }
 
 /// Pushes the lane's due chunks back to `?3`. Only head chunks are ever due: chunk
@@ -150,9 +182,9 @@ pub(crate) const PAUSE_DUE_SQL: &str = "UPDATE outbound_delivery_chunks SET due_
 /// and pushes back the chunks of the lane that are already due.
 pub(crate) fn pause(tx: &Connection, channel: &str, chat_id: &str, until: i64) -> Result<()> {
     tx.prepare_cached(
-        "INSERT INTO outbound_lane_pauses (channel, chat_id, paused_until) VALUES (?1, ?2, ?3)
+        "INSERT INTO outbound_lanes (channel, chat_id, paused_until) VALUES (?1, ?2, ?3)
          ON CONFLICT (channel, chat_id) DO UPDATE
-         SET paused_until = max(paused_until, excluded.paused_until)",
+         SET paused_until = max(coalesce(paused_until, ?3), ?3)",
     )?
     .execute(params![channel, chat_id, until])?;
     tx.prepare_cached(PAUSE_DUE_SQL)?
@@ -165,13 +197,13 @@ pub(crate) fn pause(tx: &Connection, channel: &str, chat_id: &str, until: i64) -
 /// for FIFO lanes, and activated if the lane is free.
 pub(crate) fn rejoin(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Policy,
     delivery: i64,
     channel: &str,
     chat_id: &str,
     earliest: i64,
 ) -> Result<()> {
-    if options.lane_order == LaneOrder::Parallel {
+    if rules.lane_order == LaneOrder::Parallel {
         return activate(tx, delivery, channel, chat_id, earliest);
     }
     tx.prepare_cached(
@@ -179,5 +211,43 @@ pub(crate) fn rejoin(
          SET status = 'queued', finished_at = NULL, acknowledged_at = NULL WHERE id = ?1",
     )?
     .execute([delivery])?;
-    advance(tx, options, channel, chat_id, earliest)
+    advance(tx, rules, channel, chat_id, earliest)
+}
+
+/// Queued deliveries, oldest first, with their lanes.
+pub(crate) const QUEUED_ALL_SQL: &str = "SELECT id, channel, chat_id FROM outbound_deliveries
+     WHERE status = 'queued' AND status <> 'delivered' ORDER BY id";
+
+/// Moves stored rows with a change of the lane rules, so that no reply waits under a
+/// rule that no longer holds: under `Parallel` every queued delivery starts; under FIFO
+/// (with a changed failure policy) each lane with a queued delivery gets the head the
+/// new rules give it.
+pub(crate) fn follow_rule_change(
+    tx: &Connection,
+    before: &Policy,
+    after: &Policy,
+    now: i64,
+) -> Result<()> {
+    if before.lane_order == after.lane_order && before.lane_failure == after.lane_failure {
+        return Ok(());
+    }
+    let queued = tx
+        .prepare_cached(QUEUED_ALL_SQL)?
+        .query_map([], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+            ))
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let mut lanes = std::collections::BTreeSet::new();
+    for (delivery, channel, chat_id) in queued {
+        if after.lane_order == LaneOrder::Parallel {
+            activate(tx, delivery, &channel, &chat_id, now)?;
+        } else if lanes.insert((channel.clone(), chat_id.clone())) {
+            advance(tx, after, &channel, &chat_id, now)?;
+        }
+    }
+    Ok(())
 }

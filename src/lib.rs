@@ -123,6 +123,7 @@ mod operator;
 mod options;
 mod outbox;
 mod outcome;
+mod policy;
 mod retention;
 mod schema;
 mod split;
@@ -136,8 +137,7 @@ pub use dispatch::tokio::{
     AsyncChannelAdapter, AsyncDispatcher, AsyncDispatcherBuilder, BoxFuture, RunningAsyncDispatcher,
 };
 pub use dispatch::{
-    ChannelAdapter, DispatchStats, Dispatcher, DispatcherBuilder, Pacing, RunningDispatcher,
-    ShutdownReport,
+    ChannelAdapter, DispatchStats, Dispatcher, DispatcherBuilder, RunningDispatcher, ShutdownReport,
 };
 pub use enqueue::{
     Enqueued, MAX_CHANNEL_BYTES, MAX_CHAT_ID_BYTES, MAX_CHUNKS, MAX_DELIVERY_BYTES, MAX_KEY_BYTES,
@@ -149,11 +149,11 @@ pub use ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
 pub use inspect::{ChunkView, DeliveryView, ListFilter, MAX_LIST_LIMIT};
 pub use operator::Resolution;
 pub use options::{
-    Backoff, ChannelPolicy, LaneFailurePolicy, LaneOrder, OutboxOptions, ReplayPolicy, RetryPolicy,
-    Synchronous,
+    Backoff, LaneFailurePolicy, LaneOrder, OutboxOptions, ReplayPolicy, RetryPolicy, Synchronous,
 };
 pub use outbox::Outbox;
 pub use outcome::{MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES, Outcome, Recorded};
+pub use policy::{ChannelPolicy, Policy};
 pub use retention::PurgeReport;
 pub use schema::{BACKGROUND_AUTOCHECKPOINT_PAGES, SCHEMA_VERSION, StorageSettings};
 pub use split::{LengthUnit, Splitter};

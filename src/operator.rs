@@ -5,8 +5,9 @@ use std::collections::BTreeSet;
 use rusqlite::{Connection, OptionalExtension, params};
 
 use crate::outcome::{ChunkRef, Recorded, chunk_ref_where, deliver_chunk};
+use crate::policy::Stored;
 use crate::status::ChunkStatus;
-use crate::{ChunkId, DeliveryId, Error, Outbox, OutboxOptions, Result, lane};
+use crate::{ChunkId, DeliveryId, Error, Outbox, Result, lane};
 
 /// How to settle a chunk held as `uncertain`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,10 +34,9 @@ impl Outbox {
     /// [`Error::ChunkNotFound`]; [`Error::InvalidState`] if the chunk is neither
     /// `failed` nor `uncertain`.
     pub fn requeue_chunk(&self, chunk: ChunkId) -> Result<()> {
-        let options = self.options();
-        self.write_and_wake(|tx| {
+        self.write_and_wake(|tx, rules| {
             let chunk = ChunkRef::load(tx, chunk)?;
-            requeue(tx, options, &chunk, "requeue", options.now_ms())
+            requeue(tx, rules, &chunk, "requeue", self.options().now_ms())
         })
     }
 
@@ -48,10 +48,9 @@ impl Outbox {
     /// [`Error::DeliveryNotFound`]; [`Error::InvalidState`] (naming the delivery's
     /// current head chunk) if nothing in it is failed or uncertain.
     pub fn requeue_delivery(&self, delivery: DeliveryId) -> Result<()> {
-        let options = self.options();
-        self.write_and_wake(|tx| {
+        self.write_and_wake(|tx, rules| {
             let chunk = held_or_head_chunk(self, tx, delivery)?;
-            requeue(tx, options, &chunk, "requeue", options.now_ms())
+            requeue(tx, rules, &chunk, "requeue", self.options().now_ms())
         })
     }
 
@@ -61,15 +60,14 @@ impl Outbox {
     ///
     /// Database errors; nothing is changed then.
     pub fn requeue_dead_letters(&self) -> Result<u64> {
-        let options = self.options();
-        self.write_and_wake(|tx| {
-            let now = options.now_ms();
+        self.write_and_wake(|tx, rules| {
+            let now = self.options().now_ms();
             let mut stmt = tx.prepare_cached(DEAD_LETTER_CHUNKS_SQL)?;
             let chunks = stmt
                 .query_map([], ChunkRef::from_row)?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             for chunk in &chunks {
-                requeue(tx, options, chunk, "requeue", now)?;
+                requeue(tx, rules, chunk, "requeue", now)?;
             }
             Ok(chunks.len() as u64)
         })
@@ -82,18 +80,17 @@ impl Outbox {
     /// [`Error::ChunkNotFound`]; [`Error::InvalidState`] if the chunk is not
     /// `uncertain`.
     pub fn resolve_uncertain(&self, chunk: ChunkId, resolution: Resolution) -> Result<Recorded> {
-        let options = self.options();
-        self.write_and_wake(|tx| {
+        self.write_and_wake(|tx, rules| {
             let chunk = ChunkRef::load(tx, chunk)?;
             expect_status(&chunk, &[ChunkStatus::Uncertain], "resolve", "uncertain")?;
-            let now = options.now_ms();
+            let now = self.options().now_ms();
             match resolution {
                 Resolution::Delivered {
                     platform_message_id,
                 } => {
                     let finalized = deliver_chunk(
                         tx,
-                        options,
+                        rules,
                         &chunk,
                         platform_message_id.as_deref(),
                         now,
@@ -106,7 +103,7 @@ impl Outbox {
                     })
                 }
                 Resolution::Resend => {
-                    requeue(tx, options, &chunk, "resolve", now)?;
+                    requeue(tx, rules, &chunk, "resolve", now)?;
                     Ok(Recorded {
                         status: ChunkStatus::Retry,
                         next_attempt_at: None,
@@ -126,9 +123,8 @@ impl Outbox {
     ///
     /// Database errors; nothing is changed then.
     pub fn acknowledge_dead_letters(&self) -> Result<u64> {
-        let options = self.options();
-        self.write_and_wake(|tx| {
-            let now = options.now_ms();
+        self.write_and_wake(|tx, rules| {
+            let now = self.options().now_ms();
             let mut stmt = tx.prepare_cached(
                 "UPDATE outbound_deliveries SET acknowledged_at = ?1
                  WHERE status = 'failed' AND status <> 'delivered' AND acknowledged_at IS NULL
@@ -141,7 +137,7 @@ impl Outbox {
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             let count = lanes.len() as u64;
             for (channel, chat_id) in lanes.into_iter().collect::<BTreeSet<_>>() {
-                lane::advance(tx, options, &channel, &chat_id, now)?;
+                lane::advance(tx, &rules.policy, &channel, &chat_id, now)?;
             }
             Ok(count)
         })
@@ -168,7 +164,7 @@ fn expect_status(
 
 fn requeue(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Stored,
     chunk: &ChunkRef,
     action: &'static str,
     now: i64,
@@ -186,7 +182,7 @@ fn requeue(
     .execute([chunk.id])?;
     lane::rejoin(
         tx,
-        options,
+        &rules.policy,
         chunk.delivery,
         &chunk.channel,
         &chunk.chat_id,

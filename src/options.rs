@@ -1,11 +1,12 @@
 //! The options struct and the policies it carries.
 
-use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
+use serde::Serialize;
+
 use crate::clock::{Clock, SystemClock, duration_ms};
-use crate::{Error, Result};
+use crate::{ChannelPolicy, Error, Result};
 
 /// SQLite's `synchronous` setting for the database.
 ///
@@ -36,7 +37,8 @@ impl Synchronous {
 /// What happens to a chunk whose send may have reached the platform: the adapter
 /// reported an ambiguous outcome, or the lease expired while it was `sending` (a crash or
 /// a hung worker).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum ReplayPolicy {
     /// Hold the chunk as `uncertain` until an operator or the application resolves it
@@ -51,36 +53,9 @@ pub enum ReplayPolicy {
     Replay,
 }
 
-/// Per-channel settings.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ChannelPolicy {
-    /// What to do with chunks that may have been sent. Default [`ReplayPolicy::Hold`].
-    pub replay: ReplayPolicy,
-    /// Minimum time between two sends in one lane of this channel (e.g. about 1 s for
-    /// Telegram). Applied when the next chunk or delivery of a lane becomes due. Default
-    /// zero.
-    pub min_interval: Duration,
-}
-
-impl ChannelPolicy {
-    /// A policy for platforms that deduplicate by idempotency key: ambiguous sends are
-    /// replayed.
-    pub fn replayable() -> Self {
-        ChannelPolicy {
-            replay: ReplayPolicy::Replay,
-            ..Self::default()
-        }
-    }
-
-    /// Sets the minimum interval between sends in one lane.
-    pub fn with_min_interval(mut self, interval: Duration) -> Self {
-        self.min_interval = interval;
-        self
-    }
-}
-
 /// How deliveries to the same chat `(channel, chat_id)` are ordered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum LaneOrder {
     /// One delivery in flight per lane: replies to a chat leave in enqueue order. The
@@ -94,7 +69,8 @@ pub enum LaneOrder {
 
 /// What a FIFO lane does when its head delivery fails for good (dead letter) or is held
 /// `uncertain`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum LaneFailurePolicy {
     /// The next delivery of the lane goes ahead; the failed one stays listed as a dead
@@ -108,7 +84,8 @@ pub enum LaneFailurePolicy {
 }
 
 /// How long to wait before retry number `n` after a transient failure.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum Backoff {
     /// Fixed delays; the last one repeats.
@@ -147,7 +124,7 @@ impl Backoff {
 /// The default is 5 s, 25 s, 2 min, 10 min, then 10 min; 5 attempts, then the chunk
 /// fails (dead letter); ±10 % jitter so that a recovered outage does not release every
 /// retry at the same instant; no maximum age.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RetryPolicy {
     /// Delay schedule.
     pub backoff: Backoff,
@@ -237,20 +214,33 @@ impl RetryPolicy {
 /// Options for [`Outbox::open`](crate::Outbox::open) and
 /// [`Outbox::open_in_memory`](crate::Outbox::open_in_memory).
 ///
+/// Two kinds of option live here. Settings of this process — busy timeout,
+/// `synchronous`, lease, readers, size cap, checkpoints, clock — apply to this handle
+/// only. **Rules whose effects are stored** — lane order, lane failure policy, retry
+/// policy, channel rules — live in the file, so every process acts on the same rows by
+/// the same rules ([`Policy`](crate::Policy)): given here, they are written to a new
+/// file (or one from before rules were stored), and checked against an existing
+/// file's rules, where a difference is [`Error::PolicyConflict`] unless
+/// [`with_policy_update`](Self::with_policy_update) says to replace them. Change them
+/// on a running outbox with [`Outbox::set_policy`](crate::Outbox::set_policy) and
+/// [`Outbox::set_channel_policy`](crate::Outbox::set_channel_policy), or with `outbox
+/// config set`.
+///
 /// | option | default |
 /// |---|---|
 /// | busy timeout | 5 s |
 /// | `synchronous` | [`Synchronous::Normal`] |
 /// | lease | 60 s (at least 1 ms) |
-/// | retry | [`RetryPolicy::default`] (5 s, 25 s, 2 min, 10 min; 5 attempts; ±10 %) |
-/// | channel policy | [`ChannelPolicy::default`] (hold ambiguous sends, no pacing) for every channel |
-/// | lane order | [`LaneOrder::Fifo`] |
-/// | lane failure | [`LaneFailurePolicy::Skip`] |
 /// | create if missing | yes |
+/// | upgrade an older schema | yes |
 /// | reader connections | 4 |
 /// | maximum database size | none |
 /// | background WAL checkpoints | every 100 ms |
 /// | clock | [`SystemClock`] |
+/// | stored: retry | [`RetryPolicy::default`] (5 s, 25 s, 2 min, 10 min; 5 attempts; ±10 %) |
+/// | stored: channel rules | [`ChannelPolicy::default`] (hold ambiguous sends, no pacing) for every channel |
+/// | stored: lane order | [`LaneOrder::Fifo`] |
+/// | stored: lane failure | [`LaneFailurePolicy::Skip`] |
 ///
 /// ```
 /// use std::time::Duration;
@@ -260,25 +250,26 @@ impl RetryPolicy {
 ///     .with_synchronous(Synchronous::Full)
 ///     .with_lease(Duration::from_secs(30))
 ///     .with_channel("matrix", ChannelPolicy::replayable())
-///     .with_channel("telegram", ChannelPolicy::default().with_min_interval(Duration::from_secs(1)));
+///     .with_channel("telegram", ChannelPolicy::default().with_lane_interval(Duration::from_secs(1)));
 /// ```
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct OutboxOptions {
     pub(crate) busy_timeout: Duration,
     pub(crate) synchronous: Synchronous,
     pub(crate) lease: Duration,
-    pub(crate) retry: RetryPolicy,
-    pub(crate) default_channel: ChannelPolicy,
-    /// Behind a lock so a dispatcher can register its adapters' declarations on a
-    /// running outbox ([`Outbox::set_channel_policy`](crate::Outbox::set_channel_policy)).
-    pub(crate) channels: RwLock<HashMap<String, ChannelPolicy>>,
-    pub(crate) lane_order: LaneOrder,
-    pub(crate) lane_failure: LaneFailurePolicy,
     pub(crate) create_if_missing: bool,
+    pub(crate) upgrade_schema: bool,
     pub(crate) readers: u32,
     pub(crate) max_size: Option<u64>,
     pub(crate) checkpoint_every: Option<Duration>,
     pub(crate) clock: Arc<dyn Clock>,
+    /// Stored rules this process declares (`None`: whatever the file stores).
+    pub(crate) retry: Option<RetryPolicy>,
+    pub(crate) default_channel: Option<ChannelPolicy>,
+    pub(crate) channels: Vec<(String, ChannelPolicy)>,
+    pub(crate) lane_order: Option<LaneOrder>,
+    pub(crate) lane_failure: Option<LaneFailurePolicy>,
+    pub(crate) policy_update: bool,
 }
 
 impl Default for OutboxOptions {
@@ -287,43 +278,18 @@ impl Default for OutboxOptions {
             busy_timeout: Duration::from_secs(5),
             synchronous: Synchronous::Normal,
             lease: Duration::from_secs(60),
-            retry: RetryPolicy::default(),
-            default_channel: ChannelPolicy::default(),
-            channels: RwLock::default(),
-            lane_order: LaneOrder::Fifo,
-            lane_failure: LaneFailurePolicy::Skip,
             create_if_missing: true,
+            upgrade_schema: true,
             readers: 4,
             max_size: None,
             checkpoint_every: Some(Duration::from_millis(100)),
             clock: Arc::new(SystemClock),
-        }
-    }
-}
-
-impl Clone for OutboxOptions {
-    /// A copy with its own channel table: registering a policy on one outbox never
-    /// changes another's.
-    fn clone(&self) -> Self {
-        let channels = self
-            .channels
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        OutboxOptions {
-            busy_timeout: self.busy_timeout,
-            synchronous: self.synchronous,
-            lease: self.lease,
-            retry: self.retry.clone(),
-            default_channel: self.default_channel,
-            channels: RwLock::new(channels),
-            lane_order: self.lane_order,
-            lane_failure: self.lane_failure,
-            create_if_missing: self.create_if_missing,
-            readers: self.readers,
-            max_size: self.max_size,
-            checkpoint_every: self.checkpoint_every,
-            clock: self.clock.clone(),
+            retry: None,
+            default_channel: None,
+            channels: Vec::new(),
+            lane_order: None,
+            lane_failure: None,
+            policy_update: false,
         }
     }
 }
@@ -347,7 +313,16 @@ impl OutboxOptions {
                 ),
             ));
         }
-        self.retry.validate()?;
+        if let Some(retry) = &self.retry {
+            retry.validate()?;
+        }
+        for policy in self
+            .default_channel
+            .iter()
+            .chain(self.channels.iter().map(|(_, p)| p))
+        {
+            policy.validate()?;
+        }
         if self.checkpoint_every.is_some_and(|every| every.is_zero()) {
             return Err(Error::invalid(
                 "background checkpoints",
@@ -379,33 +354,45 @@ impl OutboxOptions {
         self
     }
 
-    /// Retry schedule and attempt budget.
+    /// Stored rule: the retry schedule and attempt budget of channels without one of
+    /// their own.
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
-        self.retry = retry;
+        self.retry = Some(retry);
         self
     }
 
-    /// Settings for one channel, by name.
-    pub fn with_channel(self, channel: impl Into<String>, policy: ChannelPolicy) -> Self {
-        self.set_channel(channel.into(), policy);
+    /// Stored rule: the rules of one channel, by name.
+    pub fn with_channel(mut self, channel: impl Into<String>, policy: ChannelPolicy) -> Self {
+        let channel = channel.into();
+        self.channels.retain(|(name, _)| *name != channel);
+        self.channels.push((channel, policy));
         self
     }
 
-    /// Settings for channels not named with [`with_channel`](Self::with_channel).
+    /// Stored rule: the rules of channels without rules of their own.
     pub fn with_default_channel(mut self, policy: ChannelPolicy) -> Self {
-        self.default_channel = policy;
+        self.default_channel = Some(policy);
         self
     }
 
-    /// Ordering of deliveries within a chat.
+    /// Stored rule: ordering of deliveries within a chat.
     pub fn with_lane_order(mut self, order: LaneOrder) -> Self {
-        self.lane_order = order;
+        self.lane_order = Some(order);
         self
     }
 
-    /// What a FIFO lane does when its head fails for good.
+    /// Stored rule: what a FIFO lane does when its head fails for good.
     pub fn with_lane_failure(mut self, policy: LaneFailurePolicy) -> Self {
-        self.lane_failure = policy;
+        self.lane_failure = Some(policy);
+        self
+    }
+
+    /// Whether stored rules given in these options replace the file's when they
+    /// differ (`true`), instead of failing the open with
+    /// [`Error::PolicyConflict`](crate::Error::PolicyConflict) (`false`, the default).
+    /// For an application that keeps its rules in its code and owns the file.
+    pub fn with_policy_update(mut self, update: bool) -> Self {
+        self.policy_update = update;
         self
     }
 
@@ -414,6 +401,16 @@ impl OutboxOptions {
     /// and nothing appears on disk.
     pub fn with_create_if_missing(mut self, create: bool) -> Self {
         self.create_if_missing = create;
+        self
+    }
+
+    /// Whether [`Outbox::open`](crate::Outbox::open) may bring an older schema up to
+    /// date. When false, a file at an older schema version is
+    /// [`Error::SchemaTooOld`](crate::Error::SchemaTooOld), and a file that is not an
+    /// outbox is [`Error::NotAnOutbox`](crate::Error::NotAnOutbox); either is left as it
+    /// was. Default true.
+    pub fn with_schema_upgrade(mut self, upgrade: bool) -> Self {
+        self.upgrade_schema = upgrade;
         self
     }
 
@@ -449,22 +446,9 @@ impl OutboxOptions {
         self
     }
 
-    /// The retry policy.
-    pub fn retry_policy(&self) -> &RetryPolicy {
-        &self.retry
-    }
-
-    pub(crate) fn channel(&self, channel: &str) -> ChannelPolicy {
-        let channels = self.channels.read().unwrap_or_else(|e| e.into_inner());
-        channels
-            .get(channel)
-            .copied()
-            .unwrap_or(self.default_channel)
-    }
-
-    pub(crate) fn set_channel(&self, channel: String, policy: ChannelPolicy) {
-        let mut channels = self.channels.write().unwrap_or_else(|e| e.into_inner());
-        channels.insert(channel, policy);
+    /// The retry policy these options give the file, if they give one.
+    pub fn retry_policy(&self) -> Option<&RetryPolicy> {
+        self.retry.as_ref()
     }
 
     pub(crate) fn now_ms(&self) -> i64 {

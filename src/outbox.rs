@@ -7,11 +7,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use r2d2_sqlite::SqliteConnectionManager;
-use rusqlite::{Connection, Transaction, TransactionBehavior};
+use rusqlite::{Connection, OpenFlags, Transaction, TransactionBehavior};
 
 use crate::checkpoint::Checkpointer;
+use crate::policy::{self, Stored};
 use crate::schema::{self, StorageSettings};
-use crate::{ClaimantId, DeliveryId, Error, OutboxOptions, Result};
+use crate::{ChannelPolicy, ClaimantId, DeliveryId, Error, OutboxOptions, Policy, Result};
 
 /// A durable outbox on one SQLite database. Cheap to clone; `Send + Sync`.
 ///
@@ -37,6 +38,8 @@ struct Inner {
     claimant: ClaimantId,
     /// The low half: a counter, so two claims of this handle never share a token.
     claims: AtomicU32,
+    /// The stored rules as last read, with the version they were read at.
+    stored: Mutex<Arc<Stored>>,
     /// Stops (and is joined) when the last clone of the outbox is dropped.
     checkpointer: Option<Checkpointer>,
 }
@@ -54,20 +57,30 @@ impl Outbox {
     /// up to date.
     ///
     /// A new file is created with mode 0600 (owner only): it holds private
-    /// conversations. SQLite gives its `-wal` and `-shm` files the same mode.
+    /// conversations. SQLite gives its `-wal` and `-shm` files the same mode. The file is
+    /// switched to WAL only once its schema is in place, so a file whose upgrade fails
+    /// keeps its journal mode.
+    ///
+    /// The stored rules ([`Policy`]) given in `options` are written to a new file (or
+    /// one from before rules were stored) and checked against an existing file's.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidInput`] for options out of range (a zero lease, no attempts, an
     /// empty backoff schedule, a jitter outside `0.0..=1.0`; see
     /// [`OutboxOptions`]), before anything is touched on disk;
-    /// [`Error::DatabaseMissing`] if the file is missing and creation is off;
+    /// [`Error::PolicyConflict`] if a stored rule given in `options` differs from the
+    /// file's; [`Error::DatabaseMissing`] if the file is missing and creation is off;
     /// [`Error::NotADatabase`] if the file is not an SQLite database and
-    /// [`Error::Corrupt`] if it is a damaged one (either is left untouched); [`Error::SchemaTooNew`] if a newer version of this crate wrote it;
+    /// [`Error::Corrupt`] if it is a damaged one (either is left untouched);
+    /// [`Error::SchemaTooNew`] if a newer version of this crate wrote it;
+    /// [`Error::SchemaTooOld`] or [`Error::NotAnOutbox`] if upgrades are off
+    /// ([`OutboxOptions::with_schema_upgrade`]) and the file needs one;
     /// [`Error::CannotOpen`] if the file or its `-wal`/`-shm` companions cannot be
     /// opened (a read-only directory); [`Error::PragmaNotApplied`] if WAL mode or
-    /// another pragma could not be set;
-    /// [`Error::Io`] if the file could not be created.
+    /// another pragma could not be set; [`Error::Migration`] if the schema could not be
+    /// added (the file is left as it was); [`Error::Io`] if the file could not be
+    /// created.
     pub fn open(path: impl AsRef<Path>, options: OutboxOptions) -> Result<Outbox> {
         options.validate()?;
         let path = path.as_ref().to_owned();
@@ -75,23 +88,56 @@ impl Outbox {
         schema::check_file(&path)?;
         let mut writer =
             Connection::open(&path).map_err(|e| schema::name_path(Error::from(e), &path))?;
-        let setup = schema::refuse_newer(&writer)
-            .and_then(|()| schema::configure(&writer, &options, false))
-            .and_then(|()| schema::migrate(&mut writer));
-        setup.map_err(|e| schema::name_path(e, &path))?;
+        let mut setup = || -> Result<()> {
+            schema::configure(&writer, &options, false)?;
+            schema::refuse_newer(&writer)?;
+            if !options.upgrade_schema {
+                schema::refuse_upgrade(&writer, &path)?;
+            }
+            let found = schema::migrate(&mut writer)?;
+            schema::enable_wal(&writer, &options)?;
+            reconcile(&writer, &options, found < schema::SCHEMA_VERSION)
+        };
+        setup().map_err(|e| schema::name_path(e, &path))?;
 
-        let reader_options = options.clone();
-        let manager = SqliteConnectionManager::file(&path)
-            .with_init(move |c| schema::configure_reader(c, &reader_options));
-        let readers = r2d2::Pool::builder()
-            .max_size(options.readers)
-            .min_idle(Some(0))
-            .build(manager)?;
+        let readers = reader_pool(&path, &options, OpenFlags::default())?;
         let checkpointer = options
             .checkpoint_every
             .map(|every| Checkpointer::start(&path, &options, every))
             .transpose()?;
         Outbox::from_parts(writer, Some(readers), options, Some(path), checkpointer)
+    }
+
+    /// Opens an existing outbox file for reading only: health, inspection and the
+    /// stored rules, never a write. Nothing is created, migrated or switched: the file
+    /// must be an outbox at this build's schema version. Writes through the returned
+    /// handle fail with [`Error::ReadOnly`]. This is how the `outbox` tool opens a file
+    /// for `health`, `list`, `show` and `config show`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::DatabaseMissing`], [`Error::NotADatabase`], [`Error::Corrupt`],
+    /// [`Error::NotAnOutbox`], [`Error::SchemaTooOld`], [`Error::SchemaTooNew`], each
+    /// naming the path, with the file left as it was; [`Error::CannotOpen`].
+    pub fn open_read_only(path: impl AsRef<Path>, options: OutboxOptions) -> Result<Outbox> {
+        options.validate()?;
+        let path = path.as_ref().to_owned();
+        if !path.exists() {
+            return Err(Error::DatabaseMissing { path });
+        }
+        schema::check_file(&path)?;
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(&path, flags)
+            .map_err(|e| schema::name_path(Error::from(e), &path))?;
+        let setup = || -> Result<()> {
+            schema::configure_reader(&conn, &options)?;
+            schema::refuse_newer(&conn)?;
+            schema::refuse_upgrade(&conn, &path)
+        };
+        setup().map_err(|e| schema::name_path(e, &path))?;
+        let readers = reader_pool(&path, &options, flags)?;
+        let options = options.with_background_checkpoints(None);
+        Outbox::from_parts(conn, Some(readers), options, Some(path), None)
     }
 
     /// Opens a private in-memory outbox: nothing reaches disk, everything is gone when
@@ -106,14 +152,69 @@ impl Outbox {
         let mut writer = Connection::open_in_memory()?;
         schema::configure(&writer, &options, true)?;
         schema::migrate(&mut writer)?;
+        reconcile(&writer, &options, true)?;
         Outbox::from_parts(writer, None, options, None, None)
     }
 
-    /// Sets the policy of one channel on this running outbox (what
-    /// [`OutboxOptions::with_channel`] sets at open). A dispatcher calls it with the
-    /// declarations of the adapters it registers.
-    pub fn set_channel_policy(&self, channel: &str, policy: crate::ChannelPolicy) {
-        self.inner.options.set_channel(channel.to_owned(), policy);
+    /// The rules stored in the file (see [`Policy`]), as every process on it follows
+    /// them.
+    ///
+    /// # Errors
+    ///
+    /// Database errors.
+    pub fn policy(&self) -> Result<Policy> {
+        self.read(|tx| Ok(policy::load(tx)?.policy))
+    }
+
+    /// Replaces the file-wide stored rules — lane order, lane failure policy, retry
+    /// policy, default channel rules — and the rules of every channel named in
+    /// `policy.channels` (a channel left out keeps its own). Every process on the file
+    /// follows them from its next write on. Rows already stored move with the change: a
+    /// switch to [`LaneOrder::Parallel`](crate::LaneOrder::Parallel) starts every reply
+    /// that was queued behind another, and a switch to
+    /// [`LaneFailurePolicy::Skip`](crate::LaneFailurePolicy::Skip) lets lanes blocked by
+    /// a held head move on. (A switch to FIFO lets the replies already under way in a
+    /// chat finish; new ones queue.)
+    ///
+    /// ```
+    /// use chunked_outbox::{LaneOrder, Outbox, OutboxOptions};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// let mut policy = outbox.policy()?;
+    /// policy.lane_order = LaneOrder::Parallel;
+    /// outbox.set_policy(policy)?;
+    /// assert_eq!(outbox.policy()?.lane_order, LaneOrder::Parallel);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for an invalid retry policy; database errors (nothing is
+    /// changed then).
+    pub fn set_policy(&self, policy: Policy) -> Result<()> {
+        self.write_and_wake(|tx, before| {
+            policy::store_file_rules(tx, &policy)?;
+            for (channel, rules) in &policy.channels {
+                policy::store_channel(tx, channel, Some(rules))?;
+            }
+            let now = self.options().now_ms();
+            crate::lane::follow_rule_change(tx, &before.policy, &policy, now)
+        })
+    }
+
+    /// Gives one channel stored rules of its own (`Some`), or lets it follow the file's
+    /// default channel rules (`None`). Every process on the file follows them from its
+    /// next write on.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for an empty channel name or an invalid retry policy;
+    /// database errors.
+    pub fn set_channel_policy(&self, channel: &str, rules: Option<ChannelPolicy>) -> Result<()> {
+        if channel.trim().is_empty() {
+            return Err(Error::invalid("channel", "must not be empty or whitespace"));
+        }
+        self.write_and_wake(|tx, _| policy::store_channel(tx, channel, rules.as_ref()))
     }
 
     /// Wakes this process's dispatchers to look for due work now.
@@ -187,6 +288,7 @@ impl Outbox {
         checkpointer: Option<Checkpointer>,
     ) -> Result<Outbox> {
         let id_salt = writer.query_row("SELECT id_salt FROM outbound_meta", [], |r| r.get(0))?;
+        let stored = policy::load(&writer)?;
         Ok(Outbox {
             inner: Arc::new(Inner {
                 writer: Mutex::new(writer),
@@ -197,6 +299,7 @@ impl Outbox {
                 id_salt,
                 claimant: ClaimantId::random(),
                 claims: AtomicU32::new(0),
+                stored: Mutex::new(Arc::new(stored)),
                 checkpointer,
             }),
         })
@@ -240,21 +343,37 @@ impl Outbox {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Runs `f` in one `BEGIN IMMEDIATE` transaction on the writer connection; commits
-    /// if it returns `Ok`, rolls back otherwise.
-    pub(crate) fn write<T>(&self, f: impl FnOnce(&Transaction<'_>) -> Result<T>) -> Result<T> {
+    /// Runs `f` in one `BEGIN IMMEDIATE` transaction on the writer connection, with the
+    /// stored rules as they stand in that transaction; commits if it returns `Ok`, rolls
+    /// back otherwise.
+    pub(crate) fn write<T>(
+        &self,
+        f: impl FnOnce(&Transaction<'_>, &Stored) -> Result<T>,
+    ) -> Result<T> {
         let mut conn = self.writer();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let value = f(&tx)?;
+        let rules = self.rules(&tx)?;
+        let value = f(&tx, &rules)?;
         tx.commit()?;
         Ok(value)
+    }
+
+    /// The stored rules, read again if another handle (or process) changed them since
+    /// this handle last read them: one single-row read per transaction otherwise.
+    pub(crate) fn rules(&self, conn: &Connection) -> Result<Arc<Stored>> {
+        let version = policy::version(conn)?;
+        let mut cached = self.inner.stored.lock().unwrap_or_else(|e| e.into_inner());
+        if cached.version != version {
+            *cached = Arc::new(policy::load(conn)?);
+        }
+        Ok(cached.clone())
     }
 
     /// As [`write`](Self::write), then wakes this process's idle dispatchers: for
     /// writes that can make work due.
     pub(crate) fn write_and_wake<T>(
         &self,
-        f: impl FnOnce(&Transaction<'_>) -> Result<T>,
+        f: impl FnOnce(&Transaction<'_>, &Stored) -> Result<T>,
     ) -> Result<T> {
         let value = self.write(f)?;
         self.wake();
@@ -277,6 +396,121 @@ impl Outbox {
             }
         }
     }
+}
+
+/// The pool of read connections on `path`. Every pool of the process shares one
+/// scheduler thread for its upkeep.
+fn reader_pool(
+    path: &Path,
+    options: &OutboxOptions,
+    flags: OpenFlags,
+) -> Result<r2d2::Pool<SqliteConnectionManager>> {
+    static UPKEEP: std::sync::OnceLock<Arc<scheduled_thread_pool::ScheduledThreadPool>> =
+        std::sync::OnceLock::new();
+    let upkeep = UPKEEP.get_or_init(|| {
+        Arc::new(
+            scheduled_thread_pool::ScheduledThreadPool::builder()
+                .num_threads(1)
+                .thread_name_pattern("outbox-pool-upkeep")
+                .build(),
+        )
+    });
+    let reader_options = options.clone();
+    let manager = SqliteConnectionManager::file(path)
+        .with_flags(flags)
+        .with_init(move |c| schema::configure_reader(c, &reader_options));
+    Ok(r2d2::Pool::builder()
+        .max_size(options.readers)
+        .min_idle(Some(0))
+        .thread_pool(upkeep.clone())
+        .build(manager)?)
+}
+
+/// Makes the stored rules agree with those `options` gives: written as they are to a
+/// `fresh` file (new, or from before rules were stored), and otherwise checked — a
+/// difference is [`Error::PolicyConflict`] unless the options say to update. A channel
+/// with no rules of its own takes the rules given for it.
+fn reconcile(conn: &Connection, options: &OutboxOptions, fresh: bool) -> Result<()> {
+    let stored = policy::load(conn)?.policy;
+    let update = fresh || options.policy_update;
+    let conflict = |rule: String, stored: String, given: String| -> Result<()> {
+        if update {
+            Ok(())
+        } else {
+            Err(Error::PolicyConflict {
+                rule,
+                stored,
+                given,
+            })
+        }
+    };
+    let mut wanted = stored.clone();
+    if let Some(order) = options.lane_order.filter(|o| *o != stored.lane_order) {
+        conflict(
+            "lane order".into(),
+            policy::lane_order_str(stored.lane_order).into(),
+            policy::lane_order_str(order).into(),
+        )?;
+        wanted.lane_order = order;
+    }
+    if let Some(rule) = options.lane_failure.filter(|p| *p != stored.lane_failure) {
+        conflict(
+            "lane failure policy".into(),
+            policy::lane_failure_str(stored.lane_failure).into(),
+            policy::lane_failure_str(rule).into(),
+        )?;
+        wanted.lane_failure = rule;
+    }
+    if let Some(retry) = options.retry.as_ref().filter(|r| **r != stored.retry) {
+        conflict(
+            "retry policy".into(),
+            policy::retry_to_json(&stored.retry),
+            policy::retry_to_json(retry),
+        )?;
+        wanted.retry = retry.clone();
+    }
+    if let Some(rules) = options
+        .default_channel
+        .as_ref()
+        .filter(|d| **d != stored.default_channel)
+    {
+        conflict(
+            "default channel rules".into(),
+            format!("{:?}", stored.default_channel),
+            format!("{rules:?}"),
+        )?;
+        wanted.default_channel = rules.clone();
+    }
+    let mut channels = Vec::new();
+    for (name, given) in &options.channels {
+        match stored.channels.get(name) {
+            Some(have) if have == given => {}
+            Some(have) => {
+                conflict(
+                    format!("rules of channel {name:?}"),
+                    format!("{have:?}"),
+                    format!("{given:?}"),
+                )?;
+                channels.push((name, given));
+            }
+            None => channels.push((name, given)),
+        }
+    }
+    // `wanted` differs from `stored` in its file-wide rules only.
+    let file_rules_change = wanted != stored;
+    if !file_rules_change && channels.is_empty() {
+        return Ok(());
+    }
+    let tx = conn.unchecked_transaction()?;
+    if file_rules_change {
+        policy::store_file_rules(&tx, &wanted)?;
+        crate::lane::follow_rule_change(&tx, &stored, &wanted, options.now_ms())?;
+    }
+    for (name, rules) in channels {
+        policy::store_channel(&tx, name, Some(rules))?;
+    }
+    tx.commit()?;
+    Ok(())
 }
 
 /// Creates `path` with mode 0600 if it does not exist, so that SQLite never creates it

@@ -8,8 +8,9 @@ use serde::Serialize;
 
 use crate::classify::{ErrorClass, classify_error};
 use crate::clock::{duration_ms, to_datetime};
+use crate::policy::Stored;
 use crate::status::ChunkStatus;
-use crate::{ChunkId, Claim, Error, Outbox, OutboxOptions, ReplayPolicy, Result, finalize, lane};
+use crate::{ChunkId, Claim, Error, Outbox, ReplayPolicy, Result, finalize, lane};
 
 /// Longest error text kept with a chunk; longer texts are cut at a character boundary.
 pub const MAX_ERROR_BYTES: usize = 4096;
@@ -145,9 +146,9 @@ impl Outbox {
         &self,
         outcomes: impl IntoIterator<Item = (&'a Claim, Outcome)>,
     ) -> Result<Vec<Result<Recorded>>> {
-        let options = self.options();
         let outcomes: Vec<(&Claim, Outcome)> = outcomes.into_iter().collect();
-        self.write_and_wake(|tx| record_in(tx, options, outcomes, options.now_ms()))
+        let now = || self.options().now_ms();
+        self.write_and_wake(|tx, rules| record_in(tx, rules, outcomes, now()))
     }
 
     /// Records a successful send: shorthand for [`record`](Self::record) with
@@ -191,15 +192,14 @@ impl Outbox {
     ///
     /// As [`record`](Self::record).
     pub fn release_after(&self, claim: &Claim, delay: Duration) -> Result<Recorded> {
-        let options = self.options();
-        self.write_and_wake(|tx| {
+        self.write_and_wake(|tx, rules| {
             let chunk = claimed(tx, claim)?;
-            let now = options.now_ms();
+            let now = self.options().now_ms();
             let earliest = now.saturating_add(duration_ms(delay));
             let attempts = chunk.attempts.saturating_sub(1);
             if chunk.status == ChunkStatus::Uncertain {
                 // Its lease ran out and it was held as possibly sent; it was not.
-                rejoin_lane(tx, options, &chunk, attempts, earliest, None, now)?;
+                rejoin_lane(tx, rules, &chunk, attempts, earliest, None)?;
                 return Ok(Recorded::settled(ChunkStatus::Retry));
             }
             let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, earliest)?;
@@ -218,14 +218,14 @@ impl Outbox {
 /// [`Error::StaleClaim`] in its slot and changes nothing.
 pub(crate) fn record_in(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Stored,
     outcomes: impl IntoIterator<Item = (impl std::borrow::Borrow<Claim>, Outcome)>,
     now: i64,
 ) -> Result<Vec<Result<Recorded>>> {
     let mut results = Vec::new();
     for (claim, outcome) in outcomes {
         match claimed(tx, claim.borrow()) {
-            Ok(chunk) => results.push(Ok(apply(tx, options, &chunk, trimmed(outcome), now)?)),
+            Ok(chunk) => results.push(Ok(apply(tx, rules, &chunk, trimmed(outcome), now)?)),
             Err(e @ Error::StaleClaim { .. }) => results.push(Err(e)),
             Err(e) => return Err(e),
         }
@@ -324,41 +324,35 @@ fn claimed(tx: &Connection, claim: &Claim) -> Result<ChunkRef> {
 
 fn apply(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Stored,
     chunk: &ChunkRef,
     outcome: Outcome,
     now: i64,
 ) -> Result<Recorded> {
     if chunk.status == ChunkStatus::Uncertain {
-        return settle_held(tx, options, chunk, outcome, now);
+        return settle_held(tx, rules, chunk, outcome, now);
     }
     match outcome {
         Outcome::Delivered {
             platform_message_id,
         } => {
-            let finalized = deliver_chunk(
-                tx,
-                options,
-                chunk,
-                platform_message_id.as_deref(),
-                now,
-                true,
-            )?;
+            let finalized =
+                deliver_chunk(tx, rules, chunk, platform_message_id.as_deref(), now, true)?;
             Ok(Recorded {
                 finalized,
                 ..Recorded::settled(ChunkStatus::Delivered)
             })
         }
-        Outcome::Transient { error } => retry_or_fail(tx, options, chunk, &error, now),
-        Outcome::Ambiguous { error } => match options.channel(&chunk.channel).replay {
-            ReplayPolicy::Replay => retry_or_fail(tx, options, chunk, &error, now),
+        Outcome::Transient { error } => retry_or_fail(tx, rules, chunk, &error, now),
+        Outcome::Ambiguous { error } => match rules.policy.channel(&chunk.channel).replay {
+            ReplayPolicy::Replay => retry_or_fail(tx, rules, chunk, &error, now),
             _ => {
-                hold_uncertain(tx, options, chunk, &error, now)?;
+                hold_uncertain(tx, rules, chunk, &error, now)?;
                 Ok(Recorded::settled(ChunkStatus::Uncertain))
             }
         },
         Outcome::Permanent { error } => {
-            fail_chunk(tx, options, chunk, &error, now)?;
+            fail_chunk(tx, rules, chunk, &error, now)?;
             Ok(Recorded::settled(ChunkStatus::Failed))
         }
         Outcome::RateLimited { retry_after, error } => {
@@ -377,7 +371,7 @@ fn apply(
 /// dead letter. Another ambiguous outcome leaves it held.
 fn settle_held(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Stored,
     chunk: &ChunkRef,
     outcome: Outcome,
     now: i64,
@@ -386,14 +380,8 @@ fn settle_held(
         Outcome::Delivered {
             platform_message_id,
         } => {
-            let finalized = deliver_chunk(
-                tx,
-                options,
-                chunk,
-                platform_message_id.as_deref(),
-                now,
-                false,
-            )?;
+            let finalized =
+                deliver_chunk(tx, rules, chunk, platform_message_id.as_deref(), now, false)?;
             return Ok(Recorded {
                 finalized,
                 ..Recorded::settled(ChunkStatus::Delivered)
@@ -401,7 +389,7 @@ fn settle_held(
         }
         Outcome::Permanent { error } => {
             set_held(tx, chunk, ChunkStatus::Failed, &error, now)?;
-            lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now)?;
+            lane::advance(tx, &rules.policy, &chunk.channel, &chunk.chat_id, now)?;
             return Ok(Recorded::settled(ChunkStatus::Failed));
         }
         Outcome::Ambiguous { error } => {
@@ -409,13 +397,18 @@ fn settle_held(
             return Ok(Recorded::settled(ChunkStatus::Uncertain));
         }
         Outcome::Transient { error } => {
-            if let Some(reason) = out_of_budget(options, chunk, now) {
+            if let Some(reason) = out_of_budget(rules, chunk, now) {
                 let error = format!("{error} ({reason})");
                 set_held(tx, chunk, ChunkStatus::Failed, &error, now)?;
-                lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now)?;
+                lane::advance(tx, &rules.policy, &chunk.channel, &chunk.chat_id, now)?;
                 return Ok(Recorded::settled(ChunkStatus::Failed));
             }
-            let backoff = now.saturating_add(options.retry.delay_ms(chunk.attempts));
+            let backoff = now.saturating_add(
+                rules
+                    .policy
+                    .retry_for(&chunk.channel)
+                    .delay_ms(chunk.attempts),
+            );
             (backoff, chunk.attempts, error)
         }
         Outcome::RateLimited { retry_after, error } => {
@@ -424,7 +417,7 @@ fn settle_held(
             (until, chunk.attempts.saturating_sub(1), error)
         }
     };
-    rejoin_lane(tx, options, chunk, attempts, earliest, Some(&error), now)?;
+    rejoin_lane(tx, rules, chunk, attempts, earliest, Some(&error))?;
     Ok(Recorded {
         status: ChunkStatus::Retry,
         next_attempt_at: None,
@@ -436,12 +429,11 @@ fn settle_held(
 /// `retry` with `attempts`, due no earlier than `earliest` once its lane lets it.
 fn rejoin_lane(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Stored,
     chunk: &ChunkRef,
     attempts: u32,
     earliest: i64,
     error: Option<&str>,
-    now: i64,
 ) -> Result<()> {
     tx.prepare_cached(
         "UPDATE outbound_delivery_chunks
@@ -450,10 +442,9 @@ fn rejoin_lane(
          WHERE id = ?1",
     )?
     .execute(params![chunk.id, attempts, error.map(truncate_error)])?;
-    let earliest = earliest.max(earliest_send(options, &chunk.channel, now));
     lane::rejoin(
         tx,
-        options,
+        &rules.policy,
         chunk.delivery,
         &chunk.channel,
         &chunk.chat_id,
@@ -462,33 +453,37 @@ fn rejoin_lane(
 }
 
 /// Why a chunk may not be sent (again), if it may not.
-pub(crate) fn out_of_budget(options: &OutboxOptions, chunk: &ChunkRef, now: i64) -> Option<String> {
-    let max = options.retry.max_attempts;
+pub(crate) fn out_of_budget(rules: &Stored, chunk: &ChunkRef, now: i64) -> Option<String> {
+    let max = rules.policy.retry_for(&chunk.channel).max_attempts;
     if chunk.attempts >= max {
         return Some(format!(
             "no attempts left ({} of {max} used)",
             chunk.attempts
         ));
     }
-    let max_age = options.retry.max_age?;
+    let max_age = rules.policy.retry_for(&chunk.channel).max_age?;
     (now.saturating_sub(chunk.created_at) > duration_ms(max_age))
         .then(|| format!("delivery is older than the maximum age of {max_age:?}"))
 }
 
 fn retry_or_fail(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Stored,
     chunk: &ChunkRef,
     error: &str,
     now: i64,
 ) -> Result<Recorded> {
-    if let Some(reason) = out_of_budget(options, chunk, now) {
-        fail_chunk(tx, options, chunk, &format!("{error} ({reason})"), now)?;
+    if let Some(reason) = out_of_budget(rules, chunk, now) {
+        fail_chunk(tx, rules, chunk, &format!("{error} ({reason})"), now)?;
         return Ok(Recorded::settled(ChunkStatus::Failed));
     }
-    let backoff = now.saturating_add(options.retry.delay_ms(chunk.attempts));
-    let earliest = backoff.max(earliest_send(options, &chunk.channel, now));
-    let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, earliest)?;
+    let backoff = now.saturating_add(
+        rules
+            .policy
+            .retry_for(&chunk.channel)
+            .delay_ms(chunk.attempts),
+    );
+    let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, backoff)?;
     reschedule(
         tx,
         chunk,
@@ -498,11 +493,6 @@ fn retry_or_fail(
         Some(error),
     )?;
     Ok(Recorded::due(ChunkStatus::Retry, due))
-}
-
-/// The earliest time the next send of a lane may start after one that ends `now`.
-pub(crate) fn earliest_send(options: &OutboxOptions, channel: &str, now: i64) -> i64 {
-    now.saturating_add(duration_ms(options.channel(channel).min_interval))
 }
 
 /// Puts a chunk back in the claimable set (or keeps it there) with the given status,
@@ -537,7 +527,7 @@ pub(crate) fn reschedule(
 /// queues up in its lane again. Returns whether the delivery was finalized.
 pub(crate) fn deliver_chunk(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Stored,
     chunk: &ChunkRef,
     platform_message_id: Option<&str>,
     now: i64,
@@ -552,7 +542,7 @@ pub(crate) fn deliver_chunk(
     .execute(params![chunk.id, platform_message_id, now])?;
     if chunk.index + 1 >= chunk.total {
         let lane = (chunk.channel.as_str(), chunk.chat_id.as_str());
-        finalize::finalize(tx, options, chunk.delivery, lane, now)?;
+        finalize::finalize(tx, rules, chunk.delivery, lane, now)?;
         return Ok(true);
     }
     // One write to the delivery row: the count, and for an active delivery its status.
@@ -563,7 +553,7 @@ pub(crate) fn deliver_chunk(
          WHERE id = ?1",
     )?
     .execute(params![chunk.delivery, now, active])?;
-    let earliest = earliest_send(options, &chunk.channel, now);
+    let earliest = now;
     if active {
         let next = chunk.index + 1;
         lane::make_due(
@@ -577,7 +567,7 @@ pub(crate) fn deliver_chunk(
     } else {
         lane::rejoin(
             tx,
-            options,
+            &rules.policy,
             chunk.delivery,
             &chunk.channel,
             &chunk.chat_id,
@@ -591,23 +581,61 @@ pub(crate) fn deliver_chunk(
 /// according to the [`LaneFailurePolicy`](crate::LaneFailurePolicy).
 pub(crate) fn fail_chunk(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Stored,
     chunk: &ChunkRef,
     error: &str,
     now: i64,
 ) -> Result<()> {
-    set_aside(tx, options, chunk, ChunkStatus::Failed, error, now)
+    set_aside(tx, rules, chunk, ChunkStatus::Failed, error, now)
+}
+
+/// Sets aside a chunk whose row cannot be read (a delivery uid that does not parse,
+/// text that is not UTF-8): it and its delivery are failed, the reason is kept in
+/// `outbound_deliveries.corrupt` for health and the tool, and its lane moves on. Works
+/// from the row ids alone, since the rest of the row may be what is unreadable.
+pub(crate) fn set_aside_corrupt(
+    tx: &Connection,
+    rules: &Stored,
+    chunk: i64,
+    delivery: i64,
+    reason: &str,
+    now: i64,
+) -> Result<()> {
+    let reason = truncate_error(reason);
+    tracing::warn!(chunk, delivery, reason, "setting aside an unreadable row");
+    tx.prepare_cached(
+        "UPDATE outbound_delivery_chunks
+         SET status = 'failed', due_at = NULL, claim_token = NULL, last_error = ?2
+         WHERE id = ?1",
+    )?
+    .execute(params![chunk, reason])?;
+    let lane: Option<(Vec<u8>, Vec<u8>)> = tx
+        .prepare_cached(
+            "UPDATE outbound_deliveries
+             SET status = 'failed', updated_at = ?2, finished_at = ?2, corrupt = ?3
+             WHERE id = ?1 RETURNING CAST(channel AS BLOB), CAST(chat_id AS BLOB)",
+        )?
+        .query_row(params![delivery, now, reason], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .optional()?;
+    if let Some((channel, chat_id)) = lane
+        && let (Ok(channel), Ok(chat_id)) = (String::from_utf8(channel), String::from_utf8(chat_id))
+    {
+        lane::advance(tx, &rules.policy, &channel, &chat_id, now)?;
+    }
+    Ok(())
 }
 
 /// Holds a chunk that may have been sent as `uncertain` until someone decides.
 pub(crate) fn hold_uncertain(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Stored,
     chunk: &ChunkRef,
     error: &str,
     now: i64,
 ) -> Result<()> {
-    set_aside(tx, options, chunk, ChunkStatus::Uncertain, error, now)
+    set_aside(tx, rules, chunk, ChunkStatus::Uncertain, error, now)
 }
 
 /// Holds a chunk whose lease ran out while `sending` as `uncertain`, keeping the
@@ -615,7 +643,7 @@ pub(crate) fn hold_uncertain(
 /// ([`Outbox::record`] accepts it until someone else decides).
 pub(crate) fn hold_abandoned(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Stored,
     chunk: &ChunkRef,
     error: &str,
     now: i64,
@@ -627,7 +655,7 @@ pub(crate) fn hold_abandoned(
     )?
     .execute(params![chunk.id, truncate_error(error)])?;
     set_delivery_held(tx, chunk, ChunkStatus::Uncertain, now)?;
-    lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now)
+    lane::advance(tx, &rules.policy, &chunk.channel, &chunk.chat_id, now)
 }
 
 /// Puts a chunk whose lease ran out on a channel that may replay back to `retry`, due
@@ -644,14 +672,14 @@ pub(crate) fn retry_abandoned(tx: &Connection, chunk: &ChunkRef, due: i64) -> Re
 /// Takes a chunk and its delivery out of the lane as `failed` or `uncertain`.
 fn set_aside(
     tx: &Connection,
-    options: &OutboxOptions,
+    rules: &Stored,
     chunk: &ChunkRef,
     status: ChunkStatus,
     error: &str,
     now: i64,
 ) -> Result<()> {
     set_held(tx, chunk, status, error, now)?;
-    lane::advance(tx, options, &chunk.channel, &chunk.chat_id, now)
+    lane::advance(tx, &rules.policy, &chunk.channel, &chunk.chat_id, now)
 }
 
 fn set_held(

@@ -42,7 +42,7 @@ impl Outbox {
         let mut report = PurgeReport::default();
         let mut cursor = 0_i64;
         loop {
-            let batch = self.write(|tx| {
+            let batch = self.write(|tx, _| {
                 let mut stmt = tx.prepare_cached(
                     "SELECT id, channel, status = 'delivered' FROM outbound_deliveries
                      WHERE id > ?1 AND finished_at < ?2
@@ -78,8 +78,12 @@ impl Outbox {
                     .execute(params![channel, delivered])?;
                 }
                 if rows.is_empty() {
-                    tx.prepare_cached("DELETE FROM outbound_lane_pauses WHERE paused_until < ?1")?
-                        .execute([self.options().now_ms()])?;
+                    // Lane rows whose pause and interval have both passed say nothing.
+                    tx.prepare_cached(
+                        "DELETE FROM outbound_lanes
+                         WHERE coalesce(paused_until, 0) < ?1 AND coalesce(next_send_at, 0) < ?1",
+                    )?
+                    .execute([self.options().now_ms()])?;
                 }
                 Ok((rows.last().map(|r| r.0), rows.len() as u64, chunks))
             })?;

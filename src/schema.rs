@@ -8,7 +8,10 @@ use rusqlite_migration::{M, Migrations};
 use crate::{Error, OutboxOptions, Result};
 
 /// Every migration, in order. `migrations/NNNN_name.sql` is embedded in the binary.
-const MIGRATIONS: &[M<'static>] = &[M::up(include_str!("../migrations/0001_initial.sql"))];
+const MIGRATIONS: &[M<'static>] = &[
+    M::up(include_str!("../migrations/0001_initial.sql")),
+    M::up(include_str!("../migrations/0002_stored_policy.sql")),
+];
 
 /// Prepared statements kept per connection.
 const STATEMENT_CACHE: usize = 128;
@@ -33,22 +36,69 @@ pub(crate) fn refuse_newer(conn: &Connection) -> Result<()> {
     Ok(())
 }
 
-/// Brings the schema to [`SCHEMA_VERSION`], refusing a newer one before writing.
+/// Brings the schema to [`SCHEMA_VERSION`], refusing a newer one before writing;
+/// returns the version the file was at (0 for a new file).
 ///
 /// Several processes may open a new file at once: whoever loses the race finds the
 /// schema already current after its own attempt failed, and that is success.
-pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
+pub(crate) fn migrate(conn: &mut Connection) -> Result<i64> {
     refuse_newer(conn)?;
-    if user_version(conn)? == SCHEMA_VERSION {
-        return Ok(());
+    let found = user_version(conn)?;
+    if found == SCHEMA_VERSION {
+        return Ok(found);
     }
     conn.set_transaction_behavior(TransactionBehavior::Immediate);
     let result = Migrations::from_slice(MIGRATIONS).to_latest(conn);
     conn.set_transaction_behavior(TransactionBehavior::Deferred);
     match result {
-        Ok(()) => Ok(()),
-        Err(_) if user_version(conn)? == SCHEMA_VERSION => Ok(()),
+        Ok(()) => Ok(found),
+        Err(_) if user_version(conn)? == SCHEMA_VERSION => Ok(SCHEMA_VERSION),
         Err(e) => Err(e.into()),
+    }
+}
+
+/// Refuses, without writing anything, a file this handle may not bring up to date: an
+/// older outbox (`SchemaTooOld`), or a file with tables that is not an outbox at all
+/// (`NotAnOutbox`). An empty file counts as not an outbox too: only a handle that may
+/// create (and so upgrade) one gives it a schema.
+pub(crate) fn refuse_upgrade(conn: &Connection, path: &Path) -> Result<()> {
+    let found = user_version(conn)?;
+    if found == SCHEMA_VERSION {
+        return Ok(());
+    }
+    let ours: bool = conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE name = 'outbound_meta')",
+        [],
+        |r| r.get(0),
+    )?;
+    if found > 0 && ours {
+        return Err(Error::SchemaTooOld {
+            path: path.to_owned(),
+            found,
+            current: SCHEMA_VERSION,
+        });
+    }
+    Err(Error::NotAnOutbox {
+        path: path.to_owned(),
+    })
+}
+
+/// Switches the file to WAL (persistent in the file) and reads it back. Done only after
+/// the schema is in place, so a file whose migration failed keeps its journal mode. The
+/// switch needs a moment alone with the file; while other connections open it (several
+/// processes creating one file at once), it is retried for up to the busy timeout.
+pub(crate) fn enable_wal(conn: &Connection, options: &OutboxOptions) -> Result<()> {
+    let deadline = std::time::Instant::now() + options.busy_timeout;
+    loop {
+        match conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get::<_, String>(0)) {
+            Ok(journal) => return expect_pragma("journal_mode", "wal", &journal),
+            Err(e) => match Error::from(e) {
+                Error::Busy if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                other => return Err(other),
+            },
+        }
     }
 }
 
@@ -57,19 +107,20 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
 /// default page size.
 pub const BACKGROUND_AUTOCHECKPOINT_PAGES: i64 = 10_000;
 
-/// Sets the connection's pragmas and reads each one back.
+/// Sets the connection's own pragmas and reads each one back (the journal mode, which
+/// lives in the file, is [`enable_wal`]'s).
 ///
-/// `journal_mode` is persistent in the file; the others are per connection. A pragma
-/// that did not take (effectum once shipped a misspelled WAL pragma and silently ran in
-/// rollback-journal mode) is an error, not a surprise in production.
+/// A pragma that did not take (effectum once shipped a misspelled WAL pragma and
+/// silently ran in rollback-journal mode) is an error, not a surprise in production.
 pub(crate) fn configure(conn: &Connection, options: &OutboxOptions, in_memory: bool) -> Result<()> {
     // Every statement of the crate is prepared once per connection and kept; the
     // default cache of 16 is smaller than the set of statements the writer uses.
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     conn.busy_timeout(options.busy_timeout)?;
-    let wanted_journal = if in_memory { "memory" } else { "wal" };
-    let journal: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
-    expect_pragma("journal_mode", wanted_journal, &journal)?;
+    if in_memory {
+        let journal: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
+        expect_pragma("journal_mode", "memory", &journal)?;
+    }
     conn.pragma_update(None, "synchronous", options.synchronous.pragma_value())?;
     conn.pragma_update(None, "foreign_keys", true)?;
     let sync: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
@@ -338,23 +389,38 @@ mod plan_tests {
         );
     }
 
+    /// The claim, the next-due search and recovery each read one channel's range of
+    /// the claim index, in its order: another channel's backlog is never read.
     #[test]
-    fn claim_is_an_ordered_range_search_on_the_due_index() {
+    fn claim_is_an_ordered_range_search_on_one_channels_due_index() {
         let ob = populated();
-        for channels in [0, 1, 3] {
-            let plan = explain(&ob, &crate::claim::claim_sql(channels), 2 + channels);
-            assert!(
-                plan.contains("USING INDEX outbound_delivery_chunks_due (due_at>? AND due_at<?)")
-                    || plan.contains("USING INDEX outbound_delivery_chunks_due (due_at<?)"),
-                "claim does not range-search the due index:\n{plan}"
-            );
-            assert!(
-                plan.contains("SEARCH d USING INTEGER PRIMARY KEY"),
-                "{plan}"
-            );
-            assert_no_full_scan(&plan, "c");
-            assert_no_full_scan(&plan, "d");
-        }
+        let plan = explain(&ob, crate::claim::CLAIM_SQL, 3);
+        assert!(
+            plan.contains(
+                "SEARCH c USING INDEX outbound_delivery_chunks_due (channel_id=? AND due_at>? AND due_at<?)"
+            ) || plan.contains("SEARCH c USING INDEX outbound_delivery_chunks_due (channel_id=? AND due_at<?)"),
+            "claim does not range-search its channel's part of the due index:\n{plan}"
+        );
+        assert!(
+            plan.contains("SEARCH d USING INTEGER PRIMARY KEY"),
+            "{plan}"
+        );
+        assert_no_full_scan(&plan, "c");
+        assert_no_full_scan(&plan, "d");
+
+        let plan = explain(&ob, crate::claim::NEXT_DUE_SQL, 1);
+        assert!(
+            plan.contains("outbound_delivery_chunks_due (channel_id=?"),
+            "next due does not seek its channel:\n{plan}"
+        );
+        assert_no_full_scan(&plan, "outbound_delivery_chunks");
+
+        let plan = explain(&ob, crate::claim::EXPIRED_SQL, 2);
+        assert!(
+            plan.contains("outbound_delivery_chunks_due (channel_id=? AND due_at"),
+            "recovery does not range-search its channel:\n{plan}"
+        );
+        assert_no_full_scan(&plan, "c");
     }
 
     #[test]

@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chunked_outbox::{
-    ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome, Pacing,
-    ReplayPolicy, Result,
+    ChannelAdapter, ChannelPolicy, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome,
+    Result,
 };
 use common::*;
 
@@ -39,8 +39,6 @@ struct Platform {
     script: Arc<Script>,
     attempts: Arc<Mutex<Vec<String>>>,
     received: Arc<Mutex<Vec<Received>>>,
-    replay: ReplayPolicy,
-    pacing: Pacing,
 }
 
 impl Platform {
@@ -50,8 +48,6 @@ impl Platform {
             script: Arc::new(script),
             attempts: Arc::default(),
             received: Arc::default(),
-            replay: ReplayPolicy::Hold,
-            pacing: Pacing::default(),
         }
     }
 
@@ -95,12 +91,6 @@ impl ChannelAdapter for Platform {
     fn send(&self, claim: &Claim) -> Outcome {
         self.answer(claim)
     }
-    fn replay(&self) -> ReplayPolicy {
-        self.replay
-    }
-    fn pacing(&self) -> Pacing {
-        self.pacing
-    }
 }
 
 #[cfg(feature = "tokio")]
@@ -110,12 +100,6 @@ impl chunked_outbox::AsyncChannelAdapter for Platform {
             tokio::task::yield_now().await;
             self.answer(claim)
         })
-    }
-    fn replay(&self) -> ReplayPolicy {
-        self.replay
-    }
-    fn pacing(&self) -> Pacing {
-        self.pacing
     }
 }
 
@@ -247,7 +231,8 @@ fn permanent_failure_is_a_dead_letter_without_more_attempts<F: Flavour>() -> Res
 }
 
 fn ambiguous_holds_or_replays_by_policy<F: Flavour>() -> Result<()> {
-    let db = TestDb::default();
+    let db =
+        TestDb::new(OutboxOptions::default().with_channel("matrix", ChannelPolicy::replayable()));
     let first_try = |c: &Claim| {
         if c.attempt == 1 {
             Outcome::Ambiguous {
@@ -258,8 +243,7 @@ fn ambiguous_holds_or_replays_by_policy<F: Flavour>() -> Result<()> {
         }
     };
     let telegram = Platform::new(&db, first_try);
-    let mut matrix = Platform::new(&db, first_try);
-    matrix.replay = ReplayPolicy::Replay;
+    let matrix = Platform::new(&db, first_try);
     let held = enqueue(&db.outbox, "t", &["x"]);
     let replayed = db
         .outbox
@@ -334,9 +318,12 @@ fn rate_limit_pauses_only_its_lane<F: Flavour>() -> Result<()> {
 }
 
 fn pacing_holds_at_every_chunk_boundary<F: Flavour>() -> Result<()> {
-    let db = TestDb::default();
+    let rules = ChannelPolicy::default()
+        .with_lane_interval(Duration::from_secs(2))
+        .with_channel_interval(Duration::from_secs(1));
+    let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
     let rng = Mutex::new(fastrand::Rng::with_seed(3));
-    let mut platform = Platform::new(&db, move |_| {
+    let platform = Platform::new(&db, move |_| {
         if rng.lock().unwrap().u8(0..100) < 25 {
             Outcome::Transient {
                 error: "503".into(),
@@ -345,10 +332,6 @@ fn pacing_holds_at_every_chunk_boundary<F: Flavour>() -> Result<()> {
             Outcome::delivered(None)
         }
     });
-    platform.pacing = Pacing {
-        lane_interval: Duration::from_secs(2),
-        channel_interval: Duration::from_secs(1),
-    };
     for n in 0..6 {
         let _ = enqueue(&db.outbox, &format!("c{}", n % 2), &["a", "b"]);
     }

@@ -14,7 +14,9 @@ fn row_counts(conn: &rusqlite::Connection) -> Vec<i64> {
         "outbound_delivery_chunks",
         "messages",
         "outbound_channel_stats",
-        "outbound_lane_pauses",
+        "outbound_lanes",
+        "outbound_channels",
+        "outbound_policy",
     ]
     .iter()
     .map(|t| {

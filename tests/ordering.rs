@@ -196,7 +196,7 @@ fn parallel_lanes_order_chunks_but_not_deliveries() -> Result<()> {
 fn pacing_spaces_sends_within_a_lane() -> Result<()> {
     let options = OutboxOptions::default().with_channel(
         "telegram",
-        ChannelPolicy::default().with_min_interval(Duration::from_secs(1)),
+        ChannelPolicy::default().with_lane_interval(Duration::from_secs(1)),
     );
     let db = TestDb::new(options);
     let ob = &db.outbox;

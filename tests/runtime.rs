@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use chunked_outbox::{
     Backoff, ChannelAdapter, ChannelPolicy, ChunkStatus, Claim, DeliveryStatus, DispatchStats,
     Dispatcher, DispatcherBuilder, ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome,
-    RecoverScope, ReplayPolicy, Result, RetryPolicy, ShutdownReport,
+    RecoverScope, Result, RetryPolicy, ShutdownReport,
 };
 
 type Script = dyn Fn(&Claim) -> Outcome + Send + Sync;
@@ -29,29 +29,19 @@ type Script = dyn Fn(&Claim) -> Outcome + Send + Sync;
 #[derive(Clone)]
 struct Scripted {
     script: Arc<Script>,
-    replay: ReplayPolicy,
 }
 
 impl Scripted {
     fn new(script: impl Fn(&Claim) -> Outcome + Send + Sync + 'static) -> Self {
         Scripted {
             script: Arc::new(script),
-            replay: ReplayPolicy::Hold,
         }
-    }
-
-    fn replaying(mut self) -> Self {
-        self.replay = ReplayPolicy::Replay;
-        self
     }
 }
 
 impl ChannelAdapter for Scripted {
     fn send(&self, claim: &Claim) -> Outcome {
         (self.script)(claim)
-    }
-    fn replay(&self) -> ReplayPolicy {
-        self.replay
     }
 }
 
@@ -60,9 +50,6 @@ impl chunked_outbox::AsyncChannelAdapter for Scripted {
     fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::BoxFuture<'a, Outcome> {
         // The scripts block (gates, sleeps): keep them off the runtime's own threads.
         Box::pin(async move { tokio::task::block_in_place(|| (self.script)(claim)) })
-    }
-    fn replay(&self) -> ReplayPolicy {
-        self.replay
     }
 }
 
@@ -357,7 +344,10 @@ fn a_send_slower_than_its_lease_keeps_it(flavour: Flavour) -> Result<()> {
     });
     let deadline = Instant::now() + Duration::from_secs(60);
     while status(&outbox, ids[0]) != DeliveryStatus::Delivered {
-        assert!(Instant::now() < deadline, "the slow send was never recorded");
+        assert!(
+            Instant::now() < deadline,
+            "the slow send was never recorded"
+        );
         let r = other.recover(RecoverScope::ExpiredLeases)?;
         assert_eq!((r.retried, r.held_uncertain, r.failed), (0, 0, 0), "{r:?}");
         assert!(
@@ -559,15 +549,15 @@ fn a_replayed_poison_panic_fails_alone_and_every_other_chat_is_served(
     flavour: Flavour,
 ) -> Result<()> {
     let (_dir, path) = file_db();
-    let outbox = Outbox::open(&path, fast_retries(3))?;
+    let options = fast_retries(3).with_channel("discord", ChannelPolicy::replayable());
+    let outbox = Outbox::open(&path, options)?;
     let ids = replies(&outbox, "discord", 12);
     let adapter = Scripted::new(|claim| {
         if claim.chat_id == "chat-3" {
             panic!("poison");
         }
         Outcome::delivered(None)
-    })
-    .replaying();
+    });
     let running = Running::start(flavour, &outbox, "discord", adapter, Tuning::default());
     wait_until("everything settled", || {
         let t = outbox.health().unwrap().totals;
@@ -674,12 +664,7 @@ fn child_process() {
         _ => Flavour::Blocking,
     };
     let mode = std::env::var(CHILD_MODE).unwrap();
-    // The replay policy is declared at open, so that `recover` below follows it.
-    let outbox = Outbox::open(
-        &db,
-        fast_retries(3).with_channel("telegram", ChannelPolicy::replayable()),
-    )
-    .unwrap();
+    let outbox = Outbox::open(&db, child_options(&mode)).unwrap();
     let adapter = if mode == "hang" {
         let mark = std::env::var(CHILD_MARK).unwrap();
         let sends = Arc::new(Mutex::new(0));
@@ -702,7 +687,6 @@ fn child_process() {
             }
             Outcome::delivered(None)
         })
-        .replaying()
     };
     let running = Running::start(flavour, &outbox, "telegram", adapter, Tuning::one_worker());
     wait_until("nothing left to send", || {
@@ -710,6 +694,18 @@ fn child_process() {
         t.pending_chunks + t.retry_chunks + t.sending_chunks == 0
     });
     assert!(running.shutdown().clean);
+}
+
+/// The rules of a crash test's file, which the test creates and its child opens: in
+/// `poison` mode Telegram replays (so the poison chunk is retried until its attempts run
+/// out), in `hang` mode it holds (so a possibly-sent chunk is held `uncertain`).
+fn child_options(mode: &str) -> OutboxOptions {
+    let options = fast_retries(3);
+    if mode == "poison" {
+        options.with_channel("telegram", ChannelPolicy::replayable())
+    } else {
+        options
+    }
 }
 
 fn flavour_name(flavour: Flavour) -> &'static str {
@@ -726,7 +722,7 @@ fn after_the_leases(path: &Path) -> Outbox {
     let ahead = chrono::Utc::now().timestamp_millis() + 3_600_000;
     Outbox::open(
         path,
-        fast_retries(3).with_clock(Arc::new(ManualClock::new(ahead))),
+        OutboxOptions::default().with_clock(Arc::new(ManualClock::new(ahead))),
     )
     .unwrap()
 }
@@ -737,7 +733,7 @@ fn after_the_leases(path: &Path) -> Outbox {
 /// held, the one before it is delivered, and the six never claimed are due.
 fn crash_mid_send_leaves_only_that_send_uncertain(flavour: Flavour) -> Result<()> {
     let (dir, path) = file_db();
-    let outbox = Outbox::open(&path, OutboxOptions::default())?;
+    let outbox = Outbox::open(&path, child_options("hang"))?;
     replies(&outbox, "telegram", 8);
     let mark = dir.path().join("in-flight");
     let mut child = spawn_child(&[
@@ -768,7 +764,7 @@ fn crash_mid_send_leaves_only_that_send_uncertain(flavour: Flavour) -> Result<()
 #[test]
 fn a_poison_chunk_that_kills_its_process_fails_alone() -> Result<()> {
     let (_dir, path) = file_db();
-    let outbox = Outbox::open(&path, fast_retries(3))?;
+    let outbox = Outbox::open(&path, child_options("poison"))?;
     let poison = outbox
         .enqueue(&NewDelivery::single(
             "telegram",

@@ -144,7 +144,7 @@ fn sql_text_never_interpolates_values() {
         }
     }
     assert!(
-        checked >= 10,
+        checked >= 5,
         "the scan found only {checked} SQL format! calls; is it still reading the source?"
     );
 }

@@ -76,8 +76,7 @@ impl DispatcherBuilder<dyn ChannelAdapter> {
         self
     }
 
-    /// Registers the adapters' replay and pacing declarations with the outbox and
-    /// returns the dispatcher.
+    /// Returns the dispatcher.
     ///
     /// # Errors
     ///
@@ -85,7 +84,7 @@ impl DispatcherBuilder<dyn ChannelAdapter> {
     /// workers, a batch size outside `1..=1024`, a zero poll interval or a zero send
     /// timeout.
     pub fn build(self) -> Result<Dispatcher> {
-        let shared = self.into_shared(|a| (a.replay(), a.pacing()))?;
+        let shared = self.into_shared()?;
         Ok(Dispatcher { shared })
     }
 }

@@ -32,10 +32,7 @@ use serde::Serialize;
 use tracing::{Span, debug, info, info_span, warn};
 
 use crate::clock::duration_ms;
-use crate::{
-    ChannelPolicy, ChunkId, ChunkStatus, Claim, Error, Outbox, Outcome, Recorded, ReplayPolicy,
-    Result,
-};
+use crate::{ChunkId, ChunkStatus, Claim, Error, Outbox, Outcome, Recorded, Result};
 
 pub use blocking::{Dispatcher, DispatcherBuilder, RunningDispatcher, ShutdownReport};
 
@@ -48,9 +45,15 @@ pub use blocking::{Dispatcher, DispatcherBuilder, RunningDispatcher, ShutdownRep
 /// [`send_timeout`](crate::DispatcherBuilder::send_timeout)). A panic is caught and
 /// recorded as an [`Outcome::Ambiguous`] send; the worker carries on.
 ///
+/// How the channel's chunks are treated — whether a possibly-sent chunk may be
+/// replayed, how fast its chats and the channel may be sent to, its retry policy — is
+/// not the adapter's to say: those rules are stored in the outbox file
+/// ([`ChannelPolicy`](crate::ChannelPolicy)), so that every process on the file follows
+/// the same ones.
+///
 /// ```
-/// use chunked_outbox::{ChannelAdapter, Claim, Outcome, Pacing, ReplayPolicy};
 /// use std::time::Duration;
+/// use chunked_outbox::{ChannelAdapter, ChannelPolicy, Claim, Dispatcher, Outbox, OutboxOptions, Outcome};
 ///
 /// struct Matrix;
 ///
@@ -59,41 +62,17 @@ pub use blocking::{Dispatcher, DispatcherBuilder, RunningDispatcher, ShutdownRep
 ///         // PUT /rooms/{claim.chat_id}/send/m.room.message/{claim.idempotency_key} ...
 ///         Outcome::delivered(Some("$event-id".into()))
 ///     }
-///     // Matrix deduplicates by transaction id, so a possibly-sent chunk may be replayed.
-///     fn replay(&self) -> ReplayPolicy {
-///         ReplayPolicy::Replay
-///     }
-///     fn pacing(&self) -> Pacing {
-///         Pacing { lane_interval: Duration::from_millis(200), ..Pacing::default() }
-///     }
 /// }
+///
+/// // Matrix deduplicates by transaction id, so a possibly-sent chunk may be replayed.
+/// let rules = ChannelPolicy::replayable().with_lane_interval(Duration::from_millis(200));
+/// let outbox = Outbox::open_in_memory(OutboxOptions::default().with_channel("matrix", rules))?;
+/// let dispatcher = Dispatcher::builder(outbox).adapter("matrix", Matrix).build()?;
+/// # Ok::<(), chunked_outbox::Error>(())
 /// ```
 pub trait ChannelAdapter: Send + Sync + 'static {
     /// Sends one chunk and says what happened.
     fn send(&self, claim: &Claim) -> Outcome;
-
-    /// Whether a chunk that may already have reached the platform can be sent again
-    /// (the platform deduplicates by idempotency key). Default: hold it.
-    fn replay(&self) -> ReplayPolicy {
-        ReplayPolicy::Hold
-    }
-
-    /// How fast this platform may be sent to. Default: no pacing.
-    fn pacing(&self) -> Pacing {
-        Pacing::default()
-    }
-}
-
-/// Pacing of one channel.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Pacing {
-    /// Minimum time between two sends to the same chat (e.g. about 1 s for Telegram).
-    /// Enforced by the outbox's due times, so it holds across workers, processes and
-    /// retries.
-    pub lane_interval: Duration,
-    /// Minimum time between two sends on the whole channel from this dispatcher (e.g.
-    /// 1/30 s for Telegram's overall bot limit). Zero for none.
-    pub channel_interval: Duration,
 }
 
 /// Most sends one worker may have in flight at once ([`DispatcherBuilder::batch_size`]).
@@ -295,15 +274,11 @@ impl Drop for WorkerGuard {
     }
 }
 
-/// What both flavours share: the outbox, the served channels and their pacing, rate
-/// slots and the counters.
+/// What both flavours share: the outbox, the served channels and the counters.
 pub(crate) struct Core {
     pub outbox: Outbox,
     pub settings: Settings,
     channels: Vec<String>,
-    pacing: HashMap<String, Pacing>,
-    /// Per channel, the earliest time (outbox clock, ms) the next send may start.
-    slots: Mutex<HashMap<String, i64>>,
     counters: Counters,
 }
 
@@ -314,20 +289,9 @@ pub(crate) struct Shared<A: ?Sized> {
 }
 
 impl<A: ?Sized> DispatcherBuilder<A> {
-    /// Registers each adapter's declarations (`declare` reads them) with the outbox.
-    pub(crate) fn into_shared(
-        self,
-        declare: impl Fn(&A) -> (ReplayPolicy, Pacing),
-    ) -> Result<Arc<Shared<A>>> {
-        let declared = self
-            .adapters
-            .iter()
-            .map(|(name, a)| {
-                let (replay, pacing) = declare(a);
-                (name.clone(), replay, pacing)
-            })
-            .collect();
-        let core = Core::new(self.outbox, self.settings, declared)?;
+    pub(crate) fn into_shared(self) -> Result<Arc<Shared<A>>> {
+        let channels = self.adapters.keys().cloned().collect();
+        let core = Core::new(self.outbox, self.settings, channels)?;
         Ok(Arc::new(Shared {
             core,
             adapters: self.adapters,
@@ -338,9 +302,10 @@ impl<A: ?Sized> DispatcherBuilder<A> {
 impl<A: ?Sized> Shared<A> {
     /// Splits freshly claimed chunks into the ones to send now, each with its adapter,
     /// and gives the others back unsent: all of them when the run is stopping; a chunk
-    /// whose channel has no adapter; one whose channel's rate slot is taken (due again
-    /// when the slot frees); one whose lease has less than a quarter left (a send must
-    /// never start on a lease that cannot cover it).
+    /// whose channel has no adapter; one whose lease has less than a quarter left (a send
+    /// must never start on a lease that cannot cover it). Pacing needs nothing here: the
+    /// claim itself keeps each lane's interval and each channel's rate, across
+    /// processes.
     pub(crate) fn admit(&self, run: &Run, claims: Vec<Claim>) -> Vec<(Claim, Arc<A>)> {
         let core = &self.core;
         let lease = duration_ms(core.outbox.options().lease);
@@ -354,7 +319,7 @@ impl<A: ?Sized> Shared<A> {
                     warn!(chunk = %claim.chunk_id, left_ms = left, "too little of the lease left to start the send; giving the claim back");
                     Err(Duration::ZERO)
                 } else {
-                    core.take_slot(&claim).map(|()| adapter.clone())
+                    Ok(adapter.clone())
                 }
             } else {
                 Err(Duration::ZERO)
@@ -369,45 +334,24 @@ impl<A: ?Sized> Shared<A> {
 }
 
 impl Core {
-    /// Registers each adapter's declarations with the outbox, so recovery and retries
-    /// follow them too.
-    pub(crate) fn new(
-        outbox: Outbox,
-        settings: Settings,
-        declared: Vec<(String, ReplayPolicy, Pacing)>,
-    ) -> Result<Core> {
+    pub(crate) fn new(outbox: Outbox, settings: Settings, channels: Vec<String>) -> Result<Core> {
         settings.validate()?;
-        if declared.is_empty() {
+        if channels.is_empty() {
             return Err(Error::invalid(
                 "adapters",
                 "register at least one channel adapter",
             ));
         }
-        let mut pacing = HashMap::new();
-        let mut channels = Vec::new();
-        for (channel, replay, pace) in declared {
-            if channel.trim().is_empty() {
-                return Err(Error::invalid(
-                    "channel",
-                    "adapter channel names must not be empty",
-                ));
-            }
-            outbox.set_channel_policy(
-                &channel,
-                ChannelPolicy {
-                    replay,
-                    min_interval: pace.lane_interval,
-                },
-            );
-            pacing.insert(channel.clone(), pace);
-            channels.push(channel);
+        if channels.iter().any(|c| c.trim().is_empty()) {
+            return Err(Error::invalid(
+                "channel",
+                "adapter channel names must not be empty",
+            ));
         }
         Ok(Core {
             outbox,
             settings,
             channels,
-            pacing,
-            slots: Mutex::default(),
             counters: Counters::default(),
         })
     }
@@ -506,25 +450,6 @@ impl Core {
     pub(crate) fn claim_failed(&self, e: &Error) {
         bump(&self.counters.errors);
         warn!(error = %e, "claim failed; trying again after the poll interval");
-    }
-
-    /// Takes the channel's next rate slot for this claim, or says how long to wait.
-    fn take_slot(&self, claim: &Claim) -> Result<(), Duration> {
-        let interval = self
-            .pacing
-            .get(&claim.channel)
-            .map_or(Duration::ZERO, |p| p.channel_interval);
-        if interval.is_zero() {
-            return Ok(());
-        }
-        let now = self.outbox.options().now_ms();
-        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = slots.entry(claim.channel.clone()).or_insert(i64::MIN);
-        if *slot > now {
-            return Err(Duration::from_millis((*slot - now) as u64));
-        }
-        *slot = now.saturating_add(duration_ms(interval));
-        Ok(())
     }
 
     /// A span for one send, with the ids that correlate it.

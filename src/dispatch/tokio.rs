@@ -11,11 +11,9 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
-use super::{
-    Core, DispatchStats, DispatcherBuilder, Pacing, Run, Shared, ShutdownReport, keep_leases,
-};
+use super::{Core, DispatchStats, DispatcherBuilder, Run, Shared, ShutdownReport, keep_leases};
 use crate::outbox::ChangeWatcher;
-use crate::{Claim, Outbox, Outcome, ReplayPolicy, Result};
+use crate::{Claim, Outbox, Outcome, Result};
 
 /// Claims admitted to be sent now, each with its adapter.
 type Admitted = Vec<(Claim, Arc<dyn AsyncChannelAdapter>)>;
@@ -25,36 +23,26 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The async counterpart of [`ChannelAdapter`](crate::ChannelAdapter).
 ///
+/// Its channel's rules (replay, pacing, retries) are stored in the outbox file, as for
+/// the blocking trait.
+///
 /// ```
-/// use chunked_outbox::{AsyncChannelAdapter, BoxFuture, Claim, Outcome, ReplayPolicy};
+/// use chunked_outbox::{AsyncChannelAdapter, BoxFuture, Claim, Outcome};
 ///
 /// struct Discord;
 ///
 /// impl AsyncChannelAdapter for Discord {
 ///     fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome> {
 ///         Box::pin(async move {
-///             // POST /channels/{claim.chat_id}/messages with nonce = claim.idempotency_key
+///             // POST /channels/{claim.chat_id}/messages with a nonce from the claim ...
 ///             Outcome::delivered(None)
 ///         })
-///     }
-///     fn replay(&self) -> ReplayPolicy {
-///         ReplayPolicy::Replay // Discord deduplicates by nonce
 ///     }
 /// }
 /// ```
 pub trait AsyncChannelAdapter: Send + Sync + 'static {
     /// Sends one chunk and says what happened. Bound the I/O with a timeout.
     fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome>;
-
-    /// Whether a possibly-sent chunk may be replayed. Default: hold it.
-    fn replay(&self) -> ReplayPolicy {
-        ReplayPolicy::Hold
-    }
-
-    /// How fast this platform may be sent to. Default: no pacing.
-    fn pacing(&self) -> Pacing {
-        Pacing::default()
-    }
 }
 
 /// Builds an [`AsyncDispatcher`]; the settings are those of
@@ -72,13 +60,13 @@ impl DispatcherBuilder<dyn AsyncChannelAdapter> {
         self
     }
 
-    /// Registers the adapters' declarations with the outbox and returns the dispatcher.
+    /// Returns the dispatcher.
     ///
     /// # Errors
     ///
     /// As [`DispatcherBuilder::build`](crate::DispatcherBuilder::build).
     pub fn build(self) -> Result<AsyncDispatcher> {
-        let shared = self.into_shared(|a| (a.replay(), a.pacing()))?;
+        let shared = self.into_shared()?;
         Ok(AsyncDispatcher { shared })
     }
 }

@@ -37,10 +37,12 @@ impl TestDb {
         TestDb::new(OutboxOptions::default())
     }
 
+    /// The options of a new test file: a manual clock, and no jitter so due times are
+    /// exact (the retry policy is stored in the file, so reopening keeps it).
     fn with_clock(options: OutboxOptions, clock: &ManualClock) -> OutboxOptions {
         let retry = RetryPolicy {
             jitter: 0.0,
-            ..options.retry_policy().clone()
+            ..options.retry_policy().cloned().unwrap_or_default()
         };
         options
             .with_retry(retry)
@@ -54,7 +56,8 @@ impl TestDb {
     /// A second handle on the same file (another "process" for locking purposes is
     /// emulated by separate connections).
     pub fn reopen(&self, options: OutboxOptions) -> Outbox {
-        Outbox::open(self.path(), Self::with_clock(options, &self.clock)).expect("reopen")
+        let options = options.with_clock(Arc::new(self.clock.clone()));
+        Outbox::open(self.path(), options).expect("reopen")
     }
 
     pub fn now_ms(&self) -> i64 {

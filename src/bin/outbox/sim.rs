@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use chunked_outbox::{
     Backoff, ChannelAdapter, ChannelPolicy, ChunkStatus, Claim, DeliveryStatus, LaneFailurePolicy,
-    ListFilter, Outbox, OutboxOptions, Outcome, ReplayPolicy, Resolution, RetryPolicy, Splitter,
+    ListFilter, Outbox, OutboxOptions, Outcome, Resolution, RetryPolicy, Splitter,
 };
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -166,14 +166,6 @@ impl ChannelAdapter for SimPlatform {
             Err(e) => Outcome::Transient {
                 error: format!("platform record: {e}"),
             },
-        }
-    }
-
-    fn replay(&self) -> ReplayPolicy {
-        if self.dedupes {
-            ReplayPolicy::Replay
-        } else {
-            ReplayPolicy::Hold
         }
     }
 }
