@@ -220,6 +220,7 @@ mod tests {
         }
         assert_ne!(me.token(1), me.token(2));
         assert_eq!(ClaimantId(0xdead_beef).to_string(), "deadbeef");
+        assert_eq!(format!("{:?}", ClaimantId(7)), "ClaimantId(00000007)");
     }
 
     /// The SQL range spells the stride out (SQL text is built at compile time); it must

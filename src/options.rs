@@ -480,12 +480,15 @@ mod tests {
     }
 
     #[test]
-    fn jitter_stays_within_its_band() {
+    fn jitter_stays_within_its_band_and_spreads_across_it() {
         let policy = RetryPolicy::default();
-        for _ in 0..1000 {
-            let d = policy.delay_ms(1);
-            assert!((4_500..=5_500).contains(&d), "{d}");
+        let delays: Vec<i64> = (0..1000).map(|_| policy.delay_ms(1)).collect();
+        for d in &delays {
+            assert!((4_500..=5_500).contains(d), "{d}");
         }
+        // Spread on both sides of the base delay, over most of the band.
+        let (min, max) = (delays.iter().min().unwrap(), delays.iter().max().unwrap());
+        assert!(*min < 4_600 && *max > 5_400, "{min}..{max}");
         let exact = RetryPolicy {
             jitter: 0.0,
             ..RetryPolicy::default()

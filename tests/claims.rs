@@ -220,6 +220,38 @@ fn release_refunds_the_attempt_and_keeps_the_chunk_due() -> Result<()> {
     Ok(())
 }
 
+/// A dead letter is finished (its delivery has a finish time); a chunk held
+/// `uncertain` is not: its delivery may still go on.
+#[test]
+fn a_dead_letter_is_finished_and_a_held_delivery_is_not() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    let dead = enqueue(ob, "gone", &["x"]);
+    let held = enqueue(ob, "unsure", &["y"]);
+    for c in claim_all(ob) {
+        let outcome = if c.delivery_id == dead {
+            Outcome::Permanent {
+                error: "chat not found".into(),
+            }
+        } else {
+            Outcome::Ambiguous {
+                error: "timeout".into(),
+            }
+        };
+        ob.record(&c, outcome)?;
+    }
+    let (d, h) = (view(ob, dead), view(ob, held));
+    assert_eq!(
+        (d.status, d.finished_at.is_some()),
+        (DeliveryStatus::Failed, true)
+    );
+    assert_eq!(
+        (h.status, h.finished_at.is_some()),
+        (DeliveryStatus::Uncertain, false)
+    );
+    Ok(())
+}
+
 #[test]
 fn ambiguous_outcome_follows_the_replay_policy() -> Result<()> {
     let options = OutboxOptions::default().with_channel("matrix", ChannelPolicy::replayable());
