@@ -68,6 +68,20 @@ pub enum Error {
         expected: &'static str,
     },
 
+    /// An operator action does not apply to the delivery's current status, e.g.
+    /// requeueing a delivery that was delivered.
+    #[error("delivery {delivery} is {status}; {action} needs a {expected} delivery")]
+    DeliveryState {
+        /// The delivery acted on.
+        delivery: DeliveryId,
+        /// Its current status.
+        status: crate::DeliveryStatus,
+        /// The action that was refused.
+        action: &'static str,
+        /// The status(es) the action needs.
+        expected: &'static str,
+    },
+
     /// The database was written by a newer version of this crate. Upgrade the crate;
     /// nothing was changed in the file.
     #[error(

@@ -30,6 +30,9 @@ pub struct ChannelHealth {
     pub failed_deliveries: u64,
     /// Dead letters nobody acknowledged yet.
     pub unacknowledged_dead_letters: u64,
+    /// Deliveries set aside because their row could not be read (counted among the
+    /// dead letters too); `outbox list --status failed` shows them with the reason.
+    pub corrupt_deliveries: u64,
     /// Chunks not yet sent (due, waiting for their turn, or queued in their lane). The
     /// unsent rest of a dead letter is not counted: nothing will send it unless it is
     /// requeued.
@@ -135,6 +138,11 @@ const FAMILIES: &[Family] = &[
         "Dead letters nobody acknowledged yet.",
         |h, _| Some(h.unacknowledged_dead_letters as f64),
     ),
+    (
+        "outbox_corrupt_deliveries",
+        "Deliveries set aside because their row could not be read.",
+        |h, _| Some(h.corrupt_deliveries as f64),
+    ),
     ("outbox_pending_chunks", "Chunks not sent yet.", |h, _| {
         Some(h.pending_chunks as f64)
     }),
@@ -229,7 +237,8 @@ fn escape_label(value: &str) -> String {
 
 /// Counted per channel and delivery status, over unfinished deliveries only.
 pub(crate) const OPEN_DELIVERIES_SQL: &str =
-    "SELECT channel, status, acknowledged_at IS NULL, count(*), min(created_at)
+    "SELECT channel, status, acknowledged_at IS NULL, count(*), min(created_at),
+        count(corrupt)
  FROM outbound_deliveries INDEXED BY outbound_deliveries_open
  WHERE status <> 'delivered'
  GROUP BY channel, status, acknowledged_at IS NULL";
@@ -277,6 +286,7 @@ fn snapshot(tx: &Connection, now: i64) -> Result<Health> {
             DeliveryStatus::Uncertain => h.uncertain_deliveries += n,
             DeliveryStatus::Failed => {
                 h.failed_deliveries += n;
+                h.corrupt_deliveries += count(r, 5)?;
                 if unacknowledged {
                     h.unacknowledged_dead_letters += n;
                 }
@@ -336,6 +346,7 @@ impl ChannelHealth {
         self.uncertain_deliveries += o.uncertain_deliveries;
         self.failed_deliveries += o.failed_deliveries;
         self.unacknowledged_dead_letters += o.unacknowledged_dead_letters;
+        self.corrupt_deliveries += o.corrupt_deliveries;
         self.pending_chunks += o.pending_chunks;
         self.sending_chunks += o.sending_chunks;
         self.retry_chunks += o.retry_chunks;

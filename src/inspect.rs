@@ -85,6 +85,8 @@ pub struct ListFilter {
     pub channel: Option<String>,
     /// Only this chat.
     pub chat_id: Option<String>,
+    /// Only the delivery enqueued with this caller idempotency key.
+    pub idempotency_key: Option<String>,
     /// At most this many (default 100, at most [`MAX_LIST_LIMIT`]).
     pub limit: usize,
 }
@@ -95,6 +97,7 @@ impl Default for ListFilter {
             status: None,
             channel: None,
             chat_id: None,
+            idempotency_key: None,
             limit: 100,
         }
     }
@@ -153,16 +156,80 @@ impl Outbox {
             values.push(Value::Text(chat_id.clone()));
             sql.push_str(&format!(" AND chat_id = ?{}", values.len()));
         }
+        if let Some(key) = &filter.idempotency_key {
+            values.push(Value::Text(key.clone()));
+            sql.push_str(&format!(" AND idempotency_key = ?{}", values.len()));
+        }
         values.push(Value::Integer(filter.limit as i64));
         sql.push_str(&format!(" ORDER BY id DESC LIMIT ?{}", values.len()));
         self.read(|tx| {
             let mut stmt = tx.prepare_cached(&sql)?;
-            let rows = stmt.query_map(params_from_iter(values), delivery_row)?;
-            Ok(rows
-                .map(|r| r.map(|(_, view)| view))
-                .collect::<rusqlite::Result<_>>()?)
+            let rows = stmt.query_map(params_from_iter(values), |r| Ok(delivery_row(r)))?;
+            let mut views = Vec::new();
+            for row in rows {
+                // A row that cannot be read is skipped here, not a reason to list
+                // nothing; `corrupt_rows` reports it.
+                if let Ok((_, view)) = row? {
+                    views.push(view);
+                }
+            }
+            Ok(views)
         })
     }
+
+    /// Deliveries whose rows cannot be read, or that a claim set aside because of that:
+    /// what `outbox health` counts as corrupt and `outbox list` reports apart. Empty on
+    /// a healthy file.
+    ///
+    /// # Errors
+    ///
+    /// Database errors.
+    pub fn corrupt_rows(&self) -> Result<Vec<CorruptRow>> {
+        self.read(|tx| {
+            let mut stmt = tx.prepare_cached(
+                "SELECT id, CAST(uid AS BLOB), corrupt FROM outbound_deliveries
+                 WHERE corrupt IS NOT NULL AND status <> 'delivered'",
+            )?;
+            let mut found: Vec<CorruptRow> = stmt
+                .query_map([], |r| {
+                    Ok(CorruptRow {
+                        row: r.get(0)?,
+                        uid: String::from_utf8_lossy(&r.get::<_, Vec<u8>>(1)?).into_owned(),
+                        reason: r.get(2)?,
+                    })
+                })?
+                .collect::<rusqlite::Result<_>>()?;
+            // Rows no claim has met yet: a uid that does not parse.
+            let mut stmt = tx.prepare_cached(
+                "SELECT id, CAST(uid AS BLOB) FROM outbound_deliveries
+                 WHERE corrupt IS NULL AND status <> 'delivered'",
+            )?;
+            let mut rows = stmt.query([])?;
+            while let Some(r) = rows.next()? {
+                let uid = String::from_utf8_lossy(&r.get::<_, Vec<u8>>(1)?).into_owned();
+                if uid.parse::<DeliveryId>().is_err() {
+                    found.push(CorruptRow {
+                        row: r.get(0)?,
+                        reason: format!("its delivery uid {uid:?} is not a UUID"),
+                        uid,
+                    });
+                }
+            }
+            Ok(found)
+        })
+    }
+}
+
+/// A delivery row that cannot be read (see [`Outbox::corrupt_rows`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct CorruptRow {
+    /// Its row number in `outbound_deliveries`.
+    pub row: i64,
+    /// Its uid as stored (lossily decoded).
+    pub uid: String,
+    /// What is wrong with it.
+    pub reason: String,
 }
 
 const DELIVERY_SELECT: &str =

@@ -178,18 +178,22 @@ pub(crate) const PAUSE_DUE_SQL: &str = "UPDATE outbound_delivery_chunks SET due_
          SELECT id * 16384 + delivered_count FROM outbound_deliveries
          WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered')";
 
-/// Pauses a lane until `until`: records the pause for chunks that become due later,
-/// and pushes back the chunks of the lane that are already due.
-pub(crate) fn pause(tx: &Connection, channel: &str, chat_id: &str, until: i64) -> Result<()> {
-    tx.prepare_cached(
-        "INSERT INTO outbound_lanes (channel, chat_id, paused_until) VALUES (?1, ?2, ?3)
-         ON CONFLICT (channel, chat_id) DO UPDATE
-         SET paused_until = max(coalesce(paused_until, ?3), ?3)",
-    )?
-    .execute(params![channel, chat_id, until])?;
+/// Pauses a lane until `until` (or longer, if it is paused longer already): records
+/// the pause for chunks that become due later, and pushes back the chunks of the lane
+/// that are already due — to the end of the pause as stored, not only to `until`.
+/// Returns that end.
+pub(crate) fn pause(tx: &Connection, channel: &str, chat_id: &str, until: i64) -> Result<i64> {
+    let paused_until: i64 = tx
+        .prepare_cached(
+            "INSERT INTO outbound_lanes (channel, chat_id, paused_until) VALUES (?1, ?2, ?3)
+             ON CONFLICT (channel, chat_id) DO UPDATE
+             SET paused_until = max(coalesce(paused_until, ?3), ?3)
+             RETURNING paused_until",
+        )?
+        .query_row(params![channel, chat_id, until], |r| r.get(0))?;
     tx.prepare_cached(PAUSE_DUE_SQL)?
-        .execute(params![channel, chat_id, until])?;
-    Ok(())
+        .execute(params![channel, chat_id, paused_until])?;
+    Ok(paused_until)
 }
 
 /// Puts a delivery that was held aside (requeued, or resolved with chunks left) back

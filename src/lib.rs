@@ -146,7 +146,7 @@ pub use enqueue::{
 pub use error::{Error, Result};
 pub use health::{ChannelHealth, Health};
 pub use ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
-pub use inspect::{ChunkView, DeliveryView, ListFilter, MAX_LIST_LIMIT};
+pub use inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter, MAX_LIST_LIMIT};
 pub use operator::Resolution;
 pub use options::{
     Backoff, LaneFailurePolicy, LaneOrder, OutboxOptions, ReplayPolicy, RetryPolicy, Synchronous,

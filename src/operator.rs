@@ -45,26 +45,38 @@ impl Outbox {
     ///
     /// # Errors
     ///
-    /// [`Error::DeliveryNotFound`]; [`Error::InvalidState`] (naming the delivery's
-    /// current head chunk) if nothing in it is failed or uncertain.
+    /// [`Error::DeliveryNotFound`]; [`Error::DeliveryState`] (naming the delivery and its
+    /// status) if nothing in it is failed or uncertain.
     pub fn requeue_delivery(&self, delivery: DeliveryId) -> Result<()> {
         self.write_and_wake(|tx, rules| {
             let chunk = held_or_head_chunk(self, tx, delivery)?;
+            if !matches!(chunk.status, ChunkStatus::Failed | ChunkStatus::Uncertain) {
+                let status = tx
+                    .prepare_cached("SELECT status FROM outbound_deliveries WHERE id = ?1")?
+                    .query_row([chunk.delivery], |r| r.get(0))?;
+                return Err(Error::DeliveryState {
+                    delivery,
+                    status,
+                    action: "requeue",
+                    expected: "failed or uncertain",
+                });
+            }
             requeue(tx, rules, &chunk, "requeue", self.options().now_ms())
         })
     }
 
-    /// Requeues every dead letter (`failed` delivery), oldest first. Returns how many.
+    /// Requeues every dead letter (`failed` delivery), oldest first — of one channel, or
+    /// of all for `None`. Returns how many. Rows set aside as corrupt stay failed.
     ///
     /// # Errors
     ///
     /// Database errors; nothing is changed then.
-    pub fn requeue_dead_letters(&self) -> Result<u64> {
+    pub fn requeue_dead_letters(&self, channel: Option<&str>) -> Result<u64> {
         self.write_and_wake(|tx, rules| {
             let now = self.options().now_ms();
             let mut stmt = tx.prepare_cached(DEAD_LETTER_CHUNKS_SQL)?;
             let chunks = stmt
-                .query_map([], ChunkRef::from_row)?
+                .query_map([channel], ChunkRef::from_row)?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             for chunk in &chunks {
                 requeue(tx, rules, chunk, "requeue", now)?;
@@ -114,24 +126,26 @@ impl Outbox {
         })
     }
 
-    /// Marks every unacknowledged dead letter as seen. They stay listed (and
-    /// requeueable) until purged, but no longer count as unacknowledged in health, and a
-    /// lane blocked by one ([`LaneFailurePolicy::Block`](crate::LaneFailurePolicy::Block))
-    /// moves on. Returns how many were acknowledged.
+    /// Marks every unacknowledged dead letter (of one channel, or of all for `None`) as
+    /// seen. They stay listed (and requeueable) until purged, but no longer count as
+    /// unacknowledged in health, and a lane blocked by one
+    /// ([`LaneFailurePolicy::Block`](crate::LaneFailurePolicy::Block)) moves on. Returns
+    /// how many were acknowledged.
     ///
     /// # Errors
     ///
     /// Database errors; nothing is changed then.
-    pub fn acknowledge_dead_letters(&self) -> Result<u64> {
+    pub fn acknowledge_dead_letters(&self, channel: Option<&str>) -> Result<u64> {
         self.write_and_wake(|tx, rules| {
             let now = self.options().now_ms();
             let mut stmt = tx.prepare_cached(
                 "UPDATE outbound_deliveries SET acknowledged_at = ?1
                  WHERE status = 'failed' AND status <> 'delivered' AND acknowledged_at IS NULL
+                   AND (?2 IS NULL OR channel = ?2)
                  RETURNING channel, chat_id",
             )?;
             let lanes = stmt
-                .query_map([now], |r| {
+                .query_map(params![now, channel], |r| {
                     Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
                 })?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
@@ -192,8 +206,10 @@ fn requeue(
 
 /// The failed chunks of dead letters, oldest delivery first. Starts from the index of
 /// unfinished deliveries (a join led by the chunk table would read all of history).
+/// `?1` is a channel, or NULL for all.
 pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
-    "d.id IN (SELECT id FROM outbound_deliveries WHERE status = 'failed' AND status <> 'delivered')
+    "d.id IN (SELECT id FROM outbound_deliveries WHERE status = 'failed' AND status <> 'delivered'
+               AND corrupt IS NULL AND (?1 IS NULL OR channel = ?1))
      AND c.status = 'failed'
      ORDER BY d.id"
 );

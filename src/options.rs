@@ -200,6 +200,25 @@ impl RetryPolicy {
         Ok(())
     }
 
+    /// The policy as the file stores it: delays in whole milliseconds.
+    pub(crate) fn stored_form(&self) -> Self {
+        let ms =
+            |d: &Duration| Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let backoff = match &self.backoff {
+            Backoff::Schedule(steps) => Backoff::Schedule(steps.iter().map(ms).collect()),
+            Backoff::Exponential { base, factor, cap } => Backoff::Exponential {
+                base: ms(base),
+                factor: *factor,
+                cap: ms(cap),
+            },
+        };
+        RetryPolicy {
+            backoff,
+            max_age: self.max_age.as_ref().map(ms),
+            ..self.clone()
+        }
+    }
+
     /// Delay in milliseconds before the retry after attempt `attempt`, with jitter.
     pub(crate) fn delay_ms(&self, attempt: u32) -> i64 {
         let base = duration_ms(self.backoff.delay(attempt));

@@ -12,7 +12,9 @@ use rusqlite::{Connection, OpenFlags, Transaction, TransactionBehavior};
 use crate::checkpoint::Checkpointer;
 use crate::policy::{self, Stored};
 use crate::schema::{self, StorageSettings};
-use crate::{ChannelPolicy, ClaimantId, DeliveryId, Error, OutboxOptions, Policy, Result};
+use crate::{
+    ChannelPolicy, ClaimantId, DeliveryId, Error, OutboxOptions, Policy, Result, RetryPolicy,
+};
 
 /// A durable outbox on one SQLite database. Cheap to clone; `Send + Sync`.
 ///
@@ -461,7 +463,14 @@ fn reconcile(conn: &Connection, options: &OutboxOptions, fresh: bool) -> Result<
         )?;
         wanted.lane_failure = rule;
     }
-    if let Some(retry) = options.retry.as_ref().filter(|r| **r != stored.retry) {
+    // Compared as the file would store them (whole milliseconds), or a rule given in
+    // finer units would differ from itself once stored.
+    let retry = options.retry.as_ref().map(RetryPolicy::stored_form);
+    let default_channel = options
+        .default_channel
+        .as_ref()
+        .map(ChannelPolicy::stored_form);
+    if let Some(retry) = retry.as_ref().filter(|r| **r != stored.retry) {
         conflict(
             "retry policy".into(),
             policy::retry_to_json(&stored.retry),
@@ -469,8 +478,7 @@ fn reconcile(conn: &Connection, options: &OutboxOptions, fresh: bool) -> Result<
         )?;
         wanted.retry = retry.clone();
     }
-    if let Some(rules) = options
-        .default_channel
+    if let Some(rules) = default_channel
         .as_ref()
         .filter(|d| **d != stored.default_channel)
     {
@@ -482,8 +490,13 @@ fn reconcile(conn: &Connection, options: &OutboxOptions, fresh: bool) -> Result<
         wanted.default_channel = rules.clone();
     }
     let mut channels = Vec::new();
-    for (name, given) in &options.channels {
-        match stored.channels.get(name) {
+    let given_channels: Vec<(&String, ChannelPolicy)> = options
+        .channels
+        .iter()
+        .map(|(name, rules)| (name, rules.stored_form()))
+        .collect();
+    for (name, given) in &given_channels {
+        match stored.channels.get(*name) {
             Some(have) if have == given => {}
             Some(have) => {
                 conflict(
@@ -491,9 +504,9 @@ fn reconcile(conn: &Connection, options: &OutboxOptions, fresh: bool) -> Result<
                     format!("{have:?}"),
                     format!("{given:?}"),
                 )?;
-                channels.push((name, given));
+                channels.push((*name, given));
             }
-            None => channels.push((name, given)),
+            None => channels.push((*name, given)),
         }
     }
     // `wanted` differs from `stored` in its file-wide rules only.

@@ -356,11 +356,13 @@ fn apply(
             Ok(Recorded::settled(ChunkStatus::Failed))
         }
         Outcome::RateLimited { retry_after, error } => {
-            let until = now.saturating_add(duration_ms(retry_after));
+            let asked = now.saturating_add(duration_ms(retry_after));
+            let paused_until = lane::pause(tx, &chunk.channel, &chunk.chat_id, asked)?;
+            // Through the lane, like every due time: a longer pause of the chat holds.
+            let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, paused_until)?;
             let attempts = chunk.attempts.saturating_sub(1);
-            reschedule(tx, chunk, ChunkStatus::Retry, attempts, until, Some(&error))?;
-            lane::pause(tx, &chunk.channel, &chunk.chat_id, until)?;
-            Ok(Recorded::due(ChunkStatus::Retry, until))
+            reschedule(tx, chunk, ChunkStatus::Retry, attempts, due, Some(&error))?;
+            Ok(Recorded::due(ChunkStatus::Retry, due))
         }
     }
 }

@@ -13,7 +13,6 @@ use std::time::Duration;
 use rusqlite::{Connection, OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 
-use crate::clock::duration_ms;
 use crate::options::{Backoff, LaneFailurePolicy, LaneOrder, ReplayPolicy, RetryPolicy};
 use crate::{Error, Result};
 
@@ -76,6 +75,8 @@ impl ChannelPolicy {
 
     /// Sets the channel-wide rate as sends per second (the inverse of
     /// [`with_channel_interval`](Self::with_channel_interval)); 0 or less means no limit.
+    /// Intervals are stored in whole milliseconds, rounded up, so the stored rate never
+    /// exceeds the one asked for (30/s is kept as 34 ms, 29.4/s).
     pub fn with_rate_per_second(self, rate: f64) -> Self {
         let interval = if rate > 0.0 {
             Duration::try_from_secs_f64(1.0 / rate).unwrap_or(Duration::ZERO)
@@ -89,6 +90,18 @@ impl ChannelPolicy {
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = Some(retry);
         self
+    }
+
+    /// The policy as the file stores it: intervals in whole milliseconds, rounded up (a
+    /// send is never allowed sooner than asked).
+    pub(crate) fn stored_form(&self) -> Self {
+        let up = |d: Duration| Duration::from_millis(ceil_ms(d));
+        ChannelPolicy {
+            lane_interval: up(self.lane_interval),
+            channel_interval: up(self.channel_interval),
+            retry: self.retry.as_ref().map(RetryPolicy::stored_form),
+            ..self.clone()
+        }
     }
 
     /// Checks the policy can be followed.
@@ -241,8 +254,8 @@ pub(crate) fn store_file_rules(conn: &Connection, policy: &Policy) -> Result<()>
             lane_failure_str(policy.lane_failure),
             retry_to_json(&policy.retry),
             replay_str(d.replay),
-            duration_ms(d.lane_interval),
-            duration_ms(d.channel_interval),
+            ceil_ms(d.lane_interval).min(i64::MAX as u64) as i64,
+            ceil_ms(d.channel_interval).min(i64::MAX as u64) as i64,
         ],
     )?;
     Ok(())
@@ -267,8 +280,8 @@ pub(crate) fn store_channel(
         params![
             channel,
             rules.map(|r| replay_str(r.replay)),
-            rules.map(|r| duration_ms(r.lane_interval)),
-            rules.map(|r| duration_ms(r.channel_interval)),
+            rules.map(|r| ceil_ms(r.lane_interval).min(i64::MAX as u64) as i64),
+            rules.map(|r| ceil_ms(r.channel_interval).min(i64::MAX as u64) as i64),
             rules.and_then(|r| r.retry.as_ref()).map(retry_to_json),
         ],
     )?;
@@ -299,6 +312,11 @@ fn bump(conn: &Connection) -> Result<()> {
     conn.prepare_cached("UPDATE outbound_policy SET version = version + 1 WHERE id = 1")?
         .execute([])?;
     Ok(())
+}
+
+/// Whole milliseconds of `d`, rounded up.
+fn ceil_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
 }
 
 fn ms(ms: i64) -> Duration {

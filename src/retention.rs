@@ -12,6 +12,16 @@ use crate::{Outbox, Result};
 /// Deliveries purged per transaction, so a large purge never holds the write lock long.
 const PURGE_BATCH: i64 = 1000;
 
+/// The deliveries a purge may remove (`?2` the cutoff): finished before it — delivered,
+/// or dead letters someone acknowledged — and never the newest one.
+macro_rules! purgeable {
+    () => {
+        "finished_at < ?2
+         AND (status = 'delivered' OR (status = 'failed' AND acknowledged_at IS NOT NULL))
+         AND id < (SELECT max(id) FROM outbound_deliveries)"
+    };
+}
+
 /// What [`Outbox::purge`] removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct PurgeReport {
@@ -38,21 +48,52 @@ impl Outbox {
     ///
     /// Database errors.
     pub fn purge(&self, finished_before: DateTime<Utc>) -> Result<PurgeReport> {
+        self.purge_batches(finished_before)
+    }
+
+    /// What [`purge`](Self::purge) with the same cutoff would remove now, without
+    /// removing anything (`outbox purge --dry-run`).
+    ///
+    /// # Errors
+    ///
+    /// Database errors.
+    pub fn purge_preview(&self, finished_before: DateTime<Utc>) -> Result<PurgeReport> {
+        let cutoff = finished_before.timestamp_millis();
+        self.read(|tx| {
+            let (deliveries, chunks): (i64, i64) = tx.query_row(
+                concat!(
+                    "SELECT count(*), coalesce(sum(chunk_count), 0) FROM outbound_deliveries WHERE ",
+                    purgeable!()
+                ),
+                // The condition names the cutoff `?2`, as in the purge itself.
+                params![0, cutoff],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+            Ok(PurgeReport {
+                deliveries: deliveries.max(0) as u64,
+                chunks: chunks.max(0) as u64,
+            })
+        })
+    }
+
+    fn purge_batches(&self, finished_before: DateTime<Utc>) -> Result<PurgeReport> {
         let cutoff = finished_before.timestamp_millis();
         let mut report = PurgeReport::default();
         let mut cursor = 0_i64;
         loop {
             let batch = self.write(|tx, _| {
-                let mut stmt = tx.prepare_cached(
-                    "SELECT id, channel, status = 'delivered' FROM outbound_deliveries
-                     WHERE id > ?1 AND finished_at < ?2
-                       AND (status = 'delivered' OR (status = 'failed' AND acknowledged_at IS NOT NULL))
-                       AND id < (SELECT max(id) FROM outbound_deliveries)
-                     ORDER BY id LIMIT ?3",
-                )?;
+                let mut stmt = tx.prepare_cached(concat!(
+                    "SELECT id, channel, status = 'delivered' FROM outbound_deliveries WHERE ",
+                    purgeable!(),
+                    " AND id > ?1 ORDER BY id LIMIT ?3"
+                ))?;
                 let rows = stmt
                     .query_map(params![cursor, cutoff, PURGE_BATCH], |r| {
-                        Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, bool>(2)?))
+                        Ok((
+                            r.get::<_, i64>(0)?,
+                            r.get::<_, String>(1)?,
+                            r.get::<_, bool>(2)?,
+                        ))
                     })?
                     .collect::<rusqlite::Result<Vec<_>>>()?;
                 let mut chunks = 0;

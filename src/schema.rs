@@ -452,7 +452,7 @@ mod plan_tests {
     fn chunk_lookups_use_the_chunk_key_and_never_scan_history() {
         let ob = populated();
         for (sql, params) in [
-            (crate::operator::DEAD_LETTER_CHUNKS_SQL, 0),
+            (crate::operator::DEAD_LETTER_CHUNKS_SQL, 1),
             (crate::lane::PAUSE_DUE_SQL, 3),
             (crate::finalize::SWEEP_SQL, 0),
             (crate::outcome::chunk_ref_where!("c.id = ?1"), 1),

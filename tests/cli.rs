@@ -7,6 +7,7 @@
 mod common;
 
 use std::path::Path;
+use std::time::Duration;
 
 use assert_cmd::Command;
 use chunked_outbox::{Outcome, Result};
@@ -53,7 +54,7 @@ struct Prepared {
     db: TestDb,
     delivered: chunked_outbox::DeliveryId,
     dead: chunked_outbox::DeliveryId,
-    uncertain_chunk: chunked_outbox::ChunkId,
+    uncertain: chunked_outbox::DeliveryId,
 }
 
 fn prepared() -> Result<Prepared> {
@@ -61,7 +62,7 @@ fn prepared() -> Result<Prepared> {
     let ob = &db.outbox;
     let delivered = enqueue(ob, "ok", &["fine"]);
     let dead = enqueue(ob, "gone", &["x"]);
-    let _ = enqueue(ob, "unsure", &["y"]);
+    let uncertain = enqueue(ob, "unsure", &["y"]);
     let _ = enqueue(ob, "stuck", &["z"]);
     let claims = claim_all(ob);
     let by_chat = |chat: &str| claims.iter().find(|c| c.chat_id == chat).unwrap();
@@ -82,7 +83,7 @@ fn prepared() -> Result<Prepared> {
     Ok(Prepared {
         delivered,
         dead,
-        uncertain_chunk: by_chat("unsure").chunk_id,
+        uncertain,
         db,
     })
 }
@@ -227,7 +228,7 @@ fn list_and_show() -> Result<()> {
     assert_eq!(code, 0);
     for needle in [
         "failed",
-        &format!("{}:1", p.dead),
+        &format!("a chunk's key is {}:<chunk>", p.dead),
         "chat not found",
         "attempts",
     ] {
@@ -256,7 +257,14 @@ fn repair_commands() -> Result<()> {
     let (_, out) = stdout(outbox(&path).args(["requeue", "--failed"]));
     assert_eq!(out.trim(), "requeued 0 deliveries");
 
-    let chunk = p.uncertain_chunk.to_string();
+    // A chunk is named by its key; a bare number (a row of some file) is refused.
+    let out = outbox(&path)
+        .args(["resolve", "3", "--resend"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("\"3\" is not a chunk key"));
+    let chunk = format!("{}:1", p.uncertain);
     let (code, out) =
         stdout(outbox(&path).args(["resolve", &chunk, "--delivered", "--platform-id", "p9"]));
     assert_eq!(code, 0, "{out}");
@@ -269,7 +277,8 @@ fn repair_commands() -> Result<()> {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(3), "no longer uncertain");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("needs uncertain"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("{chunk} is delivered")), "{err}");
 
     let (_, out) = stdout(outbox(&path).arg("ack-dead-letters"));
     assert_eq!(out.trim(), "acknowledged 0 dead letters");
@@ -399,4 +408,318 @@ fn contention_reaches_no_caller_and_claims_nothing_twice() {
     assert_eq!(v["claimed_twice"], 0);
     assert_eq!(v["sent"], 3000);
     println!("contention throughput: {} chunks/s", v["chunks_per_s"]);
+}
+
+/// An SQLite file of some other application: a table of its own, rollback journal.
+fn foreign_file(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("app.db");
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute_batch(
+        "CREATE TABLE orders (id INTEGER PRIMARY KEY, item TEXT);
+         INSERT INTO orders (item) VALUES ('tea'), ('cake');",
+    )
+    .unwrap();
+    path
+}
+
+/// Found: `outbox --db app.db health` on another application's SQLite file added six
+/// tables, set `user_version`, switched the file to WAL and printed `status: ok`.
+#[test]
+fn read_only_commands_refuse_a_foreign_file_and_leave_it_byte_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = foreign_file(dir.path());
+    let before = std::fs::read(&path).unwrap();
+    for args in [
+        vec!["health"],
+        vec!["health", "--prometheus"],
+        vec!["list"],
+        vec!["show", "01890a5d-ac96-774b-bcce-b302099a8057"],
+        vec!["config", "show", "--json"],
+        vec!["purge", "--older-than", "1d", "--dry-run"],
+        // Repair commands refuse it too: only `migrate` adds a schema.
+        vec!["requeue", "--failed"],
+        vec!["recover"],
+    ] {
+        let out = outbox(&path).args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(3), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("not an outbox"), "{args:?}: {err}");
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            before,
+            "{args:?} changed the file"
+        );
+    }
+    assert!(!dir.path().join("app.db-wal").exists());
+}
+
+/// Read-only commands refuse an outbox at an older schema (run `outbox migrate`) and
+/// change nothing; repair commands too.
+#[test]
+fn commands_other_than_migrate_never_upgrade_a_schema() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v1.db");
+    let v1 = rusqlite::Connection::open(&path).unwrap();
+    v1.execute_batch(include_str!("../migrations/0001_initial.sql"))
+        .unwrap();
+    v1.execute_batch("PRAGMA user_version = 1").unwrap();
+    drop(v1);
+    let before = std::fs::read(&path).unwrap();
+    for args in [vec!["health"], vec!["recover"], vec!["config", "show"]] {
+        let out = outbox(&path).args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(3), "{args:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("run `outbox migrate`"));
+        assert_eq!(std::fs::read(&path).unwrap(), before, "{args:?}");
+    }
+    let (code, out) = stdout(outbox(&path).arg("migrate"));
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        outbox(&path).arg("health").output().unwrap().status.code(),
+        Some(0)
+    );
+}
+
+#[test]
+fn config_show_lists_every_stored_rule_and_config_set_changes_them() {
+    let db = TestDb::new(
+        chunked_outbox::OutboxOptions::default()
+            .with_channel("discord", chunked_outbox::ChannelPolicy::replayable()),
+    );
+    let _ = enqueue(&db.outbox, "42", &["x"]);
+    let path = db.path();
+    let (code, json) = stdout(outbox(&path).args(["config", "show", "--json"]));
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["lane_order"], "fifo");
+    assert_eq!(v["lane_failure"], "skip");
+    assert_eq!(v["channels"]["discord"]["replay"], "replay");
+    assert_eq!(v["channels"]["discord"]["own_rules"], true);
+    assert_eq!(v["channels"]["telegram"]["replay"], "hold");
+    assert_eq!(v["channels"]["telegram"]["lane_interval_ms"], 0);
+    assert_eq!(
+        v["channels"]["telegram"]["rate_per_second"],
+        serde_json::Value::Null
+    );
+
+    let (code, out) = stdout(outbox(&path).args([
+        "config",
+        "set",
+        "--channel",
+        "telegram",
+        "--lane-interval",
+        "1s",
+        "--rate",
+        "30",
+    ]));
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = stdout(outbox(&path).args(["config", "set", "--lane-order", "parallel"]));
+    assert_eq!(code, 0, "{out}");
+    // The library reads what the tool stored.
+    let policy = db.outbox.policy().unwrap();
+    assert_eq!(policy.lane_order, chunked_outbox::LaneOrder::Parallel);
+    let telegram = policy.channel("telegram");
+    assert_eq!(telegram.lane_interval, Duration::from_secs(1));
+    // 30/s is stored as 34 ms between sends: rounded so as never to exceed the rate.
+    assert_eq!(telegram.channel_interval, Duration::from_millis(34));
+    assert_eq!(
+        policy.channel("discord").replay,
+        chunked_outbox::ReplayPolicy::Replay
+    );
+    let (_, json) = stdout(outbox(&path).args(["config", "show", "--json"]));
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let rate = v["channels"]["telegram"]["rate_per_second"]
+        .as_f64()
+        .unwrap();
+    assert!((29.0..30.0).contains(&rate), "{rate}");
+
+    let out = outbox(&path)
+        .args(["config", "set", "--replay", "replay"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "a channel rule needs a channel");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--channel NAME"));
+}
+
+/// Found: `purge --older-than 99999999999d` panicked (exit 101); `purge --older-than 0s`
+/// removed everything with no way to see first what would go.
+#[test]
+fn purge_refuses_an_impossible_age_and_previews_with_dry_run() -> Result<()> {
+    let p = prepared()?;
+    let path = p.db.path();
+    let out = outbox(&path)
+        .args(["purge", "--older-than", "99999999999d"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "a usage error, not a crash");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("further back than any date"));
+    let (code, out) = stdout(outbox(&path).args(["purge", "--older-than", "0s", "--dry-run"]));
+    assert_eq!(code, 0);
+    assert!(out.starts_with("would purge 1 delivery (1 chunk)"), "{out}");
+    assert_eq!(
+        p.db.outbox.list(&Default::default())?.len(),
+        4,
+        "nothing removed"
+    );
+    Ok(())
+}
+
+/// Found: `resolve --resend --platform-id x` ignored the id; `requeue` of a delivered
+/// delivery answered with a chunk id the user never saw; stored text with terminal
+/// escapes was printed raw.
+#[test]
+fn the_tool_refuses_what_it_would_ignore_and_names_what_it_was_given() -> Result<()> {
+    let p = prepared()?;
+    let path = p.db.path();
+    let key = format!("{}:1", p.uncertain);
+    let out = outbox(&path)
+        .args(["resolve", &key, "--resend", "--platform-id", "x"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--platform-id"));
+
+    let out = outbox(&path)
+        .args(["requeue", &p.delivered.to_string()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&p.delivered.to_string()) && err.contains("is delivered"),
+        "{err}"
+    );
+
+    let out = outbox(&path).args(["show", "not-a-uuid"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("\"not-a-uuid\" is not a delivery id"));
+
+    let evil =
+        p.db.outbox
+            .enqueue(&chunked_outbox::NewDelivery::single(
+                "telegram",
+                "\u{1b}]0;owned\u{7}",
+                "x",
+            ))?
+            .id;
+    let (code, shown) = stdout(outbox(&path).args(["show", &evil.to_string()]));
+    assert_eq!(code, 0);
+    assert!(!shown.contains('\u{1b}'), "{shown:?}");
+    assert!(shown.contains("\\u{1b}]0;owned\\u{7}"), "{shown}");
+    Ok(())
+}
+
+/// `list --key`, `--channel` on `requeue --failed` and `ack-dead-letters`, and
+/// `health --prometheus --exit-zero` for textfile collectors.
+#[test]
+fn filters_by_caller_key_and_channel_and_a_health_that_exits_zero() -> Result<()> {
+    let p = prepared()?;
+    let path = p.db.path();
+    let keyed =
+        p.db.outbox
+            .enqueue(
+                &chunked_outbox::NewDelivery::single("slack", "C1", "hi")
+                    .with_idempotency_key("order-7"),
+            )?
+            .id;
+    let (_, json) = stdout(outbox(&path).args(["list", "--key", "order-7", "--json"]));
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(
+        (v.as_array().unwrap().len(), &v[0]["id"]),
+        (1, &serde_json::json!(keyed.to_string()))
+    );
+
+    let (_, out) = stdout(outbox(&path).args(["ack-dead-letters", "--channel", "slack"]));
+    assert_eq!(out.trim(), "acknowledged 0 dead letters");
+    let (_, out) = stdout(outbox(&path).args(["requeue", "--failed", "--channel", "slack"]));
+    assert_eq!(out.trim(), "requeued 0 deliveries");
+    let (_, out) = stdout(outbox(&path).args(["requeue", "--failed", "--channel", "telegram"]));
+    assert_eq!(out.trim(), "requeued 1 delivery");
+
+    let out = outbox(&path)
+        .args(["health", "--prometheus", "--exit-zero"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "the uncertain chunk does not fail the collector"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("# TYPE outbox_pending_chunks gauge"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("status: fail"));
+    Ok(())
+}
+
+/// Found: the health table was about 130 columns wide. Every line fits 100 columns,
+/// CJK and emoji channel names included (two columns each).
+#[test]
+fn tables_fit_one_hundred_columns() -> Result<()> {
+    let p = prepared()?;
+    p.db.outbox.enqueue(&chunked_outbox::NewDelivery::single(
+        "ライン通知チャンネル🚀🚀",
+        "チャット",
+        "x",
+    ))?;
+    let path = p.db.path();
+    for args in [
+        vec!["health"],
+        vec!["list"],
+        vec!["show", &p.dead.to_string()],
+        vec!["config", "show"],
+    ] {
+        let (_, text) = stdout(outbox(&path).args(&args));
+        for line in text.lines() {
+            let columns: usize = line
+                .chars()
+                .map(|c| {
+                    if matches!(c as u32, 0x3000..=0x9fff | 0xff00..=0xffef | 0x1f300..=0x1faff) {
+                        2
+                    } else {
+                        1
+                    }
+                })
+                .sum();
+            assert!(columns <= 100, "{args:?}: {columns} columns: {line}");
+        }
+    }
+    Ok(())
+}
+
+/// Found (through the tool): `outbox requeue` on a Parallel application's file stranded
+/// the reply; `outbox recover` held a replayable channel's chunk uncertain.
+#[test]
+fn the_tools_repairs_follow_the_files_rules() -> Result<()> {
+    let db = TestDb::new(
+        chunked_outbox::OutboxOptions::default()
+            .with_lane_order(chunked_outbox::LaneOrder::Parallel)
+            .with_channel("discord", chunked_outbox::ChannelPolicy::replayable())
+            .with_lease(Duration::from_secs(10)),
+    );
+    let dead = enqueue(&db.outbox, "c", &["x"]);
+    let _live = enqueue(&db.outbox, "c", &["y"]);
+    let _ = db
+        .outbox
+        .enqueue(&chunked_outbox::NewDelivery::single("discord", "d", "z"))?;
+    for claim in claim_all(&db.outbox) {
+        if claim.delivery_id == dead {
+            db.outbox.record(
+                &claim,
+                Outcome::Permanent {
+                    error: "gone".into(),
+                },
+            )?;
+        }
+    }
+    // The tool's clock is the real one: every lease of the test clock ended long ago.
+    let path = db.path();
+    let (code, out) = stdout(outbox(&path).args(["requeue", &dead.to_string()]));
+    assert_eq!((code, out.trim()), (0, "requeued 1 delivery"));
+    assert_eq!(
+        view(&db.outbox, dead).status,
+        chunked_outbox::DeliveryStatus::Pending
+    );
+    let (_, out) = stdout(outbox(&path).arg("recover"));
+    assert!(
+        out.contains("retried 1, held uncertain 1"),
+        "discord replays, telegram holds: {out}"
+    );
+    Ok(())
 }

@@ -298,7 +298,7 @@ impl World {
             }
             Op::RequeueDeadLetters => {
                 let statuses = self.statuses();
-                let n = self.outbox.requeue_dead_letters().unwrap();
+                let n = self.outbox.requeue_dead_letters(None).unwrap();
                 let mut failed = 0;
                 for (id, m) in &mut self.deliveries {
                     if statuses.get(id) == Some(&DeliveryStatus::Failed) {

@@ -139,7 +139,7 @@ fn block_policy_holds_the_lane_until_acknowledged_or_requeued() -> Result<()> {
     assert!(claim_all(ob).is_empty());
 
     // Acknowledge: the operator has seen it; the lane moves on.
-    assert_eq!(ob.acknowledge_dead_letters()?, 1);
+    assert_eq!(ob.acknowledge_dead_letters(None)?, 1);
     let claim = claim_one(ob);
     assert_eq!(claim.delivery_id, waiting);
     Ok(())

@@ -187,7 +187,7 @@ fn purge_removes_old_finished_deliveries_and_keeps_messages() -> Result<()> {
     assert_eq!(messages_for(&db.raw(), old)?, ["a b"]);
 
     // Once acknowledged, the dead letter goes too.
-    assert_eq!(ob.acknowledge_dead_letters()?, 1);
+    assert_eq!(ob.acknowledge_dead_letters(None)?, 1);
     assert_eq!(ob.purge(cutoff)?.deliveries, 1);
     assert!(ob.delivery(dead)?.is_none());
 

@@ -1,6 +1,12 @@
 //! `outbox`: inspect and repair a chunked-outbox database, read its health for
 //! monitoring, and run the demo.
+//!
+//! Commands that only read (`health`, `list`, `show`, `config show`) open the file
+//! read-only: they create nothing, change no schema and switch no journal mode, and
+//! refuse a file that is not an outbox. Repair commands open it without upgrading its
+//! schema; only `migrate` creates a file or brings its schema up to date.
 
+mod config;
 mod demo;
 mod render;
 mod sim;
@@ -10,11 +16,14 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use chunked_outbox::{
-    ChunkId, DeliveryId, DeliveryStatus, Error, Health, ListFilter, Outbox, OutboxOptions,
-    RecoverScope, Resolution,
+    DeliveryId, DeliveryStatus, Error, Health, ListFilter, Outbox, OutboxOptions, RecoverScope,
+    Resolution,
 };
 use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::render::clean;
 
 /// Inspect, repair and monitor a chunked-outbox database.
 #[derive(Parser)]
@@ -36,7 +45,7 @@ enum Command {
     List(ListArgs),
     /// Show one delivery and each of its chunks.
     Show {
-        /// The delivery id (a UUID).
+        /// The delivery id (a UUID, as `outbox list` prints it).
         delivery: String,
         /// Print JSON instead of text.
         #[arg(long)]
@@ -50,10 +59,13 @@ enum Command {
         /// Requeue every dead letter.
         #[arg(long)]
         failed: bool,
+        /// With --failed: only this channel's dead letters.
+        #[arg(long, requires = "failed")]
+        channel: Option<String>,
     },
     /// Settle a chunk held as uncertain.
     Resolve {
-        /// The chunk id (from `outbox show`).
+        /// The chunk's key, `{delivery}:{n}` (n from 1, as `outbox show` prints it).
         chunk: String,
         /// It reached the platform: mark it delivered.
         #[arg(long, conflicts_with = "resend", required_unless_present = "resend")]
@@ -62,16 +74,23 @@ enum Command {
         #[arg(long)]
         resend: bool,
         /// The platform's message id, with --delivered.
-        #[arg(long, requires = "delivered")]
+        #[arg(long, requires = "delivered", conflicts_with = "resend")]
         platform_id: Option<String>,
     },
-    /// Acknowledge every dead letter (health stops failing on them; they stay listed).
-    AckDeadLetters,
+    /// Acknowledge dead letters (health stops failing on them; they stay listed).
+    AckDeadLetters {
+        /// Only this channel's dead letters.
+        #[arg(long)]
+        channel: Option<String>,
+    },
     /// Remove finished deliveries older than a duration (their `messages` rows stay).
     Purge {
         /// Age such as 7d, 12h, 30m.
-        #[arg(long, value_parser = humantime::parse_duration)]
-        older_than: Duration,
+        #[arg(long, value_parser = cutoff)]
+        older_than: Cutoff,
+        /// Say what would be removed, and remove nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Settle chunks whose worker died, and finalize fully delivered deliveries.
     Recover {
@@ -80,7 +99,11 @@ enum Command {
         #[arg(long)]
         all_sending: bool,
     },
-    /// Create the database if needed and bring its schema up to date.
+    /// Show or change the rules stored in the file (lane order, retries, channel rules).
+    #[command(subcommand)]
+    Config(config::ConfigCommand),
+    /// Create the database if needed and bring its schema up to date (the only command
+    /// that changes a schema).
     Migrate,
     /// The main job: a simulated chat engine, a flaky platform, real crashes, a verdict.
     Demo(demo::DemoArgs),
@@ -108,6 +131,10 @@ struct HealthArgs {
     /// Print Prometheus text exposition.
     #[arg(long)]
     prometheus: bool,
+    /// Exit 0 whatever the snapshot says (for textfile collectors that run the tool
+    /// from cron); the status still goes to stderr.
+    #[arg(long)]
+    exit_zero: bool,
     /// Warn when a chunk has been due longer than this.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     warn_due_age: Duration,
@@ -133,6 +160,9 @@ struct ListArgs {
     /// Only this chat.
     #[arg(long)]
     chat: Option<String>,
+    /// Only the delivery enqueued with this caller idempotency key.
+    #[arg(long)]
+    key: Option<String>,
     /// At most this many.
     #[arg(long, default_value_t = 50)]
     limit: usize,
@@ -164,7 +194,23 @@ impl From<StatusArg> for DeliveryStatus {
     }
 }
 
-/// Exit status when the tool could not do its job (Nagios' "unknown").
+/// `--older-than`: the age, and the time it reaches back to.
+#[derive(Clone, Copy)]
+struct Cutoff(DateTime<Utc>);
+
+/// Parses an age such as `7d` into the time that far back, refusing ages that reach
+/// before the calendar can (a usage error, not a crash).
+fn cutoff(s: &str) -> Result<Cutoff, String> {
+    let age = humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e}"))?;
+    chrono::Duration::from_std(age)
+        .ok()
+        .and_then(|age| Utc::now().checked_sub_signed(age))
+        .map(Cutoff)
+        .ok_or_else(|| format!("{s:?} reaches further back than any date; give a smaller age"))
+}
+
+/// Exit status when the tool could not do its job (Nagios' "unknown"), usage errors
+/// included.
 const EXIT_ERROR: u8 = 3;
 
 fn main() -> ExitCode {
@@ -178,7 +224,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", clean(&e.to_string()));
             ExitCode::from(EXIT_ERROR)
         }
     }
@@ -189,25 +235,35 @@ pub(crate) type CliResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync
 fn run(cli: Cli) -> CliResult<u8> {
     let db = cli.db.as_deref();
     match cli.command {
-        Command::Health(args) => health(&open_existing(db)?, &args),
+        Command::Health(args) => health(&open_read_only(db)?, &args),
         Command::List(args) => {
             let filter = ListFilter {
                 status: args.status.map(Into::into),
                 channel: args.channel,
                 chat_id: args.chat,
+                idempotency_key: args.key,
                 limit: args.limit,
             };
-            let deliveries = open_existing(db)?.list(&filter)?;
+            let outbox = open_read_only(db)?;
+            let deliveries = outbox.list(&filter)?;
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&deliveries)?);
             } else {
                 print!("{}", render::list(&deliveries));
+                for row in outbox.corrupt_rows()? {
+                    println!(
+                        "corrupt row {} (uid {}): {}",
+                        row.row,
+                        clean(&row.uid),
+                        clean(&row.reason)
+                    );
+                }
             }
             Ok(0)
         }
         Command::Show { delivery, json } => {
-            let id: DeliveryId = delivery.parse()?;
-            let view = open_existing(db)?
+            let id = delivery_id(&delivery)?;
+            let view = open_read_only(db)?
                 .delivery(id)?
                 .ok_or(Error::DeliveryNotFound(id))?;
             if json {
@@ -217,15 +273,17 @@ fn run(cli: Cli) -> CliResult<u8> {
             }
             Ok(0)
         }
-        Command::Requeue { delivery, .. } => {
+        Command::Requeue {
+            delivery, channel, ..
+        } => {
             // clap makes DELIVERY and --failed exclusive, and one of them required.
-            let outbox = open_existing(db)?;
+            let outbox = open_for_repair(db)?;
             let count = match delivery {
                 Some(id) => {
-                    outbox.requeue_delivery(id.parse()?)?;
+                    outbox.requeue_delivery(delivery_id(&id)?)?;
                     1
                 }
-                None => outbox.requeue_dead_letters()?,
+                None => outbox.requeue_dead_letters(channel.as_deref())?,
             };
             println!("requeued {}", plural(count, "delivery", "deliveries"));
             Ok(0)
@@ -236,7 +294,21 @@ fn run(cli: Cli) -> CliResult<u8> {
             platform_id,
             ..
         } => {
-            let chunk: ChunkId = chunk.parse()?;
+            let outbox = open_for_repair(db)?;
+            let (delivery, n) = chunk_key(&chunk)?;
+            let view = outbox
+                .delivery(delivery)?
+                .ok_or(Error::DeliveryNotFound(delivery))?;
+            let target = view
+                .chunks
+                .iter()
+                .find(|c| c.index + 1 == n)
+                .ok_or_else(|| {
+                    format!(
+                        "delivery {delivery} has {} chunks; there is no chunk {n} ({chunk:?})",
+                        view.chunk_count
+                    )
+                })?;
             let resolution = if delivered {
                 Resolution::Delivered {
                     platform_message_id: platform_id,
@@ -244,9 +316,20 @@ fn run(cli: Cli) -> CliResult<u8> {
             } else {
                 Resolution::Resend
             };
-            let recorded = open_existing(db)?.resolve_uncertain(chunk, resolution)?;
+            let recorded =
+                outbox
+                    .resolve_uncertain(target.id, resolution)
+                    .map_err(|e| {
+                        match e {
+                    Error::InvalidState { status, .. } => format!(
+                        "chunk {delivery}:{n} is {status}; only an uncertain chunk can be resolved"
+                    )
+                    .into(),
+                    other => Box::new(other) as Box<dyn std::error::Error + Send + Sync>,
+                }
+                    })?;
             println!(
-                "chunk {chunk} is now {}{}",
+                "chunk {delivery}:{n} is now {}{}",
                 recorded.status,
                 if recorded.finalized {
                     "; its delivery is finalized"
@@ -256,23 +339,32 @@ fn run(cli: Cli) -> CliResult<u8> {
             );
             Ok(0)
         }
-        Command::AckDeadLetters => {
-            let n = open_existing(db)?.acknowledge_dead_letters()?;
+        Command::AckDeadLetters { channel } => {
+            let n = open_for_repair(db)?.acknowledge_dead_letters(channel.as_deref())?;
             println!("acknowledged {}", plural(n, "dead letter", "dead letters"));
             Ok(0)
         }
-        Command::Purge { older_than } => {
-            let outbox = open_existing(db)?;
-            let cutoff = chrono::Utc::now()
-                - chrono::Duration::from_std(older_than)
-                    .map_err(|_| "--older-than is too large")?;
+        Command::Purge {
+            older_than: Cutoff(cutoff),
+            dry_run,
+        } => {
+            let before = cutoff.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+            if dry_run {
+                let report = open_read_only(db)?.purge_preview(cutoff)?;
+                println!(
+                    "would purge {} ({}) finished before {before}; nothing was removed",
+                    plural(report.deliveries, "delivery", "deliveries"),
+                    plural(report.chunks, "chunk", "chunks"),
+                );
+                return Ok(0);
+            }
+            let outbox = open_for_repair(db)?;
             let report = outbox.purge(cutoff)?;
             outbox.checkpoint().ok();
             println!(
-                "purged {} ({}) finished before {}",
+                "purged {} ({}) finished before {before}",
                 plural(report.deliveries, "delivery", "deliveries"),
                 plural(report.chunks, "chunk", "chunks"),
-                cutoff.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
             );
             Ok(0)
         }
@@ -282,12 +374,19 @@ fn run(cli: Cli) -> CliResult<u8> {
             } else {
                 RecoverScope::ExpiredLeases
             };
-            let r = open_existing(db)?.recover(scope)?;
+            let r = open_for_repair(db)?.recover(scope)?;
             println!(
                 "retried {}, held uncertain {}, failed {}, finalized {}",
                 r.retried, r.held_uncertain, r.failed, r.finalized
             );
             Ok(0)
+        }
+        Command::Config(command) => {
+            let outbox = match command {
+                config::ConfigCommand::Show { .. } => open_read_only(db)?,
+                config::ConfigCommand::Set(_) => open_for_repair(db)?,
+            };
+            config::run(&outbox, &command)
         }
         Command::Migrate => {
             let path = require_db(db)?;
@@ -316,34 +415,73 @@ fn require_db(db: Option<&Path>) -> CliResult<&Path> {
     db.ok_or_else(|| "no database: pass --db PATH or set OUTBOX_DB".into())
 }
 
-/// Opens an existing database; a missing file is an error and nothing is created.
-fn open_existing(db: Option<&Path>) -> CliResult<Outbox> {
-    let path = require_db(db)?;
-    Ok(Outbox::open(
-        path,
-        OutboxOptions::default().with_create_if_missing(false),
+/// Opens an existing outbox for reading: nothing is created or changed.
+fn open_read_only(db: Option<&Path>) -> CliResult<Outbox> {
+    Ok(Outbox::open_read_only(
+        require_db(db)?,
+        OutboxOptions::default(),
     )?)
+}
+
+/// Opens an existing outbox at this build's schema for a repair; nothing is created or
+/// upgraded (that is `outbox migrate`'s), and the file's stored rules apply.
+fn open_for_repair(db: Option<&Path>) -> CliResult<Outbox> {
+    let options = OutboxOptions::default()
+        .with_create_if_missing(false)
+        .with_schema_upgrade(false)
+        .with_background_checkpoints(None);
+    Ok(Outbox::open(require_db(db)?, options)?)
+}
+
+fn delivery_id(text: &str) -> CliResult<DeliveryId> {
+    text.parse().map_err(|_| {
+        format!(
+            "{:?} is not a delivery id: give the UUID `outbox list` prints",
+            clean(text)
+        )
+        .into()
+    })
+}
+
+/// A chunk's key, `{delivery}:{n}` with n counted from 1 — never a bare number, which
+/// would mean another chunk in another file.
+fn chunk_key(text: &str) -> CliResult<(DeliveryId, u32)> {
+    let parsed = text.rsplit_once(':').and_then(|(delivery, n)| {
+        Some((delivery.parse::<DeliveryId>().ok()?, n.parse::<u32>().ok()?))
+    });
+    match parsed {
+        Some((delivery, n)) if n >= 1 => Ok((delivery, n)),
+        _ => Err(format!(
+            "{:?} is not a chunk key: give {{delivery}}:{{n}}, such as 0199d6a2-0c0c-7000-8000-000000000001:1, as `outbox show` prints it",
+            clean(text)
+        )
+        .into()),
+    }
 }
 
 /// Prints the snapshot and turns it into an exit status.
 fn health(outbox: &Outbox, args: &HealthArgs) -> CliResult<u8> {
     let h = outbox.health()?;
     let (code, reasons) = verdict(&h, args);
+    let word = ["ok", "warn", "fail"][usize::from(code)];
+    let mut status = format!("status: {word}");
+    for reason in &reasons {
+        status.push_str("\n  ");
+        status.push_str(reason);
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&h)?);
     } else if args.prometheus {
         print!("{}", h.to_prometheus());
     } else {
         print!("{}", render::health(&h));
-        let word = ["ok", "warn", "fail"][usize::from(code)];
-        println!(
-            "status: {word}{}",
-            if reasons.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", reasons.join("; "))
-            }
-        );
+        println!("{status}");
+    }
+    if args.exit_zero {
+        if args.json || args.prometheus {
+            eprintln!("{status}");
+        }
+        return Ok(0);
     }
     Ok(code)
 }
@@ -367,6 +505,12 @@ fn verdict(h: &Health, args: &HealthArgs) -> (u8, Vec<String>) {
     }
     if t.uncertain_chunks > args.fail_uncertain {
         flag(2, format!("{} uncertain chunks", t.uncertain_chunks));
+    }
+    if t.corrupt_deliveries > 0 {
+        flag(
+            2,
+            format!("{} corrupt rows set aside", t.corrupt_deliveries),
+        );
     }
     if t.expired_leases > args.warn_expired_leases {
         flag(1, format!("{} expired leases", t.expired_leases));

@@ -1,9 +1,30 @@
-//! Plain-text tables for the terminal.
+//! Text for the terminal: tables that fit 100 columns (widths measured as a terminal
+//! shows CJK and emoji), and every piece of stored text escaped so that a chat id, an
+//! error or a message cannot drive the terminal.
 
 use std::fmt::Write;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use chunked_outbox::{ChannelHealth, DeliveryView, Health};
+use comfy_table::{ContentArrangement, Table, presets};
+
+/// The widest a table may be.
+pub const WIDTH: u16 = 100;
+
+/// `text` with control characters (terminal escapes among them) and the bidirectional
+/// overrides that can disguise text written as `\u{..}` escapes.
+pub fn clean(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        let disguises = matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        if c.is_control() || disguises {
+            let _ = write!(out, "\\u{{{:x}}}", c as u32);
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
 
 fn time(t: Option<DateTime<Utc>>) -> String {
     t.map_or_else(
@@ -12,87 +33,106 @@ fn time(t: Option<DateTime<Utc>>) -> String {
     )
 }
 
-/// Left-aligned columns, widths from the content.
-fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+/// A plain table (no borders) of at most [`WIDTH`] columns: long cells wrap.
+pub fn table(header: &[&str], rows: Vec<Vec<String>>) -> String {
+    let mut t = Table::new();
+    t.load_preset(presets::NOTHING)
+        .set_content_arrangement(ContentArrangement::Dynamic)
+        .set_width(WIDTH)
+        .set_header(header.iter().copied());
     for row in rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
+        t.add_row(row);
     }
     let mut out = String::new();
-    let mut line = |cells: Vec<String>| {
-        let padded: Vec<String> = cells
-            .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
-        let _ = writeln!(out, "{}", padded.join("  ").trim_end());
-    };
-    line(header.iter().map(|h| (*h).to_owned()).collect());
-    for row in rows {
-        line(row.clone());
+    for line in t.lines() {
+        let _ = writeln!(out, "{}", line.trim_end());
     }
     out
 }
 
 pub fn health(h: &Health) -> String {
-    let header = [
-        "channel",
-        "deliveries",
-        "delivered",
-        "pending",
-        "partial",
-        "uncertain",
-        "failed",
-        "dead(unack)",
-        "chunks:pending",
-        "sending",
-        "retry",
-        "due",
-        "expired",
-        "oldest due",
-    ];
-    let row = |name: &str, c: &ChannelHealth| {
-        vec![
-            name.to_owned(),
-            c.total_deliveries.to_string(),
-            c.delivered_deliveries.to_string(),
-            c.pending_deliveries.to_string(),
-            c.partial_deliveries.to_string(),
-            c.uncertain_deliveries.to_string(),
-            c.failed_deliveries.to_string(),
-            c.unacknowledged_dead_letters.to_string(),
-            c.pending_chunks.to_string(),
-            c.sending_chunks.to_string(),
-            c.retry_chunks.to_string(),
-            c.due_chunks.to_string(),
-            c.expired_leases.to_string(),
-            c.oldest_due_age_ms
-                .map_or("-".to_owned(), |ms| format!("{:.1}s", ms as f64 / 1000.0)),
-        ]
-    };
-    let mut rows: Vec<Vec<String>> = h.channels.iter().map(|(n, c)| row(n, c)).collect();
-    rows.push(row("(all)", &h.totals));
-    let mut out = table(&header, &rows);
+    let mut names: Vec<(String, &ChannelHealth)> =
+        h.channels.iter().map(|(n, c)| (clean(n), c)).collect();
+    names.push(("(all)".into(), &h.totals));
+    let deliveries = names
+        .iter()
+        .map(|(name, c)| {
+            vec![
+                name.clone(),
+                c.total_deliveries.to_string(),
+                c.delivered_deliveries.to_string(),
+                c.pending_deliveries.to_string(),
+                c.partial_deliveries.to_string(),
+                c.uncertain_deliveries.to_string(),
+                c.failed_deliveries.to_string(),
+                c.unacknowledged_dead_letters.to_string(),
+                c.corrupt_deliveries.to_string(),
+            ]
+        })
+        .collect();
+    let chunks = names
+        .iter()
+        .map(|(name, c)| {
+            vec![
+                name.clone(),
+                c.pending_chunks.to_string(),
+                c.sending_chunks.to_string(),
+                c.retry_chunks.to_string(),
+                c.uncertain_chunks.to_string(),
+                c.due_chunks.to_string(),
+                c.expired_leases.to_string(),
+                c.oldest_due_age_ms
+                    .map_or("-".to_owned(), |ms| format!("{:.1}s", ms as f64 / 1000.0)),
+            ]
+        })
+        .collect();
+    let mut out = String::from("deliveries\n");
+    out.push_str(&table(
+        &[
+            "channel",
+            "total",
+            "delivered",
+            "pending",
+            "partial",
+            "uncertain",
+            "failed",
+            "unacked",
+            "corrupt",
+        ],
+        deliveries,
+    ));
+    out.push_str("chunks\n");
+    out.push_str(&table(
+        &[
+            "channel",
+            "pending",
+            "sending",
+            "retry",
+            "uncertain",
+            "due",
+            "expired",
+            "oldest due",
+        ],
+        chunks,
+    ));
     let _ = writeln!(
         out,
-        "oldest unfinished: {}   last delivered: {}   at: {}",
+        "oldest unfinished  {}   last delivered  {}",
         time(h.totals.oldest_unfinished_at),
         time(h.totals.last_delivered_at),
-        time(Some(h.generated_at)),
     );
+    let _ = writeln!(out, "snapshot at        {}", time(Some(h.generated_at)));
     out
 }
 
 pub fn list(deliveries: &[DeliveryView]) -> String {
-    let rows: Vec<Vec<String>> = deliveries
+    let rows = deliveries
         .iter()
         .map(|d| {
             vec![
                 d.id.to_string(),
-                d.channel.clone(),
-                d.chat_id.clone(),
+                clean(&d.channel),
+                clean(&d.chat_id),
                 d.status.to_string(),
                 format!("{}/{}", d.delivered_count, d.chunk_count),
                 time(Some(d.created_at)),
@@ -101,7 +141,7 @@ pub fn list(deliveries: &[DeliveryView]) -> String {
         .collect();
     let mut out = table(
         &["delivery", "channel", "chat", "status", "chunks", "created"],
-        &rows,
+        rows,
     );
     let _ = writeln!(
         out,
@@ -115,7 +155,12 @@ pub fn list(deliveries: &[DeliveryView]) -> String {
 pub fn show(d: &DeliveryView) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "delivery  {}", d.id);
-    let _ = writeln!(out, "channel   {}   chat {}", d.channel, d.chat_id);
+    let _ = writeln!(
+        out,
+        "channel   {}   chat {}",
+        clean(&d.channel),
+        clean(&d.chat_id)
+    );
     let _ = writeln!(
         out,
         "status    {} ({}/{} chunks delivered)",
@@ -128,34 +173,75 @@ pub fn show(d: &DeliveryView) -> String {
         time(d.finished_at)
     );
     if let Some(key) = &d.idempotency_key {
-        let _ = writeln!(out, "caller key {key}");
+        let _ = writeln!(out, "caller key {}", clean(key));
     }
-    let rows: Vec<Vec<String>> = d
+    let rows = d
         .chunks
         .iter()
         .map(|c| {
             vec![
-                c.id.to_string(),
-                c.index.to_string(),
+                (c.index + 1).to_string(),
                 c.status.to_string(),
                 c.attempts.to_string(),
                 time(c.next_attempt_at.or(c.lease_until)),
-                c.idempotency_key.clone(),
-                c.last_error.clone().unwrap_or_else(|| "-".to_owned()),
+                c.claimant.map_or("-".to_owned(), |c| c.to_string()),
+                clean(c.last_error.as_deref().unwrap_or("-")),
             ]
         })
         .collect();
     out.push_str(&table(
         &[
             "chunk",
-            "index",
             "status",
             "attempts",
-            "next attempt",
-            "key",
+            "next attempt / lease",
+            "claimant",
             "last error",
         ],
-        &rows,
+        rows,
     ));
+    let _ = writeln!(out, "a chunk's key is {}:<chunk>", d.id);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stored_text_cannot_drive_the_terminal() {
+        assert_eq!(clean("ok \u{1b}[31mred"), "ok \\u{1b}[31mred");
+        assert_eq!(clean("a\u{202e}b"), "a\\u{202e}b");
+        assert_eq!(clean("日本語 🚀 é"), "日本語 🚀 é");
+        assert_eq!(clean("line\nbreak"), "line\\u{a}break");
+    }
+
+    #[test]
+    fn tables_fit_the_width_with_wide_characters() {
+        let long = "日本語のチャット名".repeat(8);
+        let rows = vec![vec![long.clone(), "🚀🚀🚀".into(), "x".repeat(80)]];
+        let text = table(&["chat", "emoji", "error"], rows);
+        for line in text.lines() {
+            let width = unicode_width(line);
+            assert!(width <= usize::from(WIDTH), "{width} columns: {line}");
+        }
+        assert!(text.contains("🚀🚀🚀"));
+    }
+
+    /// Columns a terminal gives a line: two for wide (East Asian, emoji) characters.
+    fn unicode_width(line: &str) -> usize {
+        line.chars()
+            .map(|c| match c as u32 {
+                0x1100..=0x115f
+                | 0x2e80..=0xa4cf
+                | 0xac00..=0xd7a3
+                | 0xf900..=0xfaff
+                | 0xfe30..=0xfe4f
+                | 0xff00..=0xff60
+                | 0xffe0..=0xffe6
+                | 0x1f300..=0x1faff => 2,
+                _ => 1,
+            })
+            .sum()
+    }
 }

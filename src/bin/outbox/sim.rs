@@ -343,7 +343,7 @@ pub fn settle_like_an_operator(
             }
         }
     }
-    outbox.acknowledge_dead_letters()?;
+    outbox.acknowledge_dead_letters(None)?;
     Ok(settled)
 }
 

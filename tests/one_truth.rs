@@ -1,0 +1,430 @@
+//! One truth per database: the rules whose effects are stored (lane order, lane failure
+//! policy, replay policy, pacing, retries) are read from the file by every handle, so
+//! processes sharing a file act on the same rows by the same rules; pacing holds
+//! across replies and processes; a corrupt row is set aside; opening a file harms
+//! nothing it cannot finish. Each handle here stands for another process (the `outbox`
+//! tool, a cron job, a second dispatcher): it opens the file with default options,
+//! declaring no rules.
+
+mod common;
+
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use chunked_outbox::{
+    ChannelPolicy, ChunkStatus, DeliveryStatus, Error, LaneFailurePolicy, LaneOrder, NewDelivery,
+    Outbox, OutboxOptions, Outcome, RecoverScope, ReplayPolicy, Result, RetryPolicy,
+};
+use common::*;
+
+fn tool(db: &TestDb) -> Outbox {
+    db.reopen(OutboxOptions::default())
+}
+
+/// Found: an application on `LaneOrder::Parallel` requeued a dead letter through the
+/// tool (which used FIFO) while another reply to that chat was in flight; the reply was
+/// left `queued` and a Parallel process never advanced it.
+#[test]
+fn a_requeue_by_another_process_follows_the_files_lane_order() -> Result<()> {
+    let db = TestDb::new(OutboxOptions::default().with_lane_order(LaneOrder::Parallel));
+    let app = &db.outbox;
+    let dead = enqueue(app, "c", &["x"]);
+    let live = enqueue(app, "c", &["y"]);
+    for claim in claim_all(app) {
+        if claim.delivery_id == dead {
+            app.record(
+                &claim,
+                Outcome::Permanent {
+                    error: "chat not found".into(),
+                },
+            )?;
+        }
+    }
+    assert_eq!(view(app, live).chunks[0].status, ChunkStatus::Sending);
+    tool(&db).requeue_delivery(dead)?;
+    assert_eq!(
+        view(app, dead).status,
+        DeliveryStatus::Pending,
+        "active, not queued"
+    );
+    let again = claim_all(app);
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].delivery_id, dead);
+    Ok(())
+}
+
+/// Found: recovering an expired lease on a `Replay` channel from another process (or
+/// before the dispatcher registered the channel) held it `uncertain`.
+#[test]
+fn recovery_by_another_process_follows_the_stored_replay_policy() -> Result<()> {
+    let options = OutboxOptions::default()
+        .with_channel("discord", ChannelPolicy::replayable())
+        .with_lease(Duration::from_secs(10));
+    let db = TestDb::new(options);
+    db.outbox
+        .enqueue(&NewDelivery::single("discord", "c", "x"))?;
+    let _abandoned = claim_one(&db.outbox);
+    db.advance(Duration::from_secs(11));
+    let report = tool(&db).recover(RecoverScope::ExpiredLeases)?;
+    assert_eq!((report.retried, report.held_uncertain), (1, 0));
+    Ok(())
+}
+
+/// Found: with `LaneFailurePolicy::Block`, a recovery by another process (default
+/// `Skip`) started the next reply ahead of the held one.
+#[test]
+fn recovery_by_another_process_keeps_a_blocked_lane_blocked() -> Result<()> {
+    let options = OutboxOptions::default()
+        .with_lane_failure(LaneFailurePolicy::Block)
+        .with_lease(Duration::from_secs(10));
+    let db = TestDb::new(options);
+    let held = enqueue(&db.outbox, "c", &["x"]);
+    let next = enqueue(&db.outbox, "c", &["y"]);
+    let _abandoned = claim_one(&db.outbox);
+    db.advance(Duration::from_secs(11));
+    assert_eq!(
+        tool(&db)
+            .recover(RecoverScope::ExpiredLeases)?
+            .held_uncertain,
+        1
+    );
+    assert_eq!(view(&db.outbox, held).status, DeliveryStatus::Uncertain);
+    assert_eq!(view(&db.outbox, next).status, DeliveryStatus::Queued);
+    assert!(
+        claim_all(&db.outbox).is_empty(),
+        "the lane waits for the held reply"
+    );
+    Ok(())
+}
+
+/// Found: a reply enqueued into an idle lane was due at once, so the second reply to a
+/// chat left 10 ms after the first despite a 1 s lane interval.
+#[test]
+fn the_lane_interval_holds_between_consecutive_replies() -> Result<()> {
+    let rules = ChannelPolicy::default().with_lane_interval(Duration::from_secs(1));
+    let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
+    enqueue(&db.outbox, "c", &["first"]);
+    let first = claim_one(&db.outbox);
+    db.advance(Duration::from_millis(10));
+    db.outbox.ack(&first, None)?;
+    db.advance(Duration::from_millis(10));
+    // The lane is idle now; another process enqueues the next reply.
+    enqueue(&tool(&db), "c", &["second"]);
+    assert!(
+        claim_all(&db.outbox).is_empty(),
+        "due only a lane interval after the first send"
+    );
+    db.advance(Duration::from_millis(979));
+    assert!(claim_all(&db.outbox).is_empty());
+    db.advance(Duration::from_millis(1));
+    assert_eq!(claim_one(&db.outbox).text, "second");
+    Ok(())
+}
+
+/// Found: the channel-wide rate was kept per dispatcher process: two processes sent
+/// twice as fast as the channel allows.
+#[test]
+fn the_channel_rate_holds_across_processes() -> Result<()> {
+    let rules = ChannelPolicy::default().with_channel_interval(Duration::from_secs(1));
+    let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
+    for n in 0..10 {
+        enqueue(&db.outbox, &format!("c{n}"), &["x"]);
+    }
+    let other = tool(&db);
+    let mut claimed = 0;
+    for second in 0..5 {
+        let now = db.outbox.claim(10)?.len() + other.claim(10)?.len();
+        assert_eq!(
+            now, 1,
+            "one send per second across both processes (second {second})"
+        );
+        claimed += now;
+        db.advance(Duration::from_millis(999));
+        assert_eq!(db.outbox.claim(10)?.len() + other.claim(10)?.len(), 0);
+        db.advance(Duration::from_millis(1));
+    }
+    assert_eq!(claimed, 5);
+    // The next send of the channel is the next due time of its chunks.
+    let next = other.next_due(Some(&["telegram"]))?.unwrap();
+    assert_eq!(next.timestamp_millis(), db.now_ms());
+    Ok(())
+}
+
+/// Found: a lane interval given at open was replaced by the adapter's declaration. The
+/// stored interval is now the only one, and a dispatcher keeps it.
+#[test]
+fn a_dispatcher_keeps_the_stored_lane_interval() -> Result<()> {
+    /// Notes the (manual) time of every send.
+    #[derive(Clone)]
+    struct Stamps(chunked_outbox::ManualClock, Arc<std::sync::Mutex<Vec<i64>>>);
+    impl chunked_outbox::ChannelAdapter for Stamps {
+        fn send(&self, _: &chunked_outbox::Claim) -> Outcome {
+            self.1
+                .lock()
+                .unwrap()
+                .push(chunked_outbox::Clock::now_ms(&self.0));
+            Outcome::delivered(None)
+        }
+    }
+    let rules = ChannelPolicy::default().with_lane_interval(Duration::from_secs(2));
+    let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
+    enqueue(&db.outbox, "c", &["a", "b", "c"]);
+    let platform = Stamps(db.clock.clone(), Arc::default());
+    let dispatcher = chunked_outbox::Dispatcher::builder(db.outbox.clone())
+        .adapter("telegram", platform.clone())
+        .build()?;
+    for _ in 0..40 {
+        if dispatcher.run_once()? == 0 {
+            db.advance(Duration::from_millis(250));
+        }
+    }
+    let sent = platform.1.lock().unwrap().clone();
+    assert_eq!(sent.len(), 3);
+    assert!(sent.windows(2).all(|w| w[1] - w[0] >= 2_000), "{sent:?}");
+    Ok(())
+}
+
+/// Found: under `LaneOrder::Parallel`, a chunk rate-limited for 1 s went out after 2 s
+/// although its chat was paused for 60 s: the shorter pause replaced the stored one.
+#[test]
+fn a_shorter_rate_limit_keeps_the_longer_stored_pause() -> Result<()> {
+    let db = TestDb::new(OutboxOptions::default().with_lane_order(LaneOrder::Parallel));
+    enqueue(&db.outbox, "c", &["a"]);
+    enqueue(&db.outbox, "c", &["b"]);
+    let claims = claim_all(&db.outbox);
+    assert_eq!(claims.len(), 2, "parallel: both replies active");
+    let limited = |secs| Outcome::RateLimited {
+        retry_after: Duration::from_secs(secs),
+        error: "429".into(),
+    };
+    db.outbox.record(&claims[0], limited(60))?;
+    let second = db.outbox.record(&claims[1], limited(1))?;
+    assert_eq!(
+        second.next_attempt_at.unwrap().timestamp_millis(),
+        db.now_ms() + 60_000,
+        "the chat stays paused for the longer pause"
+    );
+    db.advance(Duration::from_secs(2));
+    assert!(claim_all(&db.outbox).is_empty());
+    db.advance(Duration::from_secs(58));
+    assert_eq!(claim_all(&db.outbox).len(), 2);
+    Ok(())
+}
+
+/// Found: one row with an unparsable uid made every claim fail (as `InvalidInput`).
+/// It is set aside as corrupt, reported, and the others are served.
+#[test]
+fn a_corrupt_row_is_set_aside_and_claims_go_on() -> Result<()> {
+    let db = TestDb::default();
+    let ids: Vec<_> = (0..3)
+        .map(|n| enqueue(&db.outbox, &format!("c{n}"), &["x"]))
+        .collect();
+    db.raw().execute(
+        "UPDATE outbound_deliveries SET uid = 'not-a-uuid' WHERE uid = ?1",
+        [ids[1].to_string()],
+    )?;
+    assert_eq!(
+        db.outbox.corrupt_rows()?.len(),
+        1,
+        "found before any claim met it"
+    );
+    assert_eq!(
+        db.outbox.list(&Default::default())?.len(),
+        2,
+        "listed without it"
+    );
+    let claims = claim_all(&db.outbox);
+    assert_eq!(claims.len(), 2);
+    assert!(claims.iter().all(|c| c.delivery_id != ids[1]));
+    let h = db.outbox.health()?;
+    assert_eq!(
+        (h.totals.corrupt_deliveries, h.totals.failed_deliveries),
+        (1, 1)
+    );
+    let corrupt = db.outbox.corrupt_rows()?;
+    assert_eq!(corrupt.len(), 1);
+    assert!(corrupt[0].reason.contains("not-a-uuid"), "{corrupt:?}");
+    assert!(
+        claim_all(&db.outbox).is_empty(),
+        "and it is never claimed again"
+    );
+    Ok(())
+}
+
+/// Rules given at open that differ from the file's are an error naming the rule, or an
+/// explicit update; every other handle then follows the stored rule.
+#[test]
+fn a_conflicting_rule_at_open_is_an_error_unless_it_is_an_update() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outbox.db");
+    let first = Outbox::open(
+        &path,
+        OutboxOptions::default().with_lane_order(LaneOrder::Fifo),
+    )?;
+    let retry = RetryPolicy {
+        max_attempts: 9,
+        ..RetryPolicy::default()
+    };
+    let conflicting = OutboxOptions::default().with_retry(retry.clone());
+    match Outbox::open(&path, conflicting.clone()) {
+        Err(Error::PolicyConflict { rule, .. }) => assert_eq!(rule, "retry policy"),
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+    assert_eq!(first.policy()?.retry.max_attempts, 5, "nothing changed");
+    let updater = Outbox::open(&path, conflicting.with_policy_update(true))?;
+    assert_eq!(updater.policy()?.retry, retry);
+    assert_eq!(
+        first.policy()?.retry.max_attempts,
+        9,
+        "every handle reads the update"
+    );
+    // A channel with no rules of its own takes the rules given for it.
+    let matrix = OutboxOptions::default().with_channel("matrix", ChannelPolicy::replayable());
+    Outbox::open(&path, matrix)?;
+    assert_eq!(
+        first.policy()?.channel("matrix").replay,
+        ReplayPolicy::Replay
+    );
+    Ok(())
+}
+
+/// Found: opening an application's database that could not be migrated failed, and
+/// left the application's file switched to WAL for good.
+#[test]
+fn a_failed_upgrade_leaves_the_applications_file_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let app = rusqlite::Connection::open(&path).unwrap();
+    // A table the outbox's schema would create too, with columns of the application's.
+    app.execute_batch("CREATE TABLE messages (id INTEGER PRIMARY KEY, body TEXT);")
+        .unwrap();
+    drop(app);
+    let err = Outbox::open(&path, OutboxOptions::default()).unwrap_err();
+    assert!(matches!(err, Error::Migration(_)), "{err:?}");
+    let app = rusqlite::Connection::open(&path).unwrap();
+    let journal: String = app
+        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(journal, "delete");
+    let tables: i64 = app
+        .query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(tables, 1, "no table of the outbox stayed behind");
+}
+
+/// Found: of several processes creating the same new file at once, one usually failed
+/// with `Busy` at once (the switch to WAL did not wait out the busy timeout).
+#[test]
+fn several_handles_create_one_new_file_at_once() {
+    for round in 0..5 {
+        let dir = tempfile::tempdir().unwrap();
+        let path = Arc::new(dir.path().join("new.db"));
+        let start = Arc::new(Barrier::new(6));
+        let opened: Vec<_> = (0..6)
+            .map(|_| {
+                let (path, start) = (path.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    Outbox::open(&*path, OutboxOptions::default()).map(drop)
+                })
+            })
+            .collect();
+        for handle in opened {
+            handle
+                .join()
+                .unwrap()
+                .unwrap_or_else(|e| panic!("round {round}: {e:?}"));
+        }
+    }
+}
+
+/// Found: each `Outbox::open` left three reader-pool threads alive for about 30 s after
+/// the last handle was dropped, so a CLI agent opening the outbox per command
+/// accumulated them (300 after 100 opens).
+#[test]
+fn opening_and_dropping_outboxes_leaves_no_threads_behind() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outbox.db");
+    let threads = || {
+        std::fs::read_dir("/proc/self/task")
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    Outbox::open(&path, OutboxOptions::default())?.health()?; // the shared upkeep thread starts
+    let before = threads();
+    for _ in 0..30 {
+        let outbox = Outbox::open(&path, OutboxOptions::default())?;
+        outbox.health()?;
+    }
+    let after = threads();
+    assert!(
+        after <= before + 2,
+        "{before} threads before 30 opens, {after} after"
+    );
+    Ok(())
+}
+
+/// The statements of version 1, to build a real version-1 file.
+const V1_SCHEMA: &str = include_str!("../migrations/0001_initial.sql");
+
+/// A file written by version 1 upgrades to version 2 with its rows, and with the
+/// rules every process followed then (or the ones given at open).
+#[test]
+fn a_version_one_file_is_upgraded_with_its_rows() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v1.db");
+    let v1 = rusqlite::Connection::open(&path)?;
+    v1.execute_batch(V1_SCHEMA)?;
+    v1.execute_batch(
+        "PRAGMA user_version = 1;
+         INSERT INTO outbound_deliveries (id, uid, channel, chat_id, status, chunk_count,
+                created_at, updated_at, text)
+         VALUES (1, '0199d6a2-0c0c-7000-8000-000000000001', 'telegram', '42', 'pending', 2,
+                 1000, 1000, 'a b'),
+                (2, '0199d6a2-0c0c-7000-8000-000000000002', 'slack', 'C1', 'pending', 1,
+                 1000, 1000, 'hi');
+         INSERT INTO outbound_delivery_chunks (id, delivery_id, chunk_index, status, due_at, text)
+         VALUES (16384, 1, 0, 'pending', 1000, 'a'), (16385, 1, 1, 'pending', NULL, 'b'),
+                (32768, 2, 0, 'pending', 9000000000000, NULL);
+         INSERT INTO outbound_lane_pauses VALUES ('slack', 'C1', 9000000000000);",
+    )?;
+    drop(v1);
+    let outbox = Outbox::open(
+        &path,
+        OutboxOptions::default().with_lane_failure(LaneFailurePolicy::Block),
+    )?;
+    assert_eq!(
+        common::raw(&path).query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))?,
+        chunked_outbox::SCHEMA_VERSION
+    );
+    let policy = outbox.policy()?;
+    assert_eq!(policy.lane_order, LaneOrder::Fifo);
+    assert_eq!(
+        policy.lane_failure,
+        LaneFailurePolicy::Block,
+        "given at the upgrade: stored"
+    );
+    assert_eq!(policy.retry, RetryPolicy::default());
+    // Both channels are found in their own part of the claim index; Slack's pause came
+    // along (its chunk is due when the pause ends).
+    let telegram = outbox.claim_channels(&["telegram"], 10)?;
+    assert_eq!((telegram.len(), telegram[0].text.as_str()), (1, "a"));
+    assert!(
+        outbox.claim_channels(&["slack"], 10)?.is_empty(),
+        "still paused"
+    );
+    let slack = outbox.next_due(Some(&["slack"]))?.unwrap();
+    assert_eq!(slack.timestamp_millis(), 9_000_000_000_000);
+    outbox.ack(&telegram[0], None)?;
+    assert_eq!(outbox.claim_channels(&["telegram"], 10)?[0].text, "b");
+    let h = outbox.health()?;
+    assert_eq!(
+        (h.totals.pending_deliveries, h.totals.partial_deliveries),
+        (1, 1)
+    );
+    Ok(())
+}
