@@ -422,6 +422,53 @@ fn crate_dispatch_with(backlog: u64, sync: Synchronous, batch: usize) -> f64 {
     drain_with(&outbox, backlog, batch)
 }
 
+/// (g) A claim filtered by channel, and `next_due`, beside `backlog` chunks of another
+/// channel that are all due: the µs each takes with that backlog and without it. The
+/// claim index is searched per channel, so the other backlog should cost nothing.
+fn filtered_claim(backlog: u64, claims: u64) -> (f64, f64, f64, f64) {
+    let measure = |other: u64| {
+        let (_dir, path) = temp_db("outbox.db");
+        let outbox = Outbox::open(&path, options(Synchronous::Normal)).unwrap();
+        let mut conn = raw(&path, Synchronous::Normal);
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        for n in 0..other {
+            let chat = format!("chat-{n}"); // one reply per chat: every one is due
+            outbox
+                .enqueue_in(&tx, &NewDelivery::single("other", chat, "waiting"))
+                .unwrap();
+        }
+        for n in 0..claims {
+            let chat = format!("chat-{n}");
+            outbox
+                .enqueue_in(&tx, &NewDelivery::single("telegram", chat, "hi"))
+                .unwrap();
+        }
+        tx.commit().unwrap();
+        settle(&conn);
+        let start = Instant::now();
+        for _ in 0..claims {
+            let claim = outbox
+                .claim_channels(&["telegram"], 1)
+                .unwrap()
+                .pop()
+                .unwrap();
+            outbox.release(&claim).unwrap();
+        }
+        let claim_us = start.elapsed().as_secs_f64() * 1e6 / claims as f64;
+        let start = Instant::now();
+        for _ in 0..claims {
+            outbox.next_due(Some(&["telegram"])).unwrap();
+        }
+        let next_us = start.elapsed().as_secs_f64() * 1e6 / claims as f64;
+        (claim_us, next_us)
+    };
+    let (quiet_claim, quiet_next) = measure(0);
+    let (busy_claim, busy_next) = measure(backlog);
+    (quiet_claim, busy_claim, quiet_next, busy_next)
+}
+
 /// (c) and (d): history and backlog of `size` against 1k of each.
 fn scaling(size: u64, drained: u64) -> (f64, f64, f64, f64) {
     let setup = |history: u64| {
@@ -547,6 +594,12 @@ fn main() {
                 crate_dispatch(s.dispatch_backlog * 5, Synchronous::Normal)
             );
         }
+        Some("filtered") => {
+            let (quiet, busy, quiet_next, busy_next) = filtered_claim(100_000, 1_000);
+            return println!(
+                "filtered claim {quiet:.1} µs alone, {busy:.1} µs beside 100k; next_due {quiet_next:.1} / {busy_next:.1} µs"
+            );
+        }
         Some("dispatch1") => {
             return println!(
                 "dispatch, one send in flight {:.0} /s",
@@ -606,6 +659,10 @@ fn main() {
         "(d) health with {} vs 1k rows of history: time ratio {health_ratio:.2}",
         s.big
     );
+    let (quiet_claim, busy_claim, quiet_next, busy_next) = filtered_claim(100_000, 1_000);
+    println!(
+        "(g) claim of one channel (claim + release): {quiet_claim:.1} µs alone, {busy_claim:.1} µs beside 100k due chunks of another channel; next_due {quiet_next:.1} µs / {busy_next:.1} µs"
+    );
     let (p50, p99) = latency(s.latency_samples);
     println!("(e) enqueue → send latency, idle dispatcher: p50 {p50} µs, p99 {p99} µs");
     let full_enqueue = crate_enqueue(s.enqueues / 4, Synchronous::Full);
@@ -614,7 +671,7 @@ fn main() {
     let rss = peak_rss_mb();
     println!("peak RSS {rss:.0} MB");
     println!(
-        "{{\"enqueue_per_s\":{enqueue:.0},\"enqueue_vs_floor\":{:.3},\"dispatch_per_s\":{dispatch:.0},\"dispatch_vs_floor\":{:.3},\"dispatch_one_in_flight_per_s\":{one:.0},\"one_in_flight_vs_batch\":{:.3},\"backlog_1m_vs_1k\":{backlog_ratio:.3},\"health_1m_vs_1k\":{health_ratio:.3},\"latency_p50_us\":{p50},\"latency_p99_us\":{p99},\"full_enqueue_per_s\":{full_enqueue:.0},\"full_dispatch_per_s\":{full_dispatch:.0},\"peak_rss_mb\":{rss:.0},\"floor_insert_per_s\":{f_insert:.0},\"floor_claim_ack_1_per_s\":{f_single:.0},\"floor_claim_ack_64_per_s\":{f_batch:.0},\"model_enqueue_per_s\":{model_in:.0},\"enqueue_vs_model\":{:.3},\"model_dispatch_per_s\":{model:.0},\"dispatch_vs_model\":{:.3},\"quick\":{quick}}}",
+        "{{\"enqueue_per_s\":{enqueue:.0},\"enqueue_vs_floor\":{:.3},\"dispatch_per_s\":{dispatch:.0},\"dispatch_vs_floor\":{:.3},\"dispatch_one_in_flight_per_s\":{one:.0},\"one_in_flight_vs_batch\":{:.3},\"filtered_claim_us\":{quiet_claim:.1},\"filtered_claim_beside_100k_us\":{busy_claim:.1},\"next_due_us\":{quiet_next:.1},\"next_due_beside_100k_us\":{busy_next:.1},\"backlog_1m_vs_1k\":{backlog_ratio:.3},\"health_1m_vs_1k\":{health_ratio:.3},\"latency_p50_us\":{p50},\"latency_p99_us\":{p99},\"full_enqueue_per_s\":{full_enqueue:.0},\"full_dispatch_per_s\":{full_dispatch:.0},\"peak_rss_mb\":{rss:.0},\"floor_insert_per_s\":{f_insert:.0},\"floor_claim_ack_1_per_s\":{f_single:.0},\"floor_claim_ack_64_per_s\":{f_batch:.0},\"model_enqueue_per_s\":{model_in:.0},\"enqueue_vs_model\":{:.3},\"model_dispatch_per_s\":{model:.0},\"dispatch_vs_model\":{:.3},\"quick\":{quick}}}",
         enqueue / f_insert,
         dispatch / f_batch,
         one / dispatch,
