@@ -367,12 +367,23 @@ fn claim_in(
             outcome::fail_chunk(tx, rules, &c.chunk, &reason, now)?;
             continue;
         }
-        let lane_free = lane::due_time(tx, &c.chunk.channel, &c.chunk.chat_id, now)?;
-        if lane_free > now {
-            // Another send of the chat started less than its lane interval ago.
-            tx.prepare_cached("UPDATE outbound_delivery_chunks SET due_at = ?2 WHERE id = ?1")?
-                .execute(params![c.chunk.id, lane_free])?;
-            continue;
+        // A due time set by `lane::due_time` already waits out pauses and intervals as
+        // they stood; a lease expiry did not, and under a lane interval another
+        // delivery of the chat (parallel lanes) may have started a send since.
+        let reclaimed = c.chunk.status == ChunkStatus::Sending;
+        if reclaimed
+            || !rules
+                .policy
+                .channel(&c.chunk.channel)
+                .lane_interval
+                .is_zero()
+        {
+            let lane_free = lane::due_time(tx, &c.chunk.channel, &c.chunk.chat_id, now)?;
+            if lane_free > now {
+                tx.prepare_cached("UPDATE outbound_delivery_chunks SET due_at = ?2 WHERE id = ?1")?
+                    .execute(params![c.chunk.id, lane_free])?;
+                continue;
+            }
         }
         let token = outbox.next_token();
         tx.prepare_cached(

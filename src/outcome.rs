@@ -555,7 +555,6 @@ pub(crate) fn deliver_chunk(
          WHERE id = ?1",
     )?
     .execute(params![chunk.delivery, now, active])?;
-    let earliest = now;
     if active {
         let next = chunk.index + 1;
         lane::make_due(
@@ -564,7 +563,7 @@ pub(crate) fn deliver_chunk(
             next,
             &chunk.channel,
             &chunk.chat_id,
-            earliest,
+            now,
         )?;
     } else {
         lane::rejoin(
@@ -573,7 +572,7 @@ pub(crate) fn deliver_chunk(
             chunk.delivery,
             &chunk.channel,
             &chunk.chat_id,
-            earliest,
+            now,
         )?;
     }
     Ok(false)

@@ -205,6 +205,38 @@ fn enqueue_into_a_paused_lane_waits_for_the_pause() -> Result<()> {
     Ok(())
 }
 
+/// A chunk whose lease ran out while its lane was paused is not sent again before the
+/// pause ends: the lease expiry alone does not make it due.
+#[test]
+fn an_expired_lease_in_a_paused_lane_waits_for_the_pause() -> Result<()> {
+    let options = OutboxOptions::default()
+        .with_lane_order(chunked_outbox::LaneOrder::Parallel)
+        .with_channel("telegram", ChannelPolicy::replayable())
+        .with_lease(Duration::from_secs(10));
+    let db = TestDb::new(options);
+    let ob = &db.outbox;
+    let slow = enqueue(ob, "c", &["a"]);
+    let limited = enqueue(ob, "c", &["b"]);
+    let claims = claim_all(ob);
+    let cb = claims.iter().find(|c| c.delivery_id == limited).unwrap();
+    ob.record(
+        cb,
+        Outcome::RateLimited {
+            retry_after: Duration::from_secs(60),
+            error: "429".into(),
+        },
+    )?;
+    db.advance(Duration::from_secs(11));
+    assert!(claim_all(ob).is_empty(), "the lane is paused for 60 s");
+    db.advance(Duration::from_secs(49));
+    let mut due: Vec<_> = claim_all(ob).iter().map(|c| c.delivery_id).collect();
+    due.sort();
+    let mut want = vec![slow, limited];
+    want.sort();
+    assert_eq!(due, want);
+    Ok(())
+}
+
 #[test]
 fn release_refunds_the_attempt_and_keeps_the_chunk_due() -> Result<()> {
     let db = TestDb::default();
