@@ -4,24 +4,22 @@
 
 -- File-wide rules, and the policy of channels that have none of their own. `version`
 -- changes with every change of a rule here or in outbound_channels, so each handle
--- knows when to read them again.
+-- knows when to read them again. A NULL rule is one nobody declared yet: every process
+-- follows the default for it, and the first process that declares it stores it (the
+-- default channel rules are declared together: `replay` NULL means all three are).
 CREATE TABLE outbound_policy (
     id                  INTEGER PRIMARY KEY CHECK (id = 1),
     version             INTEGER NOT NULL,
-    lane_order          TEXT    NOT NULL CHECK (lane_order IN ('fifo', 'parallel')),
-    lane_failure        TEXT    NOT NULL CHECK (lane_failure IN ('skip', 'block')),
+    lane_order          TEXT    CHECK (lane_order IN ('fifo', 'parallel')),
+    lane_failure        TEXT    CHECK (lane_failure IN ('skip', 'block')),
     -- The retry policy as JSON (see policy.rs).
-    retry               TEXT    NOT NULL,
-    replay              TEXT    NOT NULL CHECK (replay IN ('hold', 'replay')),
-    lane_interval_ms    INTEGER NOT NULL CHECK (lane_interval_ms >= 0),
-    channel_interval_ms INTEGER NOT NULL CHECK (channel_interval_ms >= 0)
+    retry               TEXT,
+    replay              TEXT    CHECK (replay IN ('hold', 'replay')),
+    lane_interval_ms    INTEGER CHECK (lane_interval_ms >= 0),
+    channel_interval_ms INTEGER CHECK (channel_interval_ms >= 0)
 );
--- Version 1 files carried no stored rules: they get the defaults every process used
--- (a process that opens one with rules of its own stores those instead).
-INSERT INTO outbound_policy VALUES (
-    1, 1, 'fifo', 'skip',
-    '{"schedule_ms":[5000,25000,120000,600000],"max_attempts":5,"jitter":0.1,"max_age_ms":null}',
-    'hold', 0, 0);
+-- Version 1 files carried no stored rules: every process used the defaults.
+INSERT INTO outbound_policy (id, version) VALUES (1, 1);
 
 -- One row per channel the file has seen: its number (stamped on its chunks, for the
 -- claim index), its own rules (NULL: the file's default), and the state of its

@@ -279,7 +279,7 @@ impl ChannelRow {
 /// chunks and are left out.
 fn channel_rows(tx: &Connection, channels: Option<&[&str]>) -> Result<Vec<ChannelRow>> {
     let mut stmt = tx.prepare_cached(
-        "SELECT ch.id, ch.name, coalesce(ch.channel_interval_ms, p.channel_interval_ms),
+        "SELECT ch.id, ch.name, coalesce(ch.channel_interval_ms, p.channel_interval_ms, 0),
                 ch.next_send_at
          FROM outbound_channels ch, outbound_policy p
          WHERE p.id = 1 AND (?1 IS NULL OR ch.name = ?1)",

@@ -237,10 +237,11 @@ impl RetryPolicy {
 /// `synchronous`, lease, readers, size cap, checkpoints, clock — apply to this handle
 /// only. **Rules whose effects are stored** — lane order, lane failure policy, retry
 /// policy, channel rules — live in the file, so every process acts on the same rows by
-/// the same rules ([`Policy`](crate::Policy)): given here, they are written to a new
-/// file (or one from before rules were stored), and checked against an existing
-/// file's rules, where a difference is [`Error::PolicyConflict`] unless
-/// [`with_policy_update`](Self::with_policy_update) says to replace them. Change them
+/// the same rules ([`Policy`](crate::Policy)). A rule given here that the file does not
+/// store yet (nobody declared it: a new file, one from before rules were stored, one
+/// created by the `outbox` tool) is stored; one the file stores is checked, where a
+/// difference is [`Error::PolicyConflict`] unless
+/// [`with_policy_update`](Self::with_policy_update) says to replace it. Change them
 /// on a running outbox with [`Outbox::set_policy`](crate::Outbox::set_policy) and
 /// [`Outbox::set_channel_policy`](crate::Outbox::set_channel_policy), or with `outbox
 /// config set`.

@@ -63,8 +63,8 @@ impl Outbox {
     /// switched to WAL only once its schema is in place, so a file whose upgrade fails
     /// keeps its journal mode.
     ///
-    /// The stored rules ([`Policy`]) given in `options` are written to a new file (or
-    /// one from before rules were stored) and checked against an existing file's.
+    /// The stored rules ([`Policy`]) given in `options` are stored where the file has
+    /// none yet (nobody declared them) and checked against the file's otherwise.
     ///
     /// # Errors
     ///
@@ -96,9 +96,9 @@ impl Outbox {
             if !options.upgrade_schema {
                 schema::refuse_upgrade(&writer, &path)?;
             }
-            let found = schema::migrate(&mut writer)?;
+            schema::migrate(&mut writer)?;
             schema::enable_wal(&writer, &options)?;
-            reconcile(&writer, &options, found < schema::SCHEMA_VERSION)
+            reconcile(&writer, &options)
         };
         setup().map_err(|e| schema::name_path(e, &path))?;
 
@@ -154,7 +154,7 @@ impl Outbox {
         let mut writer = Connection::open_in_memory()?;
         schema::configure(&writer, &options, true)?;
         schema::migrate(&mut writer)?;
-        reconcile(&writer, &options, true)?;
+        reconcile(&writer, &options)?;
         Outbox::from_parts(writer, None, options, None, None)
     }
 
@@ -178,6 +178,11 @@ impl Outbox {
     /// a held head move on. (A switch to FIFO lets the replies already under way in a
     /// chat finish; new ones queue.)
     ///
+    /// A file-wide rule is stored (declared, so that options giving another are a
+    /// [`PolicyConflict`](Error::PolicyConflict)) when `policy` changes it or the file
+    /// stores it already; one nobody declared that `policy` leaves as it reads stays
+    /// undeclared, free for the first process that gives it.
+    ///
     /// ```
     /// use chunked_outbox::{LaneOrder, Outbox, OutboxOptions};
     ///
@@ -194,8 +199,20 @@ impl Outbox {
     /// [`Error::InvalidInput`] for an invalid retry policy; database errors (nothing is
     /// changed then).
     pub fn set_policy(&self, policy: Policy) -> Result<()> {
+        policy.retry.validate()?;
+        policy.default_channel.validate()?;
         self.write_and_wake(|tx, before| {
-            policy::store_file_rules(tx, &policy)?;
+            let (had, was) = (&before.policy, before.declared);
+            let changed = policy::FileRules {
+                lane_order: was.lane_order || policy.lane_order != had.lane_order,
+                lane_failure: was.lane_failure || policy.lane_failure != had.lane_failure,
+                retry: was.retry || policy.retry.stored_form() != had.retry,
+                default_channel: was.default_channel
+                    || policy.default_channel.stored_form() != had.default_channel,
+            };
+            if changed.any() {
+                policy::store_file_rules(tx, &policy, changed)?;
+            }
             for (channel, rules) in &policy.channels {
                 policy::store_channel(tx, channel, Some(rules))?;
             }
@@ -428,41 +445,12 @@ fn reader_pool(
         .build(manager)?)
 }
 
-/// Makes the stored rules agree with those `options` gives: written as they are to a
-/// `fresh` file (new, or from before rules were stored), and otherwise checked — a
-/// difference is [`Error::PolicyConflict`] unless the options say to update. A channel
+/// Makes the stored rules agree with those `options` declares, in one `BEGIN
+/// IMMEDIATE` transaction (so processes opening one file at once see each other's
+/// declarations): a rule nobody declared yet is stored as given; a declared rule that
+/// differs is [`Error::PolicyConflict`] unless the options say to update. A channel
 /// with no rules of its own takes the rules given for it.
-fn reconcile(conn: &Connection, options: &OutboxOptions, fresh: bool) -> Result<()> {
-    let stored = policy::load(conn)?.policy;
-    let update = fresh || options.policy_update;
-    let conflict = |rule: String, stored: String, given: String| -> Result<()> {
-        if update {
-            Ok(())
-        } else {
-            Err(Error::PolicyConflict {
-                rule,
-                stored,
-                given,
-            })
-        }
-    };
-    let mut wanted = stored.clone();
-    if let Some(order) = options.lane_order.filter(|o| *o != stored.lane_order) {
-        conflict(
-            "lane order".into(),
-            policy::lane_order_str(stored.lane_order).into(),
-            policy::lane_order_str(order).into(),
-        )?;
-        wanted.lane_order = order;
-    }
-    if let Some(rule) = options.lane_failure.filter(|p| *p != stored.lane_failure) {
-        conflict(
-            "lane failure policy".into(),
-            policy::lane_failure_str(stored.lane_failure).into(),
-            policy::lane_failure_str(rule).into(),
-        )?;
-        wanted.lane_failure = rule;
-    }
+fn reconcile(conn: &Connection, options: &OutboxOptions) -> Result<()> {
     // Compared as the file would store them (whole milliseconds), or a rule given in
     // finer units would differ from itself once stored.
     let retry = options.retry.as_ref().map(RetryPolicy::stored_form);
@@ -470,53 +458,96 @@ fn reconcile(conn: &Connection, options: &OutboxOptions, fresh: bool) -> Result<
         .default_channel
         .as_ref()
         .map(ChannelPolicy::stored_form);
-    if let Some(retry) = retry.as_ref().filter(|r| **r != stored.retry) {
-        conflict(
-            "retry policy".into(),
-            policy::retry_to_json(&stored.retry),
-            policy::retry_to_json(retry),
-        )?;
-        wanted.retry = retry.clone();
-    }
-    if let Some(rules) = default_channel
-        .as_ref()
-        .filter(|d| **d != stored.default_channel)
-    {
-        conflict(
-            "default channel rules".into(),
-            format!("{:?}", stored.default_channel),
-            format!("{rules:?}"),
-        )?;
-        wanted.default_channel = rules.clone();
-    }
-    let mut channels = Vec::new();
     let given_channels: Vec<(&String, ChannelPolicy)> = options
         .channels
         .iter()
         .map(|(name, rules)| (name, rules.stored_form()))
         .collect();
-    for (name, given) in &given_channels {
-        match stored.channels.get(*name) {
-            Some(have) if have == given => {}
-            Some(have) => {
-                conflict(
-                    format!("rules of channel {name:?}"),
-                    format!("{have:?}"),
-                    format!("{given:?}"),
-                )?;
-                channels.push((*name, given));
-            }
-            None => channels.push((*name, given)),
-        }
-    }
-    // `wanted` differs from `stored` in its file-wide rules only.
-    let file_rules_change = wanted != stored;
-    if !file_rules_change && channels.is_empty() {
+    let declares_file_rules = options.lane_order.is_some()
+        || options.lane_failure.is_some()
+        || retry.is_some()
+        || default_channel.is_some();
+    if !declares_file_rules && given_channels.is_empty() {
         return Ok(());
     }
-    let tx = conn.unchecked_transaction()?;
-    if file_rules_change {
-        policy::store_file_rules(&tx, &wanted)?;
+    let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
+    let Stored {
+        policy: stored,
+        declared,
+        ..
+    } = policy::load(&tx)?;
+    let mut wanted = stored.clone();
+    let mut store = policy::FileRules::default();
+    // Whether a given rule is stored: `Ok(true)` to store it, `Ok(false)` if it is
+    // stored already, a conflict if another one is.
+    let take = |rule: &str, declared: bool, same: bool, have: String, given: String| {
+        if declared && same {
+            Ok(false)
+        } else if !declared || options.policy_update {
+            Ok(true)
+        } else {
+            Err(Error::PolicyConflict {
+                rule: rule.into(),
+                stored: have,
+                given,
+            })
+        }
+    };
+    if let Some(order) = options.lane_order {
+        store.lane_order = take(
+            "lane order",
+            declared.lane_order,
+            order == stored.lane_order,
+            policy::lane_order_str(stored.lane_order).into(),
+            policy::lane_order_str(order).into(),
+        )?;
+        wanted.lane_order = order;
+    }
+    if let Some(rule) = options.lane_failure {
+        store.lane_failure = take(
+            "lane failure policy",
+            declared.lane_failure,
+            rule == stored.lane_failure,
+            policy::lane_failure_str(stored.lane_failure).into(),
+            policy::lane_failure_str(rule).into(),
+        )?;
+        wanted.lane_failure = rule;
+    }
+    if let Some(retry) = retry {
+        store.retry = take(
+            "retry policy",
+            declared.retry,
+            retry == stored.retry,
+            policy::retry_to_json(&stored.retry),
+            policy::retry_to_json(&retry),
+        )?;
+        wanted.retry = retry;
+    }
+    if let Some(rules) = default_channel {
+        store.default_channel = take(
+            "default channel rules",
+            declared.default_channel,
+            rules == stored.default_channel,
+            format!("{:?}", stored.default_channel),
+            format!("{rules:?}"),
+        )?;
+        wanted.default_channel = rules;
+    }
+    let mut channels = Vec::new();
+    for (name, given) in &given_channels {
+        let have = stored.channels.get(*name);
+        if take(
+            &format!("rules of channel {name:?}"),
+            have.is_some(),
+            have == Some(given),
+            format!("{have:?}"),
+            format!("{given:?}"),
+        )? {
+            channels.push((*name, given));
+        }
+    }
+    if store.any() {
+        policy::store_file_rules(&tx, &wanted, store)?;
         crate::lane::follow_rule_change(&tx, &stored, &wanted, options.now_ms())?;
     }
     for (name, rules) in channels {

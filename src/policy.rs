@@ -155,13 +155,30 @@ impl Policy {
     }
 }
 
-/// What a handle knows of the stored rules: the rules, the version they were read at,
-/// and each channel's number.
+/// What a handle knows of the stored rules: the rules, which of the file-wide ones
+/// were declared, the version they were read at, and each channel's number.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Stored {
     pub version: i64,
     pub policy: Policy,
+    pub declared: FileRules,
     pub channel_ids: HashMap<String, i64>,
+}
+
+/// A set of the file-wide rules: those declared (stored) so far, or those to store.
+/// A rule nobody declared follows its default until a process declares it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct FileRules {
+    pub lane_order: bool,
+    pub lane_failure: bool,
+    pub retry: bool,
+    pub default_channel: bool,
+}
+
+impl FileRules {
+    pub fn any(self) -> bool {
+        self != FileRules::default()
+    }
 }
 
 /// The stored version of the rules.
@@ -171,43 +188,62 @@ pub(crate) fn version(conn: &Connection) -> Result<i64> {
         .query_row([], |r| r.get(0))?)
 }
 
-/// Reads every stored rule.
+/// Reads every stored rule; a file-wide rule nobody declared reads as its default.
 pub(crate) fn load(conn: &Connection) -> Result<Stored> {
-    let (version, lane_order, lane_failure, retry, replay, lane_ms, channel_ms): (
+    type Row = (
         i64,
-        String,
-        String,
-        String,
-        String,
-        i64,
-        i64,
-    ) = conn.query_row(
-        "SELECT version, lane_order, lane_failure, retry, replay, lane_interval_ms,
-                channel_interval_ms
-         FROM outbound_policy WHERE id = 1",
-        [],
-        |r| {
-            Ok((
-                r.get(0)?,
-                r.get(1)?,
-                r.get(2)?,
-                r.get(3)?,
-                r.get(4)?,
-                r.get(5)?,
-                r.get(6)?,
-            ))
-        },
-    )?;
-    let mut policy = Policy {
-        lane_order: parse_lane_order(&lane_order)?,
-        lane_failure: parse_lane_failure(&lane_failure)?,
-        retry: retry_from_json(&retry)?,
-        default_channel: ChannelPolicy {
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+        Option<i64>,
+    );
+    let (version, lane_order, lane_failure, retry, replay, lane_ms, channel_ms): Row = conn
+        .query_row(
+            "SELECT version, lane_order, lane_failure, retry, replay, lane_interval_ms,
+                    channel_interval_ms
+             FROM outbound_policy WHERE id = 1",
+            [],
+            |r| {
+                Ok((
+                    r.get(0)?,
+                    r.get(1)?,
+                    r.get(2)?,
+                    r.get(3)?,
+                    r.get(4)?,
+                    r.get(5)?,
+                    r.get(6)?,
+                ))
+            },
+        )?;
+    let declared = FileRules {
+        lane_order: lane_order.is_some(),
+        lane_failure: lane_failure.is_some(),
+        retry: retry.is_some(),
+        default_channel: replay.is_some(),
+    };
+    let defaults = Policy::default();
+    let default_channel = match replay {
+        Some(replay) => ChannelPolicy {
             replay: parse_replay(&replay)?,
-            lane_interval: ms(lane_ms),
-            channel_interval: ms(channel_ms),
+            lane_interval: ms(lane_ms.unwrap_or(0)),
+            channel_interval: ms(channel_ms.unwrap_or(0)),
             retry: None,
         },
+        None => defaults.default_channel,
+    };
+    let mut policy = Policy {
+        lane_order: lane_order
+            .as_deref()
+            .map_or(Ok(defaults.lane_order), parse_lane_order)?,
+        lane_failure: lane_failure
+            .as_deref()
+            .map_or(Ok(defaults.lane_failure), parse_lane_failure)?,
+        retry: retry
+            .as_deref()
+            .map_or(Ok(defaults.retry), retry_from_json)?,
+        default_channel,
         channels: BTreeMap::new(),
     };
     let mut channel_ids = HashMap::new();
@@ -235,27 +271,38 @@ pub(crate) fn load(conn: &Connection) -> Result<Stored> {
     Ok(Stored {
         version,
         policy,
+        declared,
         channel_ids,
     })
 }
 
-/// Stores the file-wide rules and the default channel rules, bumping the version.
-pub(crate) fn store_file_rules(conn: &Connection, policy: &Policy) -> Result<()> {
+/// Stores (declares) the file-wide rules of `policy` that `which` names, bumping the
+/// version; the others keep what is stored.
+pub(crate) fn store_file_rules(conn: &Connection, policy: &Policy, which: FileRules) -> Result<()> {
     policy.retry.validate()?;
     policy.default_channel.validate()?;
     let d = &policy.default_channel;
     conn.execute(
         "UPDATE outbound_policy
-         SET version = version + 1, lane_order = ?1, lane_failure = ?2, retry = ?3,
-             replay = ?4, lane_interval_ms = ?5, channel_interval_ms = ?6
+         SET version = version + 1,
+             lane_order = CASE WHEN ?1 THEN ?2 ELSE lane_order END,
+             lane_failure = CASE WHEN ?3 THEN ?4 ELSE lane_failure END,
+             retry = CASE WHEN ?5 THEN ?6 ELSE retry END,
+             replay = CASE WHEN ?7 THEN ?8 ELSE replay END,
+             lane_interval_ms = CASE WHEN ?7 THEN ?9 ELSE lane_interval_ms END,
+             channel_interval_ms = CASE WHEN ?7 THEN ?10 ELSE channel_interval_ms END
          WHERE id = 1",
         params![
+            which.lane_order,
             lane_order_str(policy.lane_order),
+            which.lane_failure,
             lane_failure_str(policy.lane_failure),
+            which.retry,
             retry_to_json(&policy.retry),
+            which.default_channel,
             replay_str(d.replay),
-            ceil_ms(d.lane_interval).min(i64::MAX as u64) as i64,
-            ceil_ms(d.channel_interval).min(i64::MAX as u64) as i64,
+            stored_ms(d.lane_interval),
+            stored_ms(d.channel_interval),
         ],
     )?;
     Ok(())
@@ -280,8 +327,8 @@ pub(crate) fn store_channel(
         params![
             channel,
             rules.map(|r| replay_str(r.replay)),
-            rules.map(|r| ceil_ms(r.lane_interval).min(i64::MAX as u64) as i64),
-            rules.map(|r| ceil_ms(r.channel_interval).min(i64::MAX as u64) as i64),
+            rules.map(|r| stored_ms(r.lane_interval)),
+            rules.map(|r| stored_ms(r.channel_interval)),
             rules.and_then(|r| r.retry.as_ref()).map(retry_to_json),
         ],
     )?;
@@ -317,6 +364,11 @@ fn bump(conn: &Connection) -> Result<()> {
 /// Whole milliseconds of `d`, rounded up.
 fn ceil_ms(d: Duration) -> u64 {
     u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
+}
+
+/// An interval as a stored column: whole milliseconds, rounded up.
+fn stored_ms(d: Duration) -> i64 {
+    i64::try_from(ceil_ms(d)).unwrap_or(i64::MAX)
 }
 
 fn ms(ms: i64) -> Duration {
@@ -468,9 +520,6 @@ mod tests {
         ] {
             assert_eq!(retry_from_json(&retry_to_json(&retry)).unwrap(), retry);
         }
-        // The default the migration writes is the default policy.
-        let stored = include_str!("../migrations/0002_stored_policy.sql");
-        assert!(stored.contains(&retry_to_json(&RetryPolicy::default())));
         for bad in [
             "",
             "{}",

@@ -36,23 +36,21 @@ pub(crate) fn refuse_newer(conn: &Connection) -> Result<()> {
     Ok(())
 }
 
-/// Brings the schema to [`SCHEMA_VERSION`], refusing a newer one before writing;
-/// returns the version the file was at (0 for a new file).
+/// Brings the schema to [`SCHEMA_VERSION`], refusing a newer one before writing.
 ///
 /// Several processes may open a new file at once: whoever loses the race finds the
 /// schema already current after its own attempt failed, and that is success.
-pub(crate) fn migrate(conn: &mut Connection) -> Result<i64> {
+pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     refuse_newer(conn)?;
-    let found = user_version(conn)?;
-    if found == SCHEMA_VERSION {
-        return Ok(found);
+    if user_version(conn)? == SCHEMA_VERSION {
+        return Ok(());
     }
     conn.set_transaction_behavior(TransactionBehavior::Immediate);
     let result = Migrations::from_slice(MIGRATIONS).to_latest(conn);
     conn.set_transaction_behavior(TransactionBehavior::Deferred);
     match result {
-        Ok(()) => Ok(found),
-        Err(_) if user_version(conn)? == SCHEMA_VERSION => Ok(SCHEMA_VERSION),
+        Ok(()) => Ok(()),
+        Err(_) if user_version(conn)? == SCHEMA_VERSION => Ok(()),
         Err(e) => Err(e.into()),
     }
 }

@@ -251,20 +251,21 @@ fn a_corrupt_row_is_set_aside_and_claims_go_on() -> Result<()> {
     Ok(())
 }
 
-/// Rules given at open that differ from the file's are an error naming the rule, or an
-/// explicit update; every other handle then follows the stored rule.
+/// A rule given at open that differs from the one the file stores is an error naming
+/// the rule, or an explicit update; every other handle then follows the stored rule. A
+/// rule nobody declared yet is stored by the first handle that gives it.
 #[test]
 fn a_conflicting_rule_at_open_is_an_error_unless_it_is_an_update() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("outbox.db");
-    let first = Outbox::open(
-        &path,
-        OutboxOptions::default().with_lane_order(LaneOrder::Fifo),
-    )?;
     let retry = RetryPolicy {
         max_attempts: 9,
         ..RetryPolicy::default()
     };
+    let first = Outbox::open(
+        &path,
+        OutboxOptions::default().with_retry(RetryPolicy::default()),
+    )?;
     let conflicting = OutboxOptions::default().with_retry(retry.clone());
     match Outbox::open(&path, conflicting.clone()) {
         Err(Error::PolicyConflict { rule, .. }) => assert_eq!(rule, "retry policy"),
@@ -278,6 +279,20 @@ fn a_conflicting_rule_at_open_is_an_error_unless_it_is_an_update() -> Result<()>
         9,
         "every handle reads the update"
     );
+    // The lane order was never declared: the first handle to give one stores it, and
+    // a handle giving another is refused.
+    Outbox::open(
+        &path,
+        OutboxOptions::default().with_lane_order(LaneOrder::Parallel),
+    )?;
+    assert_eq!(first.policy()?.lane_order, LaneOrder::Parallel);
+    assert!(matches!(
+        Outbox::open(
+            &path,
+            OutboxOptions::default().with_lane_order(LaneOrder::Fifo)
+        ),
+        Err(Error::PolicyConflict { .. })
+    ));
     // A channel with no rules of its own takes the rules given for it.
     let matrix = OutboxOptions::default().with_channel("matrix", ChannelPolicy::replayable());
     Outbox::open(&path, matrix)?;
@@ -285,6 +300,48 @@ fn a_conflicting_rule_at_open_is_an_error_unless_it_is_an_update() -> Result<()>
         first.policy()?.channel("matrix").replay,
         ReplayPolicy::Replay
     );
+    Ok(())
+}
+
+/// Found: a file created by a handle that declared no rules (`outbox migrate`, or an
+/// enqueuer on the defaults) refused the application's own rules as a conflict with
+/// defaults nobody had chosen.
+#[test]
+fn rules_nobody_declared_are_stored_by_the_first_handle_that_gives_them() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outbox.db");
+    let tool = Outbox::open(&path, OutboxOptions::default())?;
+    // An operator changes one rule (as `outbox config set --max-attempts 9` does): that
+    // one is declared, the others stay free.
+    let mut policy = tool.policy()?;
+    policy.retry.max_attempts = 9;
+    tool.set_policy(policy)?;
+    let app = OutboxOptions::default()
+        .with_lane_order(LaneOrder::Parallel)
+        .with_lane_failure(LaneFailurePolicy::Block)
+        .with_default_channel(ChannelPolicy::replayable());
+    Outbox::open(&path, app.clone())?;
+    let policy = tool.policy()?;
+    assert_eq!(
+        (
+            policy.lane_order,
+            policy.lane_failure,
+            policy.default_channel.replay
+        ),
+        (
+            LaneOrder::Parallel,
+            LaneFailurePolicy::Block,
+            ReplayPolicy::Replay
+        )
+    );
+    Outbox::open(&path, app)?; // the same rules again: no conflict
+    assert!(matches!(
+        Outbox::open(
+            &path,
+            OutboxOptions::default().with_retry(RetryPolicy::default())
+        ),
+        Err(Error::PolicyConflict { .. })
+    ));
     Ok(())
 }
 
@@ -317,8 +374,10 @@ fn a_failed_upgrade_leaves_the_applications_file_as_it_was() {
 }
 
 /// Found: of several processes creating the same new file at once, one usually failed
-/// with `Busy` at once (the switch to WAL did not wait out the busy timeout). Processes,
-/// not threads: SQLite arbitrates connections of one process among themselves.
+/// with `Busy` at once (the switch to WAL did not wait out the busy timeout); and with
+/// rules of their own, all but the first failed with `PolicyConflict` (each compared
+/// its rules with the file's before the first had stored them). Processes, not threads:
+/// SQLite arbitrates connections of one process among themselves.
 #[test]
 fn several_processes_create_one_new_file_at_once() {
     // Half the runs of 5 rounds failed before the fix: 12 rounds catch a regression
@@ -327,11 +386,12 @@ fn several_processes_create_one_new_file_at_once() {
         let dir = tempfile::tempdir().unwrap();
         let (path, go) = (dir.path().join("new.db"), dir.path().join("go"));
         let children: Vec<_> = (0..6)
-            .map(|_| {
+            .map(|child| {
                 std::process::Command::new(std::env::current_exe().unwrap())
                     .args(["--ignored", "--exact", "opener_process", "--nocapture"])
                     .env("CHUNKED_OUTBOX_OPEN", &path)
                     .env("CHUNKED_OUTBOX_GO", &go)
+                    .env("CHUNKED_OUTBOX_DECLARE", (child % 3 != 0).to_string())
                     .stdout(std::process::Stdio::null())
                     .stderr(std::process::Stdio::piped())
                     .spawn()
@@ -366,7 +426,15 @@ fn opener_process() {
     while !std::path::Path::new(&go).exists() {
         std::thread::sleep(Duration::from_micros(200));
     }
-    Outbox::open(&path, OutboxOptions::default()).expect("open a file others create too");
+    // Most children declare rules of their own (the same for all of them).
+    let options = if std::env::var("CHUNKED_OUTBOX_DECLARE").as_deref() == Ok("true") {
+        OutboxOptions::default()
+            .with_lane_order(LaneOrder::Parallel)
+            .with_channel("telegram", ChannelPolicy::replayable())
+    } else {
+        OutboxOptions::default()
+    };
+    Outbox::open(&path, options).expect("open a file others create too");
 }
 
 /// Found: each `Outbox::open` left three reader-pool threads alive for about 30 s after

@@ -511,7 +511,7 @@ impl RunningDispatcher {
         if let Some(keeper) = self.keeper.take()
             && still_sending == 0
         {
-            // It ends at its next tick once no worker is left.
+            // The last worker to end woke it; it returns at once.
             let _ = keeper.join();
         }
         if lost > 0 {

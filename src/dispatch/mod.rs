@@ -140,8 +140,8 @@ pub struct DispatchStats {
     pub failed: u64,
     /// Chunks held as uncertain.
     pub uncertain: u64,
-    /// Claims given back unsent: the channel's rate slot was taken, too little of the
-    /// lease was left to start the send, or the dispatcher was stopping.
+    /// Claims given back unsent: too little of the lease was left to start the send, or
+    /// the dispatcher was stopping.
     pub released: u64,
     /// Claims that failed (busy or failing database) and outcomes refused as stale (the
     /// chunk was taken over or settled by someone else meanwhile).
@@ -311,22 +311,22 @@ impl<A: ?Sized> Shared<A> {
         let lease = duration_ms(core.outbox.options().lease);
         let mut admitted = Vec::with_capacity(claims.len());
         for claim in claims {
-            let verdict = if run.stopping() {
-                Err(Duration::ZERO)
-            } else if let Some(adapter) = self.adapters.get(&claim.channel) {
-                let left = run.lease_until(&claim) - core.outbox.options().now_ms();
-                if left < lease / 4 {
-                    warn!(chunk = %claim.chunk_id, left_ms = left, "too little of the lease left to start the send; giving the claim back");
-                    Err(Duration::ZERO)
-                } else {
-                    Ok(adapter.clone())
+            let adapter = match self.adapters.get(&claim.channel) {
+                Some(_) if run.stopping() => None,
+                Some(adapter) => {
+                    let left = run.lease_until(&claim) - core.outbox.options().now_ms();
+                    if left < lease / 4 {
+                        warn!(chunk = %claim.chunk_id, left_ms = left, "too little of the lease left to start the send; giving the claim back");
+                        None
+                    } else {
+                        Some(adapter.clone())
+                    }
                 }
-            } else {
-                Err(Duration::ZERO)
+                None => None,
             };
-            match verdict {
-                Ok(adapter) => admitted.push((claim, adapter)),
-                Err(delay) => core.release(run, &claim, delay),
+            match adapter {
+                Some(adapter) => admitted.push((claim, adapter)),
+                None => core.release(run, &claim),
             }
         }
         admitted
@@ -537,10 +537,10 @@ impl Core {
         }
     }
 
-    /// Gives a claim back unsent, due again after `delay`.
-    fn release(&self, run: &Run, claim: &Claim, delay: Duration) {
+    /// Gives a claim back unsent, due again at once.
+    fn release(&self, run: &Run, claim: &Claim) {
         run.let_go(claim.chunk_id);
-        match self.outbox.release_after(claim, delay) {
+        match self.outbox.release(claim) {
             Ok(_) => bump(&self.counters.released),
             Err(e) => {
                 bump(&self.counters.errors);

@@ -120,7 +120,7 @@ impl AsyncDispatcher {
     }
 
     /// Records `done`, claims up to `limit` chunks (see [`Core::step`]) and admits them
-    /// (see [`Shared::admit`]), in one trip to the blocking pool; returns how many were
+    /// (see [`Shared::admit`]), in one blocking call; returns how many were
     /// claimed and the sends to make.
     async fn step(
         &self,
