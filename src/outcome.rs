@@ -378,6 +378,12 @@ fn settle_held(
     outcome: Outcome,
     now: i64,
 ) -> Result<Recorded> {
+    // A dead letter: its delivery is out of the lane already, so the lane moves on.
+    let fail = |error: &str| -> Result<Recorded> {
+        set_held(tx, chunk, ChunkStatus::Failed, error, now)?;
+        lane::advance(tx, &rules.policy, &chunk.channel, &chunk.chat_id, now)?;
+        Ok(Recorded::settled(ChunkStatus::Failed))
+    };
     let (earliest, attempts, error) = match outcome {
         Outcome::Delivered {
             platform_message_id,
@@ -389,21 +395,14 @@ fn settle_held(
                 ..Recorded::settled(ChunkStatus::Delivered)
             });
         }
-        Outcome::Permanent { error } => {
-            set_held(tx, chunk, ChunkStatus::Failed, &error, now)?;
-            lane::advance(tx, &rules.policy, &chunk.channel, &chunk.chat_id, now)?;
-            return Ok(Recorded::settled(ChunkStatus::Failed));
-        }
+        Outcome::Permanent { error } => return fail(&error),
         Outcome::Ambiguous { error } => {
             set_held(tx, chunk, ChunkStatus::Uncertain, &error, now)?;
             return Ok(Recorded::settled(ChunkStatus::Uncertain));
         }
         Outcome::Transient { error } => {
             if let Some(reason) = out_of_budget(rules, chunk, now) {
-                let error = format!("{error} ({reason})");
-                set_held(tx, chunk, ChunkStatus::Failed, &error, now)?;
-                lane::advance(tx, &rules.policy, &chunk.channel, &chunk.chat_id, now)?;
-                return Ok(Recorded::settled(ChunkStatus::Failed));
+                return fail(&format!("{error} ({reason})"));
             }
             let backoff = now.saturating_add(
                 rules

@@ -612,3 +612,216 @@ fn outcome_kind(outcome: &Outcome) -> &'static str {
         Outcome::Ambiguous { .. } => "ambiguous",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ManualClock, NewDelivery, OutboxOptions};
+
+    struct Accept;
+
+    impl ChannelAdapter for Accept {
+        fn send(&self, _: &Claim) -> Outcome {
+            Outcome::delivered(None)
+        }
+    }
+
+    /// A dispatcher core for channel "t" on an in-memory outbox with a 40 s lease and a
+    /// clock the test moves, with `chats` replies enqueued (one per chat).
+    fn setup(chats: usize) -> (Arc<Shared<dyn ChannelAdapter>>, ManualClock) {
+        let clock = ManualClock::new(1_700_000_000_000);
+        let options = OutboxOptions::default()
+            .with_lease(Duration::from_secs(40))
+            .with_clock(Arc::new(clock.clone()));
+        let outbox = Outbox::open_in_memory(options).unwrap();
+        for chat in 0..chats {
+            outbox
+                .enqueue(&NewDelivery::single("t", chat.to_string(), "x"))
+                .unwrap();
+        }
+        let shared = Dispatcher::builder(outbox)
+            .adapter("t", Accept)
+            .batch_size(chats.max(1))
+            .into_shared()
+            .unwrap();
+        (shared, clock)
+    }
+
+    /// As [`setup`], on a file (so another connection can lock it or change its
+    /// schema), with a lease of `lease` and a busy timeout of 1 ms.
+    fn on_file(
+        dir: &std::path::Path,
+        chats: usize,
+        lease: Duration,
+    ) -> Arc<Shared<dyn ChannelAdapter>> {
+        let options = OutboxOptions::default()
+            .with_lease(lease)
+            .with_busy_timeout(Duration::from_millis(1));
+        let outbox = Outbox::open(dir.join("outbox.db"), options).unwrap();
+        for chat in 0..chats {
+            outbox
+                .enqueue(&NewDelivery::single("t", chat.to_string(), "x"))
+                .unwrap();
+        }
+        Dispatcher::builder(outbox)
+            .adapter("t", Accept)
+            .into_shared()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_claim_that_fails_with_nothing_to_record_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = on_file(dir.path(), 1, Duration::from_secs(1));
+        let blocker = rusqlite::Connection::open(dir.path().join("outbox.db")).unwrap();
+        blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+        let run = Run::default();
+        assert!(matches!(
+            shared.core.step(&run, &mut Vec::new(), 1),
+            Err(Error::Busy)
+        ));
+    }
+
+    #[test]
+    fn outcomes_are_recorded_alone_when_the_claim_beside_them_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = on_file(dir.path(), 2, Duration::from_secs(60));
+        let run = Run::default();
+        let claim = shared.core.step(&run, &mut Vec::new(), 1).unwrap();
+        // From now on every claim fails (not as Busy); recording does not.
+        rusqlite::Connection::open(dir.path().join("outbox.db"))
+            .unwrap()
+            .execute_batch(
+                "CREATE TRIGGER no_claims BEFORE UPDATE OF status ON outbound_delivery_chunks
+                 WHEN NEW.status = 'sending' BEGIN SELECT RAISE(ABORT, 'no claims'); END",
+            )
+            .unwrap();
+        let mut done = vec![(claim[0].clone(), Outcome::delivered(None))];
+        assert!(shared.core.step(&run, &mut done, 1).unwrap().is_empty());
+        let stats = shared.core.stats();
+        assert_eq!((stats.delivered, stats.dropped), (1, 0));
+    }
+
+    #[test]
+    fn a_lasting_lock_drops_outcomes_after_a_lease_of_backed_off_retries() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = on_file(dir.path(), 1, Duration::from_millis(100));
+        let run = Run::default();
+        let claim = shared.core.step(&run, &mut Vec::new(), 1).unwrap();
+        let blocker = rusqlite::Connection::open(dir.path().join("outbox.db")).unwrap();
+        blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = shared.clone();
+        std::thread::spawn(move || {
+            let run = Run::default();
+            run.hold(&claim);
+            let mut done = vec![(claim[0].clone(), Outcome::delivered(None))];
+            let claimed = worker.core.step(&run, &mut done, 1).map(|c| c.len());
+            let _ = tx.send((claimed, done.len(), run.held.lock().unwrap().len()));
+        });
+        // A bound on a hang, not a wait for time: the step gives up after its lease.
+        let (claimed, left, held) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("a lasting lock must not hold a worker forever");
+        assert_eq!((claimed.unwrap(), left, held), (0, 0, 0));
+        let stats = shared.core.stats();
+        assert_eq!(stats.dropped, 1);
+        // Backed off from 2 ms, doubling: a handful of retries in 100 ms, not hundreds.
+        assert!(
+            (1..=10).contains(&stats.record_retries),
+            "{} retries",
+            stats.record_retries
+        );
+    }
+
+    #[test]
+    fn an_idle_worker_sleeps_until_the_next_due_time_at_most_a_poll_interval() {
+        let (shared, clock) = setup(0);
+        let core = &shared.core;
+        let poll = core.settings.poll_interval;
+        assert_eq!(core.next_due(), None, "nothing stored");
+        assert_eq!(core.sleep_for(None), Some(poll));
+        let now = core.outbox.options().now_ms();
+        assert_eq!(
+            core.sleep_for(Some(now + 10)),
+            Some(Duration::from_millis(10))
+        );
+        assert_eq!(core.sleep_for(Some(now + 3_600_000)), Some(poll));
+        assert_eq!(core.sleep_for(Some(now)), None, "due now");
+        assert_eq!(core.sleep_for(Some(now - 5)), None, "overdue");
+
+        core.outbox
+            .enqueue(&NewDelivery::single("t", "c", "x"))
+            .unwrap();
+        assert_eq!(core.next_due(), Some(now));
+        let claim = core.outbox.claim(1).unwrap();
+        core.outbox
+            .record(
+                &claim[0],
+                Outcome::Transient {
+                    error: "later".into(),
+                },
+            )
+            .unwrap();
+        let due = core.next_due().unwrap();
+        assert!(due > now, "due after its backoff");
+        clock.advance(Duration::from_millis((due - now) as u64));
+        assert_eq!(core.sleep_for(core.next_due()), None);
+    }
+
+    #[test]
+    fn a_send_starts_only_with_a_quarter_of_its_lease_left() {
+        let (shared, clock) = setup(1);
+        let run = Run::default();
+        let claims = shared.core.step(&run, &mut Vec::new(), 1).unwrap();
+        clock.advance(Duration::from_secs(30)); // exactly a quarter (10 s) left
+        let admitted = shared.admit(&run, claims);
+        assert_eq!(admitted.len(), 1, "a quarter left is enough");
+
+        let (shared, clock) = setup(1);
+        let claims = shared.core.step(&run, &mut Vec::new(), 1).unwrap();
+        clock.advance(Duration::from_millis(30_001));
+        assert!(shared.admit(&run, claims).is_empty(), "less is not");
+        assert_eq!(shared.core.stats().released, 1);
+        assert_eq!(
+            shared.core.outbox.claim(1).unwrap().len(),
+            1,
+            "given back: due again at once"
+        );
+    }
+
+    #[test]
+    fn a_stopping_run_sends_nothing_it_claimed() {
+        let (shared, _clock) = setup(2);
+        let run = Run::default();
+        let claims = shared.core.step(&run, &mut Vec::new(), 2).unwrap();
+        assert_eq!(claims.len(), 2);
+        run.stop();
+        assert!(shared.admit(&run, claims).is_empty());
+        assert_eq!(shared.core.stats().released, 2);
+        assert!(
+            run.held.lock().unwrap().is_empty(),
+            "released claims are let go"
+        );
+    }
+
+    #[test]
+    fn a_run_holds_exactly_the_claims_whose_outcome_is_not_recorded() {
+        let (shared, _clock) = setup(3);
+        let run = Run::default();
+        let claims = shared.core.step(&run, &mut Vec::new(), 3).unwrap();
+        assert_eq!(run.held.lock().unwrap().len(), 3);
+        let mut done: Vec<_> = claims
+            .into_iter()
+            .take(2)
+            .map(|c| (c, Outcome::delivered(None)))
+            .collect();
+        shared.core.step(&run, &mut done, 0).unwrap();
+        assert!(done.is_empty());
+        assert_eq!(
+            run.held.lock().unwrap().len(),
+            1,
+            "recorded claims are no longer renewed"
+        );
+    }
+}
