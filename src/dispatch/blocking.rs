@@ -144,9 +144,9 @@ impl Dispatcher {
     ///
     /// # Errors
     ///
-    /// Errors of the claim ([`Error::Busy`](crate::Error::Busy), ...). Outcomes are
-    /// recorded as [`Core::step`] describes: retried when the database is busy or full,
-    /// and errors recording single outcomes are logged and counted in
+    /// Errors of the claim ([`Error::Busy`](crate::Error::Busy), ...). An outcome is never
+    /// dropped: recording it is retried while the database is busy or full, and errors
+    /// recording single outcomes are logged and counted in
     /// [`stats`](Self::stats).
     pub fn run_once(&self) -> Result<usize> {
         let (core, run) = (&self.shared.core, Run::default());
