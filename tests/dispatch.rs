@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chunked_outbox::{
-    ChannelAdapter, ChannelPolicy, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome,
-    Result,
+    ChannelAdapter, ChannelPolicy, Claim, DispatchStats, Dispatcher, NewDelivery, Outbox,
+    OutboxOptions, Outcome, Result,
 };
 use common::*;
 
@@ -107,6 +107,8 @@ impl chunked_outbox::AsyncChannelAdapter for Platform {
 trait Flavour {
     fn build(outbox: Outbox, adapters: Vec<(&str, Platform)>) -> Self;
     fn run_once(&self) -> usize;
+    fn stats(&self) -> DispatchStats;
+    fn debug(&self) -> String;
 }
 
 struct Blocking(Dispatcher);
@@ -121,6 +123,12 @@ impl Flavour for Blocking {
     }
     fn run_once(&self) -> usize {
         self.0.run_once().expect("run_once")
+    }
+    fn stats(&self) -> DispatchStats {
+        self.0.stats()
+    }
+    fn debug(&self) -> String {
+        format!("{:?}", self.0)
     }
 }
 
@@ -143,6 +151,12 @@ impl Flavour for Async {
     }
     fn run_once(&self) -> usize {
         self.1.block_on(self.0.run_once()).expect("run_once")
+    }
+    fn stats(&self) -> DispatchStats {
+        self.0.stats()
+    }
+    fn debug(&self) -> String {
+        format!("{:?}", self.0)
     }
 }
 
@@ -394,7 +408,44 @@ macro_rules! both_flavours {
     };
 }
 
+fn stats_count_every_send_and_outcome<F: Flavour>() -> Result<()> {
+    let db = TestDb::default();
+    let flaky = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let platform = Platform::new(&db, move |c| match c.chat_id.as_str() {
+        "gone" => Outcome::Permanent {
+            error: "Forbidden: bot was blocked by the user".into(),
+        },
+        "unsure" => Outcome::Ambiguous {
+            error: "connection reset".into(),
+        },
+        "flaky" if flaky.swap(false, std::sync::atomic::Ordering::SeqCst) => Outcome::Transient {
+            error: "502".into(),
+        },
+        _ => Outcome::delivered(None),
+    });
+    enqueue(&db.outbox, "ok", &["one", "two"]);
+    for chat in ["gone", "unsure", "flaky"] {
+        enqueue(&db.outbox, chat, &["x"]);
+    }
+    let d = F::build(db.outbox.clone(), vec![("telegram", platform.clone())]);
+    drain(&db, &d, 900);
+    let s = d.stats();
+    let counted = (
+        s.sent,
+        s.delivered,
+        s.finalized,
+        s.retried,
+        s.failed,
+        s.uncertain,
+    );
+    assert_eq!(counted, (6, 3, 2, 1, 1, 1), "{s:?}");
+    assert_eq!((s.released, s.errors, s.dropped, s.panics), (0, 0, 0, 0));
+    assert!(d.debug().contains("telegram"), "{}", d.debug());
+    Ok(())
+}
+
 both_flavours!(
+    stats_count_every_send_and_outcome,
     lane_order_under_random_transient_failures,
     permanent_failure_is_a_dead_letter_without_more_attempts,
     ambiguous_holds_or_replays_by_policy,

@@ -555,8 +555,7 @@ impl Core {
 /// own in both flavours (it only does short database writes), so a busy worker — or
 /// an async runtime starved of threads — cannot keep it from renewing.
 pub(crate) fn keep_leases(core: &Core, run: &Run) {
-    let lease = duration_ms(core.outbox.options().lease);
-    let tick = Duration::from_millis((lease / 4).clamp(1, 1_000) as u64);
+    let tick = renewal_tick(core.outbox.options().lease);
     let (lock, wake) = &run.keeper;
     loop {
         {
@@ -568,31 +567,50 @@ pub(crate) fn keep_leases(core: &Core, run: &Run) {
         if run.live.load(Ordering::SeqCst) == 0 {
             return;
         }
-        let now = core.outbox.options().now_ms();
-        let due: Vec<(ChunkId, i64)> = run
-            .held
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter(|(_, (_, until))| until - now <= lease / 2)
-            .map(|(chunk, (token, _))| (*chunk, *token))
-            .collect();
-        if due.is_empty() {
-            continue;
-        }
-        match core.outbox.renew_leases(&due) {
-            Ok(renewed) => {
-                let mut held = run.held.lock().unwrap_or_else(|e| e.into_inner());
-                for ((chunk, token), until) in due.into_iter().zip(renewed) {
-                    if let (Some(until), Some(h)) = (until, held.get_mut(&chunk))
-                        && h.0 == token
-                    {
-                        h.1 = until;
-                        bump(&core.counters.renewed);
-                    }
+        renew_due(core, run);
+    }
+}
+
+/// How often the keeper looks at its leases: four times a lease, at least once a second,
+/// so a lease is renewed while more than a quarter of it is left.
+fn renewal_tick(lease: Duration) -> Duration {
+    Duration::from_millis((duration_ms(lease) / 4).clamp(1, 1_000) as u64)
+}
+
+/// One look of the keeper: renews the claims the run holds with half of their lease
+/// or less left; returns how many it renewed.
+fn renew_due(core: &Core, run: &Run) -> usize {
+    let lease = duration_ms(core.outbox.options().lease);
+    let now = core.outbox.options().now_ms();
+    let due: Vec<(ChunkId, i64)> = run
+        .held
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter(|(_, (_, until))| until - now <= lease / 2)
+        .map(|(chunk, (token, _))| (*chunk, *token))
+        .collect();
+    if due.is_empty() {
+        return 0;
+    }
+    match core.outbox.renew_leases(&due) {
+        Ok(renewed) => {
+            let mut held = run.held.lock().unwrap_or_else(|e| e.into_inner());
+            let mut n = 0;
+            for ((chunk, token), until) in due.into_iter().zip(renewed) {
+                if let (Some(until), Some(h)) = (until, held.get_mut(&chunk))
+                    && h.0 == token
+                {
+                    h.1 = until;
+                    n += 1;
+                    bump(&core.counters.renewed);
                 }
             }
-            Err(e) => warn!(error = %e, claims = due.len(), "could not renew leases; trying again"),
+            n
+        }
+        Err(e) => {
+            warn!(error = %e, claims = due.len(), "could not renew leases; trying again");
+            0
         }
     }
 }
@@ -823,5 +841,55 @@ mod tests {
             1,
             "recorded claims are no longer renewed"
         );
+    }
+
+    #[test]
+    fn the_keeper_renews_a_lease_once_half_of_it_is_left() {
+        let (shared, clock) = setup(1);
+        let core = &shared.core;
+        let run = Run::default();
+        let claims = core.step(&run, &mut Vec::new(), 1).unwrap();
+        let until = |run: &Run| run.held.lock().unwrap()[&claims[0].chunk_id].1;
+        let first = until(&run);
+        clock.advance(Duration::from_millis(19_999));
+        assert_eq!(renew_due(core, &run), 0, "more than half left");
+        clock.advance(Duration::from_millis(1));
+        assert_eq!(renew_due(core, &run), 1, "half left");
+        assert_eq!(until(&run), first + 20_000, "a whole lease from now");
+        assert_eq!(core.stats().renewed, 1);
+        assert_eq!(renew_due(core, &run), 0, "renewed: not due again");
+
+        // A claim taken over by someone else (another token) is not renewed for it.
+        run.held
+            .lock()
+            .unwrap()
+            .get_mut(&claims[0].chunk_id)
+            .unwrap()
+            .0 += 1;
+        clock.advance(Duration::from_secs(20));
+        assert_eq!(renew_due(core, &run), 0, "a stale token renews nothing");
+    }
+
+    #[test]
+    fn the_keeper_looks_four_times_a_lease_and_at_least_once_a_second() {
+        assert_eq!(
+            renewal_tick(Duration::from_secs(40)),
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            renewal_tick(Duration::from_secs(2)),
+            Duration::from_millis(500)
+        );
+        assert_eq!(
+            renewal_tick(Duration::from_millis(3)),
+            Duration::from_millis(1)
+        );
+    }
+
+    #[test]
+    fn a_failed_claim_in_a_worker_is_counted() {
+        let (shared, _clock) = setup(0);
+        shared.core.claim_failed(&Error::Busy);
+        assert_eq!(shared.core.stats().errors, 1);
     }
 }
