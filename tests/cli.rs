@@ -209,6 +209,24 @@ fn health_json_and_prometheus_parse() -> Result<()> {
 }
 
 #[test]
+fn ids_and_times_are_never_wrapped_in_a_table() -> Result<()> {
+    let db = TestDb::default();
+    let chat = "a-chat-with-a-rather-long-identifier";
+    let id = enqueue(&db.outbox, chat, &["hello"]);
+    let (code, table) = stdout(outbox(&db.path()).arg("list"));
+    assert_eq!(code, 0);
+    let row = table
+        .lines()
+        .find(|l| l.contains(&id.to_string()))
+        .unwrap_or_else(|| panic!("the id whole on one line:\n{table}"));
+    assert!(
+        row.contains("2026-01-01T00:00:00Z"),
+        "the time whole:\n{table}"
+    );
+    Ok(())
+}
+
+#[test]
 fn list_and_show() -> Result<()> {
     let p = prepared()?;
     let path = p.db.path();

@@ -6,7 +6,7 @@ use std::fmt::Write;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use chunked_outbox::{ChannelHealth, DeliveryView, Health};
-use comfy_table::{ContentArrangement, Table, presets};
+use comfy_table::{ColumnConstraint, ContentArrangement, Table, presets};
 
 /// The widest a table may be.
 pub const WIDTH: u16 = 100;
@@ -33,7 +33,12 @@ fn time(t: Option<DateTime<Utc>>) -> String {
     )
 }
 
-/// A plain table (no borders) of at most [`WIDTH`] columns: long cells wrap.
+/// Columns of free text, which may wrap; ids, keys, times and counts never do, so they
+/// can be copied whole.
+const WRAPS: &[&str] = &["channel", "chat", "last error", "error", "retry"];
+
+/// A plain table (no borders) of at most [`WIDTH`] columns: long cells wrap, in the
+/// columns of free text only ([`WRAPS`]).
 pub fn table(header: &[&str], rows: Vec<Vec<String>>) -> String {
     let mut t = Table::new();
     t.load_preset(presets::NOTHING)
@@ -42,6 +47,15 @@ pub fn table(header: &[&str], rows: Vec<Vec<String>>) -> String {
         .set_header(header.iter().copied());
     for row in rows {
         t.add_row(row);
+    }
+    for (i, name) in header.iter().enumerate() {
+        if let Some(column) = t.column_mut(i) {
+            // Flush left, two spaces between columns, none after the last.
+            column.set_padding((0, if i + 1 < header.len() { 2 } else { 0 }));
+            if !WRAPS.contains(name) {
+                column.set_constraint(ColumnConstraint::ContentWidth);
+            }
+        }
     }
     let mut out = String::new();
     for line in t.lines() {
@@ -226,6 +240,14 @@ mod tests {
             assert!(width <= usize::from(WIDTH), "{width} columns: {line}");
         }
         assert!(text.contains("🚀🚀🚀"));
+
+        let id = "01a2314a-10a7-7c1a-95a1-0d4e4d588cb8";
+        let row = vec![vec![id.into(), long, "2026-01-01T00:00:00Z".into()]];
+        let text = table(&["delivery", "chat", "created"], row);
+        assert!(
+            text.contains(id) && text.contains("2026-01-01T00:00:00Z"),
+            "ids and times never wrap:\n{text}"
+        );
     }
 
     /// Columns a terminal gives a line: two for wide (East Asian, emoji) characters.
