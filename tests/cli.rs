@@ -340,6 +340,43 @@ fn migrate_creates_and_is_idempotent() {
     assert!(path.exists());
 }
 
+/// Found: a stop signal left beside `--db` by an earlier run stopped the new run's worker
+/// at once; the demo then waited out its ten-minute deadline with 7 of 3,000 replies sent.
+#[test]
+fn the_demo_refuses_files_an_earlier_run_left_beside_its_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("demo.db");
+    for left in [
+        "demo.platform.stop",
+        "demo.platform.db",
+        "demo.claimants.log",
+    ] {
+        std::fs::write(dir.path().join(left), b"").unwrap();
+        let out = outbox(&db)
+            .args(["demo", "--replies", "3", "--chats", "1", "--crashes", "0"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{err}");
+        assert!(err.contains(left) && err.contains("another --db"), "{err}");
+        assert!(!db.exists(), "nothing written");
+        std::fs::remove_file(dir.path().join(left)).unwrap();
+    }
+    // A finished run leaves no stop signal behind, so the next run at a new path is not
+    // stopped by it either.
+    let out = outbox(&db)
+        .args(["demo", "--replies", "3", "--chats", "1", "--crashes", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!dir.path().join("demo.platform.stop").exists());
+}
+
 #[test]
 fn small_demo_proves_the_invariants() {
     let dir = tempfile::tempdir().unwrap();

@@ -208,24 +208,36 @@ struct Files {
 fn files(db: Option<&Path>) -> CliResult<Files> {
     match db {
         Some(db) => {
-            if db.exists() {
-                return Err(format!(
-                    "{} exists; the demo needs a fresh database path",
-                    db.display()
-                )
-                .into());
-            }
             let dir = db
                 .parent()
                 .map_or_else(|| PathBuf::from("."), Path::to_owned);
-            Ok(Files {
+            let files = Files {
                 platform: db.with_extension("platform.db"),
                 operator_log: db.with_extension("operator.log"),
                 claimants: db.with_extension("claimants.log"),
                 db: db.to_owned(),
                 dir,
                 temporary: false,
-            })
+            };
+            // A file left by an earlier run would be read as this run's: an old platform
+            // record or claimant log skews the verdict, an old stop signal stops the worker.
+            let platform = &files.platform;
+            let stale: Vec<String> = [&files.db, platform, &stop_file(platform)]
+                .into_iter()
+                .chain([&files.operator_log, &files.claimants])
+                .filter(|f| f.exists())
+                .map(|f| f.display().to_string())
+                .collect();
+            if !stale.is_empty() {
+                return Err(format!(
+                    "{} exist{}; the demo needs a fresh database path and writes these beside it \
+                     (remove them or choose another --db)",
+                    stale.join(", "),
+                    if stale.len() == 1 { "s" } else { "" }
+                )
+                .into());
+            }
+            Ok(files)
         }
         None => {
             let dir = std::env::temp_dir().join(format!("outbox-demo-{}", std::process::id()));
@@ -319,6 +331,13 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
     let mut engine_result = None;
     loop {
         std::thread::sleep(Duration::from_millis(25));
+        if let Some(status) = worker.try_wait()? {
+            bar.finish_and_clear();
+            return Err(format!(
+                "the worker process ended on its own ({status}); see its output above"
+            )
+            .into());
+        }
         let settled = settle_like_an_operator(&outbox, &api, OPERATOR_GRACE, &mut operator_log)?;
         summary.settled_by_lookup += settled.looked_up;
         summary.resent_blind += settled.resent_blind;
@@ -372,6 +391,7 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
     }
     std::fs::write(stop_file(&files.platform), b"")?;
     worker.wait()?;
+    std::fs::remove_file(stop_file(&files.platform))?;
     bar.finish_and_clear();
 
     let run = match (engine_result, engine) {
