@@ -635,8 +635,17 @@ fn commits_from_another_connection_are_noticed() -> Result<()> {
         .poll_interval(Duration::from_millis(20))
         .build()?
         .start()?;
-    let _ = other.enqueue(&NewDelivery::single("telegram", "1", "from elsewhere"))?;
-    wait_until("the send", || !recorder.0.lock().unwrap().is_empty());
+    // Each reply is enqueued once the one before it is recorded, when the worker has
+    // gone back to sleep with nothing due: only noticing the commit wakes it.
+    for n in 1..=3 {
+        let _ = other.enqueue(&NewDelivery::single("telegram", "1", "from elsewhere"))?;
+        wait_until("the send recorded", || {
+            other
+                .health()
+                .is_ok_and(|h| h.totals.delivered_deliveries == n)
+        });
+    }
+    assert_eq!(recorder.0.lock().unwrap().len(), 3);
     assert!(running.shutdown(Duration::from_secs(10)).clean);
     Ok(())
 }
@@ -826,16 +835,21 @@ mod tokio_running {
             .poll_interval(Duration::from_millis(20))
             .build()?
             .start()?;
-        let _ = outbox.enqueue(&NewDelivery::single("telegram", "1", "here"))?;
-        let _ = other.enqueue(&NewDelivery::single("telegram", "2", "elsewhere"))?;
+        // Each reply is enqueued once the one before it is recorded, when the worker has
+        // gone back to sleep with nothing due: only the wake-up, or noticing another
+        // connection's commit, gets it going again.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        while gate.sent.lock().unwrap().len() < 2 {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "sends did not happen"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        for (n, by) in [&outbox, &other, &outbox, &other].into_iter().enumerate() {
+            let _ = by.enqueue(&NewDelivery::single("telegram", "1", "x"))?;
+            while outbox.health()?.totals.delivered_deliveries < n as u64 + 1 {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "send {n} did not happen"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
         }
+        assert_eq!(gate.sent.lock().unwrap().len(), 4);
         assert!(running.shutdown(Duration::from_secs(10)).await.clean);
         Ok(())
     }
