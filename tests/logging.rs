@@ -42,13 +42,32 @@ impl std::io::Write for LogSink {
     }
 }
 
+/// Rejects every send for good.
+struct Gone;
+
+impl ChannelAdapter for Gone {
+    fn send(&self, _: &Claim) -> Outcome {
+        Outcome::Permanent {
+            error: "Forbidden: bot was blocked by the user".into(),
+        }
+    }
+}
+
 /// Enqueues `text`, dispatches it to the end in this thread (moving the manual clock
 /// past the retry) with logs captured at `level`; the delivery id and the logs.
 fn dispatch_logged(level: tracing::Level, text: &str) -> (chunked_outbox::DeliveryId, String) {
+    dispatch_logged_to(FlakyOnce, level, text)
+}
+
+fn dispatch_logged_to(
+    adapter: impl ChannelAdapter + 'static,
+    level: tracing::Level,
+    text: &str,
+) -> (chunked_outbox::DeliveryId, String) {
     let db = TestDb::default();
     let id = enqueue(&db.outbox, "1", &[text]);
     let dispatcher = Dispatcher::builder(db.outbox.clone())
-        .adapter("telegram", FlakyOnce)
+        .adapter("telegram", adapter)
         .build()
         .expect("build dispatcher");
     let sink = LogSink::default();
@@ -59,7 +78,7 @@ fn dispatch_logged(level: tracing::Level, text: &str) -> (chunked_outbox::Delive
         .with_writer(move || writer.clone())
         .finish();
     tracing::subscriber::with_default(subscriber, || {
-        while view(&db.outbox, id).chunks[0].delivered_at.is_none() {
+        while view(&db.outbox, id).finished_at.is_none() {
             if dispatcher.run_once().expect("run_once") == 0 {
                 db.advance(Duration::from_secs(1));
             }
@@ -89,6 +108,15 @@ fn message_text_is_logged_only_at_debug_level() -> Result<()> {
     assert!(
         debug.contains(secret),
         "debug level shows the text for troubleshooting"
+    );
+
+    // A dead letter needs attention: it is a warning, naming the delivery and outcome.
+    let (id, warnings) = dispatch_logged_to(Gone, tracing::Level::WARN, secret);
+    assert!(
+        warnings.contains("chunk needs attention")
+            && warnings.contains(&id.to_string())
+            && warnings.contains("outcome=\"permanent\""),
+        "{warnings}"
     );
     Ok(())
 }

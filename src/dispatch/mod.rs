@@ -316,7 +316,7 @@ impl<A: ?Sized> Shared<A> {
                 Some(adapter) => {
                     let left = run.lease_until(&claim) - core.outbox.options().now_ms();
                     if left < lease / 4 {
-                        warn!(chunk = %claim.chunk_id, left_ms = left, "too little of the lease left to start the send; giving the claim back");
+                        warn!(chunk = %claim.idempotency_key, left_ms = left, "too little of the lease left to start the send; giving the claim back");
                         None
                     } else {
                         Some(adapter.clone())
@@ -458,7 +458,7 @@ impl Core {
         info_span!(
             parent: &delivery,
             "chunk",
-            chunk = %claim.chunk_id,
+            chunk = %claim.idempotency_key,
             index = claim.index,
             total = claim.total,
             attempt = claim.attempt,
@@ -503,16 +503,16 @@ impl Core {
             let kind = outcome_kind(outcome);
             let _entered = Core::span(claim).entered();
             match result {
-                Ok(recorded) => self.count(kind, &recorded),
+                Ok(recorded) => self.count(claim, kind, &recorded),
                 Err(e) => {
                     bump(&self.counters.errors);
-                    warn!(error = %e, outcome = kind, "could not record outcome");
+                    warn!(chunk = %claim.idempotency_key, error = %e, outcome = kind, "could not record outcome");
                 }
             }
         }
     }
 
-    fn count(&self, kind: &'static str, recorded: &Recorded) {
+    fn count(&self, claim: &Claim, kind: &'static str, recorded: &Recorded) {
         let c = &self.counters;
         match recorded.status {
             ChunkStatus::Delivered => {
@@ -529,7 +529,8 @@ impl Core {
         let next = recorded.next_attempt_at.map(|t| t.to_rfc3339());
         match recorded.status {
             ChunkStatus::Failed | ChunkStatus::Uncertain => {
-                warn!(outcome = kind, status = %recorded.status, "chunk needs attention")
+                // Named here: at `warn` the info-level span around it is off.
+                warn!(chunk = %claim.idempotency_key, channel = %claim.channel, outcome = kind, status = %recorded.status, "chunk needs attention")
             }
             _ => {
                 info!(outcome = kind, status = %recorded.status, next_attempt_at = ?next, finalized = recorded.finalized, "recorded")
