@@ -795,6 +795,57 @@ mod tokio_running {
         Ok(())
     }
 
+    /// Never answers (a request lost on the way), except for chat "ok".
+    struct Silent;
+
+    impl AsyncChannelAdapter for Silent {
+        fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome> {
+            Box::pin(async move {
+                if claim.chat_id != "ok" {
+                    std::future::pending::<()>().await;
+                }
+                Outcome::delivered(None)
+            })
+        }
+    }
+
+    /// An async send past the send timeout is dropped and recorded as ambiguous (held
+    /// `uncertain` on a channel that must not replay); the worker goes on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_send_past_its_timeout_is_ambiguous_and_the_worker_goes_on() -> Result<()> {
+        let (_dir, path) = real_time_db();
+        let outbox = Outbox::open(&path, OutboxOptions::default())?;
+        let lost = outbox
+            .enqueue(&NewDelivery::single("telegram", "lost", "x"))?
+            .id;
+        let ok = outbox
+            .enqueue(&NewDelivery::single("telegram", "ok", "y"))?
+            .id;
+        let running = AsyncDispatcher::builder(outbox.clone())
+            .adapter("telegram", Silent)
+            .workers(1)
+            .send_timeout(Some(Duration::from_millis(200)))
+            .build()?
+            .start()?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let status = |id| outbox.delivery(id).map(|d| d.map(|d| d.status));
+        while status(ok)? != Some(chunked_outbox::DeliveryStatus::Delivered) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the next send never came"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            status(lost)?,
+            Some(chunked_outbox::DeliveryStatus::Uncertain)
+        );
+        let report = running.shutdown(Duration::from_secs(10)).await;
+        assert_eq!(report.stats.timed_out, 1, "{report:?}");
+        assert!(report.clean, "{report:?}");
+        Ok(())
+    }
+
     /// On a current-thread runtime the database work goes to the blocking pool (there
     /// is no other thread to hand the runtime to), and the dispatcher works the same.
     #[tokio::test(flavor = "current_thread")]

@@ -139,6 +139,7 @@ struct Tuning {
     workers: Option<usize>,
     batch: Option<usize>,
     poll: Option<Duration>,
+    send_timeout: Option<Duration>,
 }
 
 impl Tuning {
@@ -158,6 +159,7 @@ fn tuned<A: ?Sized>(mut b: DispatcherBuilder<A>, t: Tuning) -> DispatcherBuilder
         b = b.batch_size(n);
     }
     b.poll_interval(t.poll.unwrap_or(Duration::from_millis(20)))
+        .send_timeout(t.send_timeout)
 }
 
 /// A built dispatcher of either flavour, which can be started (again).
@@ -231,7 +233,19 @@ impl Running {
     }
 
     fn shutdown(self) -> ShutdownReport {
-        let grace = Duration::from_secs(30);
+        self.shutdown_within(Duration::from_secs(30))
+    }
+
+    /// The async flavour's runtime, to keep it alive (nothing for the blocking one).
+    fn runtime(&self) -> Box<dyn std::any::Any> {
+        match self {
+            Running::Blocking(_) => Box::new(()),
+            #[cfg(feature = "tokio")]
+            Running::Tokio(_, rt) => Box::new(rt.clone()),
+        }
+    }
+
+    fn shutdown_within(self, grace: Duration) -> ShutdownReport {
         match self {
             Running::Blocking(r) => r.shutdown(grace),
             #[cfg(feature = "tokio")]
@@ -296,6 +310,8 @@ both_flavours!(
     a_dispatcher_can_be_started_again_after_shutdown,
     a_wake_after_the_callers_commit_reaches_a_sleeping_dispatcher,
     crash_mid_send_leaves_only_that_send_uncertain,
+    a_shutdown_that_outlasts_its_timeout_reports_the_stuck_send,
+    a_worker_ended_by_a_panic_is_reported_at_shutdown,
 );
 
 /// Finding 1: one worker's hung send used to pin its whole claimed batch (up to 15 other
@@ -597,6 +613,127 @@ fn a_dispatcher_can_be_started_again_after_shutdown(flavour: Flavour) -> Result<
         });
         assert!(running.shutdown().clean);
     }
+    Ok(())
+}
+
+/// A shutdown waits at most its timeout: a send still inside the adapter then is
+/// reported, not waited for, and its worker records the outcome once `send` returns.
+fn a_shutdown_that_outlasts_its_timeout_reports_the_stuck_send(flavour: Flavour) -> Result<()> {
+    let (_dir, path) = file_db();
+    let outbox = Outbox::open(&path, OutboxOptions::default())?;
+    let id = replies(&outbox, "telegram", 1)[0];
+    let (gate, _open) = Gate::new();
+    let g = gate.clone();
+    let adapter = Scripted::new(move |_| {
+        g.pass();
+        Outcome::delivered(None)
+    });
+    let running = Running::start(flavour, &outbox, "telegram", adapter, Tuning::one_worker());
+    gate.wait_arrived(1);
+    // The async worker lives on in its runtime after the shutdown gave up on it.
+    let _runtime = running.runtime();
+    let report = running.shutdown_within(Duration::from_millis(50));
+    assert_eq!(
+        (report.clean, report.still_sending, report.workers_lost),
+        (false, 1, 0),
+        "{report:?}"
+    );
+    gate.open();
+    wait_until("the late outcome recorded", || {
+        status(&outbox, id) == DeliveryStatus::Delivered
+    });
+    Ok(())
+}
+
+/// A send that outlives the send timeout is recorded as ambiguous and the worker goes
+/// on; when that send returns at last, its answer is not taken for the next send's.
+/// (Blocking only: an async send past its timeout is dropped, so it never answers; see
+/// `tests/dispatch.rs`.)
+#[test]
+fn a_send_past_its_timeout_is_ambiguous_and_its_late_answer_is_ignored() -> Result<()> {
+    let flavour = Flavour::Blocking;
+    let (_dir, path) = file_db();
+    let outbox = Outbox::open(&path, OutboxOptions::default())?;
+    let ids = replies(&outbox, "telegram", 2);
+    let (gate, _open) = Gate::new();
+    let returned = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (g, r, late) = (gate.clone(), returned.clone(), ids[0]);
+    let adapter = Scripted::new(move |claim| {
+        if claim.delivery_id == late {
+            // Hangs past its timeout, then is accepted after all: too late to count.
+            g.pass();
+            r.store(true, std::sync::atomic::Ordering::SeqCst);
+            Outcome::delivered(None)
+        } else {
+            // The next send answers only once the late one has returned.
+            g.open();
+            wait_until("the late send's return", || {
+                r.load(std::sync::atomic::Ordering::SeqCst)
+            });
+            Outcome::Permanent {
+                error: "chat not found".into(),
+            }
+        }
+    });
+    let tuning = Tuning {
+        send_timeout: Some(Duration::from_secs(1)),
+        ..Tuning::one_worker()
+    };
+    let running = Running::start(flavour, &outbox, "telegram", adapter, tuning);
+    wait_until("both settled", || {
+        status(&outbox, ids[1]) == DeliveryStatus::Failed
+            || status(&outbox, ids[1]) == DeliveryStatus::Delivered
+    });
+    assert_eq!(
+        (status(&outbox, ids[0]), status(&outbox, ids[1])),
+        (DeliveryStatus::Uncertain, DeliveryStatus::Failed),
+        "the timed-out send is held uncertain; the next keeps its own answer"
+    );
+    let report = running.shutdown();
+    assert_eq!(report.stats.timed_out, 1, "{report:?}");
+    assert!(report.clean, "{report:?}");
+    Ok(())
+}
+
+/// A clock that panics once armed: the one user code a worker calls outside `send`.
+#[derive(Debug, Default)]
+struct ArmedClock(std::sync::atomic::AtomicBool);
+
+impl chunked_outbox::Clock for ArmedClock {
+    fn now_ms(&self) -> i64 {
+        if self.0.load(std::sync::atomic::Ordering::SeqCst) {
+            panic!("the clock broke");
+        }
+        chunked_outbox::SystemClock.now_ms()
+    }
+}
+
+/// A worker killed by a panic outside the adapter (here, in the application's clock)
+/// is not a clean shutdown: the report counts it.
+fn a_worker_ended_by_a_panic_is_reported_at_shutdown(flavour: Flavour) -> Result<()> {
+    let (_dir, path) = file_db();
+    let clock = Arc::new(ArmedClock::default());
+    let outbox = Outbox::open(&path, OutboxOptions::default().with_clock(clock.clone()))?;
+    let (gate, _open) = Gate::new();
+    let g = gate.clone();
+    let adapter = Scripted::new(move |_| {
+        g.pass();
+        Outcome::delivered(None)
+    });
+    let running = Running::start(flavour, &outbox, "telegram", adapter, Tuning::one_worker());
+    replies(&outbox, "telegram", 1);
+    gate.wait_arrived(1);
+    // Armed while the worker is inside `send`: recording the outcome panics, whether or
+    // not the shutdown has begun by then.
+    clock.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    gate.open();
+    let report = running.shutdown();
+    clock.0.store(false, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        (report.clean, report.still_sending, report.workers_lost),
+        (false, 0, 1),
+        "{report:?}"
+    );
     Ok(())
 }
 
