@@ -813,36 +813,43 @@ mod tokio_running {
     /// `uncertain` on a channel that must not replay); the worker goes on.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_send_past_its_timeout_is_ambiguous_and_the_worker_goes_on() -> Result<()> {
-        let (_dir, path) = real_time_db();
-        let outbox = Outbox::open(&path, OutboxOptions::default())?;
-        let lost = outbox
-            .enqueue(&NewDelivery::single("telegram", "lost", "x"))?
-            .id;
-        let ok = outbox
-            .enqueue(&NewDelivery::single("telegram", "ok", "y"))?
-            .id;
-        let running = AsyncDispatcher::builder(outbox.clone())
-            .adapter("telegram", Silent)
-            .workers(1)
-            .send_timeout(Some(Duration::from_millis(200)))
-            .build()?
-            .start()?;
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        let status = |id| outbox.delivery(id).map(|d| d.map(|d| d.status));
-        while status(ok)? != Some(chunked_outbox::DeliveryStatus::Delivered) {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the next send never came"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        // One send at a time, and two at once (the lost one beside one that answers).
+        for batch in [1, 2] {
+            let (_dir, path) = real_time_db();
+            let outbox = Outbox::open(&path, OutboxOptions::default())?;
+            let lost = outbox
+                .enqueue(&NewDelivery::single("telegram", "lost", "x"))?
+                .id;
+            let ok = outbox
+                .enqueue(&NewDelivery::single("telegram", "ok", "y"))?
+                .id;
+            let running = AsyncDispatcher::builder(outbox.clone())
+                .adapter("telegram", Silent)
+                .workers(1)
+                .batch_size(batch)
+                .send_timeout(Some(Duration::from_millis(200)))
+                .build()?
+                .start()?;
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            let status = |id| outbox.delivery(id).map(|d| d.map(|d| d.status));
+            while status(ok)? != Some(chunked_outbox::DeliveryStatus::Delivered) {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "batch {batch}: the send that answers was never recorded"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            while status(lost)? != Some(chunked_outbox::DeliveryStatus::Uncertain) {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "batch {batch}: the lost send was not held uncertain"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let report = running.shutdown(Duration::from_secs(10)).await;
+            assert_eq!(report.stats.timed_out, 1, "batch {batch}: {report:?}");
+            assert!(report.clean, "batch {batch}: {report:?}");
         }
-        assert_eq!(
-            status(lost)?,
-            Some(chunked_outbox::DeliveryStatus::Uncertain)
-        );
-        let report = running.shutdown(Duration::from_secs(10)).await;
-        assert_eq!(report.stats.timed_out, 1, "{report:?}");
-        assert!(report.clean, "{report:?}");
         Ok(())
     }
 
