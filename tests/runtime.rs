@@ -939,7 +939,6 @@ fn a_poison_chunk_that_kills_its_process_fails_alone() -> Result<()> {
 
 // ---- Dropping a running async dispatcher ----
 
-#[cfg(feature = "tokio")]
 mod dropped {
     use super::*;
 
@@ -954,16 +953,63 @@ mod dropped {
 
     struct Tracked(Scripted, #[allow(dead_code)] Dropped);
 
+    #[cfg(feature = "tokio")]
     impl chunked_outbox::AsyncChannelAdapter for Tracked {
         fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::BoxFuture<'a, Outcome> {
             chunked_outbox::AsyncChannelAdapter::send(&self.0, claim)
         }
     }
 
+    impl ChannelAdapter for Tracked {
+        fn send(&self, claim: &Claim) -> Outcome {
+            ChannelAdapter::send(&self.0, claim)
+        }
+    }
+
+    /// Dropping a running blocking dispatcher stops it as `shutdown` does: the send in
+    /// flight finishes and is recorded, the workers end, and nothing else is sent.
+    #[test]
+    fn dropping_a_running_dispatcher_stops_its_workers() -> Result<()> {
+        let (_dir, path) = file_db();
+        let outbox = Outbox::open(&path, OutboxOptions::default())?;
+        let ids = replies(&outbox, "telegram", 3);
+        let (gate, _open) = Gate::new();
+        let g = gate.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let adapter = Tracked(
+            Scripted::new(move |_| {
+                g.pass();
+                Outcome::delivered(None)
+            }),
+            Dropped(tx),
+        );
+        let dispatcher = Dispatcher::builder(outbox.clone())
+            .adapter("telegram", adapter)
+            .workers(1)
+            .build()?;
+        let running = dispatcher.start()?;
+        gate.wait_arrived(1);
+        // The drop waits for the send in flight, so it happens beside the gate.
+        let dropping = std::thread::spawn(move || drop(running));
+        gate.open();
+        dropping.join().unwrap();
+        drop(dispatcher);
+        rx.recv_timeout(Duration::from_secs(60))
+            .expect("the workers ended and let go of the adapter");
+        let delivered = ids
+            .iter()
+            .filter(|id| status(&outbox, **id) == DeliveryStatus::Delivered)
+            .count();
+        assert_eq!(delivered, 1, "the send in flight, and nothing after it");
+        assert_eq!(outbox.health()?.totals.sending_chunks, 0);
+        Ok(())
+    }
+
     /// Finding 7: dropping a running async dispatcher left its tasks running. Dropping
     /// it now stops them: the send in flight finishes and is recorded, the tasks end
     /// (and let go of the adapter), and nothing else is sent.
     #[test]
+    #[cfg(feature = "tokio")]
     fn dropping_a_running_async_dispatcher_stops_its_tasks() -> Result<()> {
         let (_dir, path) = file_db();
         let outbox = Outbox::open(&path, OutboxOptions::default())?;
