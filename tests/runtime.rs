@@ -967,12 +967,14 @@ mod dropped {
     }
 
     /// Dropping a running blocking dispatcher stops it as `shutdown` does: the send in
-    /// flight finishes and is recorded, the workers end, and nothing else is sent.
+    /// flight finishes and is recorded, and the workers end (letting go of the adapter).
+    /// The drop waits for the send, so the gate opens beside it, possibly before the
+    /// workers are told to stop: how many replies went out by then is not checked.
     #[test]
     fn dropping_a_running_dispatcher_stops_its_workers() -> Result<()> {
         let (_dir, path) = file_db();
         let outbox = Outbox::open(&path, OutboxOptions::default())?;
-        let ids = replies(&outbox, "telegram", 3);
+        replies(&outbox, "telegram", 3);
         let (gate, _open) = Gate::new();
         let g = gate.clone();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -989,18 +991,12 @@ mod dropped {
             .build()?;
         let running = dispatcher.start()?;
         gate.wait_arrived(1);
-        // The drop waits for the send in flight, so it happens beside the gate.
         let dropping = std::thread::spawn(move || drop(running));
         gate.open();
         dropping.join().unwrap();
         drop(dispatcher);
         rx.recv_timeout(Duration::from_secs(60))
             .expect("the workers ended and let go of the adapter");
-        let delivered = ids
-            .iter()
-            .filter(|id| status(&outbox, **id) == DeliveryStatus::Delivered)
-            .count();
-        assert_eq!(delivered, 1, "the send in flight, and nothing after it");
         assert_eq!(outbox.health()?.totals.sending_chunks, 0);
         Ok(())
     }
