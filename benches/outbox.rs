@@ -58,7 +58,7 @@ fn claim_ack(c: &mut Criterion) {
                 },
                 |()| {
                     // One claim transaction and one group-committed ack transaction;
-                    // every ack finalizes its 1-chunk delivery into `messages`.
+                    // every ack finalizes its 1-chunk delivery into `outbound_messages`.
                     let claims = outbox.claim(batch).expect("claim");
                     let acks = claims.iter().map(|c| (c, Outcome::delivered(None)));
                     outbox.record_batch(acks).expect("ack").len()

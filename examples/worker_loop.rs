@@ -94,13 +94,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .filter(|(lane, want)| received.get(*lane) != Some(want))
         .count();
-    let stored: i64 =
-        rusqlite::Connection::open(&path)?
-            .query_row("SELECT count(*) FROM messages", [], |r| r.get(0))?;
+    let stored: i64 = rusqlite::Connection::open(&path)?.query_row(
+        "SELECT count(*) FROM outbound_messages",
+        [],
+        |r| r.get(0),
+    )?;
     println!(
         "replies {replies}, sends {sends} ({failures} transient failures retried) in {elapsed:.2?}"
     );
-    println!("finalized {finalized}, rows in messages {stored}");
+    println!("finalized {finalized}, rows in outbound_messages {stored}");
     println!("lost chunks {lost}, lanes out of order {out_of_order}");
     std::fs::remove_dir_all(&dir)?;
     if lost != 0 || out_of_order != 0 || stored != replies as i64 || finalized != replies {

@@ -29,7 +29,7 @@ CREATE TABLE outbound_deliveries (
     -- queued: waits behind an earlier delivery of its lane (channel, chat_id);
     -- pending/partial: active, none/some chunks delivered;
     -- uncertain: a chunk may have been sent and waits for a decision;
-    -- failed: dead letter; delivered: finalized into messages.
+    -- failed: dead letter; delivered: finalized into outbound_messages.
     status          TEXT    NOT NULL CHECK (status IN
                         ('queued', 'pending', 'partial', 'uncertain', 'failed', 'delivered')),
     chunk_count     INTEGER NOT NULL CHECK (chunk_count > 0),
@@ -89,7 +89,7 @@ CREATE INDEX outbound_delivery_chunks_due
 
 -- History of finalized deliveries. UNIQUE (delivery_id) makes a second finalization of
 -- the same delivery impossible, whatever the code above it does.
-CREATE TABLE messages (
+CREATE TABLE outbound_messages (
     id           INTEGER PRIMARY KEY,
     delivery_id  TEXT    NOT NULL UNIQUE,
     channel      TEXT    NOT NULL,

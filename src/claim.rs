@@ -206,7 +206,7 @@ impl Outbox {
     }
 
     /// Settles `sending` chunks whose worker is gone, then finalizes deliveries whose
-    /// chunks are all delivered but which were never written to `messages`.
+    /// chunks are all delivered but which were never written to `outbound_messages`.
     ///
     /// Each abandoned chunk follows its channel's stored [`ReplayPolicy`]: `retry` (due
     /// now) if the channel may replay, `uncertain` otherwise, `failed` if its attempts

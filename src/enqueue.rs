@@ -51,7 +51,7 @@ impl NewDelivery {
     }
 
     /// A delivery of `text` sent as the given chunks, in order. `text` is what is written
-    /// to `messages` once every chunk is delivered.
+    /// to `outbound_messages` once every chunk is delivered.
     pub fn chunked<I, S>(
         channel: impl Into<String>,
         chat_id: impl Into<String>,
@@ -105,13 +105,13 @@ impl NewDelivery {
         self
     }
 
-    /// The sender name written to `messages` at finalization.
+    /// The sender name written to `outbound_messages` at finalization.
     pub fn with_sender(mut self, sender: impl Into<String>) -> Self {
         self.sender = Some(sender.into());
         self
     }
 
-    /// The full text, as it is written to `messages` once every chunk is delivered.
+    /// The full text, as it is written to `outbound_messages` once every chunk is delivered.
     pub fn text(&self) -> &str {
         &self.text
     }

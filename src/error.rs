@@ -208,9 +208,18 @@ pub enum Error {
         got: String,
     },
 
-    /// Applying the embedded schema migrations failed.
-    #[error("schema migration failed: {0}")]
-    Migration(#[from] rusqlite_migration::Error),
+    /// Bringing the schema up to date failed, and nothing of it was applied: usually a
+    /// table of the application's in the same file that the migration meets (rename or
+    /// move it), or a file changed by hand.
+    #[error("schema migration to version {version} failed{}: {message}", if statement.is_empty() { String::new() } else { format!(" at `{statement}`") })]
+    Migration {
+        /// The version whose migration failed.
+        version: i64,
+        /// The statement that failed, as written in the migration (empty if unknown).
+        statement: String,
+        /// SQLite's message.
+        message: String,
+    },
 
     /// The connection pool could not hand out a connection.
     #[error("connection pool error: {0}")]

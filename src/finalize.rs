@@ -1,4 +1,4 @@
-//! Exactly-once finalization of a delivery into `messages`.
+//! Exactly-once finalization of a delivery into `outbound_messages`.
 
 use rusqlite::{Connection, params};
 
@@ -6,8 +6,8 @@ use crate::ids::chunks_of_delivery;
 use crate::policy::Stored;
 use crate::{Result, lane};
 
-/// Writes a fully delivered delivery to `messages` and marks it delivered, in the
-/// caller's transaction (the one that recorded its last ack). `messages.delivery_id` is
+/// Writes a fully delivered delivery to `outbound_messages` and marks it delivered, in the
+/// caller's transaction (the one that recorded its last ack). `outbound_messages.delivery_id` is
 /// UNIQUE, so a second finalization fails instead of writing a duplicate row.
 pub(crate) fn finalize(
     tx: &Connection,
@@ -17,7 +17,7 @@ pub(crate) fn finalize(
     now: i64,
 ) -> Result<()> {
     tx.prepare_cached(
-        "INSERT INTO messages
+        "INSERT INTO outbound_messages
              (delivery_id, channel, chat_id, sender, content, chunk_count, created_at, delivered_at)
          SELECT uid, channel, chat_id, sender, text, chunk_count, created_at, ?2
          FROM outbound_deliveries WHERE id = ?1",

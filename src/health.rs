@@ -110,7 +110,7 @@ const FAMILIES: &[Family] = &[
     ),
     (
         "outbox_delivered_deliveries",
-        "Deliveries finalized into messages and still stored.",
+        "Deliveries finalized into outbound_messages and still stored.",
         |h, _| Some(h.delivered_deliveries as f64),
     ),
     (

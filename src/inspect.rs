@@ -21,7 +21,7 @@ pub struct DeliveryView {
     pub channel: String,
     /// Destination chat.
     pub chat_id: String,
-    /// Sender name for `messages`.
+    /// Sender name for `outbound_messages`.
     pub sender: Option<String>,
     /// The caller's idempotency key.
     pub idempotency_key: Option<String>,

@@ -4,7 +4,7 @@
 //! A chat engine hands the outbox a logical message ("the reply to user 42 on
 //! Telegram") already split into chunks that fit the platform. The outbox stores it,
 //! hands the chunks out in order under a lease, retries each one with backoff, survives
-//! crashes at any instant, and writes the complete message into a `messages` table
+//! crashes at any instant, and writes the complete message into its history table, `outbound_messages`,
 //! exactly once, in the same transaction as the last chunk's acknowledgement.
 //!
 //! ```
@@ -67,8 +67,8 @@
 //!   happens when the head fails for good.
 //! * **One key per chunk.** Every send of a chunk carries the same idempotency key,
 //!   derived only by [`chunk_idempotency_key`].
-//! * **Exactly-once finalization.** A delivery is written to `messages` in the
-//!   transaction that records its last ack, and `messages.delivery_id` is UNIQUE.
+//! * **Exactly-once finalization.** A delivery is written to `outbound_messages` in the
+//!   transaction that records its last ack, and `outbound_messages.delivery_id` is UNIQUE.
 //! * **Fenced claims.** Every outcome checks the claim's token: a worker whose lease
 //!   expired cannot settle a chunk that was claimed again or settled by an operator
 //!   ([`Error::StaleClaim`]), and can still settle one nobody else took. Expired leases

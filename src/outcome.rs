@@ -84,7 +84,7 @@ pub struct Recorded {
     /// When it is due again (`retry`, or `pending` after a release).
     pub next_attempt_at: Option<DateTime<Utc>>,
     /// True when this ack delivered the delivery's last chunk and the delivery was
-    /// written to `messages` in the same transaction.
+    /// written to `outbound_messages` in the same transaction.
     pub finalized: bool,
 }
 
@@ -116,7 +116,7 @@ impl Outbox {
     /// chunk is then `uncertain` (or `retry`, on a channel that may replay) and still
     /// carries this claim's token, and an outcome recorded now settles it as it
     /// should — a late ack delivers it instead of leaving a sent chunk to be resent. An
-    /// ack of the last chunk writes the delivery to `messages` in the same transaction.
+    /// ack of the last chunk writes the delivery to `outbound_messages` in the same transaction.
     ///
     /// A platform message id longer than [`MAX_PLATFORM_ID_BYTES`] is cut to that length
     /// (at a character boundary) rather than refused: the ack matters more than the id.

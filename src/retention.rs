@@ -33,7 +33,7 @@ pub struct PurgeReport {
 
 impl Outbox {
     /// Removes deliveries (and their chunks) that finished before `finished_before`:
-    /// delivered ones, and dead letters that were acknowledged. Their `messages` rows
+    /// delivered ones, and dead letters that were acknowledged. Their `outbound_messages` rows
     /// stay. Unacknowledged dead letters and unfinished deliveries are never purged, nor
     /// is the newest delivery: keeping it means row ids, from which delivery ids are
     /// derived, are never handed out twice.

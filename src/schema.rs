@@ -3,15 +3,50 @@
 use std::path::Path;
 
 use rusqlite::{Connection, TransactionBehavior};
-use rusqlite_migration::{M, Migrations};
+use rusqlite_migration::{HookError, M, Migrations};
 
 use crate::{Error, OutboxOptions, Result};
 
 /// Every migration, in order. `migrations/NNNN_name.sql` is embedded in the binary.
-const MIGRATIONS: &[M<'static>] = &[
-    M::up(include_str!("../migrations/0001_initial.sql")),
-    M::up(include_str!("../migrations/0002_stored_policy.sql")),
+const MIGRATIONS: &[&str] = &[
+    include_str!("../migrations/0001_initial.sql"),
+    include_str!("../migrations/0002_stored_policy.sql"),
+    include_str!("../migrations/0003_history_table_name.sql"),
 ];
+
+/// The migrations with their hooks: version 3 renames the history table of a file
+/// written by version 1 or 2.
+fn migrations() -> Migrations<'static> {
+    Migrations::new(
+        MIGRATIONS
+            .iter()
+            .enumerate()
+            .map(|(i, sql)| match i + 1 {
+                3 => M::up_with_hook(sql, |tx: &rusqlite::Transaction| {
+                    rename_history(tx).map_err(HookError::from)
+                }),
+                _ => M::up(sql),
+            })
+            .collect(),
+    )
+}
+
+/// Renames a version 1 or 2 history table, `messages`, to `outbound_messages`. A file
+/// created at version 3 or later already has `outbound_messages` from its first
+/// migration, and whatever `messages` table it has is the application's.
+fn rename_history(tx: &Connection) -> rusqlite::Result<()> {
+    let exists = |name: &str| -> rusqlite::Result<bool> {
+        tx.query_row(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1)",
+            [name],
+            |r| r.get(0),
+        )
+    };
+    if !exists("outbound_messages")? {
+        tx.execute_batch("ALTER TABLE messages RENAME TO outbound_messages")?;
+    }
+    Ok(())
+}
 
 /// Prepared statements kept per connection.
 const STATEMENT_CACHE: usize = 128;
@@ -45,14 +80,104 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     if user_version(conn)? == SCHEMA_VERSION {
         return Ok(());
     }
+    let from = user_version(conn)?;
     conn.set_transaction_behavior(TransactionBehavior::Immediate);
-    let result = Migrations::from_slice(MIGRATIONS).to_latest(conn);
+    let result = migrations().to_latest(conn);
     conn.set_transaction_behavior(TransactionBehavior::Deferred);
     match result {
         Ok(()) => Ok(()),
         Err(_) if user_version(conn)? == SCHEMA_VERSION => Ok(()),
-        Err(e) => Err(e.into()),
+        Err(rusqlite_migration::Error::RusqliteError { err, .. }) => match Error::from(err) {
+            // Nothing wrong with the schema: the file is busy, full, read-only, ...
+            Error::Sqlite(_) => Err(failed_statement(conn, from)),
+            operational => Err(operational),
+        },
+        Err(e) => Err(Error::Migration {
+            version: SCHEMA_VERSION,
+            statement: String::new(),
+            message: e.to_string(),
+        }),
     }
+}
+
+/// Finds which statement of which migration fails on this file, replaying the
+/// migrations from version `from` one statement at a time in a transaction that is
+/// rolled back: the error names that statement, not the whole migration file.
+fn failed_statement(conn: &mut Connection, from: i64) -> Error {
+    let unknown = |message: String| Error::Migration {
+        version: from + 1,
+        statement: String::new(),
+        message,
+    };
+    let tx = match conn.transaction() {
+        Ok(tx) => tx,
+        Err(e) => return unknown(e.to_string()),
+    };
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(from as usize) {
+        for statement in statements(sql) {
+            if let Err(e) = tx.execute_batch(statement) {
+                // As written, without the comments before it.
+                let lines = statement.trim().lines();
+                let code: Vec<&str> = lines.skip_while(|l| l.starts_with("--")).collect();
+                return Error::Migration {
+                    version: i as i64 + 1,
+                    statement: code.join("\n").trim().to_owned(),
+                    message: sqlite_message(&e),
+                };
+            }
+        }
+        if i + 1 == 3
+            && let Err(e) = rename_history(&tx)
+        {
+            return Error::Migration {
+                version: 3,
+                statement: "ALTER TABLE messages RENAME TO outbound_messages".into(),
+                message: sqlite_message(&e),
+            };
+        }
+    }
+    unknown("the migration failed, but each of its statements applies on its own".into())
+}
+
+/// SQLite's own message, without the SQL text some errors carry.
+fn sqlite_message(e: &rusqlite::Error) -> String {
+    match e {
+        rusqlite::Error::SqlInputError { msg, .. } => msg.clone(),
+        rusqlite::Error::SqliteFailure(_, Some(msg)) => msg.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// The statements of a migration file: split at each `;` outside comments and quotes.
+/// (Migrations hold no trigger bodies, whose `;` would end them early; a test keeps it
+/// true.)
+fn statements(sql: &str) -> Vec<&str> {
+    let (mut out, mut start) = (Vec::new(), 0);
+    let mut chars = sql.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        match c {
+            '-' if chars.peek().is_some_and(|&(_, n)| n == '-') => {
+                for (_, n) in chars.by_ref() {
+                    if n == '\n' {
+                        break;
+                    }
+                }
+            }
+            '\'' | '"' => {
+                for (_, n) in chars.by_ref() {
+                    if n == c {
+                        break;
+                    }
+                }
+            }
+            ';' => {
+                out.push(&sql[start..=i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out
 }
 
 /// Refuses, without writing anything, a file this handle may not bring up to date: an
@@ -161,6 +286,42 @@ pub(crate) fn configure(conn: &Connection, options: &OutboxOptions, in_memory: b
 /// database, or one cut short (the header names more pages than the file holds), is
 /// refused with an error naming it, and left exactly as it is.
 pub(crate) fn check_file(path: &Path) -> Result<()> {
+    match read_header(path)? {
+        Header::Fits => Ok(()),
+        Header::Short { .. } => {
+            // Another process may be writing the file right now (its commit writes the
+            // new header before the pages that extend the file): a file cut short stays
+            // so when looked at again, one being written does not.
+            match read_header(path)? {
+                Header::Short {
+                    pages,
+                    page_size,
+                    len,
+                } => Err(Error::Corrupt {
+                    path: path.to_owned(),
+                    reason: format!(
+                        "truncated: the header names {pages} pages of {page_size} bytes, the file holds {len} bytes"
+                    ),
+                }),
+                Header::Fits => Ok(()),
+            }
+        }
+    }
+}
+
+/// What a file's header says of its size.
+enum Header {
+    /// New, at rest and whole, or in use (its size cannot be judged then).
+    Fits,
+    /// At rest and shorter than its header says.
+    Short {
+        pages: u64,
+        page_size: u64,
+        len: u64,
+    },
+}
+
+fn read_header(path: &Path) -> Result<Header> {
     use std::io::Read;
     let io = |source| Error::Io {
         path: path.to_owned(),
@@ -169,7 +330,7 @@ pub(crate) fn check_file(path: &Path) -> Result<()> {
     let mut file = std::fs::File::open(path).map_err(io)?;
     let len = file.metadata().map_err(io)?.len();
     if len == 0 {
-        return Ok(()); // new: SQLite writes the header on first use
+        return Ok(Header::Fits); // new: SQLite writes the header on first use
     }
     let mut header = [0_u8; 100];
     if len < 100 || file.read_exact(&mut header).is_err() || &header[..16] != b"SQLite format 3\0" {
@@ -188,25 +349,27 @@ pub(crate) fn check_file(path: &Path) -> Result<()> {
     // The in-header size is only meaningful when it was written by the same change as
     // the header's change counter (SQLite's own rule), and only for a file at rest: while
     // a WAL holds commits, a checkpoint in another connection may have written the new
-    // header before the pages that extend the file.
-    let size_valid = be32(92) == be32(24) && pages > 0 && !has_wal(path);
-    if size_valid && pages * page_size > len {
-        return Err(Error::Corrupt {
-            path: path.to_owned(),
-            reason: format!(
-                "truncated: the header names {pages} pages of {page_size} bytes, the file holds {len} bytes"
-            ),
-        });
-    }
-    Ok(())
+    // header before the pages that extend the file, and while a rollback journal exists
+    // a commit may be writing them.
+    let at_rest = !has_sidecar(path, "-wal") && !has_sidecar(path, "-journal");
+    let size_valid = be32(92) == be32(24) && pages > 0 && at_rest;
+    Ok(if size_valid && pages * page_size > len {
+        Header::Short {
+            pages,
+            page_size,
+            len,
+        }
+    } else {
+        Header::Fits
+    })
 }
 
-/// Whether a non-empty `-wal` file sits beside the database (it is in use, or a process
-/// using it crashed).
-fn has_wal(path: &Path) -> bool {
-    let mut wal = path.as_os_str().to_owned();
-    wal.push("-wal");
-    std::fs::metadata(wal).is_ok_and(|m| m.len() > 0)
+/// Whether a non-empty `-wal` or `-journal` file sits beside the database (it is in
+/// use, or a process using it crashed).
+fn has_sidecar(path: &Path, suffix: &str) -> bool {
+    let mut side = path.as_os_str().to_owned();
+    side.push(suffix);
+    std::fs::metadata(side).is_ok_and(|m| m.len() > 0)
 }
 
 /// The settings a connection actually runs with, read back from SQLite.
@@ -299,7 +462,74 @@ mod tests {
 
     #[test]
     fn migrations_are_valid() {
-        Migrations::from_slice(MIGRATIONS).validate().unwrap();
+        migrations().validate().unwrap();
+        assert_eq!(SCHEMA_VERSION, 3);
+    }
+
+    fn schema_of(conn: &Connection) -> Vec<String> {
+        let mut stmt = conn
+            .prepare("SELECT coalesce(sql, name) FROM sqlite_master ORDER BY name")
+            .unwrap();
+        stmt.query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap()
+    }
+
+    /// The statement splitter that names a failed statement cuts every migration into
+    /// statements that, run one by one, build exactly the schema the whole files build.
+    #[test]
+    fn migrations_split_into_statements_that_build_the_same_schema() {
+        let whole = Connection::open_in_memory().unwrap();
+        let split = Connection::open_in_memory().unwrap();
+        for sql in MIGRATIONS {
+            whole.execute_batch(sql).unwrap();
+            let statements = statements(sql);
+            assert!(!statements.is_empty());
+            for statement in statements {
+                assert!(
+                    !statement.to_uppercase().contains("TRIGGER"),
+                    "the splitter does not cut trigger bodies: {statement}"
+                );
+                split.execute_batch(statement).unwrap();
+            }
+        }
+        assert_eq!(schema_of(&whole), schema_of(&split));
+        assert!(schema_of(&whole).len() > 10);
+    }
+
+    #[test]
+    fn the_splitter_ignores_semicolons_in_comments_and_quotes() {
+        let sql = "-- a; comment\nSELECT 'a;b', \"c;d\"; SELECT 2;\n-- tail;";
+        assert_eq!(
+            statements(sql),
+            vec!["-- a; comment\nSELECT 'a;b', \"c;d\";", " SELECT 2;"]
+        );
+    }
+
+    /// A file of version 1 whose history table cannot be renamed (something already
+    /// holds the new name) names the rename as the statement that failed.
+    #[test]
+    fn a_failed_rename_is_named() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(MIGRATIONS[0]).unwrap();
+        conn.execute_batch(
+            "ALTER TABLE outbound_messages RENAME TO messages;
+             CREATE VIEW outbound_messages AS SELECT 1;
+             PRAGMA user_version = 1;",
+        )
+        .unwrap();
+        let err = migrate(&mut conn).unwrap_err();
+        match err {
+            Error::Migration {
+                version, statement, ..
+            } => assert_eq!(
+                (version, statement.as_str()),
+                (3, "ALTER TABLE messages RENAME TO outbound_messages")
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(user_version(&conn).unwrap(), 1, "nothing applied");
     }
 
     #[test]
@@ -319,8 +549,9 @@ mod tests {
     }
 
     /// A header naming more pages than the file holds is a truncation for a file at
-    /// rest, but not while a WAL holds commits: a checkpoint in another connection
-    /// writes the new header before the pages that extend the file.
+    /// rest, but not while a WAL holds commits (a checkpoint in another connection
+    /// writes the new header before the pages that extend the file), nor during a
+    /// commit in rollback-journal mode (found: six processes creating one file).
     #[test]
     fn size_check_applies_to_files_at_rest_only() {
         let dir = tempfile::tempdir().unwrap();
@@ -334,6 +565,11 @@ mod tests {
         assert!(matches!(check_file(&path), Err(Error::Corrupt { .. })));
 
         std::fs::write(dir.path().join("x.db-wal"), b"frames").unwrap();
+        check_file(&path).unwrap();
+        // Nor while a rollback journal exists: a commit may be writing the pages.
+        std::fs::remove_file(dir.path().join("x.db-wal")).unwrap();
+        assert!(matches!(check_file(&path), Err(Error::Corrupt { .. })));
+        std::fs::write(dir.path().join("x.db-journal"), b"pages").unwrap();
         check_file(&path).unwrap();
     }
 }

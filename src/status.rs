@@ -92,7 +92,7 @@ status_enum! {
         Uncertain = "uncertain",
         /// A chunk failed for good: a dead letter.
         Failed = "failed",
-        /// Every chunk delivered and the message written to `messages`.
+        /// Every chunk delivered and the message written to `outbound_messages`.
         Delivered = "delivered",
     }
 }

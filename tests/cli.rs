@@ -327,6 +327,31 @@ fn repair_commands() -> Result<()> {
     Ok(())
 }
 
+/// `outbox migrate` on a chat application's database that has its own `messages`
+/// history: it succeeds and leaves that table and its rows as they were.
+#[test]
+fn migrate_leaves_an_applications_history_table_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    let app = rusqlite::Connection::open(&db).unwrap();
+    app.execute_batch(APP_HISTORY).unwrap();
+    let before = app_history(&app);
+    drop(app);
+    let out = outbox(&db).arg("migrate").output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let app = rusqlite::Connection::open(&db).unwrap();
+    assert_eq!(app_history(&app), before);
+    let version: i64 = app
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, chunked_outbox::SCHEMA_VERSION);
+}
+
 #[test]
 fn migrate_creates_and_is_idempotent() {
     let dir = tempfile::tempdir().unwrap();

@@ -12,7 +12,7 @@ fn row_counts(conn: &rusqlite::Connection) -> Vec<i64> {
     [
         "outbound_deliveries",
         "outbound_delivery_chunks",
-        "messages",
+        "outbound_messages",
         "outbound_channel_stats",
         "outbound_lanes",
         "outbound_channels",

@@ -23,7 +23,7 @@ fn counts(path: &Path) -> (i64, i64, i64) {
         .query_row(
             "SELECT (SELECT count(*) FROM outbound_deliveries),
                     (SELECT count(*) FROM outbound_delivery_chunks),
-                    (SELECT count(*) FROM messages)",
+                    (SELECT count(*) FROM outbound_messages)",
             [],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
         )
@@ -74,8 +74,8 @@ fn disk_full_during_enqueue() -> Result<()> {
 fn disk_full_during_ack_keeps_the_claim_valid() -> Result<()> {
     let db = TestDb::new(OutboxOptions::default().with_max_size(Some(128 * 1024)));
     let path = db.path();
-    // Leave a chunk claimed, then fill the file so the ack's `messages` row cannot fit
-    // (one finalized delivery first, so `messages` has no empty root page to spare).
+    // Leave a chunk claimed, then fill the file so the ack's `outbound_messages` row cannot fit
+    // (one finalized delivery first, so `outbound_messages` has no empty root page to spare).
     let _ = db.outbox.enqueue(&big(999_998))?;
     let _ = db.outbox.enqueue(&big(999_999))?;
     let mut claims = claim_all(&db.outbox);

@@ -10,7 +10,7 @@
 //!   delivery behind an unfinished one in its lane;
 //! * a chunk is never handed out while a live (unexpired) claim holds it, and a live
 //!   claim is never refused as stale;
-//! * a delivery is in `messages` exactly once iff all its chunks were delivered;
+//! * a delivery is in `outbound_messages` exactly once iff all its chunks were delivered;
 //! * attempts never exceed the budget; health agrees with the rows.
 
 mod common;
@@ -458,7 +458,7 @@ proptest! {
         let finished = world.deliveries.iter().filter(|(_, m)| m.delivered == m.chunks).count();
         prop_assert_eq!(finished, world.deliveries.len(), "everything was delivered in the end");
         prop_assert_eq!(world.finalized, world.deliveries.len(), "each finalized exactly once");
-        let rows: i64 = world.db.raw().query_row("SELECT count(*) FROM messages", [], |r| r.get(0)).unwrap();
-        prop_assert_eq!(rows as usize, world.deliveries.len(), "one messages row per delivery");
+        let rows: i64 = world.db.raw().query_row("SELECT count(*) FROM outbound_messages", [], |r| r.get(0)).unwrap();
+        prop_assert_eq!(rows as usize, world.deliveries.len(), "one outbound_messages row per delivery");
     }
 }

@@ -353,11 +353,27 @@ fn a_failed_upgrade_leaves_the_applications_file_as_it_was() {
     let path = dir.path().join("app.db");
     let app = rusqlite::Connection::open(&path).unwrap();
     // A table the outbox's schema would create too, with columns of the application's.
-    app.execute_batch("CREATE TABLE messages (id INTEGER PRIMARY KEY, body TEXT);")
+    app.execute_batch("CREATE TABLE outbound_lanes (id INTEGER PRIMARY KEY, body TEXT);")
         .unwrap();
     drop(app);
     let err = Outbox::open(&path, OutboxOptions::default()).unwrap_err();
-    assert!(matches!(err, Error::Migration(_)), "{err:?}");
+    // The error names the statement that failed, not the whole migration.
+    match &err {
+        Error::Migration {
+            version,
+            statement,
+            message,
+        } => {
+            assert_eq!(*version, 2, "the table comes with migration 2");
+            assert!(
+                statement.starts_with("CREATE TABLE outbound_lanes") && statement.len() < 400,
+                "{statement}"
+            );
+            assert!(message.contains("already exists"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(err.to_string().len() < 600, "{err}");
     let app = rusqlite::Connection::open(&path).unwrap();
     let journal: String = app
         .query_row("PRAGMA journal_mode", [], |r| r.get(0))
@@ -464,7 +480,8 @@ fn opening_and_dropping_outboxes_leaves_no_threads_behind() -> Result<()> {
 }
 
 /// The statements of version 1, to build a real version-1 file.
-const V1_SCHEMA: &str = include_str!("../migrations/0001_initial.sql");
+/// The schema version 1 wrote, as it shipped (the migration file has moved on since).
+const V1_SCHEMA: &str = include_str!("fixtures/v1_schema.sql");
 
 /// A file written by version 1 upgrades to version 2 with its rows, and with the
 /// rules every process followed then (or the ones given at open).
@@ -485,7 +502,11 @@ fn a_version_one_file_is_upgraded_with_its_rows() -> Result<()> {
          INSERT INTO outbound_delivery_chunks (id, delivery_id, chunk_index, status, due_at, text)
          VALUES (16384, 1, 0, 'pending', 1000, 'a'), (16385, 1, 1, 'pending', NULL, 'b'),
                 (32768, 2, 0, 'pending', 9000000000000, NULL);
-         INSERT INTO outbound_lane_pauses VALUES ('slack', 'C1', 9000000000000);",
+         INSERT INTO outbound_lane_pauses VALUES ('slack', 'C1', 9000000000000);
+         INSERT INTO messages (delivery_id, channel, chat_id, content, chunk_count,
+                created_at, delivered_at)
+         VALUES ('0199d6a2-0c0c-7000-8000-00000000000f', 'telegram', '7', 'old reply', 1,
+                 500, 600);",
     )?;
     drop(v1);
     let outbox = Outbox::open(
@@ -521,5 +542,84 @@ fn a_version_one_file_is_upgraded_with_its_rows() -> Result<()> {
         (h.totals.pending_deliveries, h.totals.partial_deliveries),
         (1, 1)
     );
+    // Its history moved to the name that cannot collide with an application's table.
+    assert_eq!(tables_named(&path, "messages"), 0);
+    let old: String = common::raw(&path).query_row(
+        "SELECT content FROM outbound_messages WHERE delivery_id = '0199d6a2-0c0c-7000-8000-00000000000f'",
+        [],
+        |r| r.get(0),
+    )?;
+    assert_eq!(old, "old reply");
+    Ok(())
+}
+
+fn tables_named(path: &std::path::Path, name: &str) -> i64 {
+    common::raw(path)
+        .query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
+            [name],
+            |r| r.get(0),
+        )
+        .unwrap()
+}
+
+/// A file written by version 2 (version 1 and its second migration) has its history
+/// table renamed too, with its rows, and its stored rules kept.
+#[test]
+fn a_version_two_file_keeps_its_history_under_the_new_name() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v2.db");
+    let v2 = rusqlite::Connection::open(&path)?;
+    v2.execute_batch(V1_SCHEMA)?;
+    v2.execute_batch(include_str!("../migrations/0002_stored_policy.sql"))?;
+    v2.execute_batch(
+        "PRAGMA user_version = 2;
+         UPDATE outbound_policy SET lane_order = 'parallel';
+         INSERT INTO messages (delivery_id, channel, chat_id, content, chunk_count,
+                created_at, delivered_at)
+         VALUES ('d', 'slack', 'C1', 'kept', 1, 1, 2);",
+    )?;
+    drop(v2);
+    let outbox = Outbox::open(&path, OutboxOptions::default())?;
+    assert_eq!(outbox.policy()?.lane_order, LaneOrder::Parallel);
+    assert_eq!(tables_named(&path, "messages"), 0);
+    let kept: String = common::raw(&path).query_row(
+        "SELECT content FROM outbound_messages WHERE delivery_id = 'd'",
+        [],
+        |r| r.get(0),
+    )?;
+    assert_eq!(kept, "kept");
+    Ok(())
+}
+
+/// Found: on a database that already has a `messages` table (most chat applications),
+/// every command failed with "table messages already exists". The outbox now lives
+/// beside the application's history and leaves it as it was.
+#[test]
+fn an_applications_own_messages_table_is_left_as_it_was() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let app = rusqlite::Connection::open(&path)?;
+    app.execute_batch(APP_HISTORY)?;
+    let before = app_history(&app);
+    drop(app);
+    let outbox = Outbox::open(&path, OutboxOptions::default())?;
+    let id = outbox
+        .enqueue(&NewDelivery::single("telegram", "77", "hello"))?
+        .id;
+    let claim = outbox.claim(1)?.pop().unwrap();
+    assert!(outbox.ack(&claim, None)?.finalized);
+    let app = common::raw(&path);
+    assert_eq!(
+        app_history(&app),
+        before,
+        "the application's table and rows"
+    );
+    let ours: String = app.query_row(
+        "SELECT content FROM outbound_messages WHERE delivery_id = ?1",
+        [id.to_string()],
+        |r| r.get(0),
+    )?;
+    assert_eq!(ours, "hello");
     Ok(())
 }

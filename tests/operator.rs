@@ -171,7 +171,7 @@ fn messages_uniqueness_refuses_a_second_finalization() -> Result<()> {
     let err = db
         .raw()
         .execute(
-            "INSERT INTO messages (delivery_id, channel, chat_id, content, chunk_count, created_at, delivered_at)
+            "INSERT INTO outbound_messages (delivery_id, channel, chat_id, content, chunk_count, created_at, delivered_at)
              VALUES (?1, 'telegram', '1', 'a', 1, 0, 0)",
             [id.to_string()],
         )

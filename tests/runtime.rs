@@ -457,7 +457,7 @@ fn a_full_database_delays_an_outcome_but_never_drops_it() -> Result<()> {
         &path,
         OutboxOptions::default().with_max_size(Some(160 * 1024)),
     )?;
-    // Two long replies: the first finalized fills `messages`' first page, so the
+    // Two long replies: the first finalized fills `outbound_messages`' first page, so the
     // second one's history row needs a page of its own.
     let long = "lorem ipsum ".repeat(250);
     let ids: Vec<_> = (0..2)

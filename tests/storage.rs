@@ -1,7 +1,7 @@
 //! Storage: pragmas read back on writer and readers, owner-only files, refusal of a
 //! newer schema and of non-database files without touching them, a missing file that
 //! is not created when creation is off, a busy database, and retention that keeps
-//! `messages` and the maintained counters right.
+//! `outbound_messages` and the maintained counters right.
 
 mod common;
 
@@ -228,7 +228,7 @@ fn purge_keeps_the_newest_delivery_so_ids_are_never_reused() -> Result<()> {
         assert_eq!(ob.health()?.totals.total_deliveries, 1);
     }
     let stored: i64 = db.raw().query_row(
-        "SELECT count(DISTINCT delivery_id) FROM messages",
+        "SELECT count(DISTINCT delivery_id) FROM outbound_messages",
         [],
         |r| r.get(0),
     )?;

@@ -132,7 +132,7 @@ pub struct DispatchStats {
     pub sent: u64,
     /// Chunks the platform accepted.
     pub delivered: u64,
-    /// Deliveries finalized into `messages`.
+    /// Deliveries finalized into `outbound_messages`.
     pub finalized: u64,
     /// Sends that will be retried.
     pub retried: u64,

@@ -112,7 +112,41 @@ pub fn view(outbox: &Outbox, id: DeliveryId) -> DeliveryView {
 }
 
 pub fn messages_for(conn: &rusqlite::Connection, id: DeliveryId) -> Result<Vec<String>> {
-    let mut stmt = conn.prepare("SELECT content FROM messages WHERE delivery_id = ?1")?;
+    let mut stmt = conn.prepare("SELECT content FROM outbound_messages WHERE delivery_id = ?1")?;
     let rows = stmt.query_map([id.to_string()], |r| r.get(0))?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+/// A chat engine's own history table, shaped as in the outbox this crate generalises.
+pub const APP_HISTORY: &str = "
+    CREATE TABLE messages (
+        id          TEXT NOT NULL,
+        chat_id     INTEGER NOT NULL,
+        sender_name TEXT NOT NULL,
+        content     TEXT NOT NULL,
+        is_from_bot INTEGER NOT NULL DEFAULT 0,
+        timestamp   TEXT NOT NULL,
+        PRIMARY KEY (id, chat_id)
+    );
+    INSERT INTO messages VALUES ('m1', 77, 'alice', 'hi bot', 0, '2026-01-01T00:00:00Z'),
+                                ('m2', 77, 'bot', 'hi alice', 1, '2026-01-01T00:00:01Z');";
+
+/// The application's table as SQL and rows, to compare before and after.
+pub fn app_history(conn: &rusqlite::Connection) -> (String, Vec<(String, String)>) {
+    let sql = conn
+        .query_row(
+            "SELECT sql FROM sqlite_master WHERE name = 'messages'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let mut stmt = conn
+        .prepare("SELECT id, content FROM messages ORDER BY id")
+        .unwrap();
+    let rows = stmt
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    (sql, rows)
 }

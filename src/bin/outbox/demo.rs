@@ -170,9 +170,9 @@ struct Summary {
     /// Chunks of delivered replies that never arrived, and replies that ended unsettled.
     lost: u64,
     out_of_order: u64,
-    /// Delivered replies with no `messages` row.
+    /// Delivered replies with no `outbound_messages` row.
     missing_finalizations: u64,
-    /// `messages` rows that are not what was enqueued, or for replies not delivered.
+    /// `outbound_messages` rows that are not what was enqueued, or for replies not delivered.
     wrong_finalizations: u64,
     duplicates_deduplicated: u64,
     duplicates_by_policy: u64,
@@ -432,7 +432,7 @@ impl Summary {
     }
 }
 
-/// Reads the verdict from the platforms' record, the `messages` table and the
+/// Reads the verdict from the platforms' record, the `outbound_messages` table and the
 /// operator's log.
 fn verify(
     outbox: &Outbox,
@@ -539,7 +539,7 @@ fn print_verdict(s: &Summary) {
         s.duplicates_by_policy
     );
     println!(
-        "  {} finalizations into messages: {} missing, {} wrong",
+        "  {} finalizations into outbound_messages: {} missing, {} wrong",
         mark(s.missing_finalizations + s.wrong_finalizations == 0),
         s.missing_finalizations,
         s.wrong_finalizations

@@ -83,7 +83,7 @@ enum Command {
         #[arg(long)]
         channel: Option<String>,
     },
-    /// Remove finished deliveries older than a duration (their `messages` rows stay).
+    /// Remove finished deliveries older than a duration (their `outbound_messages` rows stay).
     Purge {
         /// Age such as 7d, 12h, 30m.
         #[arg(long, value_parser = cutoff)]

@@ -465,10 +465,11 @@ pub struct Duplicates {
     pub unexplained: u64,
 }
 
-/// The `messages` rows: delivery id → (content, chunk count).
+/// The `outbound_messages` rows: delivery id → (content, chunk count).
 pub fn history(outbox_db: &Path) -> CliResult<HashMap<String, (String, u32)>> {
     let conn = Connection::open(outbox_db)?;
-    let mut stmt = conn.prepare("SELECT delivery_id, content, chunk_count FROM messages")?;
+    let mut stmt =
+        conn.prepare("SELECT delivery_id, content, chunk_count FROM outbound_messages")?;
     let rows = stmt
         .query_map([], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))))?
         .collect::<rusqlite::Result<_>>()?;

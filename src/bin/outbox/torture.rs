@@ -89,9 +89,9 @@ struct Verdict {
     lost: u64,
     /// Chats whose first arrivals do not follow enqueue order.
     out_of_order: u64,
-    /// Deliveries all of whose chunks arrived but that have no `messages` row.
+    /// Deliveries all of whose chunks arrived but that have no `outbound_messages` row.
     missing_finalizations: u64,
-    /// `messages` rows that are not what was enqueued: wrong content or chunk count, or
+    /// `outbound_messages` rows that are not what was enqueued: wrong content or chunk count, or
     /// a delivery nobody enqueued.
     wrong_finalizations: u64,
     /// Second arrivals on a platform that does not deduplicate that no decision
@@ -394,7 +394,7 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
     v.settled_by_lookup = operator.looked_up;
     let mut rows = history(&dir.join("outbox.db"))?;
 
-    // Each confirmed delivery: finalized (a messages row), a dead letter, or lost.
+    // Each confirmed delivery: finalized (an outbound_messages row), a dead letter, or lost.
     let mut position: HashMap<String, (u64, u32)> = HashMap::new();
     for (n, id) in &confirmed {
         let uid = id.to_string();
