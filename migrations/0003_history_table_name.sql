@@ -3,4 +3,8 @@
 -- in the application's database. Files created from here on get that name from 0001;
 -- the history table of a file written by version 1 or 2 is renamed by this migration's
 -- hook (`schema::rename_history`), in the same transaction.
-SELECT 1;
+
+-- The application's statement that finalization runs too, beside the row in
+-- `outbound_messages` (NULL: none). Stored, so every process that may finalize — a
+-- dispatcher, the tool, a recovery sweep — writes the same thing.
+ALTER TABLE outbound_policy ADD COLUMN finalize_sql TEXT;

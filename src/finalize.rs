@@ -1,14 +1,125 @@
 //! Exactly-once finalization of a delivery into `outbound_messages`.
 
+use rusqlite::types::Value;
 use rusqlite::{Connection, params};
 
 use crate::ids::chunks_of_delivery;
 use crate::policy::Stored;
-use crate::{Result, lane};
+use crate::{Error, Result, lane};
 
-/// Writes a fully delivered delivery to `outbound_messages` and marks it delivered, in the
-/// caller's transaction (the one that recorded its last ack). `outbound_messages.delivery_id` is
-/// UNIQUE, so a second finalization fails instead of writing a duplicate row.
+/// The named parameters an application's finalization statement may use (written
+/// `:name`, `@name` or `$name`), each bound from the finalized delivery:
+///
+/// | parameter | value |
+/// |---|---|
+/// | `delivery_id` | the delivery's id (UUID text) |
+/// | `channel`, `chat_id` | where it went |
+/// | `sender` | the sender name given at enqueue, or NULL |
+/// | `content` | the whole text |
+/// | `chunk_count` | how many chunks it was sent as |
+/// | `created_at`, `delivered_at` | enqueue and finalization time, ms since the epoch |
+/// | `delivered_at_rfc3339` | finalization time as RFC 3339 text (UTC, milliseconds) |
+/// | `platform_message_ids` | the platform's message id of each chunk, a JSON array in chunk order (`null` where the platform gave none) |
+pub const FINALIZE_PARAMETERS: &[&str] = &[
+    "delivery_id",
+    "channel",
+    "chat_id",
+    "sender",
+    "content",
+    "chunk_count",
+    "created_at",
+    "delivered_at",
+    "delivered_at_rfc3339",
+    "platform_message_ids",
+];
+
+/// The values of [`FINALIZE_PARAMETERS`] for delivery `?1` finalized at `?2`, in order.
+const FINALIZE_VALUES_SQL: &str = concat!(
+    "SELECT uid, channel, chat_id, sender, text, chunk_count, created_at, ?2,
+            strftime('%Y-%m-%dT%H:%M:%fZ', ?2 / 1000.0, 'unixepoch'),
+            (SELECT json_group_array(platform_message_id) FROM (
+                 SELECT platform_message_id FROM outbound_delivery_chunks c WHERE ",
+    chunks_of_delivery!("c", "?1"),
+    " ORDER BY c.id))
+     FROM outbound_deliveries WHERE id = ?1"
+);
+
+/// Checks an application's finalization statement against the schema of the file:
+/// one statement that writes, every parameter one of [`FINALIZE_PARAMETERS`] by name.
+pub(crate) fn validate_statement(conn: &Connection, sql: &str) -> Result<()> {
+    let invalid = |reason: String| Error::invalid("finalization statement", reason);
+    let stmt = conn.prepare(sql).map_err(|e| match e {
+        rusqlite::Error::MultipleStatement => {
+            invalid("it holds more than one statement; give exactly one".into())
+        }
+        e => invalid(format!(
+            "it does not prepare against this database: {}",
+            match &e {
+                rusqlite::Error::SqlInputError { msg, .. } => msg.clone(),
+                rusqlite::Error::SqliteFailure(_, Some(msg)) => msg.clone(),
+                other => other.to_string(),
+            }
+        )),
+    })?;
+    if stmt.readonly() {
+        return Err(invalid(
+            "it does not write anything; give an INSERT (or another statement that writes)".into(),
+        ));
+    }
+    for i in 1..=stmt.parameter_count() {
+        match stmt.parameter_name(i) {
+            Some(name) if FINALIZE_PARAMETERS.contains(&&name[1..]) => {}
+            Some(name) => {
+                return Err(invalid(format!(
+                    "parameter {name} is not one of :{}",
+                    FINALIZE_PARAMETERS.join(", :")
+                )));
+            }
+            None => {
+                return Err(invalid(format!(
+                    "parameter {i} has no name; values are bound by name (:{})",
+                    FINALIZE_PARAMETERS.join(", :")
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs the application's finalization statement for `delivery`, every parameter
+/// bound (never interpolated) from the delivery.
+fn run_statement(tx: &Connection, sql: &str, delivery: i64, now: i64) -> Result<()> {
+    let values: Vec<Value> =
+        tx.prepare_cached(FINALIZE_VALUES_SQL)?
+            .query_row(params![delivery, now], |r| {
+                (0..FINALIZE_PARAMETERS.len())
+                    .map(|i| r.get::<_, Value>(i))
+                    .collect()
+            })?;
+    let mut stmt = tx.prepare_cached(sql)?;
+    for i in 1..=stmt.parameter_count() {
+        let name = stmt.parameter_name(i).unwrap_or_default();
+        let at = FINALIZE_PARAMETERS
+            .iter()
+            .position(|p| name.get(1..) == Some(*p))
+            .ok_or_else(|| {
+                Error::invalid(
+                    "finalization statement",
+                    format!("unknown parameter {name}"),
+                )
+            })?;
+        stmt.raw_bind_parameter(i, &values[at])?;
+    }
+    stmt.raw_execute()?;
+    Ok(())
+}
+
+/// Writes a fully delivered delivery to `outbound_messages` — and runs the application's
+/// finalization statement, if the file stores one — and marks it delivered, in the
+/// caller's transaction (the one that recorded its last ack).
+/// `outbound_messages.delivery_id` is UNIQUE and written first, so a second
+/// finalization fails before it reaches the application's table, whatever that
+/// table's own constraints.
 pub(crate) fn finalize(
     tx: &Connection,
     rules: &Stored,
@@ -23,6 +134,9 @@ pub(crate) fn finalize(
          FROM outbound_deliveries WHERE id = ?1",
     )?
     .execute(params![delivery, now])?;
+    if let Some(sql) = &rules.finalize_sql {
+        run_statement(tx, sql, delivery, now)?;
+    }
     tx.prepare_cached(
         "UPDATE outbound_deliveries
          SET status = 'delivered', delivered_count = chunk_count, updated_at = ?2, finished_at = ?2

@@ -144,6 +144,7 @@ pub use enqueue::{
     NewDelivery,
 };
 pub use error::{Error, Result};
+pub use finalize::FINALIZE_PARAMETERS;
 pub use health::{ChannelHealth, Health};
 pub use ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
 pub use inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter, MAX_LIST_LIMIT};

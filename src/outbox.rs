@@ -236,6 +236,70 @@ impl Outbox {
         self.write_and_wake(|tx, _| policy::store_channel(tx, channel, rules.as_ref()))
     }
 
+    /// The application's statement that finalization runs, if the file stores one (see
+    /// [`set_finalization`](Self::set_finalization)).
+    ///
+    /// # Errors
+    ///
+    /// Database errors.
+    pub fn finalization(&self) -> Result<Option<String>> {
+        self.read(|tx| Ok(policy::load(tx)?.finalize_sql))
+    }
+
+    /// Stores the statement that writes a finalized delivery into the application's
+    /// own history (`Some`), or stops running one (`None`). It runs in the transaction
+    /// of the delivery's last ack, after the delivery's row in `outbound_messages`,
+    /// whose UNIQUE key keeps a delivery from being finalized twice: the application's
+    /// table receives each delivery exactly once, whatever its own constraints. Every
+    /// process that may finalize — dispatchers, [`resolve_uncertain`](Self::resolve_uncertain),
+    /// [`recover`](Self::recover), the `outbox` tool — runs the same statement.
+    ///
+    /// Values are bound by name, never interpolated; the names are
+    /// [`FINALIZE_PARAMETERS`](crate::FINALIZE_PARAMETERS). The statement is checked
+    /// against the file's schema when it is set. If it fails when it runs (say, a
+    /// constraint of the application's), the ack fails with it and nothing is written;
+    /// the chunk keeps its claim until its lease ends.
+    ///
+    /// ```
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    ///
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let path = dir.path().join("app.db");
+    /// rusqlite::Connection::open(&path).unwrap().execute_batch(
+    ///     "CREATE TABLE messages (id TEXT PRIMARY KEY, chat_id TEXT, content TEXT, timestamp TEXT)",
+    /// ).unwrap();
+    /// let outbox = Outbox::open(&path, OutboxOptions::default())?;
+    /// outbox.set_finalization(Some(
+    ///     "INSERT INTO messages (id, chat_id, content, timestamp)
+    ///      VALUES (:delivery_id, :chat_id, :content, :delivered_at_rfc3339)",
+    /// ))?;
+    /// outbox.enqueue(&NewDelivery::single("telegram", "77", "hello"))?;
+    /// let claim = outbox.claim(1)?.pop().unwrap();
+    /// outbox.ack(&claim, None)?;
+    /// let app = rusqlite::Connection::open(&path).unwrap();
+    /// let content: String = app.query_row("SELECT content FROM messages", [], |r| r.get(0)).unwrap();
+    /// assert_eq!(content, "hello");
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] if the statement does not prepare against the file's
+    /// schema, holds more than one statement, writes nothing, or uses a parameter that
+    /// is positional or not one of the names (nothing is stored then); database errors.
+    pub fn set_finalization(&self, sql: Option<&str>) -> Result<()> {
+        self.write(|tx, _| {
+            if let Some(sql) = sql {
+                crate::finalize::validate_statement(tx, sql)?;
+            }
+            tx.execute(
+                "UPDATE outbound_policy SET version = version + 1, finalize_sql = ?1 WHERE id = 1",
+                [sql],
+            )?;
+            Ok(())
+        })
+    }
+
     /// Wakes this process's dispatchers to look for due work now.
     ///
     /// Every write of this handle that can make work due does this itself. Call it after

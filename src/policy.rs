@@ -161,6 +161,8 @@ impl Policy {
 pub(crate) struct Stored {
     pub version: i64,
     pub policy: Policy,
+    /// The application's finalization statement, if one is set.
+    pub finalize_sql: Option<String>,
     pub declared: FileRules,
     pub channel_ids: HashMap<String, i64>,
 }
@@ -198,11 +200,12 @@ pub(crate) fn load(conn: &Connection) -> Result<Stored> {
         Option<String>,
         Option<i64>,
         Option<i64>,
+        Option<String>,
     );
-    let (version, lane_order, lane_failure, retry, replay, lane_ms, channel_ms): Row = conn
-        .query_row(
+    let (version, lane_order, lane_failure, retry, replay, lane_ms, channel_ms, finalize_sql): Row =
+        conn.query_row(
             "SELECT version, lane_order, lane_failure, retry, replay, lane_interval_ms,
-                    channel_interval_ms
+                    channel_interval_ms, finalize_sql
              FROM outbound_policy WHERE id = 1",
             [],
             |r| {
@@ -214,6 +217,7 @@ pub(crate) fn load(conn: &Connection) -> Result<Stored> {
                     r.get(4)?,
                     r.get(5)?,
                     r.get(6)?,
+                    r.get(7)?,
                 ))
             },
         )?;
@@ -271,6 +275,7 @@ pub(crate) fn load(conn: &Connection) -> Result<Stored> {
     Ok(Stored {
         version,
         policy,
+        finalize_sql,
         declared,
         channel_ids,
     })
