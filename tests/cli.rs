@@ -620,6 +620,52 @@ fn config_show_lists_every_stored_rule_and_config_set_changes_them() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--channel NAME"));
 }
 
+/// The finalization statement is set, shown and removed through the tool, and a
+/// statement that cannot run is refused with SQLite's reason, storing nothing.
+#[test]
+fn config_sets_and_shows_the_finalization_statement() {
+    let db = TestDb::default();
+    db.raw().execute_batch(APP_HISTORY).unwrap();
+    let path = db.path();
+    let sql = "INSERT INTO messages (id, chat_id, sender_name, content, timestamp)
+               VALUES (:delivery_id, :chat_id, 'bot', :content, :delivered_at_rfc3339)";
+    let (code, out) = stdout(outbox(&path).args(["config", "set", "--finalize-sql", sql]));
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("finalization   outbound_messages, then: INSERT INTO messages"),
+        "{out}"
+    );
+    assert_eq!(db.outbox.finalization().unwrap().as_deref(), Some(sql));
+    let (_, json) = stdout(outbox(&path).args(["config", "show", "--json"]));
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["finalize_sql"], sql);
+
+    let out = outbox(&path)
+        .args([
+            "config",
+            "set",
+            "--finalize-sql",
+            "INSERT INTO nowhere VALUES (:content)",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no such table: nowhere"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        db.outbox.finalization().unwrap().as_deref(),
+        Some(sql),
+        "kept"
+    );
+
+    let (code, out) = stdout(outbox(&path).args(["config", "set", "--no-finalize-sql"]));
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(db.outbox.finalization().unwrap(), None);
+}
+
 /// Found: `purge --older-than 99999999999d` panicked (exit 101); `purge --older-than 0s`
 /// removed everything with no way to see first what would go.
 #[test]

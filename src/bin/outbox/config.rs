@@ -1,6 +1,7 @@
 //! `outbox config show` and `outbox config set`: the rules stored in the file, which
 //! every process on it follows.
 
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use chunked_outbox::{
@@ -69,6 +70,14 @@ pub struct SetArgs {
     /// limit.
     #[arg(long, value_parser = parse_max_age)]
     max_age: Option<MaxAge>,
+    /// The statement that writes a finalized reply into the application's own history,
+    /// with named parameters such as :delivery_id, :chat_id, :content (checked against
+    /// the file's schema).
+    #[arg(long, value_name = "SQL", conflicts_with_all = ["channel", "default_channel", "lane_order", "lane_failure", "no_finalize_sql"])]
+    finalize_sql: Option<String>,
+    /// Stop writing finalized replies anywhere but the outbox's own history.
+    #[arg(long, conflicts_with_all = ["channel", "default_channel", "lane_order", "lane_failure"])]
+    no_finalize_sql: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -106,23 +115,22 @@ pub fn run(outbox: &Outbox, command: &ConfigCommand) -> CliResult<u8> {
         ConfigCommand::Show { json } => {
             let policy = outbox.policy()?;
             let channels = known_channels(outbox, &policy)?;
+            let finalize = outbox.finalization()?;
             if *json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&policy_json(&policy, &channels))?
-                );
+                let mut v = policy_json(&policy, &channels);
+                v["finalize_sql"] = finalize.map_or(Value::Null, Value::String);
+                println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
-                print!("{}", policy_text(&policy, &channels));
+                print!("{}", policy_text(&policy, &channels, finalize.as_deref()));
             }
             Ok(0)
         }
         ConfigCommand::Set(args) => {
             set(outbox, args)?;
             let policy = outbox.policy()?;
-            print!(
-                "{}",
-                policy_text(&policy, &known_channels(outbox, &policy)?)
-            );
+            let channels = known_channels(outbox, &policy)?;
+            let finalize = outbox.finalization()?;
+            print!("{}", policy_text(&policy, &channels, finalize.as_deref()));
             Ok(0)
         }
     }
@@ -138,6 +146,10 @@ fn known_channels(outbox: &Outbox, policy: &Policy) -> CliResult<Vec<String>> {
 }
 
 fn set(outbox: &Outbox, args: &SetArgs) -> CliResult<()> {
+    if args.finalize_sql.is_some() || args.no_finalize_sql {
+        outbox.set_finalization(args.finalize_sql.as_deref())?;
+        return Ok(());
+    }
     let channel_rule_given =
         args.replay.is_some() || args.lane_interval.is_some() || args.rate.is_some();
     let retry_given = args.max_attempts.is_some()
@@ -264,7 +276,7 @@ fn replay_word(r: ReplayPolicy) -> &'static str {
     }
 }
 
-fn policy_text(p: &Policy, channels: &[String]) -> String {
+fn policy_text(p: &Policy, channels: &[String], finalize: Option<&str>) -> String {
     let order = match p.lane_order {
         LaneOrder::Parallel => "parallel",
         _ => "fifo",
@@ -280,6 +292,14 @@ fn policy_text(p: &Policy, channels: &[String]) -> String {
         replay_word(d.replay),
         duration(d.lane_interval),
         rate(d.channel_interval)
+    );
+    let _ = writeln!(
+        out,
+        "finalization   outbound_messages{}",
+        finalize.map_or(String::new(), |sql| {
+            let sql: Vec<&str> = sql.split_whitespace().collect();
+            format!(", then: {}", clean(&sql.join(" ")))
+        })
     );
     let rows: Vec<Vec<String>> = channels
         .iter()
