@@ -8,3 +8,7 @@
 -- `outbound_messages` (NULL: none). Stored, so every process that may finalize — a
 -- dispatcher, the tool, a recovery sweep — writes the same thing.
 ALTER TABLE outbound_policy ADD COLUMN finalize_sql TEXT;
+
+-- Per-reply data the send needs (reply-to id, thread, parse mode ...), opaque to the
+-- outbox: handed to the adapter with every chunk's claim, NULL when there is none.
+ALTER TABLE outbound_deliveries ADD COLUMN metadata TEXT;

@@ -49,6 +49,9 @@ pub struct Claim {
     pub attempt: u32,
     /// When the claim stops protecting the chunk from other claimers.
     pub lease_until: DateTime<Utc>,
+    /// The delivery's metadata, as given at enqueue
+    /// ([`NewDelivery::with_metadata`](crate::NewDelivery::with_metadata)).
+    pub metadata: Option<String>,
     pub(crate) token: i64,
 }
 
@@ -408,6 +411,7 @@ fn claim_in(
             text: c.text,
             attempt: c.chunk.attempts + 1,
             lease_until: to_datetime(lease_until),
+            metadata: c.metadata,
             token,
         });
     }
@@ -432,6 +436,7 @@ struct Readable {
     chunk: ChunkRef,
     uid: DeliveryId,
     text: String,
+    metadata: Option<String>,
 }
 
 /// The claim query for one channel: a range search on the claim index, in its order,
@@ -439,7 +444,8 @@ struct Readable {
 /// `?1` is the channel, `?2` now, `?3` the limit.
 pub(crate) const CLAIM_SQL: &str =
     "SELECT c.id, c.delivery_id, c.due_at, c.chunk_index, c.status, c.attempts,
-            d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text)
+            d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text),
+            d.metadata
      FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
      WHERE c.channel_id = ?1 AND c.due_at IS NOT NULL AND c.due_at <= ?2
      ORDER BY c.due_at LIMIT ?3";
@@ -481,10 +487,15 @@ fn due_chunks(
                 created_at: r.get(7).map_err(|e| e.to_string())?,
                 total: r.get(8).map_err(|e| e.to_string())?,
             };
+            let metadata = match r.get_ref(11).map_err(|e| e.to_string())? {
+                rusqlite::types::ValueRef::Null => None,
+                _ => Some(text(11)?),
+            };
             Ok(Readable {
                 chunk,
                 uid,
                 text: text(10)?,
+                metadata,
             })
         };
         Ok(Candidate {

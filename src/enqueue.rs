@@ -18,6 +18,8 @@ pub const MAX_KEY_BYTES: usize = 1024;
 pub const MAX_CHUNKS: usize = 10_000;
 /// Largest accepted delivery: the full text plus all chunk texts, in bytes.
 pub const MAX_DELIVERY_BYTES: usize = 16 * 1024 * 1024;
+/// Largest per-reply metadata, in bytes (see [`NewDelivery::with_metadata`]).
+pub const MAX_METADATA_BYTES: usize = 16 * 1024;
 
 /// A delivery to enqueue: one logical message to one chat, already split into chunks.
 ///
@@ -37,6 +39,7 @@ pub struct NewDelivery {
     chunks: Vec<String>,
     idempotency_key: Option<String>,
     sender: Option<String>,
+    metadata: Option<String>,
 }
 
 impl NewDelivery {
@@ -69,6 +72,7 @@ impl NewDelivery {
             chunks: chunks.into_iter().map(Into::into).collect(),
             idempotency_key: None,
             sender: None,
+            metadata: None,
         }
     }
 
@@ -111,6 +115,30 @@ impl NewDelivery {
         self
     }
 
+    /// Per-reply data the send needs and the chat id does not carry — Telegram's
+    /// `reply_to_message_id`, `parse_mode` or `message_thread_id`, Slack's `thread_ts`,
+    /// Discord's `message_reference` — as text the outbox does not read (JSON, say), up
+    /// to [`MAX_METADATA_BYTES`]. It is stored with the delivery, handed to the adapter
+    /// in every claim of every chunk ([`Claim::metadata`](crate::Claim::metadata)),
+    /// shown by `outbox show`, and bound as `:metadata` in the finalization statement.
+    ///
+    /// ```
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// let reply = NewDelivery::single("telegram", "42", "Sure!")
+    ///     .with_metadata(r#"{"reply_to_message_id": 1234}"#);
+    /// outbox.enqueue(&reply)?;
+    /// let claim = outbox.claim(1)?.pop().unwrap();
+    /// assert_eq!(claim.metadata.as_deref(), Some(r#"{"reply_to_message_id": 1234}"#));
+    /// # outbox.ack(&claim, None)?;
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    pub fn with_metadata(mut self, metadata: impl Into<String>) -> Self {
+        self.metadata = Some(metadata.into());
+        self
+    }
+
     /// The full text, as it is written to `outbound_messages` once every chunk is delivered.
     pub fn text(&self) -> &str {
         &self.text
@@ -147,6 +175,17 @@ impl NewDelivery {
         }
         if let Some(sender) = &self.sender {
             bounded("sender", sender, MAX_KEY_BYTES)?;
+        }
+        if let Some(metadata) = &self.metadata
+            && metadata.len() > MAX_METADATA_BYTES
+        {
+            return Err(Error::invalid(
+                "metadata",
+                format!(
+                    "{} bytes is longer than the limit of {MAX_METADATA_BYTES}; keep what the send needs, not the conversation",
+                    metadata.len()
+                ),
+            ));
         }
         if self.text.trim().is_empty() {
             return Err(Error::invalid("text", "must not be empty or whitespace"));
@@ -346,8 +385,8 @@ fn insert(tx: &Connection, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> 
     tx.prepare_cached(
         "INSERT INTO outbound_deliveries
              (id, uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
-              created_at, updated_at, text)
-         VALUES (?10, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, ?9)",
+              created_at, updated_at, text, metadata)
+         VALUES (?10, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, ?9, ?11)",
     )?
     .execute(params![
         id.to_string(),
@@ -360,6 +399,7 @@ fn insert(tx: &Connection, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> 
         now,
         d.text,
         rowid,
+        d.metadata,
     ])?;
     // The head chunk of an active delivery is inserted already due, so it enters the
     // claim index once instead of being inserted and then updated.
@@ -400,14 +440,20 @@ fn find_by_key(tx: &Connection, key: &str) -> Result<Option<(i64, DeliveryId)>> 
 }
 
 fn same_content(tx: &Connection, rowid: i64, d: &NewDelivery) -> Result<bool> {
-    let (channel, chat_id, sender, text): (String, String, Option<String>, String) = tx
+    type Row = (String, String, Option<String>, String, Option<String>);
+    let (channel, chat_id, sender, text, metadata): Row = tx
         .prepare_cached(
-            "SELECT channel, chat_id, sender, text FROM outbound_deliveries WHERE id = ?1",
+            "SELECT channel, chat_id, sender, text, metadata FROM outbound_deliveries WHERE id = ?1",
         )?
         .query_row([rowid], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
         })?;
-    if channel != d.channel || chat_id != d.chat_id || sender != d.sender || text != d.text {
+    if channel != d.channel
+        || chat_id != d.chat_id
+        || sender != d.sender
+        || text != d.text
+        || metadata != d.metadata
+    {
         return Ok(false);
     }
     let mut stmt = tx.prepare_cached(concat!(

@@ -20,6 +20,7 @@ use crate::{Error, Result, lane};
 /// | `created_at`, `delivered_at` | enqueue and finalization time, ms since the epoch |
 /// | `delivered_at_rfc3339` | finalization time as RFC 3339 text (UTC, milliseconds) |
 /// | `platform_message_ids` | the platform's message id of each chunk, a JSON array in chunk order (`null` where the platform gave none) |
+/// | `metadata` | the metadata given at enqueue, or NULL |
 pub const FINALIZE_PARAMETERS: &[&str] = &[
     "delivery_id",
     "channel",
@@ -31,6 +32,7 @@ pub const FINALIZE_PARAMETERS: &[&str] = &[
     "delivered_at",
     "delivered_at_rfc3339",
     "platform_message_ids",
+    "metadata",
 ];
 
 /// The values of [`FINALIZE_PARAMETERS`] for delivery `?1` finalized at `?2`, in order.
@@ -40,7 +42,8 @@ const FINALIZE_VALUES_SQL: &str = concat!(
             (SELECT json_group_array(platform_message_id) FROM (
                  SELECT platform_message_id FROM outbound_delivery_chunks c WHERE ",
     chunks_of_delivery!("c", "?1"),
-    " ORDER BY c.id))
+    " ORDER BY c.id)),
+            metadata
      FROM outbound_deliveries WHERE id = ?1"
 );
 

@@ -25,6 +25,8 @@ pub struct DeliveryView {
     pub sender: Option<String>,
     /// The caller's idempotency key.
     pub idempotency_key: Option<String>,
+    /// Per-reply metadata given at enqueue.
+    pub metadata: Option<String>,
     /// Current status.
     pub status: DeliveryStatus,
     /// Full text.
@@ -234,7 +236,8 @@ pub struct CorruptRow {
 
 const DELIVERY_SELECT: &str =
     "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
-        chunk_count, delivered_count, created_at, updated_at, finished_at, acknowledged_at
+        chunk_count, delivered_count, created_at, updated_at, finished_at, acknowledged_at,
+        metadata
  FROM outbound_deliveries";
 
 fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
@@ -258,6 +261,7 @@ fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
             updated_at: to_datetime(r.get(11)?),
             finished_at: r.get::<_, Option<i64>>(12)?.map(to_datetime),
             acknowledged_at: r.get::<_, Option<i64>>(13)?.map(to_datetime),
+            metadata: r.get(14)?,
             chunks: Vec::new(),
         },
     ))

@@ -141,7 +141,7 @@ pub use dispatch::{
 };
 pub use enqueue::{
     Enqueued, MAX_CHANNEL_BYTES, MAX_CHAT_ID_BYTES, MAX_CHUNKS, MAX_DELIVERY_BYTES, MAX_KEY_BYTES,
-    NewDelivery,
+    MAX_METADATA_BYTES, NewDelivery,
 };
 pub use error::{Error, Result};
 pub use finalize::FINALIZE_PARAMETERS;

@@ -227,6 +227,28 @@ fn ids_and_times_are_never_wrapped_in_a_table() -> Result<()> {
 }
 
 #[test]
+fn show_prints_a_replys_metadata_escaped() -> Result<()> {
+    let db = TestDb::default();
+    let id = db
+        .outbox
+        .enqueue(
+            &chunked_outbox::NewDelivery::single("telegram", "42", "hi")
+                .with_metadata("{\"thread\": 7}\u{1b}[2J"),
+        )?
+        .id;
+    let (code, shown) = stdout(outbox(&db.path()).args(["show", &id.to_string()]));
+    assert_eq!(code, 0);
+    assert!(
+        shown.contains("metadata  {\"thread\": 7}\\u{1b}[2J"),
+        "{shown}"
+    );
+    let (_, json) = stdout(outbox(&db.path()).args(["show", &id.to_string(), "--json"]));
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["metadata"], "{\"thread\": 7}\u{1b}[2J");
+    Ok(())
+}
+
+#[test]
 fn list_and_show() -> Result<()> {
     let p = prepared()?;
     let path = p.db.path();

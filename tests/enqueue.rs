@@ -238,3 +238,93 @@ fn a_reply_sent_as_one_chunk_stores_its_text_once() -> Result<()> {
     assert_eq!(messages_for(&db.raw(), id)?, [text]);
     Ok(())
 }
+
+/// Per-reply metadata reaches the adapter with every claim of every chunk — a retry
+/// included — and is shown with the delivery; a reply without has none.
+#[test]
+fn metadata_travels_with_every_claim_of_every_chunk() -> Result<()> {
+    let db = TestDb::default();
+    let meta = r#"{"reply_to_message_id":1234,"parse_mode":"HTML"}"#;
+    let id = db
+        .outbox
+        .enqueue(
+            &chunked_outbox::NewDelivery::chunked("telegram", "42", "a\n\nb", ["a", "b"])
+                .with_metadata(meta),
+        )?
+        .id;
+    let plain = enqueue(&db.outbox, "43", &["no metadata"]);
+    let mut seen = Vec::new();
+    for round in 0..4 {
+        for claim in claim_all(&db.outbox) {
+            seen.push((claim.delivery_id, claim.index, claim.metadata.clone()));
+            if round == 0 && claim.delivery_id == id {
+                db.outbox.record(
+                    &claim,
+                    chunked_outbox::Outcome::Transient {
+                        error: "502".into(),
+                    },
+                )?;
+            } else {
+                db.outbox.ack(&claim, None)?;
+            }
+        }
+        db.advance(std::time::Duration::from_secs(3600));
+    }
+    let ours: Vec<_> = seen.iter().filter(|s| s.0 == id).collect();
+    assert_eq!(
+        ours.len(),
+        3,
+        "chunk 1 twice (a retry), chunk 2 once: {seen:?}"
+    );
+    assert!(
+        ours.iter().all(|s| s.2.as_deref() == Some(meta)),
+        "{seen:?}"
+    );
+    assert!(seen.iter().filter(|s| s.0 == plain).all(|s| s.2.is_none()));
+    assert_eq!(view(&db.outbox, id).metadata.as_deref(), Some(meta));
+    Ok(())
+}
+
+#[test]
+fn metadata_beyond_the_limit_is_refused_and_nothing_is_written() -> Result<()> {
+    let db = TestDb::default();
+    let big = "x".repeat(chunked_outbox::MAX_METADATA_BYTES + 1);
+    let err = db
+        .outbox
+        .enqueue(&chunked_outbox::NewDelivery::single("telegram", "42", "hi").with_metadata(big))
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            chunked_outbox::Error::InvalidInput {
+                what: "metadata",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(db.outbox.health()?.totals.total_deliveries, 0);
+    let at_limit = "x".repeat(chunked_outbox::MAX_METADATA_BYTES);
+    db.outbox.enqueue(
+        &chunked_outbox::NewDelivery::single("telegram", "42", "hi").with_metadata(at_limit),
+    )?;
+    Ok(())
+}
+
+/// A caller key enqueued again with other metadata is a different reply: a conflict.
+#[test]
+fn a_caller_key_with_other_metadata_is_a_conflict() -> Result<()> {
+    let db = TestDb::default();
+    let reply = |meta: &str| {
+        chunked_outbox::NewDelivery::single("telegram", "42", "hi")
+            .with_idempotency_key("k")
+            .with_metadata(meta)
+    };
+    db.outbox.enqueue(&reply("a"))?;
+    assert!(!db.outbox.enqueue(&reply("a"))?.created);
+    assert!(matches!(
+        db.outbox.enqueue(&reply("b")),
+        Err(chunked_outbox::Error::IdempotencyConflict { .. })
+    ));
+    Ok(())
+}

@@ -98,13 +98,17 @@ fn every_parameter_is_bound_from_the_delivery() -> Result<()> {
     let db = TestDb::default();
     db.raw().execute_batch(
         "CREATE TABLE app (delivery_id, channel, chat_id, sender, content, chunk_count,
-                           created_at, delivered_at, delivered_at_rfc3339, platform_message_ids)",
+                           created_at, delivered_at, delivered_at_rfc3339, platform_message_ids, metadata)",
     )?;
     db.outbox.set_finalization(Some(
         "INSERT INTO app VALUES (:delivery_id, :channel, :chat_id, :sender, :content,
-             :chunk_count, :created_at, @delivered_at, $delivered_at_rfc3339, :platform_message_ids)",
+             :chunk_count, :created_at, @delivered_at, $delivered_at_rfc3339, :platform_message_ids,
+             :metadata)",
     ))?;
-    let id = enqueue(&db.outbox, "c1", &["a", "b"]);
+    let id = db
+        .outbox
+        .enqueue(&NewDelivery::chunked("telegram", "c1", "a\n\nb", ["a", "b"]).with_metadata("m"))?
+        .id;
     let first = claim_one(&db.outbox);
     db.outbox.ack(&first, Some("p1"))?;
     db.advance(std::time::Duration::from_millis(1500));
@@ -121,6 +125,7 @@ fn every_parameter_is_bound_from_the_delivery() -> Result<()> {
         i64,
         String,
         String,
+        String,
     );
     let row: Row = db.raw().query_row("SELECT * FROM app", [], |r| {
         Ok((
@@ -134,6 +139,7 @@ fn every_parameter_is_bound_from_the_delivery() -> Result<()> {
             r.get(7)?,
             r.get(8)?,
             r.get(9)?,
+            r.get(10)?,
         ))
     })?;
     assert_eq!(
@@ -149,6 +155,7 @@ fn every_parameter_is_bound_from_the_delivery() -> Result<()> {
             T0 + 1500,
             "2026-01-01T00:00:01.500Z".into(),
             r#"["p1",null]"#.into(),
+            "m".into(),
         )
     );
     Ok(())
