@@ -12,3 +12,6 @@ ALTER TABLE outbound_policy ADD COLUMN finalize_sql TEXT;
 -- Per-reply data the send needs (reply-to id, thread, parse mode ...), opaque to the
 -- outbox: handed to the adapter with every chunk's claim, NULL when there is none.
 ALTER TABLE outbound_deliveries ADD COLUMN metadata TEXT;
+
+-- A delayed reply: its first chunk is not due before this time (ms), NULL for at once.
+ALTER TABLE outbound_deliveries ADD COLUMN not_before INTEGER;

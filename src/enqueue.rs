@@ -40,6 +40,7 @@ pub struct NewDelivery {
     idempotency_key: Option<String>,
     sender: Option<String>,
     metadata: Option<String>,
+    not_before: Option<i64>,
 }
 
 impl NewDelivery {
@@ -73,6 +74,7 @@ impl NewDelivery {
             idempotency_key: None,
             sender: None,
             metadata: None,
+            not_before: None,
         }
     }
 
@@ -136,6 +138,26 @@ impl NewDelivery {
     /// ```
     pub fn with_metadata(mut self, metadata: impl Into<String>) -> Self {
         self.metadata = Some(metadata.into());
+        self
+    }
+
+    /// A delayed reply: its first chunk is not sent before `at` (a time in the past
+    /// means at once). In a FIFO chat the replies enqueued after it wait behind it, as
+    /// they wait behind any reply that has not gone out yet.
+    ///
+    /// ```
+    /// use chrono::{Duration, Utc};
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// let reminder = NewDelivery::single("telegram", "42", "Your meeting starts now")
+    ///     .not_before(Utc::now() + Duration::minutes(30));
+    /// outbox.enqueue(&reminder)?;
+    /// assert!(outbox.claim(1)?.is_empty(), "not yet");
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    pub fn not_before(mut self, at: chrono::DateTime<chrono::Utc>) -> Self {
+        self.not_before = Some(at.timestamp_millis());
         self
     }
 
@@ -385,8 +407,8 @@ fn insert(tx: &Connection, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> 
     tx.prepare_cached(
         "INSERT INTO outbound_deliveries
              (id, uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
-              created_at, updated_at, text, metadata)
-         VALUES (?10, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, ?9, ?11)",
+              created_at, updated_at, text, metadata, not_before)
+         VALUES (?10, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, ?9, ?11, ?12)",
     )?
     .execute(params![
         id.to_string(),
@@ -400,11 +422,13 @@ fn insert(tx: &Connection, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> 
         d.text,
         rowid,
         d.metadata,
+        d.not_before,
     ])?;
     // The head chunk of an active delivery is inserted already due, so it enters the
     // claim index once instead of being inserted and then updated.
     let head_due = if active {
-        Some(lane::due_time(tx, &d.channel, &d.chat_id, now)?)
+        let earliest = now.max(d.not_before.unwrap_or(i64::MIN));
+        Some(lane::due_time(tx, &d.channel, &d.chat_id, earliest)?)
     } else {
         None
     };

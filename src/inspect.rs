@@ -27,6 +27,8 @@ pub struct DeliveryView {
     pub idempotency_key: Option<String>,
     /// Per-reply metadata given at enqueue.
     pub metadata: Option<String>,
+    /// For a delayed reply: when it may start.
+    pub not_before: Option<DateTime<Utc>>,
     /// Current status.
     pub status: DeliveryStatus,
     /// Full text.
@@ -237,7 +239,7 @@ pub struct CorruptRow {
 const DELIVERY_SELECT: &str =
     "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
         chunk_count, delivered_count, created_at, updated_at, finished_at, acknowledged_at,
-        metadata
+        metadata, not_before
  FROM outbound_deliveries";
 
 fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
@@ -262,6 +264,7 @@ fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
             finished_at: r.get::<_, Option<i64>>(12)?.map(to_datetime),
             acknowledged_at: r.get::<_, Option<i64>>(13)?.map(to_datetime),
             metadata: r.get(14)?,
+            not_before: r.get::<_, Option<i64>>(15)?.map(to_datetime),
             chunks: Vec::new(),
         },
     ))

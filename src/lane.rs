@@ -97,13 +97,18 @@ pub(crate) fn activate(
     chat_id: &str,
     earliest: i64,
 ) -> Result<()> {
-    let head_index: i64 = tx
+    let (head_index, not_before): (i64, Option<i64>) = tx
         .prepare_cached(
             "UPDATE outbound_deliveries
              SET status = CASE WHEN delivered_count > 0 THEN 'partial' ELSE 'pending' END
-             WHERE id = ?1 RETURNING delivered_count",
+             WHERE id = ?1 RETURNING delivered_count, not_before",
         )?
-        .query_row([delivery], |r| r.get(0))?;
+        .query_row([delivery], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    // A delayed reply starts no earlier than asked; once started, it goes on as usual.
+    let earliest = match not_before {
+        Some(at) if head_index == 0 => earliest.max(at),
+        _ => earliest,
+    };
     make_due(tx, delivery, head_index, channel, chat_id, earliest)
 }
 

@@ -217,3 +217,52 @@ fn pacing_spaces_sends_within_a_lane() -> Result<()> {
     );
     Ok(())
 }
+
+/// A delayed reply is not due before its time, whether it is enqueued into an idle
+/// chat or waits behind another reply first; in a FIFO chat the replies after it wait.
+#[test]
+fn a_delayed_reply_starts_no_earlier_than_asked() -> Result<()> {
+    let db = TestDb::default();
+    let later = chrono::DateTime::from_timestamp_millis(db.now_ms() + 60_000).unwrap();
+    let delayed = db
+        .outbox
+        .enqueue(
+            &chunked_outbox::NewDelivery::single("telegram", "a", "in a minute").not_before(later),
+        )?
+        .id;
+    let after = enqueue(&db.outbox, "a", &["after it"]);
+    let other = enqueue(&db.outbox, "b", &["another chat, at once"]);
+    let claims = claim_all(&db.outbox);
+    assert_eq!(
+        claims.iter().map(|c| c.delivery_id).collect::<Vec<_>>(),
+        vec![other]
+    );
+    db.outbox.ack(&claims[0], None)?;
+    assert_eq!(view(&db.outbox, delayed).not_before, Some(later));
+    assert_eq!(
+        db.outbox.next_due(None)?.map(|t| t.timestamp_millis()),
+        Some(db.now_ms() + 60_000)
+    );
+    db.advance(std::time::Duration::from_millis(59_999));
+    assert!(claim_all(&db.outbox).is_empty(), "not yet");
+    db.advance(std::time::Duration::from_millis(1));
+    let claim = claim_one(&db.outbox);
+    assert_eq!(claim.delivery_id, delayed);
+    db.outbox.ack(&claim, None)?;
+    assert_eq!(claim_one(&db.outbox).delivery_id, after);
+
+    // Behind another reply: the delay still holds when its turn comes.
+    let first = enqueue(&db.outbox, "c", &["first"]);
+    let at = chrono::DateTime::from_timestamp_millis(db.now_ms() + 30_000).unwrap();
+    let queued = db
+        .outbox
+        .enqueue(&chunked_outbox::NewDelivery::single("telegram", "c", "later").not_before(at))?
+        .id;
+    let head = claim_one(&db.outbox);
+    assert_eq!(head.delivery_id, first);
+    db.outbox.ack(&head, None)?;
+    assert!(claim_all(&db.outbox).is_empty(), "its turn, not its time");
+    db.advance(std::time::Duration::from_secs(30));
+    assert_eq!(claim_one(&db.outbox).delivery_id, queued);
+    Ok(())
+}

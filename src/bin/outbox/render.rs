@@ -189,6 +189,9 @@ pub fn show(d: &DeliveryView) -> String {
     if let Some(key) = &d.idempotency_key {
         let _ = writeln!(out, "caller key {}", clean(key));
     }
+    if let Some(at) = d.not_before {
+        let _ = writeln!(out, "not before {}", time(Some(at)));
+    }
     if let Some(metadata) = &d.metadata {
         let _ = writeln!(out, "metadata  {}", clean(metadata));
     }
