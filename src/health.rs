@@ -49,6 +49,15 @@ pub struct ChannelHealth {
     pub expired_leases: u64,
     /// Chunks due now.
     pub due_chunks: u64,
+    /// "Is anything still moving?" Chunks the outbox will send, or is sending, by
+    /// itself: due now or later (a retry, a pause, a delay), or under a lease. 0 when
+    /// everything left waits for a human or for new work — the answer to "is it
+    /// drained?", which [`pending_chunks`](Self::pending_chunks) is not (the replies
+    /// queued behind an `uncertain` one stay pending).
+    pub moving_chunks: u64,
+    /// "Is anything waiting for a human?" Uncertain chunks plus dead letters nobody
+    /// acknowledged. 0 when nothing needs a decision.
+    pub awaiting_decision: u64,
     /// Enqueue time of the oldest delivery still in flight.
     pub oldest_unfinished_at: Option<DateTime<Utc>>,
     /// How long the most overdue chunk has been due, in milliseconds.
@@ -173,6 +182,16 @@ const FAMILIES: &[Family] = &[
         Some(h.due_chunks as f64)
     }),
     (
+        "outbox_moving_chunks",
+        "Chunks the outbox will send or is sending by itself (0: drained or waiting for a human).",
+        |h, _| Some(h.moving_chunks as f64),
+    ),
+    (
+        "outbox_awaiting_decision",
+        "Uncertain chunks and unacknowledged dead letters: what waits for a human.",
+        |h, _| Some(h.awaiting_decision as f64),
+    ),
+    (
         "outbox_oldest_due_age_seconds",
         "How long the most overdue chunk has been due.",
         |h, _| h.oldest_due_age_ms.map(|ms| ms as f64 / 1000.0),
@@ -248,7 +267,8 @@ pub(crate) const OPEN_DELIVERIES_SQL: &str =
 pub(crate) const OPEN_CHUNKS_SQL: &str = concat!(
     "SELECT d.channel, c.status, count(*),
         sum(c.due_at IS NOT NULL AND c.due_at <= ?1),
-        min(CASE WHEN c.status <> 'sending' THEN c.due_at END)
+        min(CASE WHEN c.status <> 'sending' THEN c.due_at END),
+        sum(c.due_at IS NOT NULL)
  FROM outbound_deliveries d INDEXED BY outbound_deliveries_open
  JOIN outbound_delivery_chunks c ON ",
     chunks_of_delivery!("c", "d.id"),
@@ -306,6 +326,12 @@ fn snapshot(tx: &Connection, now: i64) -> Result<Health> {
         let status: ChunkStatus = r.get(1)?;
         let n = count(r, 2)?;
         let due_now = count(r, 3)?;
+        if matches!(
+            status,
+            ChunkStatus::Pending | ChunkStatus::Retry | ChunkStatus::Sending
+        ) {
+            h.moving_chunks += count(r, 5)?;
+        }
         match status {
             ChunkStatus::Pending => h.pending_chunks += n,
             ChunkStatus::Sending => {
@@ -326,6 +352,9 @@ fn snapshot(tx: &Connection, now: i64) -> Result<Health> {
         }
     }
 
+    for h in channels.values_mut() {
+        h.awaiting_decision = h.uncertain_chunks + h.unacknowledged_dead_letters;
+    }
     let mut totals = ChannelHealth::default();
     for h in channels.values() {
         totals.add(h);
@@ -354,6 +383,8 @@ impl ChannelHealth {
         self.uncertain_chunks += o.uncertain_chunks;
         self.expired_leases += o.expired_leases;
         self.due_chunks += o.due_chunks;
+        self.moving_chunks += o.moving_chunks;
+        self.awaiting_decision += o.awaiting_decision;
         self.oldest_unfinished_at = min_opt(self.oldest_unfinished_at, o.oldest_unfinished_at);
         self.oldest_due_age_ms = self.oldest_due_age_ms.max(o.oldest_due_age_ms);
         self.last_delivered_at = self.last_delivered_at.max(o.last_delivered_at);

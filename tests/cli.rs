@@ -258,6 +258,13 @@ fn list_and_show() -> Result<()> {
         table.contains(&p.dead.to_string()) && table.contains("4 deliveries"),
         "{table}"
     );
+    let (_, health) = stdout(outbox(&path).args(["health", "--exit-zero"]));
+    // The uncertain chunk and the dead letter wait for a human; the expired lease is
+    // still the outbox's to settle.
+    assert!(
+        health.contains("moving chunks      1   awaiting a decision  2"),
+        "{health}"
+    );
 
     let (_, json) = stdout(outbox(&path).args(["list", "--status", "failed", "--json"]));
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();

@@ -178,3 +178,59 @@ fn unsent_rest_of_a_dead_letter_is_not_pending_work() -> Result<()> {
     );
     Ok(())
 }
+
+/// Health answers the two questions operators ask, each 0 when it should be: "is
+/// anything still moving?" and "is anything waiting for a human?" — even while
+/// replies are held behind an uncertain one, when `pending_chunks` stays above 0.
+#[test]
+fn health_tells_what_moves_and_what_waits_for_a_human() -> chunked_outbox::Result<()> {
+    let db = TestDb::new(
+        chunked_outbox::OutboxOptions::default()
+            .with_lane_failure(chunked_outbox::LaneFailurePolicy::Block),
+    );
+    let ob = &db.outbox;
+    let totals = |ob: &chunked_outbox::Outbox| {
+        let t = ob.health().unwrap().totals;
+        (t.moving_chunks, t.awaiting_decision, t.pending_chunks)
+    };
+    assert_eq!(totals(ob), (0, 0, 0), "empty");
+    enqueue(ob, "held", &["first"]);
+    enqueue(ob, "held", &["behind it"]);
+    enqueue(ob, "gone", &["x"]);
+    enqueue(ob, "flaky", &["y"]);
+    assert_eq!(totals(ob), (3, 0, 4), "three heads due, one reply queued");
+    for claim in claim_all(ob) {
+        let outcome = match claim.chat_id.as_str() {
+            "held" => chunked_outbox::Outcome::Ambiguous {
+                error: "timeout".into(),
+            },
+            "gone" => chunked_outbox::Outcome::Permanent {
+                error: "chat not found".into(),
+            },
+            _ => chunked_outbox::Outcome::Transient {
+                error: "502".into(),
+            },
+        };
+        ob.record(&claim, outcome)?;
+    }
+    // The retry still moves (later); the uncertain head and the dead letter wait for a
+    // decision, and the reply behind the held one is pending but not moving.
+    assert_eq!(totals(ob), (1, 2, 1));
+    db.advance(Duration::from_secs(3600));
+    let retry = claim_one(ob);
+    ob.ack(&retry, None)?;
+    assert_eq!(
+        totals(ob),
+        (0, 2, 1),
+        "nothing moves: all that is left needs a human"
+    );
+    ob.acknowledge_dead_letters(None)?;
+    assert_eq!(totals(ob), (0, 1, 1));
+    let h = ob.health()?;
+    assert_eq!(h.channels["telegram"].awaiting_decision, 1);
+    assert!(
+        h.to_prometheus()
+            .contains("outbox_moving_chunks{channel=\"telegram\"} 0")
+    );
+    Ok(())
+}

@@ -135,6 +135,11 @@ pub fn health(h: &Health) -> String {
         time(h.totals.oldest_unfinished_at),
         time(h.totals.last_delivered_at),
     );
+    let _ = writeln!(
+        out,
+        "moving chunks      {}   awaiting a decision  {}",
+        h.totals.moving_chunks, h.totals.awaiting_decision
+    );
     let _ = writeln!(out, "snapshot at        {}", time(Some(h.generated_at)));
     out
 }
