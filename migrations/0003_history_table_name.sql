@@ -13,5 +13,11 @@ ALTER TABLE outbound_policy ADD COLUMN finalize_sql TEXT;
 -- outbox: handed to the adapter with every chunk's claim, NULL when there is none.
 ALTER TABLE outbound_deliveries ADD COLUMN metadata TEXT;
 
+-- Caller idempotency keys are scoped per channel: Telegram update 9001 and Slack event
+-- 9001 are different replies.
+DROP INDEX outbound_deliveries_idempotency;
+CREATE UNIQUE INDEX outbound_deliveries_idempotency
+    ON outbound_deliveries (channel, idempotency_key) WHERE idempotency_key IS NOT NULL;
+
 -- A delayed reply: its first chunk is not due before this time (ms), NULL for at once.
 ALTER TABLE outbound_deliveries ADD COLUMN not_before INTEGER;

@@ -104,8 +104,11 @@ impl NewDelivery {
         Ok(NewDelivery::chunked(channel, chat_id, text, chunks))
     }
 
-    /// A caller key: enqueueing the same key again returns the first delivery's id and
-    /// writes nothing (while that delivery is retained; see [`Outbox::purge`]).
+    /// A caller key: enqueueing the same key again on the same channel returns the
+    /// first delivery's id and writes nothing (while that delivery is retained; see
+    /// [`Outbox::purge`]). Keys are scoped per channel, like the ids platforms hand out:
+    /// Telegram update 9001 and Slack event 9001 are different replies. The same key
+    /// with other content on the same channel is [`Error::IdempotencyConflict`].
     pub fn with_idempotency_key(mut self, key: impl Into<String>) -> Self {
         self.idempotency_key = Some(key.into());
         self
@@ -365,7 +368,7 @@ impl Outbox {
 
 fn insert(tx: &Connection, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> Result<Enqueued> {
     if let Some(key) = &d.idempotency_key
-        && let Some((rowid, existing)) = find_by_key(tx, key)?
+        && let Some((rowid, existing)) = find_by_key(tx, &d.channel, key)?
     {
         return if same_content(tx, rowid, d)? {
             Ok(Enqueued {
@@ -454,10 +457,16 @@ fn insert(tx: &Connection, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> 
     Ok(Enqueued { id, created: true })
 }
 
-fn find_by_key(tx: &Connection, key: &str) -> Result<Option<(i64, DeliveryId)>> {
+/// The delivery with caller key `?2` on channel `?1`.
+pub(crate) const KEY_LOOKUP_SQL: &str =
+    "SELECT id, uid FROM outbound_deliveries WHERE channel = ?1 AND idempotency_key = ?2";
+
+fn find_by_key(tx: &Connection, channel: &str, key: &str) -> Result<Option<(i64, DeliveryId)>> {
     let row = tx
-        .prepare_cached("SELECT id, uid FROM outbound_deliveries WHERE idempotency_key = ?1")?
-        .query_row([key], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))
+        .prepare_cached(KEY_LOOKUP_SQL)?
+        .query_row([channel, key], |r| {
+            Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
+        })
         .optional()?;
     row.map(|(rowid, uid)| Ok((rowid, uid.parse()?)))
         .transpose()

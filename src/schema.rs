@@ -680,6 +680,17 @@ mod plan_tests {
         assert!(!plan.contains("messages"), "{plan}");
     }
 
+    /// A caller key is found through its (channel, key) index, never by a scan.
+    #[test]
+    fn a_caller_key_lookup_is_an_index_search() {
+        let ob = populated();
+        let plan = explain(&ob, crate::enqueue::KEY_LOOKUP_SQL, 2);
+        assert!(
+            plan.contains("USING INDEX outbound_deliveries_idempotency"),
+            "{plan}"
+        );
+    }
+
     /// The queries that find a delivery's chunks now that chunks have no index of their
     /// own: each must reach them through the chunk table's key, never by a scan.
     #[test]

@@ -49,7 +49,6 @@ fn same_key_different_content_is_a_conflict() -> Result<()> {
     let first = db.outbox.enqueue(&base())?;
     let before = row_counts(&db.raw());
     for changed in [
-        NewDelivery::chunked("slack", "1", "a b", ["a", "b"]).with_idempotency_key("k"),
         NewDelivery::chunked("telegram", "2", "a b", ["a", "b"]).with_idempotency_key("k"),
         NewDelivery::chunked("telegram", "1", "a  b", ["a", "b"]).with_idempotency_key("k"),
         NewDelivery::chunked("telegram", "1", "a b", ["a b"]).with_idempotency_key("k"),
@@ -62,6 +61,22 @@ fn same_key_different_content_is_a_conflict() -> Result<()> {
         );
     }
     assert_eq!(row_counts(&db.raw()), before);
+    Ok(())
+}
+
+/// Found: caller keys were global, so Telegram update 9001 and Slack event 9001 —
+/// different replies — collided. Keys are scoped per channel.
+#[test]
+fn caller_keys_are_scoped_per_channel() -> Result<()> {
+    let db = TestDb::default();
+    let reply = |channel: &str| NewDelivery::single(channel, "1", "a").with_idempotency_key("9001");
+    let telegram = db.outbox.enqueue(&reply("telegram"))?;
+    let slack = db.outbox.enqueue(&reply("slack"))?;
+    assert!(telegram.created && slack.created);
+    assert_ne!(telegram.id, slack.id);
+    let again = db.outbox.enqueue(&reply("slack"))?;
+    assert_eq!((again.created, again.id), (false, slack.id));
+    assert_eq!(db.outbox.health()?.totals.total_deliveries, 2);
     Ok(())
 }
 
