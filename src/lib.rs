@@ -137,7 +137,8 @@ pub use dispatch::tokio::{
     AsyncChannelAdapter, AsyncDispatcher, AsyncDispatcherBuilder, BoxFuture, RunningAsyncDispatcher,
 };
 pub use dispatch::{
-    ChannelAdapter, DispatchStats, Dispatcher, DispatcherBuilder, RunningDispatcher, ShutdownReport,
+    ChannelAdapter, DispatchEvent, DispatchStats, Dispatcher, DispatcherBuilder, RunningDispatcher,
+    ShutdownReport,
 };
 pub use enqueue::{
     Enqueued, MAX_CHANNEL_BYTES, MAX_CHAT_ID_BYTES, MAX_CHUNKS, MAX_DELIVERY_BYTES, MAX_KEY_BYTES,

@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chunked_outbox::{
-    ChannelAdapter, ChannelPolicy, Claim, DispatchStats, Dispatcher, NewDelivery, Outbox,
-    OutboxOptions, Outcome, Result,
+    ChannelAdapter, ChannelPolicy, Claim, DispatchEvent, DispatchStats, Dispatcher, NewDelivery,
+    Outbox, OutboxOptions, Outcome, Result,
 };
 use common::*;
 
@@ -104,8 +104,15 @@ impl chunked_outbox::AsyncChannelAdapter for Platform {
 }
 
 /// One dispatcher flavour, driven one round at a time.
-trait Flavour {
-    fn build(outbox: Outbox, adapters: Vec<(&str, Platform)>) -> Self;
+trait Flavour: Sized {
+    fn build(outbox: Outbox, adapters: Vec<(&str, Platform)>) -> Self {
+        Self::build_reporting(outbox, adapters, None)
+    }
+    fn build_reporting(
+        outbox: Outbox,
+        adapters: Vec<(&str, Platform)>,
+        events: Option<Events>,
+    ) -> Self;
     fn run_once(&self) -> usize;
     fn stats(&self) -> DispatchStats;
     fn debug(&self) -> String;
@@ -113,11 +120,25 @@ trait Flavour {
 
 struct Blocking(Dispatcher);
 
+/// The events a dispatcher reported, in order.
+type Events = Arc<Mutex<Vec<DispatchEvent>>>;
+
+fn record_into(events: Events) -> impl Fn(&DispatchEvent) + Send + Sync + 'static {
+    move |e| events.lock().unwrap().push(e.clone())
+}
+
 impl Flavour for Blocking {
-    fn build(outbox: Outbox, adapters: Vec<(&str, Platform)>) -> Self {
+    fn build_reporting(
+        outbox: Outbox,
+        adapters: Vec<(&str, Platform)>,
+        events: Option<Events>,
+    ) -> Self {
         let mut b = Dispatcher::builder(outbox).batch_size(8);
         for (name, p) in adapters {
             b = b.adapter(name, p);
+        }
+        if let Some(events) = events {
+            b = b.on_event(record_into(events));
         }
         Blocking(b.build().expect("build dispatcher"))
     }
@@ -137,10 +158,17 @@ struct Async(chunked_outbox::AsyncDispatcher, tokio::runtime::Runtime);
 
 #[cfg(feature = "tokio")]
 impl Flavour for Async {
-    fn build(outbox: Outbox, adapters: Vec<(&str, Platform)>) -> Self {
+    fn build_reporting(
+        outbox: Outbox,
+        adapters: Vec<(&str, Platform)>,
+        events: Option<Events>,
+    ) -> Self {
         let mut b = chunked_outbox::AsyncDispatcher::builder(outbox).batch_size(8);
         for (name, p) in adapters {
             b = b.adapter(name, p);
+        }
+        if let Some(events) = events {
+            b = b.on_event(record_into(events));
         }
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -444,7 +472,56 @@ fn stats_count_every_send_and_outcome<F: Flavour>() -> Result<()> {
     Ok(())
 }
 
+fn events_report_each_finalized_reply_and_each_dead_letter_once<F: Flavour>() -> Result<()> {
+    let db = TestDb::default();
+    let flaky = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let platform = Platform::new(&db, move |c| match c.chat_id.as_str() {
+        "gone" => Outcome::Permanent {
+            error: "Forbidden: bot was blocked by the user".into(),
+        },
+        "flaky" if flaky.swap(false, std::sync::atomic::Ordering::SeqCst) => Outcome::Transient {
+            error: "502".into(),
+        },
+        _ => Outcome::delivered(Some(format!("p-{}", c.index))),
+    });
+    let ok = enqueue(&db.outbox, "ok", &["one", "two"]);
+    let gone = enqueue(&db.outbox, "gone", &["x"]);
+    let flaky_id = enqueue(&db.outbox, "flaky", &["y"]);
+    let events = Events::default();
+    let d = F::build_reporting(
+        db.outbox.clone(),
+        vec![("telegram", platform)],
+        Some(events.clone()),
+    );
+    drain(&db, &d, 900);
+    let events = events.lock().unwrap().clone();
+    assert_eq!(events.len(), 3, "{events:?}");
+    let finalized = |id| {
+        events.iter().find_map(|e| match e {
+            DispatchEvent::Finalized {
+                delivery_id,
+                platform_message_ids,
+                ..
+            } if *delivery_id == id => Some(platform_message_ids.clone()),
+            _ => None,
+        })
+    };
+    assert_eq!(
+        finalized(ok),
+        Some(vec![Some("p-0".to_string()), Some("p-1".to_string())])
+    );
+    assert_eq!(finalized(flaky_id), Some(vec![Some("p-0".to_string())]));
+    assert!(
+        events.iter().any(|e| matches!(e,
+            DispatchEvent::DeadLetter { delivery_id, chat_id, error, .. }
+                if *delivery_id == gone && chat_id == "gone" && error.contains("blocked"))),
+        "{events:?}"
+    );
+    Ok(())
+}
+
 both_flavours!(
+    events_report_each_finalized_reply_and_each_dead_letter_once,
     stats_count_every_send_and_outcome,
     lane_order_under_random_transient_failures,
     permanent_failure_is_a_dead_letter_without_more_attempts,
@@ -911,4 +988,22 @@ mod tokio_running {
         assert!(running.shutdown(Duration::from_secs(10)).await.clean);
         Ok(())
     }
+}
+
+/// A panicking event handler loses its event, not the worker: every reply goes out.
+#[test]
+fn a_panicking_event_handler_does_not_stop_the_dispatcher() -> Result<()> {
+    let db = TestDb::default();
+    for chat in ["a", "b", "c"] {
+        enqueue(&db.outbox, chat, &["x"]);
+    }
+    let d = Blocking(
+        Dispatcher::builder(db.outbox.clone())
+            .adapter("telegram", Platform::always_ok(&db))
+            .on_event(|_| panic!("a bug in the application's handler"))
+            .build()?,
+    );
+    drain(&db, &d, 3);
+    assert_eq!(db.outbox.health()?.totals.delivered_deliveries, 3);
+    Ok(())
 }

@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tracing::warn;
 
-use super::{ChannelAdapter, Core, DispatchStats, Run, Settings, Shared, guarded, keep_leases};
+use super::{
+    ChannelAdapter, Core, DispatchEvent, DispatchStats, EventSink, Run, Settings, Shared, guarded,
+    keep_leases,
+};
 use crate::{Claim, Outbox, Outcome, Result};
 
 /// Builds a [`Dispatcher`] (or, as
@@ -18,6 +21,7 @@ pub struct DispatcherBuilder<A: ?Sized = dyn ChannelAdapter> {
     pub(crate) outbox: Outbox,
     pub(crate) settings: Settings,
     pub(crate) adapters: HashMap<String, Arc<A>>,
+    pub(crate) events: Option<EventSink>,
 }
 
 impl<A: ?Sized> DispatcherBuilder<A> {
@@ -26,6 +30,7 @@ impl<A: ?Sized> DispatcherBuilder<A> {
             outbox,
             settings: Settings::default(),
             adapters: HashMap::new(),
+            events: None,
         }
     }
 
@@ -65,6 +70,44 @@ impl<A: ?Sized> DispatcherBuilder<A> {
     /// one that does not return in time (its eventual result is ignored).
     pub fn send_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.settings.send_timeout = timeout;
+        self
+    }
+
+    /// Tells the application what happened to its replies, without polling: `f` is
+    /// called with a [`DispatchEvent`] once a reply is finalized (with the platform's
+    /// message id of each chunk, to store for later edits) and once one becomes a dead
+    /// letter (to tell the user it could not be delivered). It runs on a dispatcher
+    /// thread after the outcome is committed: keep it short, say by sending into a
+    /// channel. A panic in it is caught and logged.
+    ///
+    /// ```
+    /// use std::sync::mpsc;
+    /// use chunked_outbox::{ChannelAdapter, Claim, DispatchEvent, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome};
+    ///
+    /// struct Accept;
+    /// impl ChannelAdapter for Accept {
+    ///     fn send(&self, _: &Claim) -> Outcome { Outcome::delivered(Some("tg-1".into())) }
+    /// }
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// let (tx, events) = mpsc::channel();
+    /// let dispatcher = Dispatcher::builder(outbox.clone())
+    ///     .adapter("telegram", Accept)
+    ///     .on_event(move |e| { let _ = tx.send(e.clone()); })
+    ///     .build()?;
+    /// let id = outbox.enqueue(&NewDelivery::single("telegram", "42", "hi"))?.id;
+    /// dispatcher.run_once()?;
+    /// match events.try_recv().unwrap() {
+    ///     DispatchEvent::Finalized { delivery_id, platform_message_ids, .. } => {
+    ///         assert_eq!(delivery_id, id);
+    ///         assert_eq!(platform_message_ids, vec![Some("tg-1".to_string())]);
+    ///     }
+    ///     other => panic!("{other:?}"),
+    /// }
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    pub fn on_event(mut self, f: impl Fn(&DispatchEvent) + Send + Sync + 'static) -> Self {
+        self.events = Some(Arc::new(f));
         self
     }
 }

@@ -32,7 +32,7 @@ use serde::Serialize;
 use tracing::{Span, debug, info, info_span, warn};
 
 use crate::clock::duration_ms;
-use crate::{ChunkId, ChunkStatus, Claim, Error, Outbox, Outcome, Recorded, Result};
+use crate::{ChunkId, ChunkStatus, Claim, DeliveryId, Error, Outbox, Outcome, Recorded, Result};
 
 pub use blocking::{Dispatcher, DispatcherBuilder, RunningDispatcher, ShutdownReport};
 
@@ -77,6 +77,39 @@ pub trait ChannelAdapter: Send + Sync + 'static {
 
 /// Most sends one worker may have in flight at once ([`DispatcherBuilder::batch_size`]).
 pub(crate) const MAX_IN_FLIGHT: usize = 1024;
+
+/// What a dispatcher reports to the application as it happens (see
+/// [`DispatcherBuilder::on_event`](crate::DispatcherBuilder::on_event)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DispatchEvent {
+    /// Every chunk of a reply reached its chat, and the reply was finalized.
+    Finalized {
+        /// The reply.
+        delivery_id: DeliveryId,
+        /// Its channel.
+        channel: String,
+        /// Its chat.
+        chat_id: String,
+        /// The platform's message id of each chunk, in order (`None` where the adapter
+        /// gave none).
+        platform_message_ids: Vec<Option<String>>,
+    },
+    /// A reply became a dead letter: a chunk failed for good.
+    DeadLetter {
+        /// The reply.
+        delivery_id: DeliveryId,
+        /// Its channel.
+        channel: String,
+        /// Its chat.
+        chat_id: String,
+        /// Why the chunk failed.
+        error: String,
+    },
+}
+
+/// Where a dispatcher's events go.
+pub(crate) type EventSink = Arc<dyn Fn(&DispatchEvent) + Send + Sync>;
 
 /// Settings shared by both dispatcher flavours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -280,6 +313,7 @@ pub(crate) struct Core {
     pub settings: Settings,
     channels: Vec<String>,
     counters: Counters,
+    events: Option<EventSink>,
 }
 
 /// Adapters by channel with the core, shared by a dispatcher's workers.
@@ -291,7 +325,8 @@ pub(crate) struct Shared<A: ?Sized> {
 impl<A: ?Sized> DispatcherBuilder<A> {
     pub(crate) fn into_shared(self) -> Result<Arc<Shared<A>>> {
         let channels = self.adapters.keys().cloned().collect();
-        let core = Core::new(self.outbox, self.settings, channels)?;
+        let mut core = Core::new(self.outbox, self.settings, channels)?;
+        core.events = self.events;
         Ok(Arc::new(Shared {
             core,
             adapters: self.adapters,
@@ -353,6 +388,7 @@ impl Core {
             settings,
             channels,
             counters: Counters::default(),
+            events: None,
         })
     }
 
@@ -526,6 +562,9 @@ impl Core {
             ChunkStatus::Uncertain => bump(&c.uncertain),
             ChunkStatus::Pending | ChunkStatus::Sending => {}
         }
+        if recorded.finalized || recorded.status == ChunkStatus::Failed {
+            self.report(claim, recorded);
+        }
         let next = recorded.next_attempt_at.map(|t| t.to_rfc3339());
         match recorded.status {
             ChunkStatus::Failed | ChunkStatus::Uncertain => {
@@ -535,6 +574,50 @@ impl Core {
             _ => {
                 info!(outcome = kind, status = %recorded.status, next_attempt_at = ?next, finalized = recorded.finalized, "recorded")
             }
+        }
+    }
+
+    /// Tells the application's event sink, if it has one, that `claim`'s reply was
+    /// finalized or became a dead letter.
+    fn report(&self, claim: &Claim, recorded: &Recorded) {
+        let Some(sink) = &self.events else {
+            return;
+        };
+        let view = match self.outbox.delivery(claim.delivery_id) {
+            Ok(Some(view)) => view,
+            Ok(None) => return, // purged meanwhile
+            Err(e) => {
+                warn!(chunk = %claim.idempotency_key, error = %e, "could not read the delivery to report it");
+                return;
+            }
+        };
+        let event = if recorded.finalized {
+            DispatchEvent::Finalized {
+                delivery_id: claim.delivery_id,
+                channel: view.channel,
+                chat_id: view.chat_id,
+                platform_message_ids: view
+                    .chunks
+                    .into_iter()
+                    .map(|c| c.platform_message_id)
+                    .collect(),
+            }
+        } else {
+            let error = view
+                .chunks
+                .get(claim.index as usize)
+                .and_then(|c| c.last_error.clone())
+                .unwrap_or_default();
+            DispatchEvent::DeadLetter {
+                delivery_id: claim.delivery_id,
+                channel: view.channel,
+                chat_id: view.chat_id,
+                error,
+            }
+        };
+        let delivered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink(&event)));
+        if delivered.is_err() {
+            warn!(chunk = %claim.idempotency_key, "the event handler panicked; the event is lost");
         }
     }
 
