@@ -57,11 +57,7 @@ pub(crate) fn validate_statement(conn: &Connection, sql: &str) -> Result<()> {
         }
         e => invalid(format!(
             "it does not prepare against this database: {}",
-            match &e {
-                rusqlite::Error::SqlInputError { msg, .. } => msg.clone(),
-                rusqlite::Error::SqliteFailure(_, Some(msg)) => msg.clone(),
-                other => other.to_string(),
-            }
+            crate::schema::sqlite_message(&e)
         )),
     })?;
     if stmt.readonly() {

@@ -140,7 +140,7 @@ fn failed_statement(conn: &mut Connection, from: i64) -> Error {
 }
 
 /// SQLite's own message, without the SQL text some errors carry.
-fn sqlite_message(e: &rusqlite::Error) -> String {
+pub(crate) fn sqlite_message(e: &rusqlite::Error) -> String {
     match e {
         rusqlite::Error::SqlInputError { msg, .. } => msg.clone(),
         rusqlite::Error::SqliteFailure(_, Some(msg)) => msg.clone(),
