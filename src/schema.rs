@@ -14,18 +14,29 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../migrations/0003_history_table_name.sql"),
 ];
 
-/// The migrations with their hooks: version 3 renames the history table of a file
-/// written by version 1 or 2.
+/// What migration `version` runs after its SQL, in its transaction, if anything:
+/// version 3 renames the history table of a file written by version 1 or 2.
+fn hook(version: usize) -> Option<(Hook, &'static str)> {
+    (version == 3).then_some((
+        rename_history as Hook,
+        "ALTER TABLE messages RENAME TO outbound_messages",
+    ))
+}
+
+/// Rust that a migration runs after its SQL.
+type Hook = fn(&Connection) -> rusqlite::Result<()>;
+
+/// The migrations with their hooks.
 fn migrations() -> Migrations<'static> {
     Migrations::new(
         MIGRATIONS
             .iter()
             .enumerate()
-            .map(|(i, sql)| match i + 1 {
-                3 => M::up_with_hook(sql, |tx: &rusqlite::Transaction| {
-                    rename_history(tx).map_err(HookError::from)
+            .map(|(i, sql)| match hook(i + 1) {
+                Some((run, _)) => M::up_with_hook(sql, move |tx: &rusqlite::Transaction| {
+                    run(tx).map_err(HookError::from)
                 }),
-                _ => M::up(sql),
+                None => M::up(sql),
             })
             .collect(),
     )
@@ -104,8 +115,9 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
 /// migrations from version `from` one statement at a time in a transaction that is
 /// rolled back: the error names that statement, not the whole migration file.
 fn failed_statement(conn: &mut Connection, from: i64) -> Error {
+    // Where no single statement fails, the error is the upgrade's as a whole.
     let unknown = |message: String| Error::Migration {
-        version: from + 1,
+        version: SCHEMA_VERSION,
         statement: String::new(),
         message,
     };
@@ -126,12 +138,12 @@ fn failed_statement(conn: &mut Connection, from: i64) -> Error {
                 };
             }
         }
-        if i + 1 == 3
-            && let Err(e) = rename_history(&tx)
+        if let Some((run, what)) = hook(i + 1)
+            && let Err(e) = run(&tx)
         {
             return Error::Migration {
-                version: 3,
-                statement: "ALTER TABLE messages RENAME TO outbound_messages".into(),
+                version: i as i64 + 1,
+                statement: what.into(),
                 message: sqlite_message(&e),
             };
         }
@@ -500,10 +512,14 @@ mod tests {
 
     #[test]
     fn the_splitter_ignores_semicolons_in_comments_and_quotes() {
-        let sql = "-- a; comment\nSELECT 'a;b', \"c;d\"; SELECT 2;\n-- tail;";
+        let sql = "-- a; comment\nSELECT 'a;b', \"c;d\"; SELECT 3 - 2; SELECT 2;\n-- tail;";
         assert_eq!(
             statements(sql),
-            vec!["-- a; comment\nSELECT 'a;b', \"c;d\";", " SELECT 2;"]
+            vec![
+                "-- a; comment\nSELECT 'a;b', \"c;d\";",
+                " SELECT 3 - 2;",
+                " SELECT 2;"
+            ]
         );
     }
 
