@@ -576,8 +576,12 @@ mod tests {
         conn.execute_batch("CREATE TABLE t (v); INSERT INTO t VALUES (zeroblob(20000));")
             .unwrap();
         drop(conn);
+        check_file(&path).expect("a whole file at rest");
         let full = std::fs::read(&path).unwrap();
         std::fs::write(&path, &full[..full.len() - 4096]).unwrap();
+        assert!(matches!(check_file(&path), Err(Error::Corrupt { .. })));
+        // An empty journal beside it is no commit in progress.
+        std::fs::write(dir.path().join("x.db-journal"), b"").unwrap();
         assert!(matches!(check_file(&path), Err(Error::Corrupt { .. })));
 
         std::fs::write(dir.path().join("x.db-wal"), b"frames").unwrap();
