@@ -47,6 +47,13 @@ const FINALIZE_VALUES_SQL: &str = concat!(
      FROM outbound_deliveries WHERE id = ?1"
 );
 
+/// Which of [`FINALIZE_PARAMETERS`] a statement's parameter (`:name`, `@name`,
+/// `$name`) names.
+fn parameter_index(name: &str) -> Option<usize> {
+    let name = name.get(1..)?;
+    FINALIZE_PARAMETERS.iter().position(|p| *p == name)
+}
+
 /// Checks an application's finalization statement against the schema of the file:
 /// one statement that writes, every parameter one of [`FINALIZE_PARAMETERS`] by name.
 pub(crate) fn validate_statement(conn: &Connection, sql: &str) -> Result<()> {
@@ -67,7 +74,7 @@ pub(crate) fn validate_statement(conn: &Connection, sql: &str) -> Result<()> {
     }
     for i in 1..=stmt.parameter_count() {
         match stmt.parameter_name(i) {
-            Some(name) if FINALIZE_PARAMETERS.contains(&&name[1..]) => {}
+            Some(name) if parameter_index(name).is_some() => {}
             Some(name) => {
                 return Err(invalid(format!(
                     "parameter {name} is not one of :{}",
@@ -98,15 +105,13 @@ fn run_statement(tx: &Connection, sql: &str, delivery: i64, now: i64) -> Result<
     let mut stmt = tx.prepare_cached(sql)?;
     for i in 1..=stmt.parameter_count() {
         let name = stmt.parameter_name(i).unwrap_or_default();
-        let at = FINALIZE_PARAMETERS
-            .iter()
-            .position(|p| name.get(1..) == Some(*p))
-            .ok_or_else(|| {
-                Error::invalid(
-                    "finalization statement",
-                    format!("unknown parameter {name}"),
-                )
-            })?;
+        // Checked when it was set; a statement stored by hand may still be wrong.
+        let at = parameter_index(name).ok_or_else(|| {
+            Error::invalid(
+                "finalization statement",
+                format!("unknown parameter {name}"),
+            )
+        })?;
         stmt.raw_bind_parameter(i, &values[at])?;
     }
     stmt.raw_execute()?;
@@ -165,16 +170,7 @@ pub(crate) const SWEEP_SQL: &str = concat!(
 /// path that recorded chunk acks separately from finalization (an older outbox, a
 /// manual repair) leaves behind. Reads only unfinished deliveries, never history.
 pub(crate) fn sweep(tx: &Connection, rules: &Stored, now: i64) -> Result<u64> {
-    let mut stmt = tx.prepare_cached(SWEEP_SQL)?;
-    let done = stmt
-        .query_map([], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, String>(2)?,
-            ))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let done = lane::deliveries_with_lanes(tx, SWEEP_SQL)?;
     for (delivery, channel, chat_id) in &done {
         finalize(tx, rules, *delivery, (channel, chat_id), now)?;
     }

@@ -223,6 +223,16 @@ pub(crate) fn rejoin(
     advance(tx, rules, channel, chat_id, earliest)
 }
 
+/// The rows of `sql`, a query of `(delivery row id, channel, chat id)`.
+pub(crate) fn deliveries_with_lanes(
+    tx: &Connection,
+    sql: &str,
+) -> Result<Vec<(i64, String, String)>> {
+    let mut stmt = tx.prepare_cached(sql)?;
+    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
 /// Queued deliveries, oldest first, with their lanes.
 pub(crate) const QUEUED_ALL_SQL: &str = "SELECT id, channel, chat_id FROM outbound_deliveries
      WHERE status = 'queued' AND status <> 'delivered' ORDER BY id";
@@ -240,16 +250,7 @@ pub(crate) fn follow_rule_change(
     if before.lane_order == after.lane_order && before.lane_failure == after.lane_failure {
         return Ok(());
     }
-    let queued = tx
-        .prepare_cached(QUEUED_ALL_SQL)?
-        .query_map([], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, String>(2)?,
-            ))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let queued = deliveries_with_lanes(tx, QUEUED_ALL_SQL)?;
     let mut lanes = std::collections::BTreeSet::new();
     for (delivery, channel, chat_id) in queued {
         if after.lane_order == LaneOrder::Parallel {

@@ -243,7 +243,13 @@ impl Outbox {
     ///
     /// Database errors.
     pub fn finalization(&self) -> Result<Option<String>> {
-        self.read(|tx| Ok(policy::load(tx)?.finalize_sql))
+        self.read(|tx| {
+            Ok(tx.query_row(
+                "SELECT finalize_sql FROM outbound_policy WHERE id = 1",
+                [],
+                |r| r.get(0),
+            )?)
+        })
     }
 
     /// Stores the statement that writes a finalized delivery into the application's

@@ -15,12 +15,16 @@ use chunked_outbox::{
 };
 use common::*;
 
+/// `options` with Telegram replayable and a 10 s lease: an expired claim is sent again.
+fn replayable(options: OutboxOptions) -> OutboxOptions {
+    options
+        .with_channel("telegram", ChannelPolicy::replayable())
+        .with_lease(Duration::from_secs(10))
+}
+
 #[test]
 fn stale_token_cannot_settle_a_reclaimed_chunk() -> Result<()> {
-    let options = OutboxOptions::default()
-        .with_channel("telegram", ChannelPolicy::replayable())
-        .with_lease(Duration::from_secs(10));
-    let db = TestDb::new(options);
+    let db = TestDb::new(replayable(OutboxOptions::default()));
     let ob = &db.outbox;
     let id = enqueue(ob, "1", &["hi"]);
     let slow = claim_one(ob);
@@ -66,10 +70,7 @@ fn stale_token_cannot_settle_a_reclaimed_chunk() -> Result<()> {
 #[test]
 fn poison_chunk_exhausts_attempts_without_any_outcome() -> Result<()> {
     // The worker "crashes" on every claim: no outcome is ever recorded.
-    let options = OutboxOptions::default()
-        .with_channel("telegram", ChannelPolicy::replayable())
-        .with_lease(Duration::from_secs(10));
-    let db = TestDb::new(options);
+    let db = TestDb::new(replayable(OutboxOptions::default()));
     let ob = &db.outbox;
     let id = enqueue(ob, "1", &["boom"]);
     let mut attempts = Vec::new();
@@ -97,10 +98,7 @@ fn poison_chunk_exhausts_attempts_without_any_outcome() -> Result<()> {
 /// outcome, and says so in its report.
 #[test]
 fn recovery_fails_a_chunk_whose_attempts_ran_out() -> Result<()> {
-    let options = OutboxOptions::default()
-        .with_channel("telegram", ChannelPolicy::replayable())
-        .with_lease(Duration::from_secs(10));
-    let db = TestDb::new(options);
+    let db = TestDb::new(replayable(OutboxOptions::default()));
     let ob = &db.outbox;
     let id = enqueue(ob, "1", &["boom"]);
     for attempt in 1..=5 {
@@ -209,11 +207,9 @@ fn enqueue_into_a_paused_lane_waits_for_the_pause() -> Result<()> {
 /// pause ends: the lease expiry alone does not make it due.
 #[test]
 fn an_expired_lease_in_a_paused_lane_waits_for_the_pause() -> Result<()> {
-    let options = OutboxOptions::default()
-        .with_lane_order(chunked_outbox::LaneOrder::Parallel)
-        .with_channel("telegram", ChannelPolicy::replayable())
-        .with_lease(Duration::from_secs(10));
-    let db = TestDb::new(options);
+    let db = TestDb::new(replayable(
+        OutboxOptions::default().with_lane_order(chunked_outbox::LaneOrder::Parallel),
+    ));
     let ob = &db.outbox;
     let slow = enqueue(ob, "c", &["a"]);
     let limited = enqueue(ob, "c", &["b"]);
@@ -546,10 +542,7 @@ fn a_late_release_sends_a_held_chunk_again() -> Result<()> {
 /// naming its claim: the late worker's ack counts until someone claims it again.
 #[test]
 fn a_late_ack_counts_until_a_replayable_chunk_is_claimed_again() -> Result<()> {
-    let options = OutboxOptions::default()
-        .with_channel("telegram", ChannelPolicy::replayable())
-        .with_lease(Duration::from_secs(10));
-    let db = TestDb::new(options);
+    let db = TestDb::new(replayable(OutboxOptions::default()));
     let ob = &db.outbox;
     let first = enqueue(ob, "1", &["x"]);
     let claim = claim_one(ob);

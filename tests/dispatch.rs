@@ -436,10 +436,12 @@ macro_rules! both_flavours {
     };
 }
 
-fn stats_count_every_send_and_outcome<F: Flavour>() -> Result<()> {
-    let db = TestDb::default();
+/// A platform that answers by chat: "gone" fails for good, "unsure" is ambiguous,
+/// "flaky" fails once and then delivers, and every other chat gets message id
+/// `p-{index}`.
+fn mixed_platform(db: &TestDb) -> Platform {
     let flaky = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let platform = Platform::new(&db, move |c| match c.chat_id.as_str() {
+    Platform::new(db, move |c| match c.chat_id.as_str() {
         "gone" => Outcome::Permanent {
             error: "Forbidden: bot was blocked by the user".into(),
         },
@@ -449,8 +451,13 @@ fn stats_count_every_send_and_outcome<F: Flavour>() -> Result<()> {
         "flaky" if flaky.swap(false, std::sync::atomic::Ordering::SeqCst) => Outcome::Transient {
             error: "502".into(),
         },
-        _ => Outcome::delivered(None),
-    });
+        _ => Outcome::delivered(Some(format!("p-{}", c.index))),
+    })
+}
+
+fn stats_count_every_send_and_outcome<F: Flavour>() -> Result<()> {
+    let db = TestDb::default();
+    let platform = mixed_platform(&db);
     enqueue(&db.outbox, "ok", &["one", "two"]);
     for chat in ["gone", "unsure", "flaky"] {
         enqueue(&db.outbox, chat, &["x"]);
@@ -474,16 +481,7 @@ fn stats_count_every_send_and_outcome<F: Flavour>() -> Result<()> {
 
 fn events_report_each_finalized_reply_and_each_dead_letter_once<F: Flavour>() -> Result<()> {
     let db = TestDb::default();
-    let flaky = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let platform = Platform::new(&db, move |c| match c.chat_id.as_str() {
-        "gone" => Outcome::Permanent {
-            error: "Forbidden: bot was blocked by the user".into(),
-        },
-        "flaky" if flaky.swap(false, std::sync::atomic::Ordering::SeqCst) => Outcome::Transient {
-            error: "502".into(),
-        },
-        _ => Outcome::delivered(Some(format!("p-{}", c.index))),
-    });
+    let platform = mixed_platform(&db);
     let ok = enqueue(&db.outbox, "ok", &["one", "two"]);
     let gone = enqueue(&db.outbox, "gone", &["x"]);
     let flaky_id = enqueue(&db.outbox, "flaky", &["y"]);

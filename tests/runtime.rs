@@ -966,6 +966,22 @@ mod dropped {
         }
     }
 
+    /// An adapter whose sends wait at a gate and deliver, and the receiver that hears
+    /// when the dispatcher has let go of it.
+    fn gated_and_tracked() -> (Gate, OpenOnDrop, Tracked, std::sync::mpsc::Receiver<()>) {
+        let (gate, open) = Gate::new();
+        let g = gate.clone();
+        let (tx, released) = std::sync::mpsc::channel();
+        let adapter = Tracked(
+            Scripted::new(move |_| {
+                g.pass();
+                Outcome::delivered(None)
+            }),
+            Dropped(tx),
+        );
+        (gate, open, adapter, released)
+    }
+
     /// Dropping a running blocking dispatcher stops it as `shutdown` does: the send in
     /// flight finishes and is recorded, and the workers end (letting go of the adapter).
     /// The drop waits for the send, so the gate opens beside it, possibly before the
@@ -975,16 +991,7 @@ mod dropped {
         let (_dir, path) = file_db();
         let outbox = Outbox::open(&path, OutboxOptions::default())?;
         replies(&outbox, "telegram", 3);
-        let (gate, _open) = Gate::new();
-        let g = gate.clone();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let adapter = Tracked(
-            Scripted::new(move |_| {
-                g.pass();
-                Outcome::delivered(None)
-            }),
-            Dropped(tx),
-        );
+        let (gate, _open, adapter, released) = gated_and_tracked();
         let dispatcher = Dispatcher::builder(outbox.clone())
             .adapter("telegram", adapter)
             .workers(1)
@@ -995,7 +1002,8 @@ mod dropped {
         gate.open();
         dropping.join().unwrap();
         drop(dispatcher);
-        rx.recv_timeout(Duration::from_secs(60))
+        released
+            .recv_timeout(Duration::from_secs(60))
             .expect("the workers ended and let go of the adapter");
         assert_eq!(outbox.health()?.totals.sending_chunks, 0);
         Ok(())
@@ -1010,16 +1018,7 @@ mod dropped {
         let (_dir, path) = file_db();
         let outbox = Outbox::open(&path, OutboxOptions::default())?;
         let ids = replies(&outbox, "telegram", 3);
-        let (gate, _open) = Gate::new();
-        let g = gate.clone();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let adapter = Tracked(
-            Scripted::new(move |_| {
-                g.pass();
-                Outcome::delivered(None)
-            }),
-            Dropped(tx),
-        );
+        let (gate, _open, adapter, released) = gated_and_tracked();
         let rt = runtime();
         let dispatcher = chunked_outbox::AsyncDispatcher::builder(outbox.clone())
             .adapter("telegram", adapter)
@@ -1030,7 +1029,8 @@ mod dropped {
         drop(running);
         drop(dispatcher);
         gate.open();
-        rx.recv_timeout(Duration::from_secs(60))
+        released
+            .recv_timeout(Duration::from_secs(60))
             .expect("the dispatcher's tasks ended and let go of the adapter");
         let delivered: Vec<_> = ids
             .iter()

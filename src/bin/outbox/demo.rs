@@ -221,13 +221,18 @@ fn files(db: Option<&Path>) -> CliResult<Files> {
             };
             // A file left by an earlier run would be read as this run's: an old platform
             // record or claimant log skews the verdict, an old stop signal stops the worker.
-            let platform = &files.platform;
-            let stale: Vec<String> = [&files.db, platform, &stop_file(platform)]
-                .into_iter()
-                .chain([&files.operator_log, &files.claimants])
-                .filter(|f| f.exists())
-                .map(|f| f.display().to_string())
-                .collect();
+            let stop = stop_file(&files.platform);
+            let stale: Vec<String> = [
+                &files.db,
+                &files.platform,
+                &stop,
+                &files.operator_log,
+                &files.claimants,
+            ]
+            .into_iter()
+            .filter(|f| f.exists())
+            .map(|f| f.display().to_string())
+            .collect();
             if !stale.is_empty() {
                 return Err(format!(
                     "{} exist{}; the demo needs a fresh database path and writes these beside it \
