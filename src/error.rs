@@ -82,6 +82,29 @@ pub enum Error {
         expected: &'static str,
     },
 
+    /// [`Outbox::cancel`](crate::Outbox::cancel) came too late: a send of the delivery
+    /// has started, so part of the reply may already be in the chat. A started reply is
+    /// finished rather than cut short (the chat would show a fragment that the history
+    /// never records); nothing was changed. Let it finish, or, if the reply must not
+    /// stand, remove it on the platform once it is delivered.
+    #[error(
+        "delivery {delivery} cannot be cancelled: its chunk {delivery}:{number} is {status} after {attempts} send attempt(s), so part of the reply may already be in the chat; a started reply is finished, not cut short",
+        number = .index + 1
+    )]
+    CancelTooLate {
+        /// The delivery.
+        delivery: DeliveryId,
+        /// Its chunk whose send has started.
+        chunk: ChunkId,
+        /// That chunk's place in the delivery, from 0 (the error message counts from 1,
+        /// as chunk keys and `outbox show` do).
+        index: u32,
+        /// That chunk's status.
+        status: ChunkStatus,
+        /// Its send attempts so far.
+        attempts: u32,
+    },
+
     /// The database was written by a newer version of this crate. Upgrade the crate;
     /// nothing was changed in the file.
     #[error(

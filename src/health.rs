@@ -33,6 +33,9 @@ pub struct ChannelHealth {
     /// Deliveries set aside because their row could not be read (counted among the
     /// dead letters too); `outbox list --status failed` shows them with the reason.
     pub corrupt_deliveries: u64,
+    /// Deliveries cancelled before anything of them was sent, still stored (until
+    /// purged).
+    pub cancelled_deliveries: u64,
     /// Chunks not yet sent (due, waiting for their turn, or queued in their lane). The
     /// unsent rest of a dead letter is not counted: nothing will send it unless it is
     /// requeued.
@@ -151,6 +154,11 @@ const FAMILIES: &[Family] = &[
         "outbox_corrupt_deliveries",
         "Deliveries set aside because their row could not be read.",
         |h, _| Some(h.corrupt_deliveries as f64),
+    ),
+    (
+        "outbox_cancelled_deliveries",
+        "Deliveries cancelled before anything of them was sent, still stored.",
+        |h, _| Some(h.cancelled_deliveries as f64),
     ),
     ("outbox_pending_chunks", "Chunks not sent yet.", |h, _| {
         Some(h.pending_chunks as f64)
@@ -311,7 +319,10 @@ fn snapshot(tx: &Connection, now: i64) -> Result<Health> {
                     h.unacknowledged_dead_letters += n;
                 }
             }
-            _ => {}
+            DeliveryStatus::Cancelled => h.cancelled_deliveries += n,
+            // Counted from the maintained per-channel counters above (delivered rows
+            // are not in the index this query reads).
+            DeliveryStatus::Delivered => {}
         }
         if status.is_in_flight() {
             let oldest = to_datetime(r.get(4)?);
@@ -341,7 +352,8 @@ fn snapshot(tx: &Connection, now: i64) -> Result<Health> {
             ChunkStatus::Retry => h.retry_chunks += n,
             ChunkStatus::Failed => h.failed_chunks += n,
             ChunkStatus::Uncertain => h.uncertain_chunks += n,
-            _ => {}
+            // Left out by the query: delivered chunks are history.
+            ChunkStatus::Delivered => {}
         }
         if status != ChunkStatus::Sending {
             h.due_chunks += due_now;
@@ -376,6 +388,7 @@ impl ChannelHealth {
         self.failed_deliveries += o.failed_deliveries;
         self.unacknowledged_dead_letters += o.unacknowledged_dead_letters;
         self.corrupt_deliveries += o.corrupt_deliveries;
+        self.cancelled_deliveries += o.cancelled_deliveries;
         self.pending_chunks += o.pending_chunks;
         self.sending_chunks += o.sending_chunks;
         self.retry_chunks += o.retry_chunks;

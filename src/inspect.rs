@@ -45,7 +45,8 @@ pub struct DeliveryView {
     pub finished_at: Option<DateTime<Utc>>,
     /// When an operator acknowledged it as a dead letter.
     pub acknowledged_at: Option<DateTime<Utc>>,
-    /// Its chunks in order (empty in [`Outbox::list`] results).
+    /// Its chunks in order (empty in [`Outbox::list`] results, and for a cancelled
+    /// delivery, whose chunks are removed).
     pub chunks: Vec<ChunkView>,
 }
 

@@ -1,12 +1,14 @@
-//! Operator actions: requeue dead letters and uncertain chunks, resolve, acknowledge.
+//! Operator actions: requeue dead letters and uncertain chunks, resolve, acknowledge,
+//! cancel.
 
 use std::collections::BTreeSet;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
+use crate::ids::chunks_of_delivery;
 use crate::outcome::{ChunkRef, Recorded, chunk_ref_where, deliver_chunk};
 use crate::policy::Stored;
-use crate::status::ChunkStatus;
+use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::{ChunkId, DeliveryId, Error, Outbox, Result, lane};
 
 /// How to settle a chunk held as `uncertain`.
@@ -156,6 +158,104 @@ impl Outbox {
             Ok(count)
         })
     }
+
+    /// Withdraws a reply none of whose chunks has started: the user deleted the
+    /// question, or a newer answer supersedes it. The delivery becomes `cancelled`, its
+    /// chunks are removed (the delivery keeps its text), nothing of it is sent or
+    /// finalized, and the next reply of its lane goes on. Cancelling a cancelled
+    /// delivery again does nothing. Its caller idempotency key still names it until it
+    /// is purged ([`purge`](Self::purge) removes cancelled deliveries like delivered
+    /// ones).
+    ///
+    /// "Started" means a chunk was claimed for a send that may have reached the
+    /// platform: it is `sending`, delivered, `uncertain`, or has used a send attempt
+    /// (a send that was given back unstarted, or refused by a rate limit, has not).
+    /// **A started reply is not cut short**: the chat may already show its first part,
+    /// and stopping there would leave a fragment that the history never records. Such a
+    /// cancel is refused with [`Error::CancelTooLate`] and changes nothing; let the reply
+    /// finish, then edit or delete it on the platform if it must not stand.
+    ///
+    /// ```
+    /// use chunked_outbox::{DeliveryStatus, NewDelivery, Outbox, OutboxOptions};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// let first = outbox.enqueue(&NewDelivery::single("telegram", "42", "Working on it..."))?;
+    /// let second = outbox.enqueue(&NewDelivery::single("telegram", "42", "Here it is."))?;
+    /// outbox.cancel(first.id)?;
+    /// assert_eq!(outbox.delivery(first.id)?.unwrap().status, DeliveryStatus::Cancelled);
+    /// // The lane moved on: the second reply is the one a dispatcher sends now.
+    /// assert_eq!(outbox.delivery(second.id)?.unwrap().status, DeliveryStatus::Pending);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::DeliveryNotFound`]; [`Error::DeliveryState`] if the delivery is partly
+    /// or wholly delivered, uncertain or failed; [`Error::CancelTooLate`] if a send of
+    /// it has started.
+    pub fn cancel(&self, delivery: DeliveryId) -> Result<()> {
+        self.write_and_wake(|tx, rules| {
+            let id = self.delivery_rowid(delivery);
+            let (status, channel, chat_id): (DeliveryStatus, String, String) = tx
+                .prepare_cached(
+                    "SELECT status, channel, chat_id FROM outbound_deliveries
+                     WHERE id = ?1 AND uid = ?2",
+                )?
+                .query_row(params![id, delivery.to_string()], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                })
+                .optional()?
+                .ok_or(Error::DeliveryNotFound(delivery))?;
+            match status {
+                DeliveryStatus::Cancelled => return Ok(()),
+                DeliveryStatus::Queued | DeliveryStatus::Pending => {}
+                DeliveryStatus::Partial
+                | DeliveryStatus::Uncertain
+                | DeliveryStatus::Failed
+                | DeliveryStatus::Delivered => {
+                    return Err(Error::DeliveryState {
+                        delivery,
+                        status,
+                        action: "cancel",
+                        expected: "queued or pending",
+                    });
+                }
+            }
+            let started: Option<(i64, u32, ChunkStatus, u32)> = tx
+                .prepare_cached(concat!(
+                    "SELECT id, chunk_index, status, attempts FROM outbound_delivery_chunks AS c WHERE ",
+                    chunks_of_delivery!("c", "?1"),
+                    " AND (status NOT IN ('pending', 'retry') OR attempts > 0)
+                     ORDER BY id LIMIT 1"
+                ))?
+                .query_row([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+                .optional()?;
+            if let Some((chunk, index, status, attempts)) = started {
+                return Err(Error::CancelTooLate {
+                    delivery,
+                    chunk: ChunkId(chunk),
+                    index,
+                    status,
+                    attempts,
+                });
+            }
+            let now = self.options().now_ms();
+            tx.prepare_cached(concat!(
+                "DELETE FROM outbound_delivery_chunks AS c WHERE ",
+                chunks_of_delivery!("c", "?1")
+            ))?
+            .execute([id])?;
+            tx.prepare_cached(
+                "UPDATE outbound_deliveries
+                 SET status = 'cancelled', updated_at = ?2, finished_at = ?2 WHERE id = ?1",
+            )?
+            .execute(params![id, now])?;
+            if status == DeliveryStatus::Pending {
+                lane::advance(tx, &rules.policy, &channel, &chat_id, now)?;
+            }
+            Ok(())
+        })
+    }
 }
 
 fn expect_status(
@@ -229,5 +329,23 @@ fn held_or_head_chunk(outbox: &Outbox, tx: &Connection, delivery: DeliveryId) ->
             ChunkRef::from_row,
         )
         .optional()?;
-    chunk.ok_or(Error::DeliveryNotFound(delivery))
+    if let Some(chunk) = chunk {
+        return Ok(chunk);
+    }
+    // A cancelled delivery has no chunks left.
+    let status = tx
+        .prepare_cached("SELECT status FROM outbound_deliveries WHERE id = ?1 AND uid = ?2")?
+        .query_row(
+            params![outbox.delivery_rowid(delivery), delivery.to_string()],
+            |r| r.get(0),
+        )
+        .optional()?;
+    Err(status.map_or(Error::DeliveryNotFound(delivery), |status| {
+        Error::DeliveryState {
+            delivery,
+            status,
+            action: "requeue",
+            expected: "failed or uncertain",
+        }
+    }))
 }

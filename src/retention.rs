@@ -13,11 +13,12 @@ use crate::{Outbox, Result};
 const PURGE_BATCH: i64 = 1000;
 
 /// The deliveries a purge may remove (`?2` the cutoff): finished before it — delivered,
-/// or dead letters someone acknowledged — and never the newest one.
+/// cancelled, or dead letters someone acknowledged — and never the newest one.
 macro_rules! purgeable {
     () => {
         "finished_at < ?2
-         AND (status = 'delivered' OR (status = 'failed' AND acknowledged_at IS NOT NULL))
+         AND (status IN ('delivered', 'cancelled')
+              OR (status = 'failed' AND acknowledged_at IS NOT NULL))
          AND id < (SELECT max(id) FROM outbound_deliveries)"
     };
 }
@@ -33,8 +34,8 @@ pub struct PurgeReport {
 
 impl Outbox {
     /// Removes deliveries (and their chunks) that finished before `finished_before`:
-    /// delivered ones, and dead letters that were acknowledged. Their `outbound_messages` rows
-    /// stay. Unacknowledged dead letters and unfinished deliveries are never purged, nor
+    /// delivered ones, cancelled ones, and dead letters that were acknowledged. Their
+    /// `outbound_messages` rows stay. Unacknowledged dead letters and unfinished deliveries are never purged, nor
     /// is the newest delivery: keeping it means row ids, from which delivery ids are
     /// derived, are never handed out twice.
     ///
@@ -62,7 +63,9 @@ impl Outbox {
         self.read(|tx| {
             let (deliveries, chunks): (i64, i64) = tx.query_row(
                 concat!(
-                    "SELECT count(*), coalesce(sum(chunk_count), 0) FROM outbound_deliveries WHERE ",
+                    // A cancelled delivery's chunks are already gone.
+                    "SELECT count(*), coalesce(sum(CASE WHEN status = 'cancelled' THEN 0 ELSE chunk_count END), 0)
+                     FROM outbound_deliveries WHERE ",
                     purgeable!()
                 ),
                 // The condition names the cutoff `?2`, as in the purge itself.

@@ -12,6 +12,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../migrations/0001_initial.sql"),
     include_str!("../migrations/0002_stored_policy.sql"),
     include_str!("../migrations/0003_history_table_name.sql"),
+    include_str!("../migrations/0004_cancelled_deliveries.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:
@@ -475,7 +476,7 @@ mod tests {
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 3);
+        assert_eq!(SCHEMA_VERSION, 4);
     }
 
     fn schema_of(conn: &Connection) -> Vec<String> {
@@ -546,6 +547,79 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(user_version(&conn).unwrap(), 1, "nothing applied");
+    }
+
+    /// Version 4 rebuilds the deliveries table to admit `cancelled`: every column of
+    /// every row, and both indexes, come through; the CHECK still refuses unknown words.
+    #[test]
+    fn the_rebuild_for_cancel_keeps_every_row_and_index() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrations().to_version(&mut conn, 3).unwrap();
+        conn.execute_batch(
+            "INSERT INTO outbound_deliveries VALUES
+               (7, 'u7', 'slack', 'C1', 'bot', 'key-1', 'failed', 2, 1, 10, 11, 12, 13, 'a b',
+                'bad uid', '{\"thread_ts\":\"1.2\"}', 5000),
+               (8, 'u8', 'telegram', '42', NULL, NULL, 'queued', 1, 0, 20, 20, NULL, NULL, 'c',
+                NULL, NULL, NULL);",
+        )
+        .unwrap();
+        let rows = |conn: &Connection| -> Vec<String> {
+            let mut stmt = conn
+                .prepare(
+                    "SELECT json_array(id, uid, channel, chat_id, sender, idempotency_key,
+                        status, chunk_count, delivered_count, created_at, updated_at,
+                        finished_at, acknowledged_at, text, corrupt, metadata, not_before)
+                     FROM outbound_deliveries ORDER BY id",
+                )
+                .unwrap();
+            stmt.query_map([], |r| r.get(0))
+                .unwrap()
+                .collect::<rusqlite::Result<_>>()
+                .unwrap()
+        };
+        let before = rows(&conn);
+        assert_eq!(before.len(), 2);
+        migrate(&mut conn).unwrap();
+        assert_eq!(rows(&conn), before);
+        let indexes: Vec<String> = conn
+            .prepare(
+                "SELECT name FROM sqlite_master
+                 WHERE type = 'index' AND tbl_name = 'outbound_deliveries' ORDER BY name",
+            )
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(
+            indexes,
+            [
+                "outbound_deliveries_idempotency",
+                "outbound_deliveries_open"
+            ]
+        );
+        conn.execute(
+            "UPDATE outbound_deliveries SET status = 'cancelled' WHERE id = 8",
+            [],
+        )
+        .unwrap();
+        assert!(
+            conn.execute(
+                "UPDATE outbound_deliveries SET status = 'withdrawn' WHERE id = 8",
+                []
+            )
+            .is_err()
+        );
+        // The caller key is still unique per channel.
+        assert!(
+            conn.execute(
+                "INSERT INTO outbound_deliveries (id, uid, channel, chat_id, idempotency_key,
+                    status, chunk_count, created_at, updated_at, text)
+                 VALUES (9, 'u9', 'slack', 'C2', 'key-1', 'queued', 1, 1, 1, 'd')",
+                []
+            )
+            .is_err()
+        );
     }
 
     #[test]

@@ -94,6 +94,9 @@ status_enum! {
         Failed = "failed",
         /// Every chunk delivered and the message written to `outbound_messages`.
         Delivered = "delivered",
+        /// Withdrawn before any of its chunks started (see
+        /// [`Outbox::cancel`](crate::Outbox::cancel)); nothing of it was sent.
+        Cancelled = "cancelled",
     }
 }
 

@@ -356,6 +356,60 @@ fn repair_commands() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn cancel_withdraws_an_unstarted_reply_and_refuses_a_started_one() -> Result<()> {
+    let db = TestDb::default();
+    let sending = enqueue(&db.outbox, "2", &["on its way"]);
+    let claim = claim_one(&db.outbox);
+    let started = enqueue(&db.outbox, "1", &["already", "going"]);
+    db.outbox.ack(&claim_one(&db.outbox), None)?;
+    let unstarted = enqueue(&db.outbox, "3", &["withdrawn"]);
+    let path = db.path();
+
+    let (code, out) = stdout(outbox(&path).args(["cancel", &unstarted.to_string()]));
+    assert_eq!(
+        (code, out.trim()),
+        (0, format!("delivery {unstarted} is cancelled").as_str())
+    );
+    let (_, shown) = stdout(outbox(&path).args(["show", &unstarted.to_string()]));
+    assert!(
+        shown.contains("status    cancelled (0/1 chunks delivered)"),
+        "{shown}"
+    );
+    assert!(shown.contains("nothing of it reached the chat"), "{shown}");
+    let (_, listed) = stdout(outbox(&path).args(["list", "--status", "cancelled"]));
+    assert!(listed.contains(&unstarted.to_string()), "{listed}");
+
+    let out = outbox(&path)
+        .args(["cancel", &started.to_string()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("delivery {started} is partial; cancel needs")),
+        "{err}"
+    );
+    assert_eq!(
+        view(&db.outbox, started).status,
+        chunked_outbox::DeliveryStatus::Partial
+    );
+    let out = outbox(&path)
+        .args(["cancel", &sending.to_string()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "its chunk {sending}:1 is sending after 1 send attempt(s)"
+        )),
+        "{err}"
+    );
+    assert!(db.outbox.ack(&claim, None)?.finalized, "it goes on");
+    Ok(())
+}
+
 /// `outbox migrate` on a chat application's database that has its own `messages`
 /// history: it succeeds and leaves that table and its rows as they were.
 #[test]

@@ -63,6 +63,11 @@ enum Command {
         #[arg(long, requires = "failed")]
         channel: Option<String>,
     },
+    /// Withdraw a reply none of whose chunks has started (a started one is finished).
+    Cancel {
+        /// The delivery id.
+        delivery: String,
+    },
     /// Settle a chunk held as uncertain.
     Resolve {
         /// The chunk's key, `{delivery}:{n}` (n from 1, as `outbox show` prints it).
@@ -179,6 +184,7 @@ enum StatusArg {
     Uncertain,
     Failed,
     Delivered,
+    Cancelled,
 }
 
 impl From<StatusArg> for DeliveryStatus {
@@ -190,6 +196,7 @@ impl From<StatusArg> for DeliveryStatus {
             StatusArg::Uncertain => DeliveryStatus::Uncertain,
             StatusArg::Failed => DeliveryStatus::Failed,
             StatusArg::Delivered => DeliveryStatus::Delivered,
+            StatusArg::Cancelled => DeliveryStatus::Cancelled,
         }
     }
 }
@@ -337,6 +344,12 @@ fn run(cli: Cli) -> CliResult<u8> {
                     ""
                 }
             );
+            Ok(0)
+        }
+        Command::Cancel { delivery } => {
+            let id = delivery_id(&delivery)?;
+            open_for_repair(db)?.cancel(id)?;
+            println!("delivery {id} is cancelled");
             Ok(0)
         }
         Command::AckDeadLetters { channel } => {

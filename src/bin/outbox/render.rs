@@ -5,7 +5,7 @@
 use std::fmt::Write;
 
 use chrono::{DateTime, SecondsFormat, Utc};
-use chunked_outbox::{ChannelHealth, DeliveryView, Health};
+use chunked_outbox::{ChannelHealth, DeliveryStatus, DeliveryView, Health};
 use comfy_table::{ColumnConstraint, ContentArrangement, Table, presets};
 
 /// The widest a table may be.
@@ -137,8 +137,8 @@ pub fn health(h: &Health) -> String {
     );
     let _ = writeln!(
         out,
-        "moving chunks      {}   awaiting a decision  {}",
-        h.totals.moving_chunks, h.totals.awaiting_decision
+        "moving chunks      {}   awaiting a decision  {}   cancelled  {}",
+        h.totals.moving_chunks, h.totals.awaiting_decision, h.totals.cancelled_deliveries
     );
     let _ = writeln!(out, "snapshot at        {}", time(Some(h.generated_at)));
     out
@@ -199,6 +199,13 @@ pub fn show(d: &DeliveryView) -> String {
     }
     if let Some(metadata) = &d.metadata {
         let _ = writeln!(out, "metadata  {}", clean(metadata));
+    }
+    if d.status == DeliveryStatus::Cancelled {
+        let _ = writeln!(
+            out,
+            "cancelled before any of its chunks was sent; nothing of it reached the chat"
+        );
+        return out;
     }
     let rows = d
         .chunks
