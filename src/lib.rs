@@ -130,7 +130,7 @@ mod split;
 mod status;
 
 pub use claim::{Claim, MAX_CLAIM_BATCH, RecoverScope, RecoveryReport};
-pub use classify::{ErrorClass, classify_error};
+pub use classify::{ErrorClass, MAX_RETRY_AFTER, classify_error};
 pub use clock::{Clock, ManualClock, SystemClock};
 #[cfg(feature = "tokio")]
 pub use dispatch::tokio::{
@@ -154,7 +154,9 @@ pub use options::{
     Backoff, LaneFailurePolicy, LaneOrder, OutboxOptions, ReplayPolicy, RetryPolicy, Synchronous,
 };
 pub use outbox::Outbox;
-pub use outcome::{MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES, Outcome, Recorded};
+pub use outcome::{
+    MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES, MAX_REFUNDED_RATE_LIMITS, Outcome, Recorded,
+};
 pub use policy::{ChannelPolicy, Policy};
 pub use retention::PurgeReport;
 pub use schema::{BACKGROUND_AUTOCHECKPOINT_PAGES, SCHEMA_VERSION, StorageSettings};

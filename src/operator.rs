@@ -291,7 +291,8 @@ fn requeue(
     )?;
     tx.prepare_cached(
         "UPDATE outbound_delivery_chunks
-         SET status = 'retry', attempts = 0, due_at = NULL, claim_token = NULL WHERE id = ?1",
+         SET status = 'retry', attempts = 0, rate_limits = 0, due_at = NULL, claim_token = NULL
+         WHERE id = ?1",
     )?
     .execute([chunk.id])?;
     lane::rejoin(

@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde::Serialize;
 
-use crate::classify::{ErrorClass, classify_error};
+use crate::classify::{ErrorClass, cap_retry_after, classify_error};
 use crate::clock::{duration_ms, to_datetime};
 use crate::policy::Stored;
 use crate::status::ChunkStatus;
@@ -38,8 +38,11 @@ pub enum Outcome {
         /// What went wrong.
         error: String,
     },
-    /// The platform asked to slow down: `retry` at `retry_after` from now, the whole lane
-    /// paused until then, and the attempt is given back.
+    /// The platform asked to slow down: `retry` at `retry_after` from now (at most
+    /// [`MAX_RETRY_AFTER`](crate::MAX_RETRY_AFTER)), the whole lane paused until then,
+    /// and the attempt is given back — for the first
+    /// [`MAX_REFUNDED_RATE_LIMITS`] rate limits of the chunk's attempt budget; after
+    /// that each one uses an attempt.
     RateLimited {
         /// How long the platform asked to wait.
         retry_after: Duration,
@@ -71,6 +74,7 @@ impl Outcome {
                 retry_after: retry_after.unwrap_or(Duration::from_secs(1)),
                 error,
             },
+            ErrorClass::Ambiguous => Outcome::Ambiguous { error },
             ErrorClass::Transient => Outcome::Transient { error },
         }
     }
@@ -356,11 +360,17 @@ fn apply(
             Ok(Recorded::settled(ChunkStatus::Failed))
         }
         Outcome::RateLimited { retry_after, error } => {
-            let asked = now.saturating_add(duration_ms(retry_after));
+            let attempts = match charge_rate_limit(tx, rules, chunk, &error, now)? {
+                Ok(attempts) => attempts,
+                Err(failure) => {
+                    fail_chunk(tx, rules, chunk, &failure, now)?;
+                    return Ok(Recorded::settled(ChunkStatus::Failed));
+                }
+            };
+            let asked = now.saturating_add(duration_ms(cap_retry_after(retry_after)));
             let paused_until = lane::pause(tx, &chunk.channel, &chunk.chat_id, asked)?;
             // Through the lane, like every due time: a longer pause of the chat holds.
             let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, paused_until)?;
-            let attempts = chunk.attempts.saturating_sub(1);
             reschedule(tx, chunk, ChunkStatus::Retry, attempts, due, Some(&error))?;
             Ok(Recorded::due(ChunkStatus::Retry, due))
         }
@@ -413,9 +423,13 @@ fn settle_held(
             (backoff, chunk.attempts, error)
         }
         Outcome::RateLimited { retry_after, error } => {
-            let until = now.saturating_add(duration_ms(retry_after));
+            let attempts = match charge_rate_limit(tx, rules, chunk, &error, now)? {
+                Ok(attempts) => attempts,
+                Err(failure) => return fail(&failure),
+            };
+            let until = now.saturating_add(duration_ms(cap_retry_after(retry_after)));
             lane::pause(tx, &chunk.channel, &chunk.chat_id, until)?;
-            (until, chunk.attempts.saturating_sub(1), error)
+            (until, attempts, error)
         }
     };
     rejoin_lane(tx, rules, chunk, attempts, earliest, Some(&error))?;
@@ -451,6 +465,38 @@ fn rejoin_lane(
         &chunk.chat_id,
         earliest,
     )
+}
+
+/// Rate limits of one attempt budget whose attempt is given back. Past them, each rate
+/// limit uses an attempt: a chunk refused as "rate limited" forever (a permanent error
+/// misread, a platform that never lets up) still becomes a dead letter.
+pub const MAX_REFUNDED_RATE_LIMITS: u32 = 20;
+
+/// The attempts a chunk keeps after a rate limit: one fewer (the attempt given back)
+/// for its first [`MAX_REFUNDED_RATE_LIMITS`], the same after that — or, when that
+/// leaves it out of budget, `Err` with the dead letter's error.
+fn charge_rate_limit(
+    tx: &Connection,
+    rules: &Stored,
+    chunk: &ChunkRef,
+    error: &str,
+    now: i64,
+) -> Result<std::result::Result<u32, String>> {
+    let count: u32 = tx
+        .prepare_cached(
+            "UPDATE outbound_delivery_chunks SET rate_limits = rate_limits + 1
+             WHERE id = ?1 RETURNING rate_limits",
+        )?
+        .query_row([chunk.id], |r| r.get(0))?;
+    if count <= MAX_REFUNDED_RATE_LIMITS {
+        return Ok(Ok(chunk.attempts.saturating_sub(1)));
+    }
+    Ok(match out_of_budget(rules, chunk, now) {
+        Some(reason) => Err(format!(
+            "{error} (rate limited {count} times; past {MAX_REFUNDED_RATE_LIMITS} each one uses an attempt: {reason})"
+        )),
+        None => Ok(chunk.attempts),
+    })
 }
 
 /// Why a chunk may not be sent (again), if it may not.

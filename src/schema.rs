@@ -12,7 +12,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../migrations/0001_initial.sql"),
     include_str!("../migrations/0002_stored_policy.sql"),
     include_str!("../migrations/0003_history_table_name.sql"),
-    include_str!("../migrations/0004_cancelled_deliveries.sql"),
+    include_str!("../migrations/0004_cancel_and_rate_limit_budget.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:

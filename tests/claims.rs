@@ -655,3 +655,84 @@ fn long_error_texts_and_platform_ids_are_cut_at_a_character_boundary() -> Result
     assert_eq!(stored, long_id[..MAX_PLATFORM_ID_BYTES - 1]);
     Ok(())
 }
+
+/// A rate limit's wait is capped, so a garbled "retry after 9999999999999" pauses the
+/// chat for an hour, not for ages.
+#[test]
+fn a_rate_limit_pauses_for_at_most_the_cap() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    enqueue(ob, "1", &["a"]);
+    let claim = claim_one(ob);
+    let recorded = ob.record(
+        &claim,
+        Outcome::from_error_text("Too Many Requests: retry after 9999999999999"),
+    )?;
+    assert_eq!(
+        recorded.next_attempt_at.map(|t| t.timestamp_millis()),
+        Some(db.now_ms() + chunked_outbox::MAX_RETRY_AFTER.as_millis() as i64)
+    );
+    let recorded = ob.record(
+        &claim_after(&db, chunked_outbox::MAX_RETRY_AFTER),
+        Outcome::RateLimited {
+            retry_after: Duration::MAX,
+            error: "429".into(),
+        },
+    )?;
+    assert_eq!(
+        recorded.next_attempt_at.map(|t| t.timestamp_millis()),
+        Some(db.now_ms() + chunked_outbox::MAX_RETRY_AFTER.as_millis() as i64),
+        "the typed outcome is capped the same way"
+    );
+    Ok(())
+}
+
+fn claim_after(db: &TestDb, wait: Duration) -> chunked_outbox::Claim {
+    db.advance(wait);
+    claim_one(&db.outbox)
+}
+
+/// Rate limits give the attempt back only so many times: a chunk the platform refuses
+/// as "rate limited" forever becomes a dead letter instead of blocking its chat.
+#[test]
+fn refunds_are_capped_so_no_chunk_is_rate_limited_forever() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    let id = enqueue(ob, "1", &["refused forever"]);
+    let max_attempts = ob.policy()?.retry.max_attempts;
+    let limited = || Outcome::RateLimited {
+        retry_after: Duration::from_secs(1),
+        error: "429".into(),
+    };
+    for _ in 0..chunked_outbox::MAX_REFUNDED_RATE_LIMITS {
+        let claim = claim_after(&db, Duration::from_secs(1));
+        ob.record(&claim, limited())?;
+    }
+    assert_eq!(view(ob, id).chunks[0].attempts, 0, "all refunded so far");
+    for used in 1..max_attempts {
+        let claim = claim_after(&db, Duration::from_secs(1));
+        assert_eq!(ob.record(&claim, limited())?.status, ChunkStatus::Retry);
+        assert_eq!(
+            view(ob, id).chunks[0].attempts,
+            used,
+            "each one uses an attempt now"
+        );
+    }
+    let claim = claim_after(&db, Duration::from_secs(1));
+    assert_eq!(ob.record(&claim, limited())?.status, ChunkStatus::Failed);
+    let v = view(ob, id);
+    assert_eq!(v.status, chunked_outbox::DeliveryStatus::Failed);
+    let error = v.chunks[0].last_error.clone().unwrap();
+    let times = chunked_outbox::MAX_REFUNDED_RATE_LIMITS + max_attempts;
+    assert!(
+        error.contains(&format!("rate limited {times} times")),
+        "{error}"
+    );
+
+    // A requeue gives a fresh budget, refunds included.
+    ob.requeue_delivery(id)?;
+    let claim = claim_after(&db, Duration::from_secs(1));
+    ob.record(&claim, limited())?;
+    assert_eq!(view(ob, id).chunks[0].attempts, 0);
+    Ok(())
+}

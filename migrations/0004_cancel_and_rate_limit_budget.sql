@@ -1,5 +1,7 @@
 -- Version 4: a reply can be cancelled before any of its chunks has started
--- (`Outbox::cancel`). The delivery's status gains `cancelled`; SQLite cannot change a
+-- (`Outbox::cancel`), and refunded rate limits are counted per chunk.
+--
+-- Cancel. The delivery's status gains `cancelled`; SQLite cannot change a
 -- CHECK constraint in place, so the table is rebuilt with the same columns, rows and
 -- indexes (SQLite's documented procedure for other kinds of table schema changes; no
 -- view or foreign key refers to the table).
@@ -62,3 +64,8 @@ CREATE UNIQUE INDEX outbound_deliveries_idempotency
 -- status, so they never see them.
 CREATE INDEX outbound_deliveries_open
     ON outbound_deliveries (channel, chat_id, status, id) WHERE status <> 'delivered';
+
+-- Rate limits whose attempt was given back since the chunk's attempt budget was last
+-- (re)set. Past a fixed number (`MAX_REFUNDED_RATE_LIMITS`) a rate limit uses an
+-- attempt, so a chunk refused as "rate limited" forever still becomes a dead letter.
+ALTER TABLE outbound_delivery_chunks ADD COLUMN rate_limits INTEGER NOT NULL DEFAULT 0;
