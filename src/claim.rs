@@ -55,6 +55,21 @@ pub struct Claim {
     pub(crate) token: i64,
 }
 
+impl Claim {
+    /// This chunk's key in [`COMPACT_KEY_LEN`](crate::COMPACT_KEY_LEN) characters, for
+    /// Discord's `nonce` and other short key fields (see
+    /// [`chunk_compact_key`](crate::chunk_compact_key)).
+    pub fn compact_key(&self) -> String {
+        crate::chunk_compact_key(&self.delivery_id, self.index)
+    }
+
+    /// This chunk's key as a UUID, for LINE's `X-Line-Retry-Key` (see
+    /// [`chunk_key_uuid`](crate::chunk_key_uuid)).
+    pub fn key_uuid(&self) -> uuid::Uuid {
+        crate::chunk_key_uuid(&self.delivery_id, self.index)
+    }
+}
+
 /// What [`Outbox::recover`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct RecoveryReport {

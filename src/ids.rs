@@ -189,9 +189,11 @@ impl fmt::Debug for ClaimantId {
 
 /// The idempotency key of chunk `index` (0-based) of a delivery: `"{delivery}:{index + 1}"`.
 ///
-/// This is the only place the key is derived. Every send of a chunk carries the same
-/// key, so platforms that deduplicate by key (Matrix `txnId`, Discord `nonce`, ...) turn a
-/// replay into a no-op.
+/// This module is the only place the key is derived, in three forms: this one (38
+/// characters), [`chunk_compact_key`] (24, for Discord's 25-character `nonce`) and
+/// [`chunk_key_uuid`] (for LINE's `X-Line-Retry-Key`). Every send of a chunk carries the
+/// same key, so platforms that deduplicate by key (Matrix `txnId`, Discord `nonce`,
+/// LINE's retry key) turn a replay into a no-op.
 ///
 /// ```
 /// # use chunked_outbox::{chunk_idempotency_key, DeliveryId};
@@ -200,6 +202,49 @@ impl fmt::Debug for ClaimantId {
 /// ```
 pub fn chunk_idempotency_key(delivery: &DeliveryId, index: u32) -> String {
     format!("{delivery}:{}", u64::from(index) + 1)
+}
+
+/// Length of [`chunk_compact_key`]: 24 characters, within Discord's 25-character `nonce`.
+pub const COMPACT_KEY_LEN: usize = 24;
+
+/// The same chunk's key in [`COMPACT_KEY_LEN`] characters of URL-safe base64
+/// (`A-Z a-z 0-9 - _`): the delivery id's 16 bytes and the chunk index as 2 big-endian
+/// bytes. For platforms whose key field is short: Discord's `nonce` allows at most 25
+/// characters, and the full key has 38. Stable like the full key (every send of a chunk
+/// carries the same one), and as unique: it encodes the same two values, losslessly.
+///
+/// ```
+/// # use chunked_outbox::{chunk_compact_key, DeliveryId};
+/// let id: DeliveryId = "01890a5d-ac96-774b-bcce-b302099a8057".parse().unwrap();
+/// assert_eq!(chunk_compact_key(&id, 1), "AYkKXayWd0u8zrMCCZqAVwAB");
+/// ```
+pub fn chunk_compact_key(delivery: &DeliveryId, index: u32) -> String {
+    use base64::Engine as _;
+    let mut bytes = [0_u8; 18];
+    bytes[..16].copy_from_slice(delivery.as_uuid().as_bytes());
+    // A delivery has at most 10,000 chunks (MAX_CHUNKS): the index fits in 2 bytes.
+    let index = u16::try_from(index).unwrap_or(u16::MAX);
+    bytes[16..].copy_from_slice(&index.to_be_bytes());
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+}
+
+/// The same chunk's key as a UUID, for platforms that require one: LINE's
+/// `X-Line-Retry-Key` must be a UUID. A name-based UUID (version 5): the delivery id is
+/// the namespace, the chunk number (`index + 1`, as in the full key) the name, so it
+/// is stable and differs per chunk.
+///
+/// ```
+/// # use chunked_outbox::{chunk_key_uuid, DeliveryId};
+/// let id: DeliveryId = "01890a5d-ac96-774b-bcce-b302099a8057".parse().unwrap();
+/// assert_eq!(chunk_key_uuid(&id, 1), chunk_key_uuid(&id, 1));
+/// assert_ne!(chunk_key_uuid(&id, 1), chunk_key_uuid(&id, 2));
+/// assert_eq!(chunk_key_uuid(&id, 0).get_version_num(), 5);
+/// ```
+pub fn chunk_key_uuid(delivery: &DeliveryId, index: u32) -> Uuid {
+    Uuid::new_v5(
+        &delivery.as_uuid(),
+        (u64::from(index) + 1).to_string().as_bytes(),
+    )
 }
 
 #[cfg(test)]
@@ -263,6 +308,31 @@ mod tests {
 
     /// The SQL range spells the stride out (SQL text is built at compile time); it must
     /// be the stride the ids are made with.
+    #[test]
+    fn compact_keys_are_short_lossless_and_distinct() {
+        use base64::Engine as _;
+        let mut seen = std::collections::HashSet::new();
+        for row in 1..200 {
+            let delivery = DeliveryId::for_row(row, 77, 1_700_000_000_000);
+            for index in [0, 1, 2, 9_999] {
+                let key = chunk_compact_key(&delivery, index);
+                assert_eq!(key.len(), COMPACT_KEY_LEN, "{key}");
+                assert!(
+                    key.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'),
+                    "{key}"
+                );
+                let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+                    .decode(&key)
+                    .unwrap();
+                assert_eq!(&bytes[..16], delivery.as_uuid().as_bytes());
+                assert_eq!(u16::from_be_bytes([bytes[16], bytes[17]]), index as u16);
+                assert!(seen.insert(key));
+                assert!(seen.insert(chunk_key_uuid(&delivery, index).to_string()));
+            }
+        }
+    }
+
     #[test]
     fn the_sql_range_uses_the_chunk_stride() {
         assert_eq!(CHUNK_STRIDE, 16_384);

@@ -123,6 +123,7 @@ mod operator;
 mod options;
 mod outbox;
 mod outcome;
+pub mod platforms;
 mod policy;
 mod retention;
 mod schema;
@@ -147,7 +148,10 @@ pub use enqueue::{
 pub use error::{Error, Result};
 pub use finalize::FINALIZE_PARAMETERS;
 pub use health::{ChannelHealth, Health};
-pub use ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
+pub use ids::{
+    COMPACT_KEY_LEN, ChunkId, ClaimantId, DeliveryId, chunk_compact_key, chunk_idempotency_key,
+    chunk_key_uuid,
+};
 pub use inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter, MAX_LIST_LIMIT};
 pub use operator::Resolution;
 pub use options::{

@@ -48,7 +48,8 @@ pub enum ReplayPolicy {
     #[default]
     Hold,
     /// Send it again with the same idempotency key. Right for platforms that deduplicate
-    /// by key (Matrix `txnId`, Discord `nonce`), or where the application chose
+    /// by key (Matrix `txnId`; Discord `nonce` with `enforce_nonce`, using
+    /// [`Claim::compact_key`](crate::Claim::compact_key)), or where the application chose
     /// at-least-once delivery.
     Replay,
 }

@@ -34,7 +34,9 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// impl AsyncChannelAdapter for Discord {
 ///     fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome> {
 ///         Box::pin(async move {
-///             // POST /channels/{claim.chat_id}/messages with a nonce from the claim ...
+///             // POST /channels/{claim.chat_id}/messages with
+///             // {"nonce": claim.compact_key(), "enforce_nonce": true} (the full key
+///             // is longer than Discord's 25-character nonce allows) ...
 ///             Outcome::delivered(None)
 ///         })
 ///     }

@@ -1,0 +1,141 @@
+//! Discord REST API (`POST /channels/{channel.id}/messages`).
+//!
+//! Discord deduplicates a message by its `nonce` when the request sets
+//! `enforce_nonce: true` (for a few minutes). The nonce allows at most 25 characters:
+//! send [`Claim::compact_key`](crate::Claim::compact_key), not the 38-character full key,
+//! and declare the channel [`ChannelPolicy::replayable`](crate::ChannelPolicy::replayable).
+
+use serde_json::Value;
+
+use super::{HttpReply, id_text, rate_limited, seconds};
+use crate::Outcome;
+
+/// Maps Discord's answer to a message create.
+///
+/// 2xx is `Delivered` with the message's `id`; 429 is `RateLimited` for `retry_after`
+/// (float seconds; the error names a `global` limit); every other 4xx is `Permanent`
+/// with its JSON `code` (10003 unknown channel, 50001 missing access, 50007 cannot send
+/// to this user, 50013 missing permissions, 50035 invalid form body — a nonce or
+/// content too long); 502 and 503 are `Transient` (no gateway took the request); other
+/// 5xx are `Ambiguous`; a 2xx without an id is `Ambiguous`.
+///
+/// ```
+/// use chunked_outbox::platforms::{discord, HttpReply};
+/// use chunked_outbox::Outcome;
+///
+/// let gone = HttpReply::new(404, r#"{"message": "Unknown Channel", "code": 10003}"#);
+/// assert!(matches!(discord::outcome(&gone), Outcome::Permanent { error } if error.contains("10003")));
+/// ```
+pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
+    let body = reply.json();
+    if (200..300).contains(&reply.status) {
+        return match id_text(&body["id"]) {
+            Some(id) => Outcome::delivered(Some(id)),
+            None => Outcome::Ambiguous {
+                error: reply.describe("success without a message id"),
+            },
+        };
+    }
+    let message = body["message"].as_str().unwrap_or_default();
+    let error = match body["code"].as_u64() {
+        Some(code) if !message.is_empty() => format!("{} {message} (code {code})", reply.status),
+        _ => reply.describe("from Discord"),
+    };
+    match reply.status {
+        429 => {
+            let error = if body["global"] == Value::Bool(true) {
+                format!("{error}; global rate limit")
+            } else {
+                error
+            };
+            rate_limited(&[seconds(&body["retry_after"]), reply.header_wait()], error)
+        }
+        400..=499 => Outcome::Permanent { error },
+        502 | 503 => Outcome::Transient { error },
+        _ => Outcome::Ambiguous { error },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn map(status: u16, body: &str) -> Outcome {
+        outcome(&HttpReply::new(status, body))
+    }
+
+    /// Sample answers from Discord's API reference (rate limits, JSON error codes).
+    #[test]
+    fn documented_answers() {
+        assert_eq!(
+            map(
+                200,
+                r#"{"id":"1189283621932285982","channel_id":"41771983423143937","content":"hi","nonce":"AYkKXayWd0u8zrMCCZqAVwAB"}"#
+            ),
+            Outcome::delivered(Some("1189283621932285982".into()))
+        );
+        assert!(matches!(
+            map(429, r#"{"message": "You are being rate limited.", "retry_after": 64.57, "global": false}"#),
+            Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs_f64(64.57)
+        ));
+        match map(
+            429,
+            r#"{"message": "You are being rate limited.", "retry_after": 1.5, "global": true}"#,
+        ) {
+            Outcome::RateLimited { retry_after, error } => {
+                assert_eq!(retry_after, Duration::from_millis(1500));
+                assert!(error.contains("global"), "{error}");
+            }
+            other => panic!("{other:?}"),
+        }
+        for (status, body, code) in [
+            (
+                404,
+                r#"{"message": "Unknown Channel", "code": 10003}"#,
+                "10003",
+            ),
+            (
+                403,
+                r#"{"message": "Cannot send messages to this user", "code": 50007}"#,
+                "50007",
+            ),
+            (
+                403,
+                r#"{"message": "Missing Permissions", "code": 50013}"#,
+                "50013",
+            ),
+            (
+                403,
+                r#"{"message": "Missing Access", "code": 50001}"#,
+                "50001",
+            ),
+            (
+                400,
+                r#"{"code": 50035, "errors": {"nonce": {"_errors": [{"code": "BASE_TYPE_MAX_LENGTH", "message": "Must be 25 or fewer in length."}]}}, "message": "Invalid Form Body"}"#,
+                "50035",
+            ),
+            (
+                401,
+                r#"{"message": "401: Unauthorized", "code": 0}"#,
+                "code 0",
+            ),
+        ] {
+            match map(status, body) {
+                Outcome::Permanent { error } => assert!(error.contains(code), "{error}"),
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+        assert!(matches!(map(502, ""), Outcome::Transient { .. }));
+        assert!(matches!(map(500, ""), Outcome::Ambiguous { .. }));
+        assert!(matches!(map(200, "{}"), Outcome::Ambiguous { .. }));
+    }
+
+    #[test]
+    fn the_header_stands_in_when_the_body_has_no_wait() {
+        let reply = HttpReply::new(429, "").with_retry_after("3");
+        assert!(matches!(outcome(&reply),
+            Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs(3)));
+    }
+}

@@ -1,0 +1,183 @@
+//! Typed mappings from the platforms' own answers to an [`Outcome`].
+//!
+//! The outbox keeps its promises (no blind resend where a platform cannot deduplicate,
+//! no retry of a permanent error, a rate limit that pauses a chat without using an
+//! attempt) only if every send's result is mapped to the right [`Outcome`]. These
+//! functions do that from what the HTTP client received — status, `Retry-After` header
+//! and JSON body — for the Bot API of Telegram, Discord's REST API and Slack's Web API,
+//! and [`no_reply`] for a request that got no answer. They read the platform's fields,
+//! never its human-readable text, so they do not depend on wording.
+//!
+//! | answer | Telegram | Discord | Slack |
+//! |---|---|---|---|
+//! | success | `ok: true` → `Delivered` (`result.message_id`) | 2xx → `Delivered` (`id`) | `ok: true` → `Delivered` (`ts`) |
+//! | rate limit | 429 → `RateLimited` (`parameters.retry_after`, s) | 429 → `RateLimited` (`retry_after`, float s; `global` named) | HTTP 429 or `ratelimited` → `RateLimited` (`Retry-After`, s) |
+//! | chat moved | `parameters.migrate_to_chat_id` → `Permanent` ([`telegram::migrated_to`]) | — | — |
+//! | refused | other 4xx (blocked, kicked, chat not found, bad token, parse error) → `Permanent` | other 4xx (JSON `code`: 10003, 50001, 50007, 50013, 50035 …) → `Permanent` | any other `error` (`channel_not_found`, `invalid_auth`, `account_inactive`, `msg_too_long` …) → `Permanent` |
+//! | server error | 500, 502, 504 → `Ambiguous`; 503 → `Transient` | 500, 504 → `Ambiguous`; 502, 503 → `Transient` | HTTP 5xx and `internal_error`, `fatal_error` → `Ambiguous`; `service_unavailable`, `request_timeout` → `Transient` |
+//! | unreadable success | 2xx body without the fields → `Ambiguous` | same | same |
+//! | no answer | [`no_reply`]: not sent → `Transient`; maybe sent (timeout or reset after the request was written) → `Ambiguous` | same | same |
+//!
+//! A rate limit's wait is capped at [`MAX_RETRY_AFTER`](crate::MAX_RETRY_AFTER); with
+//! none given it is 1 s. `Ambiguous` follows the channel's
+//! [`ReplayPolicy`](crate::ReplayPolicy): `Hold` for Telegram and Slack (they cannot
+//! deduplicate), `Replay` for Discord when the send carries
+//! `{"nonce": claim.compact_key(), "enforce_nonce": true}`.
+//!
+//! ```
+//! use chunked_outbox::platforms::{telegram, HttpReply};
+//! use chunked_outbox::Outcome;
+//!
+//! let reply = HttpReply::new(429, r#"{"ok":false,"error_code":429,
+//!     "description":"Too Many Requests: retry after 35","parameters":{"retry_after":35}}"#);
+//! assert!(matches!(telegram::outcome(&reply),
+//!     Outcome::RateLimited { retry_after, .. } if retry_after.as_secs() == 35));
+//! ```
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::Outcome;
+use crate::classify::cap_retry_after;
+
+pub mod discord;
+pub mod slack;
+pub mod telegram;
+
+/// An HTTP answer to a send, as the adapter's client received it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpReply<'a> {
+    /// The HTTP status code.
+    pub status: u16,
+    /// The `Retry-After` header's value, if the answer had one.
+    pub retry_after: Option<&'a str>,
+    /// The body, as text (the platforms answer JSON).
+    pub body: &'a str,
+}
+
+impl<'a> HttpReply<'a> {
+    /// An answer with this status and body and no `Retry-After` header.
+    pub fn new(status: u16, body: &'a str) -> Self {
+        HttpReply {
+            status,
+            retry_after: None,
+            body,
+        }
+    }
+
+    /// The same answer with a `Retry-After` header.
+    pub fn with_retry_after(self, value: &'a str) -> Self {
+        HttpReply {
+            retry_after: Some(value),
+            ..self
+        }
+    }
+
+    /// The body as JSON (`Null` when it is not JSON).
+    fn json(&self) -> Value {
+        serde_json::from_str(self.body).unwrap_or(Value::Null)
+    }
+
+    /// The `Retry-After` header as a wait: delay-seconds (RFC 9110; a fraction is
+    /// accepted). An HTTP date is not read (no platform here sends one).
+    fn header_wait(&self) -> Option<Duration> {
+        seconds(&Value::String(self.retry_after?.trim().to_owned()))
+    }
+
+    /// A short description for the outcome's error text: status and body, cut.
+    fn describe(&self, what: &str) -> String {
+        let body: String = self.body.chars().take(300).collect();
+        format!("HTTP {} {what}: {body}", self.status)
+    }
+}
+
+/// How a request that got no complete HTTP answer ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NoReply {
+    /// It was never written: DNS, connect or TLS failed, or a client-side limit refused
+    /// it. The platform saw nothing.
+    NotSent,
+    /// It was written, or may have been: a timeout waiting for the answer, a connection
+    /// reset or closed mid-answer. The platform may have acted on it.
+    MaybeSent,
+}
+
+/// The outcome of a send that got no answer: [`NoReply::NotSent`] is `Transient`
+/// (retry), [`NoReply::MaybeSent`] is `Ambiguous` (the channel's replay policy decides).
+/// With reqwest, a `connect` error is `NotSent`; a `timeout` or any other error after
+/// the request started is `MaybeSent`.
+pub fn no_reply(how: NoReply, error: impl Into<String>) -> Outcome {
+    let error = error.into();
+    match how {
+        NoReply::NotSent => Outcome::Transient { error },
+        NoReply::MaybeSent => Outcome::Ambiguous { error },
+    }
+}
+
+/// A JSON number (or a numeric string) of seconds as a wait, capped.
+fn seconds(value: &Value) -> Option<Duration> {
+    let secs = match value {
+        Value::Number(n) => n.as_f64()?,
+        Value::String(s) => s.trim().parse().ok()?,
+        _ => return None,
+    };
+    if secs.is_nan() || secs < 0.0 {
+        return None;
+    }
+    Some(cap_retry_after(
+        Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX),
+    ))
+}
+
+/// The rate-limited outcome with the first wait given, else 1 s.
+fn rate_limited(waits: &[Option<Duration>], error: String) -> Outcome {
+    Outcome::RateLimited {
+        retry_after: waits
+            .iter()
+            .find_map(|w| *w)
+            .unwrap_or(Duration::from_secs(1)),
+        error,
+    }
+}
+
+/// A platform message id (a JSON string or number) as text.
+fn id_text(value: &Value) -> Option<String> {
+    match value {
+        Value::String(s) if !s.is_empty() => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_reply_splits_on_whether_the_request_was_written() {
+        assert!(matches!(
+            no_reply(NoReply::NotSent, "connect refused"),
+            Outcome::Transient { .. }
+        ));
+        assert!(matches!(
+            no_reply(NoReply::MaybeSent, "read timed out"),
+            Outcome::Ambiguous { .. }
+        ));
+    }
+
+    #[test]
+    fn waits_are_read_as_seconds_and_capped() {
+        assert_eq!(
+            seconds(&Value::from(1.5)),
+            Some(Duration::from_millis(1500))
+        );
+        assert_eq!(seconds(&Value::from("7")), Some(Duration::from_secs(7)));
+        assert_eq!(seconds(&Value::from(-1)), None);
+        assert_eq!(seconds(&Value::from("soon")), None);
+        assert_eq!(seconds(&Value::from(1e300)), Some(crate::MAX_RETRY_AFTER));
+        let reply = HttpReply::new(429, "").with_retry_after(" 12 ");
+        assert_eq!(reply.header_wait(), Some(Duration::from_secs(12)));
+    }
+}
