@@ -12,6 +12,7 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use chunked_outbox::platforms::{self, HttpReply};
 use chunked_outbox::{
     Backoff, ChannelAdapter, ChannelPolicy, ChunkStatus, Claim, DeliveryStatus, LaneFailurePolicy,
     ListFilter, Outbox, OutboxOptions, Outcome, Resolution, RetryPolicy, Splitter,
@@ -20,14 +21,27 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use crate::CliResult;
 
+/// Which real API a simulated platform answers like.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// Telegram Bot API: no idempotency key, messages of at most 4,096 UTF-16 units,
+    /// 429 with `parameters.retry_after` in whole seconds.
+    Telegram,
+    /// Discord: deduplicates by `nonce` (at most 25 characters, with `enforce_nonce`),
+    /// messages of at most 2,000 characters, 429 with a float `retry_after`.
+    Discord,
+    /// Slack `chat.postMessage`: no idempotency key, text of at most 40,000 characters,
+    /// errors as `{"ok": false, "error": ...}`, 429 with a `Retry-After` header.
+    Slack,
+}
+
 /// One simulated platform's traits.
 pub struct SimChannel {
     pub name: &'static str,
+    pub api: Api,
     pub splitter: Splitter,
     /// Deduplicates by idempotency key (so replays are safe).
     pub dedupes: bool,
-    /// The error text for a chat that no longer exists.
-    pub gone_error: &'static str,
     /// The platform has an API that tells whether a message arrived (Slack:
     /// `conversations.history` with the message metadata the bot sent). Telegram has
     /// none; Discord does not need one (it deduplicates by nonce, so it replays).
@@ -37,23 +51,23 @@ pub struct SimChannel {
 pub const CHANNELS: [SimChannel; 3] = [
     SimChannel {
         name: "telegram",
+        api: Api::Telegram,
         splitter: Splitter::telegram(),
         dedupes: false,
-        gone_error: "Bad Request: chat not found",
         lookup: false,
     },
     SimChannel {
         name: "discord",
+        api: Api::Discord,
         splitter: Splitter::discord(),
         dedupes: true,
-        gone_error: "Unknown Channel (code 10003)",
         lookup: false,
     },
     SimChannel {
         name: "slack",
+        api: Api::Slack,
         splitter: Splitter::slack(),
         dedupes: false,
-        gone_error: "channel_not_found",
         lookup: true,
     },
 ];
@@ -82,91 +96,248 @@ pub fn open_platform(path: &Path) -> rusqlite::Result<Connection> {
     conn.execute_batch(
         "PRAGMA journal_mode = WAL;
          CREATE TABLE IF NOT EXISTS received (
-             id INTEGER PRIMARY KEY, channel TEXT NOT NULL, chat TEXT NOT NULL, key TEXT NOT NULL);
+             id INTEGER PRIMARY KEY, channel TEXT NOT NULL, chat TEXT NOT NULL, key TEXT NOT NULL,
+             nonce TEXT);
          CREATE INDEX IF NOT EXISTS received_key ON received (key);
+         CREATE INDEX IF NOT EXISTS received_nonce ON received (nonce) WHERE nonce IS NOT NULL;
          CREATE TABLE IF NOT EXISTS deduplicated (key TEXT NOT NULL);",
     )?;
     Ok(conn)
 }
 
-/// One simulated platform. It accepts most sends, fails some transiently, rate-limits
-/// some, times out on some after (maybe) accepting them, and rejects chats that are gone.
+/// A send as the platform's HTTP API receives it.
+#[derive(Debug, Clone)]
+pub struct Request<'a> {
+    pub chat: &'a str,
+    pub text: &'a str,
+    /// Discord's `nonce` (sent with `enforce_nonce: true`), if the client sent one.
+    pub nonce: Option<String>,
+    /// What identifies the message in the platform's record, for the verdict alone (a
+    /// real record would hold the text; the key is shorter).
+    pub key: &'a str,
+}
+
+/// What the platform answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    Http {
+        status: u16,
+        retry_after: Option<String>,
+        body: String,
+    },
+    /// The connection timed out after the request was written.
+    Timeout,
+}
+
+impl Answer {
+    fn http(status: u16, body: impl Into<String>) -> Answer {
+        Answer::Http {
+            status,
+            retry_after: None,
+            body: body.into(),
+        }
+    }
+}
+
+/// One simulated platform. It enforces the real API's limits (message length, nonce
+/// length), accepts most sends, fails some transiently, rate-limits some, times out on
+/// some after (maybe) accepting them, and rejects chats that are gone — each answered
+/// in that API's own shape, so the adapter maps it with the crate's typed mapping.
 pub struct SimPlatform {
     channel: &'static str,
-    dedupes: bool,
-    gone_error: &'static str,
+    api: Api,
     record: Mutex<Connection>,
     rng: Mutex<fastrand::Rng>,
 }
+
+/// Discord's limit on a nonce.
+const DISCORD_NONCE_MAX: usize = 25;
 
 impl SimPlatform {
     /// A platform for `channel` recording into `record`, with its own random stream.
     pub fn new(channel: &SimChannel, record: Connection, seed: u64) -> SimPlatform {
         SimPlatform {
             channel: channel.name,
-            dedupes: channel.dedupes,
-            gone_error: channel.gone_error,
+            api: channel.api,
             record: Mutex::new(record),
             rng: Mutex::new(fastrand::Rng::with_seed(seed)),
         }
     }
 
-    fn accept(&self, claim: &Claim) -> rusqlite::Result<()> {
+    /// Records an accepted message and returns its id; a replay with a nonce already
+    /// seen (Discord) is dropped and answered with the first message's id.
+    fn accept(&self, request: &Request<'_>) -> rusqlite::Result<i64> {
         let conn = self.record.lock().unwrap_or_else(|e| e.into_inner());
-        let seen: Option<i64> = conn
-            .query_row(
-                "SELECT id FROM received WHERE key = ?1",
-                [&claim.idempotency_key],
-                |r| r.get(0),
-            )
-            .optional()?;
-        if seen.is_some() && self.dedupes {
-            conn.execute(
-                "INSERT INTO deduplicated (key) VALUES (?1)",
-                [&claim.idempotency_key],
-            )?;
-        } else {
-            conn.execute(
-                "INSERT INTO received (channel, chat, key) VALUES (?1, ?2, ?3)",
-                params![self.channel, claim.chat_id, claim.idempotency_key],
-            )?;
+        if let Some(nonce) = &request.nonce {
+            let seen: Option<i64> = conn
+                .query_row(
+                    "SELECT id FROM received WHERE nonce = ?1 AND channel = ?2",
+                    params![nonce, self.channel],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            if let Some(id) = seen {
+                conn.execute("INSERT INTO deduplicated (key) VALUES (?1)", [request.key])?;
+                return Ok(id);
+            }
         }
-        Ok(())
+        conn.execute(
+            "INSERT INTO received (channel, chat, key, nonce) VALUES (?1, ?2, ?3, ?4)",
+            params![self.channel, request.chat, request.key, request.nonce],
+        )?;
+        Ok(conn.last_insert_rowid())
     }
-}
 
-impl ChannelAdapter for SimPlatform {
-    fn send(&self, claim: &Claim) -> Outcome {
+    /// The platform's answer to one send.
+    pub fn post(&self, request: &Request<'_>) -> Answer {
         let (roll, delivered_anyway, latency) = {
             let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
             (rng.u32(0..1000), rng.bool(), rng.u64(0..1500))
         };
         std::thread::sleep(Duration::from_micros(latency)); // the network round trip
-        if chat_is_gone(&claim.chat_id) {
-            return Outcome::from_error_text(self.gone_error);
+        if let Some(refusal) = self.refuse(request) {
+            return refusal;
         }
-        let outcome = match roll {
-            0..40 => return Outcome::from_error_text("HTTP 502 Bad Gateway"),
-            40..55 => return Outcome::from_error_text("Too Many Requests: retry after 0.3"),
+        match roll {
+            0..40 => return self.unavailable(),
+            40..55 => return self.rate_limited(),
             55..75 => {
                 // A timeout after the request was written: it may or may not have landed.
-                if delivered_anyway && self.accept(claim).is_err() {
-                    return Outcome::Transient {
-                        error: "platform record busy".into(),
-                    };
+                if delivered_anyway && self.accept(request).is_err() {
+                    return self.unavailable();
                 }
-                return Outcome::Ambiguous {
-                    error: "read timeout after the request was sent".into(),
-                };
+                return Answer::Timeout;
             }
-            _ => Outcome::delivered(Some(format!("{}-{}", self.channel, claim.idempotency_key))),
-        };
-        match self.accept(claim) {
-            Ok(()) => outcome,
-            Err(e) => Outcome::Transient {
-                error: format!("platform record: {e}"),
+            _ => {}
+        }
+        match self.accept(request) {
+            Ok(id) => self.created(id),
+            Err(_) => self.unavailable(),
+        }
+    }
+
+    /// A request the real API refuses whatever the moment: too long, a nonce over
+    /// Discord's limit, a chat that is gone.
+    fn refuse(&self, request: &Request<'_>) -> Option<Answer> {
+        let gone = chat_is_gone(request.chat);
+        Some(match self.api {
+            Api::Telegram if gone => Answer::http(
+                403,
+                r#"{"ok":false,"error_code":403,"description":"Forbidden: bot was blocked by the user"}"#,
+            ),
+            Api::Telegram if request.text.encode_utf16().count() > 4096 => Answer::http(
+                400,
+                r#"{"ok":false,"error_code":400,"description":"Bad Request: message is too long"}"#,
+            ),
+            Api::Discord
+                if request
+                    .nonce
+                    .as_ref()
+                    .is_some_and(|n| n.chars().count() > DISCORD_NONCE_MAX) =>
+            {
+                Answer::http(
+                    400,
+                    r#"{"code": 50035, "errors": {"nonce": {"_errors": [{"code": "BASE_TYPE_MAX_LENGTH", "message": "Must be 25 or fewer in length."}]}}, "message": "Invalid Form Body"}"#,
+                )
+            }
+            Api::Discord if gone => {
+                Answer::http(404, r#"{"message": "Unknown Channel", "code": 10003}"#)
+            }
+            Api::Discord if request.text.chars().count() > 2000 => Answer::http(
+                400,
+                r#"{"code": 50035, "errors": {"content": {"_errors": [{"code": "BASE_TYPE_MAX_LENGTH", "message": "Must be 2000 or fewer in length."}]}}, "message": "Invalid Form Body"}"#,
+            ),
+            Api::Slack if gone => {
+                Answer::http(200, r#"{"ok": false, "error": "channel_not_found"}"#)
+            }
+            Api::Slack if request.text.chars().count() > 40_000 => {
+                Answer::http(200, r#"{"ok": false, "error": "msg_too_long"}"#)
+            }
+            _ => return None,
+        })
+    }
+
+    /// Service unavailable: nothing was done.
+    fn unavailable(&self) -> Answer {
+        match self.api {
+            Api::Telegram => Answer::http(
+                503,
+                r#"{"ok":false,"error_code":503,"description":"Service Unavailable"}"#,
+            ),
+            Api::Discord => Answer::http(502, "<html>502 Bad Gateway</html>"),
+            Api::Slack => Answer::http(200, r#"{"ok": false, "error": "service_unavailable"}"#),
+        }
+    }
+
+    fn rate_limited(&self) -> Answer {
+        match self.api {
+            Api::Telegram => Answer::http(
+                429,
+                r#"{"ok":false,"error_code":429,"description":"Too Many Requests: retry after 1","parameters":{"retry_after":1}}"#,
+            ),
+            Api::Discord => Answer::http(
+                429,
+                r#"{"message": "You are being rate limited.", "retry_after": 0.3, "global": false}"#,
+            ),
+            Api::Slack => Answer::Http {
+                status: 429,
+                retry_after: Some("1".into()),
+                body: r#"{"ok": false, "error": "ratelimited"}"#.into(),
             },
         }
+    }
+
+    fn created(&self, id: i64) -> Answer {
+        match self.api {
+            Api::Telegram => Answer::http(
+                200,
+                format!(r#"{{"ok":true,"result":{{"message_id":{id},"date":1700000000}}}}"#),
+            ),
+            Api::Discord => Answer::http(200, format!(r#"{{"id":"{}"}}"#, 1_000_000_000_000 + id)),
+            Api::Slack => Answer::http(
+                200,
+                format!(r#"{{"ok": true, "channel": "C1", "ts": "1700000000.{id:06}"}}"#),
+            ),
+        }
+    }
+
+    /// The adapter's side: what a bot's client sends for a claim, and the crate's typed
+    /// mapping of the answer.
+    pub fn outcome(&self, answer: &Answer) -> Outcome {
+        match answer {
+            Answer::Timeout => platforms::no_reply(
+                platforms::NoReply::MaybeSent,
+                "read timeout after the request was sent",
+            ),
+            Answer::Http {
+                status,
+                retry_after,
+                body,
+            } => {
+                let mut reply = HttpReply::new(*status, body);
+                if let Some(wait) = retry_after {
+                    reply = reply.with_retry_after(wait);
+                }
+                match self.api {
+                    Api::Telegram => platforms::telegram::outcome(&reply),
+                    Api::Discord => platforms::discord::outcome(&reply),
+                    Api::Slack => platforms::slack::outcome(&reply),
+                }
+            }
+        }
+    }
+}
+
+impl ChannelAdapter for SimPlatform {
+    fn send(&self, claim: &Claim) -> Outcome {
+        let request = Request {
+            chat: &claim.chat_id,
+            text: &claim.text,
+            // The full key is 38 characters; Discord takes at most 25.
+            nonce: (self.api == Api::Discord).then(|| claim.compact_key()),
+            key: &claim.idempotency_key,
+        };
+        self.outcome(&self.post(&request))
     }
 }
 
@@ -474,4 +645,121 @@ pub fn history(outbox_db: &Path) -> CliResult<HashMap<String, (String, u32)>> {
         .query_map([], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))))?
         .collect::<rusqlite::Result<_>>()?;
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn platform(api: Api, dir: &tempfile::TempDir) -> SimPlatform {
+        let channel = CHANNELS.iter().find(|c| c.api == api).unwrap();
+        SimPlatform::new(channel, open_platform(&dir.path().join("p.db")).unwrap(), 1)
+    }
+
+    fn request<'a>(text: &'a str, nonce: Option<&str>, key: &'a str) -> Request<'a> {
+        Request {
+            chat: "chat-1",
+            text,
+            nonce: nonce.map(str::to_owned),
+            key,
+        }
+    }
+
+    /// Discord refuses a nonce over 25 characters, as the real API does: the full
+    /// 38-character key would dead-letter every reply; the compact key passes.
+    #[test]
+    fn discord_enforces_the_nonce_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let discord = platform(Api::Discord, &dir);
+        let full = "019b76da-a800-7d20-9061-f318815b746b:1";
+        let refusal = discord.refuse(&request("hi", Some(full), full)).unwrap();
+        assert!(
+            matches!(discord.outcome(&refusal), Outcome::Permanent { error } if error.contains("50035"))
+        );
+        let compact = "AYkKXayWd0u8zrMCCZqAVwAB";
+        assert!(
+            discord
+                .refuse(&request("hi", Some(compact), full))
+                .is_none()
+        );
+        let long = "x".repeat(2001);
+        assert!(
+            discord
+                .refuse(&request(&long, Some(compact), full))
+                .is_some()
+        );
+    }
+
+    /// A replay with the same nonce is dropped and answered with the first message.
+    #[test]
+    fn discord_deduplicates_by_nonce() {
+        let dir = tempfile::tempdir().unwrap();
+        let discord = platform(Api::Discord, &dir);
+        let first = discord.accept(&request("hi", Some("n1"), "k1")).unwrap();
+        assert_eq!(
+            discord.accept(&request("hi", Some("n1"), "k1")).unwrap(),
+            first
+        );
+        assert_ne!(
+            discord.accept(&request("hi", Some("n2"), "k2")).unwrap(),
+            first
+        );
+        let record =
+            PlatformRecord::read(&open_platform(&dir.path().join("p.db")).unwrap()).unwrap();
+        assert_eq!((record.received.len(), record.replays_dropped), (2, 1));
+    }
+
+    #[test]
+    fn telegram_and_slack_enforce_their_message_limits_and_answer_in_their_shape() {
+        let dir = tempfile::tempdir().unwrap();
+        let telegram = platform(Api::Telegram, &dir);
+        // 4,096 UTF-16 units: 2,048 emoji fit, 2,049 do not.
+        let fits = "🚀".repeat(2048);
+        let over = "🚀".repeat(2049);
+        assert!(telegram.refuse(&request(&fits, None, "k")).is_none());
+        let refusal = telegram.refuse(&request(&over, None, "k")).unwrap();
+        assert!(matches!(
+            telegram.outcome(&refusal),
+            Outcome::Permanent { .. }
+        ));
+        assert!(matches!(
+            telegram.outcome(&telegram.rate_limited()),
+            Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs(1)
+        ));
+        assert!(matches!(
+            telegram.outcome(&telegram.unavailable()),
+            Outcome::Transient { .. }
+        ));
+        assert!(matches!(
+            telegram.outcome(&Answer::Timeout),
+            Outcome::Ambiguous { .. }
+        ));
+        assert_eq!(
+            telegram.outcome(&telegram.created(7)),
+            Outcome::delivered(Some("7".into()))
+        );
+
+        let slack = platform(Api::Slack, &dir);
+        let over = "a".repeat(40_001);
+        let refusal = slack.refuse(&request(&over, None, "k")).unwrap();
+        assert_eq!(
+            slack.outcome(&refusal),
+            Outcome::Permanent {
+                error: "msg_too_long".into()
+            }
+        );
+        let gone = Request {
+            chat: "chat-13",
+            ..request("hi", None, "k")
+        };
+        assert!(chat_is_gone("chat-13"));
+        assert!(matches!(
+            slack.outcome(&slack.refuse(&gone).unwrap()),
+            Outcome::Permanent { .. }
+        ));
+        assert!(matches!(
+            slack.outcome(&slack.rate_limited()),
+            Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs(1)
+        ));
+    }
 }
