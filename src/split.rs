@@ -174,10 +174,16 @@ impl Splitter {
         while !text[start..].trim().is_empty() {
             let prefix = fence.reopen_line();
             let rest = &text[start..];
-            // Measured only up to the room left, so long texts stay linear.
+            // Measured only up to the room left, and fence lines scanned only in a rest
+            // that fits, so long texts stay linear.
             let room = self.limit.saturating_sub(self.unit.len(&prefix));
-            let whole_fits =
-                self.unit.fits(rest, room) && !FenceState::after(&fence, rest).is_open();
+            let whole_fits = self.unit.fits(rest, room) && {
+                // A text that ends inside a code block (a truncated answer) is still one
+                // chunk when the closing marker fits too.
+                let close = FenceState::after(&fence, rest).close_line(rest);
+                self.unit
+                    .fits(rest, room.saturating_sub(self.unit.len(&close)))
+            };
             let end = if whole_fits {
                 rest.len()
             } else {
@@ -462,6 +468,33 @@ mod tests {
             chunks.iter().skip(1).any(|c| c.starts_with("```rust\n")),
             "{chunks:?}"
         );
+    }
+
+    /// A language model's answer cut off inside a code block: it fits one Telegram
+    /// message, so it is one, with the block closed so it renders (and parses).
+    #[test]
+    fn a_truncated_answer_inside_a_code_block_is_one_chunk_when_it_fits() {
+        let mut text = String::from("Here is the fix:\n\n```python\n");
+        while LengthUnit::Utf16.len(&text) < 3_020 {
+            text.push_str("print('hello')\n");
+        }
+        text.push_str("print('hel");
+        assert!((3_000..3_100).contains(&LengthUnit::Utf16.len(&text)));
+        let chunks = Splitter::telegram().split(&text).unwrap();
+        assert_eq!(
+            chunks.len(),
+            1,
+            "{:?}",
+            chunks.iter().map(|c| c.len()).collect::<Vec<_>>()
+        );
+        assert_eq!(chunks[0], format!("{text}\n```"));
+        assert!(fences_balanced(&chunks[0]));
+
+        // Without room for the closing marker it is cut, each part balanced.
+        let tight = Splitter::new(LengthUnit::Utf16.len(&text) + 1, LengthUnit::Utf16).unwrap();
+        let chunks = tight.split(&text).unwrap();
+        assert_eq!(chunks.len(), 2);
+        assert!(chunks.iter().all(|c| fences_balanced(c)), "{chunks:?}");
     }
 
     #[test]
