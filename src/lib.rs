@@ -164,5 +164,5 @@ pub use outcome::{
 pub use policy::{ChannelPolicy, Policy};
 pub use retention::PurgeReport;
 pub use schema::{BACKGROUND_AUTOCHECKPOINT_PAGES, SCHEMA_VERSION, StorageSettings};
-pub use split::{LengthUnit, Splitter};
+pub use split::{LengthUnit, Markup, Splitter};
 pub use status::{ChunkStatus, DeliveryStatus};

@@ -71,6 +71,24 @@ impl LengthUnit {
 pub struct Splitter {
     limit: usize,
     unit: LengthUnit,
+    markup: Markup,
+}
+
+/// The markup a text carries, which a cut must not break.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Markup {
+    /// Plain text or Markdown (the default): a fenced code block that a cut falls into
+    /// is closed at the end of the chunk and reopened, with its language tag, at the
+    /// start of the next.
+    #[default]
+    Markdown,
+    /// Telegram's `parse_mode: "HTML"`: a cut never falls inside a tag or a character
+    /// entity (`&amp;`), and the tags open at a cut (`<b>`, `<i>`, `<a href=...>`,
+    /// `<pre><code class=...>`, `<blockquote>` ...) are closed at the end of the chunk and
+    /// reopened, attributes and all, at the start of the next — so every chunk parses on
+    /// its own and keeps its formatting.
+    TelegramHtml,
 }
 
 impl Splitter {
@@ -83,11 +101,38 @@ impl Splitter {
         if limit == 0 {
             return Err(Error::invalid("limit", "must be at least 1"));
         }
-        Ok(Splitter { limit, unit })
+        Ok(Splitter {
+            limit,
+            unit,
+            markup: Markup::Markdown,
+        })
     }
 
     const fn preset(limit: usize, unit: LengthUnit) -> Splitter {
-        Splitter { limit, unit }
+        Splitter {
+            limit,
+            unit,
+            markup: Markup::Markdown,
+        }
+    }
+
+    /// The same splitter for text in `markup`.
+    ///
+    /// ```
+    /// use chunked_outbox::{LengthUnit, Markup, Splitter};
+    ///
+    /// let html = Splitter::new(25, LengthUnit::Utf16)?.with_markup(Markup::TelegramHtml);
+    /// let chunks = html.split("<b>bold words that go on and on</b> plain")?;
+    /// assert_eq!(chunks, ["<b>bold words that </b>", "<b>go on and on</b> plain"]);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    pub const fn with_markup(self, markup: Markup) -> Splitter {
+        Splitter { markup, ..self }
+    }
+
+    /// The markup cuts respect.
+    pub fn markup(&self) -> Markup {
+        self.markup
     }
 
     /// Telegram: 4096 characters per message after entity parsing, counted in UTF-16
@@ -168,32 +213,32 @@ impl Splitter {
             return Err(Error::invalid("text", "must not be empty or whitespace"));
         }
         let reserve = self.close_reserve(text);
-        let mut fence = FenceState::default();
+        let mut open = Open::new(self.markup);
         let mut pieces = Vec::new();
         let mut start = 0;
         while !text[start..].trim().is_empty() {
-            let prefix = fence.reopen_line();
+            let prefix = open.reopen();
             let rest = &text[start..];
-            // Measured only up to the room left, and fence lines scanned only in a rest
-            // that fits, so long texts stay linear.
-            let room = self.limit.saturating_sub(self.unit.len(&prefix));
+            let used = self.unit.len(&prefix);
+            // Measured only up to the room left, and markup scanned only in a rest that
+            // fits, so long texts stay linear.
+            let room = self.limit.saturating_sub(used);
             let whole_fits = self.unit.fits(rest, room) && {
                 // A text that ends inside a code block (a truncated answer) is still one
                 // chunk when the closing marker fits too.
-                let close = FenceState::after(&fence, rest).close_line(rest);
+                let close = open.after(rest).close(rest);
                 self.unit
                     .fits(rest, room.saturating_sub(self.unit.len(&close)))
             };
             let end = if whole_fits {
                 rest.len()
             } else {
-                let room = self.limit.saturating_sub(self.unit.len(&prefix) + reserve);
-                self.cut(rest, room)?
+                self.cut_with_room_to_close(rest, &open, used, reserve)?
             };
             let body = start..start + end;
             start += end;
-            fence.scan(&text[body.clone()]);
-            let suffix = fence.close_line(&text[body.clone()]);
+            open.scan(&text[body.clone()]);
+            let suffix = open.close(&text[body.clone()]);
             if prefix.is_empty() && suffix.is_empty() && text[body.clone()].trim().is_empty() {
                 // A whitespace run longer than a chunk: nothing a platform would show.
                 continue;
@@ -207,8 +252,33 @@ impl Splitter {
         Ok(pieces)
     }
 
+    /// A cut of `rest` that leaves room for the markup it has to close. The room kept
+    /// starts at `reserve` (Markdown: the longest fence, always enough) or what closes
+    /// the markup open now, and grows to what the cut actually leaves open.
+    fn cut_with_room_to_close(
+        &self,
+        rest: &str,
+        open: &Open,
+        used: usize,
+        reserve: usize,
+    ) -> Result<usize> {
+        let mut reserve = reserve.max(self.unit.len(&open.close("")));
+        loop {
+            let room = self.limit.saturating_sub(used + reserve);
+            let end = self.cut(rest, room)?;
+            let close = self.unit.len(&open.after(&rest[..end]).close(&rest[..end]));
+            if close <= reserve {
+                return Ok(end);
+            }
+            reserve = close;
+        }
+    }
+
     /// Room to keep for a closing fence line, if the text has fences at all.
     fn close_reserve(&self, text: &str) -> usize {
+        if self.markup != Markup::Markdown {
+            return 0;
+        }
         let longest = text
             .lines()
             .filter_map(fence_marker)
@@ -219,36 +289,94 @@ impl Splitter {
 
     /// Where to cut `rest` so the cut-off part measures at most `room`.
     fn cut(&self, rest: &str, room: usize) -> Result<usize> {
-        // Grapheme boundaries that fit, and the one at half the room.
+        // Grapheme boundaries that fit and where a cut may fall (in HTML, not inside a
+        // tag or an entity), the last one that fits at all, and the one at half the room.
         let mut used = 0;
         let mut boundaries = Vec::new();
+        let mut fit_end = None;
         let mut half_end = 0;
+        let mut markup = MarkupScan::default();
         for (at, g) in rest.grapheme_indices(true) {
             used += self.unit.len(g);
             if used > room {
                 break;
             }
-            boundaries.push(at + g.len());
+            let end = at + g.len();
+            fit_end = Some(end);
+            if self.markup == Markup::TelegramHtml && !markup.step(g) {
+                continue;
+            }
+            boundaries.push(end);
             if used <= room / 2 {
-                half_end = at + g.len();
+                half_end = end;
             }
         }
-        let Some(&max_end) = boundaries.last() else {
+        let Some(fit_end) = fit_end else {
             return Err(Error::invalid(
                 "limit",
                 format!(
-                    "{} {:?} units cannot hold the next grapheme cluster plus fence markers",
+                    "{} {:?} units cannot hold the next grapheme cluster plus its markup",
                     self.limit, self.unit
                 ),
             ));
         };
-        let is_boundary = |cut: &usize| boundaries.binary_search(cut).is_ok();
-        let window = half_end..max_end;
+        let Some(&max_end) = boundaries.last() else {
+            // Only in HTML: the tags to reopen, the next tag and the tags to close do
+            // not fit together. Cutting the tag would make a chunk Telegram refuses.
+            return Err(Error::invalid(
+                "limit",
+                format!(
+                    "{} {:?} units cannot hold the open tags plus the next tag ({fit_end} bytes fit)",
+                    self.limit, self.unit
+                ),
+            ));
+        };
+        let allowed = |cut: usize| boundaries.binary_search(&cut).is_ok();
         let cut = [paragraph_end, line_end, sentence_end, space_end]
             .iter()
-            .find_map(|find| find(rest, window.clone()).filter(is_boundary))
+            .find_map(|find| {
+                // The finder's last candidate, or an earlier one if a cut may not fall there.
+                let mut end = max_end;
+                while let Some(cut) = find(rest, half_end..end) {
+                    if allowed(cut) {
+                        return Some(cut);
+                    }
+                    end = rest[..cut].char_indices().next_back()?.0;
+                }
+                None
+            })
             .unwrap_or(max_end);
-        Ok(avoid_fence_line(rest, cut))
+        Ok(match self.markup {
+            Markup::Markdown => avoid_fence_line(rest, cut),
+            Markup::TelegramHtml => cut,
+        })
+    }
+}
+
+/// Follows HTML one grapheme at a time: whether the position after it may take a cut
+/// (outside every tag and character entity).
+#[derive(Debug, Default)]
+struct MarkupScan {
+    in_tag: bool,
+    in_entity: bool,
+}
+
+impl MarkupScan {
+    fn step(&mut self, grapheme: &str) -> bool {
+        for c in grapheme.chars() {
+            match c {
+                '<' => self.in_tag = true,
+                '>' => self.in_tag = false,
+                '&' if !self.in_tag => self.in_entity = true,
+                ';' => self.in_entity = false,
+                c if self.in_entity && !(c.is_ascii_alphanumeric() || c == '#') => {
+                    // A bare `&` (Telegram refuses it, but it is not an entity to keep).
+                    self.in_entity = false
+                }
+                _ => {}
+            }
+        }
+        !self.in_tag && !self.in_entity
     }
 }
 
@@ -331,6 +459,108 @@ fn fence_marker(line: &str) -> Option<(&str, &str)> {
     })
 }
 
+/// The markup open at a point of the text: what a chunk ending there must close and
+/// the next one reopen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Open {
+    Fence(FenceState),
+    Tags(TagState),
+}
+
+impl Open {
+    fn new(markup: Markup) -> Open {
+        match markup {
+            Markup::Markdown => Open::Fence(FenceState::default()),
+            Markup::TelegramHtml => Open::Tags(TagState::default()),
+        }
+    }
+
+    fn scan(&mut self, text: &str) {
+        match self {
+            Open::Fence(f) => f.scan(text),
+            Open::Tags(t) => t.scan(text),
+        }
+    }
+
+    /// The state after `text`, without changing `self`.
+    fn after(&self, text: &str) -> Open {
+        let mut next = self.clone();
+        next.scan(text);
+        next
+    }
+
+    /// What reopens the open markup at the start of the next chunk.
+    fn reopen(&self) -> String {
+        match self {
+            Open::Fence(f) => f.reopen_line(),
+            Open::Tags(t) => t.reopen(),
+        }
+    }
+
+    /// What closes the open markup at the end of a chunk whose body is `body`.
+    fn close(&self, body: &str) -> String {
+        match self {
+            Open::Fence(f) => f.close_line(body),
+            Open::Tags(t) => t.close(),
+        }
+    }
+}
+
+/// The HTML tags open at a point of the text, outermost first: each tag's name and
+/// its whole opening tag.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct TagState {
+    open: Vec<(String, String)>,
+}
+
+impl TagState {
+    /// Follows the tags of `text`. A tag cut off at the end is ignored (a cut never falls
+    /// inside one, see [`MarkupScan`]).
+    fn scan(&mut self, text: &str) {
+        let mut rest = text;
+        while let Some(lt) = rest.find('<') {
+            let Some(len) = rest[lt..].find('>') else {
+                return;
+            };
+            let tag = &rest[lt..lt + len + 1];
+            rest = &rest[lt + len + 1..];
+            let inner = &tag[1..tag.len() - 1];
+            if let Some(name) = inner.strip_prefix('/') {
+                let name = tag_name(name);
+                if let Some(at) = self.open.iter().rposition(|(n, _)| *n == name) {
+                    self.open.truncate(at);
+                }
+            } else if !inner.ends_with('/') {
+                let name = tag_name(inner);
+                if !name.is_empty() {
+                    self.open.push((name, tag.to_owned()));
+                }
+            }
+        }
+    }
+
+    fn reopen(&self) -> String {
+        self.open.iter().map(|(_, tag)| tag.as_str()).collect()
+    }
+
+    fn close(&self) -> String {
+        self.open
+            .iter()
+            .rev()
+            .map(|(name, _)| format!("</{name}>"))
+            .collect()
+    }
+}
+
+/// The lower-cased name of a tag from its inside (`a href="..."` → `a`).
+fn tag_name(inner: &str) -> String {
+    inner
+        .split(|c: char| c.is_whitespace())
+        .next()
+        .unwrap_or("")
+        .to_ascii_lowercase()
+}
+
 /// Whether a fenced code block is open, and the line that opened it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct FenceState {
@@ -339,15 +569,9 @@ struct FenceState {
 }
 
 impl FenceState {
+    #[cfg(test)]
     fn is_open(&self) -> bool {
         self.open.is_some()
-    }
-
-    /// The state after `text`, without changing `self`.
-    fn after(state: &FenceState, text: &str) -> FenceState {
-        let mut next = state.clone();
-        next.scan(text);
-        next
     }
 
     /// Follows the fence lines of `text`. A last line without its newline still counts:
@@ -399,6 +623,102 @@ mod tests {
         let mut state = FenceState::default();
         state.scan(chunk);
         !state.is_open()
+    }
+
+    /// Whether a chunk of Telegram HTML parses alone: tags whole and nested properly,
+    /// entities whole.
+    fn html_parses(chunk: &str) -> bool {
+        let mut stack = Vec::new();
+        let mut rest = chunk;
+        while let Some(i) = rest.find(['<', '&']) {
+            let tail = &rest[i..];
+            if tail.starts_with('&') {
+                let Some(semi) = tail.find(';') else {
+                    return false;
+                };
+                if !matches!(&tail[..=semi], "&amp;" | "&lt;" | "&gt;" | "&quot;") {
+                    return false;
+                }
+                rest = &tail[semi + 1..];
+                continue;
+            }
+            let Some(gt) = tail.find('>') else {
+                return false;
+            };
+            let inner = &tail[1..gt];
+            match inner.strip_prefix('/') {
+                Some(name) => {
+                    if stack.pop() != Some(name.to_owned()) {
+                        return false;
+                    }
+                }
+                None => stack.push(tag_name(inner)),
+            }
+            rest = &tail[gt + 1..];
+        }
+        stack.is_empty()
+    }
+
+    fn html_strategy() -> impl Strategy<Value = String> {
+        let atom = prop_oneof![
+            "[a-z]{1,8}".prop_map(|w| w),
+            Just(" ".to_owned()),
+            Just("\n".to_owned()),
+            Just("&amp;".to_owned()),
+            Just("&lt;".to_owned()),
+            Just("日本語 ".to_owned()),
+            Just("🚀".to_owned()),
+        ];
+        let leaf = prop::collection::vec(atom, 1..12).prop_map(|v| v.concat());
+        leaf.prop_recursive(3, 40, 6, |inner| {
+            (
+                prop_oneof![
+                    Just(("<b>", "</b>")),
+                    Just(("<i>", "</i>")),
+                    Just(("<a href=\"https://example.com/a b\">", "</a>")),
+                    Just(("<pre><code class=\"language-rust\">", "</code></pre>")),
+                    Just(("<blockquote expandable>", "</blockquote>")),
+                ],
+                prop::collection::vec(inner, 1..4),
+            )
+                .prop_map(|((open, close), parts)| format!("{open}{}{close}", parts.concat()))
+        })
+    }
+
+    #[test]
+    fn html_tags_are_closed_and_reopened_and_never_cut() {
+        let splitter = Splitter::new(40, LengthUnit::Utf16)
+            .unwrap()
+            .with_markup(Markup::TelegramHtml);
+        let text = "<a href=\"https://t.me/x\">a link with &amp; several words in it</a> end";
+        let chunks = splitter.split(text).unwrap();
+        assert!(chunks.len() > 1, "{chunks:?}");
+        for c in &chunks {
+            assert!(LengthUnit::Utf16.len(c) <= 40, "{c:?}");
+            assert!(html_parses(c), "{c:?}");
+        }
+        assert!(
+            chunks[1].starts_with("<a href=\"https://t.me/x\">"),
+            "{chunks:?}"
+        );
+        // Tags that cannot fit beside the ones to reopen are refused, not cut.
+        let nested =
+            "<a href=\"https://example.com/a b\"><a href=\"https://example.com/a b\">a</a></a>";
+        let err = Splitter::new(60, LengthUnit::Utf16)
+            .unwrap()
+            .with_markup(Markup::TelegramHtml)
+            .split(nested)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidInput { what: "limit", .. }),
+            "{err:?}"
+        );
+        // Markdown mode would not know the tags.
+        let plain = Splitter::new(40, LengthUnit::Utf16)
+            .unwrap()
+            .split(text)
+            .unwrap();
+        assert!(!plain.iter().all(|c| html_parses(c)), "{plain:?}");
     }
 
     #[test]
@@ -598,6 +918,31 @@ mod tests {
                 .flat_map(|r| text[r.clone()].graphemes(true))
                 .collect();
             prop_assert_eq!(covered, graphemes);
+        }
+
+        /// Telegram HTML: every chunk fits, parses on its own (no tag or entity cut in
+        /// half, every tag it opens closed, none closed that it did not open), and the
+        /// bodies are the original text in order.
+        #[test]
+        fn html_chunks_fit_and_parse_on_their_own(
+            text in html_strategy(),
+            // Room for the deepest reopened tags, a tag and their closing tags.
+            limit in 200_usize..400,
+        ) {
+            prop_assume!(!text.trim().is_empty());
+            let splitter = Splitter::new(limit, LengthUnit::Utf16)
+                .unwrap()
+                .with_markup(Markup::TelegramHtml);
+            let pieces = splitter.pieces(&text).unwrap();
+            let mut at = 0;
+            for p in &pieces {
+                prop_assert!(text[at..p.body.start].trim().is_empty());
+                at = p.body.end;
+                let chunk = format!("{}{}{}", p.prefix, &text[p.body.clone()], p.suffix);
+                prop_assert!(LengthUnit::Utf16.len(&chunk) <= limit, "over limit: {chunk:?}");
+                prop_assert!(html_parses(&chunk), "does not parse alone: {chunk:?}");
+            }
+            prop_assert!(text[at..].trim().is_empty(), "text dropped at the end");
         }
 
         #[test]
