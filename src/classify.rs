@@ -475,10 +475,15 @@ mod tests {
     /// member".
     #[test]
     fn patterns_match_whole_words() {
-        assert_eq!(
-            classify_error("the robot did not reach its members in time"),
-            ErrorClass::Transient
-        );
+        for text in [
+            "the robot did not reach its members in time",
+            // Only the start of "bot" is wrong here ...
+            "the robot is not a member of staff",
+            // ... and only its end here.
+            "botany is not a member of the sciences",
+        ] {
+            assert_eq!(classify_error(text), ErrorClass::Transient, "{text}");
+        }
         assert_eq!(
             classify_error("Forbidden: bot is not a member of the supergroup chat"),
             ErrorClass::Permanent
