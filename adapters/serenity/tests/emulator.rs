@@ -1,0 +1,378 @@
+//! The adapter end to end: serenity's `Http` pointed at an emulated Discord REST API on
+//! 127.0.0.1 that enforces Discord's documented behaviour — a nonce of at most 25
+//! characters, deduplicated with `enforce_nonce`; content of at most 2,000 characters;
+//! 429 with `retry_after`; unknown channels; users who cannot be messaged; missing
+//! permissions; a bad token; an answer that never comes after the message was created —
+//! and every outcome recorded in a real outbox.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chunked_outbox::{
+    AsyncChannelAdapter, ChannelPolicy, ChunkStatus, DeliveryId, DeliveryStatus, ManualClock,
+    NewDelivery, Outbox, OutboxOptions,
+};
+use chunked_outbox_serenity::DiscordAdapter;
+use serde_json::{Value, json};
+
+const TOKEN: &str = "Bot SECRET";
+
+/// What the emulated API holds: messages created, by nonce, and requests seen.
+#[derive(Default)]
+struct State {
+    created: Vec<Value>,
+    by_nonce: HashMap<String, usize>,
+    rate_limited: HashMap<String, bool>,
+    requests: usize,
+}
+
+/// The emulated API. Channel ids choose the behaviour: 10003 does not exist, 50007 is a
+/// user who blocks messages from the bot, 50013 lacks permissions, 429 answers its first
+/// request with a rate limit, 777 creates the message and answers too late. (serenity
+/// sends to it only with its ratelimiter off, so the 429 reaches the adapter.)
+struct DiscordApi {
+    url: String,
+    state: Arc<Mutex<State>>,
+}
+
+impl DiscordApi {
+    fn start() -> DiscordApi {
+        let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("bind"));
+        let url = format!("http://{}", server.server_addr().to_ip().unwrap());
+        let state = Arc::new(Mutex::new(State::default()));
+        let shared = state.clone();
+        std::thread::spawn(move || {
+            for request in server.incoming_requests() {
+                let state = shared.clone();
+                std::thread::spawn(move || answer(request, &state));
+            }
+        });
+        DiscordApi { url, state }
+    }
+
+    fn http(&self, token: &str) -> Arc<serenity::http::Http> {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_millis(500))
+            .build()
+            .unwrap();
+        Arc::new(
+            // serenity sends to a proxy only with its own ratelimiter off.
+            serenity::http::HttpBuilder::new(token)
+                .client(client)
+                .proxy(self.url.clone())
+                .ratelimiter_disabled(true)
+                .build(),
+        )
+    }
+
+    fn created(&self) -> Vec<Value> {
+        self.state.lock().unwrap().created.clone()
+    }
+}
+
+fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
+    let mut raw = String::new();
+    let _ = request.as_reader().read_to_string(&mut raw);
+    let url = request.url().to_owned();
+    let authorized = request
+        .headers()
+        .iter()
+        .any(|h| h.field.equiv("Authorization") && h.value.as_str() == TOKEN);
+    let respond = |status: u16, body: Value| {
+        let header = tiny_http::Header::from_bytes("Content-Type", "application/json").unwrap();
+        let response = tiny_http::Response::from_string(body.to_string())
+            .with_status_code(status)
+            .with_header(header);
+        let _ = request.respond(response);
+    };
+    let error =
+        |status: u16, code: u32, message: &str| (status, json!({"message": message, "code": code}));
+    state.lock().unwrap().requests += 1;
+    let channel = url
+        .strip_prefix("/api/v10/channels/")
+        .and_then(|rest| rest.strip_suffix("/messages"))
+        .unwrap_or_default()
+        .to_owned();
+    let body: Value = serde_json::from_str(&raw).unwrap_or(Value::Null);
+    let content = body["content"].as_str().unwrap_or_default().to_owned();
+    let nonce = body["nonce"].as_str().map(str::to_owned);
+    let (status, reply) = if !authorized {
+        error(401, 0, "401: Unauthorized")
+    } else if channel.is_empty() {
+        error(404, 0, "404: Not Found")
+    } else if nonce.as_ref().is_some_and(|n| n.chars().count() > 25) {
+        (
+            400,
+            json!({"code": 50035, "message": "Invalid Form Body",
+                   "errors": {"nonce": {"_errors": [{"code": "BASE_TYPE_MAX_LENGTH", "message": "Must be 25 or fewer in length."}]}}}),
+        )
+    } else if content.chars().count() > 2000 {
+        (
+            400,
+            json!({"code": 50035, "message": "Invalid Form Body",
+                   "errors": {"content": {"_errors": [{"code": "BASE_TYPE_MAX_LENGTH", "message": "Must be 2000 or fewer in length."}]}}}),
+        )
+    } else {
+        match channel.as_str() {
+            "10003" => error(404, 10003, "Unknown Channel"),
+            "50007" => error(403, 50007, "Cannot send messages to this user"),
+            "50013" => error(403, 50013, "Missing Permissions"),
+            "429"
+                if !state
+                    .lock()
+                    .unwrap()
+                    .rate_limited
+                    .insert(channel.clone(), true)
+                    .unwrap_or(false) =>
+            {
+                (
+                    429,
+                    json!({"message": "You are being rate limited.", "retry_after": 0.05, "global": false}),
+                )
+            }
+            _ => {
+                let (message, fresh) = {
+                    let mut s = state.lock().unwrap();
+                    let enforced = body["enforce_nonce"] == true;
+                    match nonce
+                        .as_ref()
+                        .and_then(|n| s.by_nonce.get(n))
+                        .filter(|_| enforced)
+                    {
+                        // The same nonce again: no new message, the first one returned.
+                        Some(&i) => (s.created[i].clone(), false),
+                        None => {
+                            let id = (1_189_283_621_932_285_000_u64 + s.created.len() as u64)
+                                .to_string();
+                            let message =
+                                message_json(&id, &channel, &content, nonce.as_deref(), &body);
+                            s.created.push(message.clone());
+                            if let Some(n) = &nonce {
+                                let i = s.created.len() - 1;
+                                s.by_nonce.insert(n.clone(), i);
+                            }
+                            (message, true)
+                        }
+                    }
+                };
+                if channel == "777" && fresh {
+                    // Created, but the answer comes after the client gave up.
+                    std::thread::sleep(Duration::from_secs(2));
+                }
+                (200, message)
+            }
+        }
+    };
+    respond(status, reply);
+}
+
+/// A message object as Discord's API reference documents it.
+fn message_json(
+    id: &str,
+    channel: &str,
+    content: &str,
+    nonce: Option<&str>,
+    body: &Value,
+) -> Value {
+    json!({
+        "id": id,
+        "channel_id": channel,
+        "author": {"id": "41771983423143937", "username": "bot", "discriminator": "0",
+                   "global_name": null, "avatar": null, "bot": true},
+        "content": content,
+        "timestamp": "2026-12-01T00:00:00.000000+00:00",
+        "edited_timestamp": null,
+        "tts": false,
+        "mention_everyone": false,
+        "mentions": [],
+        "mention_roles": [],
+        "attachments": [],
+        "embeds": [],
+        "pinned": false,
+        "type": if body.get("message_reference").is_some() { 19 } else { 0 },
+        "nonce": nonce,
+        "message_reference": body.get("message_reference").cloned(),
+        "flags": 0
+    })
+}
+
+fn outbox(dir: &tempfile::TempDir) -> Outbox {
+    outbox_with_clock(dir, None)
+}
+
+fn outbox_with_clock(dir: &tempfile::TempDir, clock: Option<&ManualClock>) -> Outbox {
+    let mut options = OutboxOptions::default().with_channel("discord", ChannelPolicy::replayable());
+    if let Some(clock) = clock {
+        options = options.with_clock(Arc::new(clock.clone()));
+    }
+    Outbox::open(dir.path().join("bot.db"), options).unwrap()
+}
+
+/// Claims every due chunk, sends each through the adapter and records its outcome.
+async fn send_due(outbox: &Outbox, adapter: &DiscordAdapter) -> usize {
+    let claims = outbox.claim(100).unwrap();
+    for claim in &claims {
+        let outcome = adapter.send(claim).await;
+        outbox.record(claim, outcome).unwrap();
+    }
+    claims.len()
+}
+
+fn last_error(outbox: &Outbox, id: DeliveryId) -> (DeliveryStatus, String) {
+    let view = outbox.delivery(id).unwrap().unwrap();
+    (
+        view.status,
+        view.chunks[0].last_error.clone().unwrap_or_default(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_documented_answer_becomes_the_right_outcome() {
+    let api = DiscordApi::start();
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = outbox(&dir);
+    let adapter = DiscordAdapter::new(api.http(TOKEN));
+    let mut ids = HashMap::new();
+    for channel in ["1001", "10003", "50007", "50013", "429", "general"] {
+        let id = outbox
+            .enqueue(&NewDelivery::single(
+                "discord",
+                channel,
+                format!("hello {channel}"),
+            ))
+            .unwrap()
+            .id;
+        ids.insert(channel, id);
+    }
+    let too_long = outbox
+        .enqueue(&NewDelivery::single("discord", "1002", "x".repeat(2001)))
+        .unwrap()
+        .id;
+    send_due(&outbox, &adapter).await;
+
+    let delivered = outbox.delivery(ids["1001"]).unwrap().unwrap();
+    assert_eq!(delivered.status, DeliveryStatus::Delivered);
+    let created = api.created();
+    let first = created.iter().find(|m| m["channel_id"] == "1001").unwrap();
+    assert_eq!(
+        delivered.chunks[0].platform_message_id.as_deref(),
+        first["id"].as_str()
+    );
+    assert!(first["nonce"].as_str().unwrap().len() <= 25);
+    // With serenity's ratelimiter off the 429 reaches the adapter: the chat pauses and
+    // the attempt is given back.
+    let limited = outbox.delivery(ids["429"]).unwrap().unwrap();
+    assert_eq!(
+        (limited.chunks[0].status, limited.chunks[0].attempts),
+        (ChunkStatus::Retry, 0)
+    );
+
+    // The full 38-character key as a nonce, as a hand-written adapter might send it:
+    // Discord refuses it (that is why the adapter sends the compact key).
+    let full_key = serenity::builder::CreateMessage::new()
+        .content("x")
+        .nonce(serenity::model::channel::Nonce::String(format!(
+            "{}:1",
+            ids["1001"]
+        )))
+        .enforce_nonce(true);
+    let refused = serenity::model::id::ChannelId::new(1001)
+        .send_message(&api.http(TOKEN), full_key)
+        .await;
+    assert!(matches!(
+        chunked_outbox_serenity::outcome(refused),
+        chunked_outbox::Outcome::Permanent { error } if error.contains("50035")
+    ));
+
+    for (id, expected) in [
+        (ids["10003"], "10003"),
+        (ids["50007"], "50007"),
+        (ids["50013"], "50013"),
+        (ids["general"], "not a Discord id"),
+        // serenity refuses it before sending.
+        (too_long, "too large"),
+    ] {
+        let (status, error) = last_error(&outbox, id);
+        assert_eq!(status, DeliveryStatus::Failed, "{error}");
+        assert!(error.contains(expected), "{error}");
+    }
+}
+
+/// Created, then no answer: the chunk is replayed with the same nonce, and Discord
+/// returns the first message instead of creating a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ambiguous_send_is_replayed_and_deduplicated_by_its_nonce() {
+    let api = DiscordApi::start();
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_767_225_600_000);
+    let outbox = outbox_with_clock(&dir, Some(&clock));
+    let adapter = DiscordAdapter::new(api.http(TOKEN));
+    let id = outbox
+        .enqueue(&NewDelivery::single("discord", "777", "exactly once"))
+        .unwrap()
+        .id;
+    send_due(&outbox, &adapter).await;
+    let view = outbox.delivery(id).unwrap().unwrap();
+    assert_eq!(
+        view.chunks[0].status,
+        ChunkStatus::Retry,
+        "replayable: retried"
+    );
+    // Due again after the backoff.
+    assert_eq!(
+        send_due(&outbox, &adapter).await,
+        0,
+        "not before its backoff"
+    );
+    clock.advance(Duration::from_secs(60));
+    assert_eq!(send_due(&outbox, &adapter).await, 1);
+    let view = outbox.delivery(id).unwrap().unwrap();
+    assert_eq!(view.status, DeliveryStatus::Delivered);
+    let created = api.created();
+    assert_eq!(
+        created.len(),
+        1,
+        "one message, whatever the sends: {created:?}"
+    );
+    assert_eq!(
+        view.chunks[0].platform_message_id.as_deref(),
+        created[0]["id"].as_str()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_token_is_permanent_and_a_reply_reference_is_sent() {
+    let api = DiscordApi::start();
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = outbox(&dir);
+    let id = outbox
+        .enqueue(&NewDelivery::single("discord", "1001", "hi"))
+        .unwrap()
+        .id;
+    send_due(&outbox, &DiscordAdapter::new(api.http("Bot WRONG"))).await;
+    let (status, error) = last_error(&outbox, id);
+    assert_eq!(status, DeliveryStatus::Failed);
+    assert!(error.contains("401"), "{error}");
+
+    let adapter = DiscordAdapter::new(api.http(TOKEN));
+    let reply = NewDelivery::chunked("discord", "1001", "a b", ["a", "b"])
+        .with_metadata(r#"{"reply_to_message_id": "1189283621932284999"}"#);
+    let id = outbox.enqueue(&reply).unwrap().id;
+    send_due(&outbox, &adapter).await;
+    send_due(&outbox, &adapter).await;
+    assert_eq!(
+        outbox.delivery(id).unwrap().unwrap().status,
+        DeliveryStatus::Delivered
+    );
+    let created = api.created();
+    assert_eq!(created.len(), 2);
+    assert_eq!(
+        created[0]["message_reference"]["message_id"],
+        "1189283621932284999"
+    );
+    assert!(
+        created[1]["message_reference"].is_null(),
+        "only the first chunk replies"
+    );
+}
