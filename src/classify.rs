@@ -80,15 +80,7 @@ const PERMANENT_STATUSES: &[&str] = &["400", "401", "403", "404"];
 
 /// Words after which a number is a status or an error code. A number anywhere else
 /// (a byte offset, a port, a count) says nothing about the failure.
-const CODE_WORDS: &[&str] = &[
-    "http",
-    "status",
-    "code",
-    "error",
-    "error_code",
-    "status_code",
-    "errcode",
-];
+const CODE_WORDS: &[&str] = &["http", "status", "code", "error", "errcode"];
 
 /// The longest wait a rate limit may ask for: 1 hour. A longer one is read as this
 /// (see [`Outcome::RateLimited`](crate::Outcome::RateLimited), which is capped the
@@ -197,24 +189,24 @@ fn is_word_end(text: &str, end: usize, fragment: &str) -> bool {
 /// True if `number` occurs in `text` where a status or error code stands: as a whole
 /// number, right after one of [`CODE_WORDS`] (with only spaces, quotes, `:`, `=`, `#`
 /// or `(` between), or at the very start, or followed by the status's reason phrase
-/// (`403 Forbidden`, `429 Too Many Requests`). Never after `:` that follows a host
+/// (`403 Forbidden`, `404 Not Found`). Never after `:` that follows a host
 /// (`10.0.0.1:50007`), after "port", or inside a longer number.
 fn number_at_code(text: &str, number: &str) -> bool {
     text.match_indices(number).any(|(at, _)| {
         let end = at + number.len();
         let before = &text[..at];
         let after = &text[end..];
-        if before.ends_with(|c: char| c.is_ascii_digit() || c == '.')
-            || after.starts_with(|c: char| c.is_ascii_digit())
-        {
+        if after.starts_with(|c: char| c.is_ascii_digit()) {
             return false;
         }
         let lead = before.trim_end_matches([' ', '"', '\'', ':', '=', '#', '(']);
         if lead.is_empty() {
             return true;
         }
+        // The word right before: `error_code` gives `code`; a digit before the number
+        // (a longer number, a host such as `10.0.0.1:`) gives no word at all.
         let word = lead
-            .rsplit(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .rsplit(|c: char| !c.is_ascii_alphanumeric())
             .next()
             .unwrap_or("");
         CODE_WORDS.contains(&word) || has_reason_phrase(number, after)
@@ -224,12 +216,11 @@ fn number_at_code(text: &str, number: &str) -> bool {
 /// Whether `after` (the text after a status number) begins with that status's reason
 /// phrase.
 fn has_reason_phrase(number: &str, after: &str) -> bool {
+    // (401 and 429 need none: "unauthorized" and "too many requests" are read anyway.)
     let phrase = match number {
         "400" => "bad request",
-        "401" => "unauthorized",
         "403" => "forbidden",
         "404" => "not found",
-        "429" => "too many requests",
         _ => return false,
     };
     after
@@ -383,6 +374,10 @@ mod tests {
             "status: 403",
             "401 Unauthorized",
             "Unauthorized",
+            "400 Bad Request",
+            "403 Forbidden",
+            "404 Not Found",
+            "{\"status_code\": 404}",
         ] {
             assert_eq!(classify_error(text), ErrorClass::Permanent, "{text}");
         }
@@ -426,6 +421,8 @@ mod tests {
             "connection to gateway.discord.gg port 10003 failed",
             "dns error for 127.0.0.1:50013",
             "proxy at [::1]:401 refused the connection",
+            "error 1429 in the parser",
+            "error 1.403 in the model",
         ] {
             assert_eq!(classify_error(text), ErrorClass::Transient, "{text}");
         }
@@ -443,6 +440,7 @@ mod tests {
             ),
             ("Too Many Requests: retry after 35", Duration::from_secs(35)),
             ("Retry-After: 7", Duration::from_secs(7)),
+            ("retry after 0.5 h", Duration::from_secs(1800)),
         ] {
             assert_eq!(
                 classify_error(text),

@@ -74,8 +74,17 @@ pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
             }
         };
     }
+    error_outcome(code)
+}
+
+/// The outcome of a Slack `error` code alone, for clients that hand over the code
+/// rather than the answer (slack-morphism's `SlackClientApiError::code`): as in
+/// [`outcome`], `ratelimited` waits 1 s (the `Retry-After` header is not in the code).
+pub fn error_outcome(code: &str) -> Outcome {
     let error = code.to_owned();
-    if AMBIGUOUS.contains(&code) {
+    if code == "ratelimited" {
+        rate_limited(&[], error)
+    } else if AMBIGUOUS.contains(&code) {
         Outcome::Ambiguous { error }
     } else if TRANSIENT.contains(&code) {
         Outcome::Transient { error }
