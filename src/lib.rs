@@ -107,6 +107,8 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+#[cfg(any(feature = "teloxide", feature = "serenity", feature = "slack-morphism"))]
+pub mod adapters;
 mod checkpoint;
 mod claim;
 mod classify;

@@ -8,11 +8,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use chunked_outbox::adapters::slack_morphism::SlackAdapter;
 use chunked_outbox::{
     AsyncChannelAdapter, ChunkStatus, DeliveryId, DeliveryStatus, NewDelivery, Outbox,
     OutboxOptions,
 };
-use chunked_outbox_slack_morphism::SlackAdapter;
 use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::{Value, json};
 use slack_morphism::prelude::*;

@@ -1,11 +1,11 @@
-//! Slack adapter for [chunked-outbox](chunked_outbox): sends each claimed chunk with
+//! Slack adapter (feature `slack-morphism`): sends each claimed chunk with
 //! `chat.postMessage` through the application's own slack-morphism [`SlackClient`], and
 //! maps slack-morphism's typed errors — not their `Display` text — to an [`Outcome`].
 //!
 //! ```no_run
 //! use std::sync::Arc;
 //! use chunked_outbox::{AsyncDispatcher, Outbox, OutboxOptions};
-//! use chunked_outbox_slack_morphism::SlackAdapter;
+//! use chunked_outbox::adapters::slack_morphism::SlackAdapter;
 //! use slack_morphism::prelude::*;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -26,9 +26,9 @@
 //!
 //! Slack cannot deduplicate a post, but a bot can look its messages up
 //! (`conversations.history`): keep the channel's
-//! [`ReplayPolicy::Hold`](chunked_outbox::ReplayPolicy::Hold) (the default) and settle an
+//! [`ReplayPolicy::Hold`](crate::ReplayPolicy::Hold) (the default) and settle an
 //! uncertain chunk by looking, then
-//! [`resolve_uncertain`](chunked_outbox::Outbox::resolve_uncertain).
+//! [`resolve_uncertain`](crate::Outbox::resolve_uncertain).
 //!
 //! hyper puts no time limit on a request: the adapter bounds each send itself
 //! ([`SlackAdapter::with_timeout`], 30 s by default) and records one that runs out as
@@ -38,7 +38,7 @@
 //! |---|---|
 //! | `Ok(response)` | `Delivered`, the message `ts` as platform id |
 //! | `RateLimitError` | `RateLimited` for its `retry_after` (1 s when none) |
-//! | `ApiError` (`code`) | as [`platforms::slack::error_outcome`](chunked_outbox::platforms::slack::error_outcome): `internal_error`, `fatal_error` → `Ambiguous`; `service_unavailable`, `request_timeout` … → `Transient`; every other code → `Permanent` |
+//! | `ApiError` (`code`) | as [`platforms::slack::error_outcome`](crate::platforms::slack::error_outcome): `internal_error`, `fatal_error` → `Ambiguous`; `service_unavailable`, `request_timeout` … → `Transient`; every other code → `Permanent` |
 //! | `HttpError` 429 / 4xx / 5xx | `RateLimited` (1 s) / `Permanent` / `Ambiguous` |
 //! | `HttpProtocolError` that never connected | `Transient` |
 //! | `HttpProtocolError` otherwise, `EndOfStream`, the adapter's timeout | `Ambiguous` |
@@ -47,8 +47,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chunked_outbox::platforms::{NoReply, no_reply, slack};
-use chunked_outbox::{AsyncChannelAdapter, BoxFuture, Claim, Outcome};
+use crate::platforms::{NoReply, no_reply, slack};
+use crate::{AsyncChannelAdapter, BoxFuture, Claim, Outcome};
 use serde::Deserialize;
 use slack_morphism::errors::SlackClientError;
 use slack_morphism::prelude::*;

@@ -8,10 +8,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use chunked_outbox::adapters::teloxide::TelegramAdapter;
 use chunked_outbox::{
     AsyncChannelAdapter, ChunkStatus, DeliveryStatus, NewDelivery, Outbox, OutboxOptions,
 };
-use chunked_outbox_teloxide::TelegramAdapter;
 use serde_json::{Value, json};
 
 const TOKEN: &str = "123:SECRET";

@@ -1,12 +1,12 @@
-//! Discord adapter for [chunked-outbox](chunked_outbox): sends each claimed chunk
+//! Discord adapter (feature `serenity`): sends each claimed chunk
 //! through the application's own serenity [`Http`] client, with the chunk's 24-character
-//! [`compact_key`](chunked_outbox::Claim::compact_key) as an enforced `nonce`, and maps
+//! [`compact_key`](crate::Claim::compact_key) as an enforced `nonce`, and maps
 //! serenity's typed errors — not their `Display` text — to an [`Outcome`].
 //!
 //! ```no_run
 //! use std::sync::Arc;
 //! use chunked_outbox::{AsyncDispatcher, ChannelPolicy, Outbox, OutboxOptions};
-//! use chunked_outbox_serenity::DiscordAdapter;
+//! use chunked_outbox::adapters::serenity::DiscordAdapter;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! // Discord drops a resend with the same nonce, so an ambiguous send may be replayed.
@@ -47,8 +47,8 @@
 
 use std::sync::Arc;
 
-use chunked_outbox::platforms::{NoReply, no_reply};
-use chunked_outbox::{AsyncChannelAdapter, BoxFuture, Claim, Outcome};
+use crate::platforms::{NoReply, no_reply};
+use crate::{AsyncChannelAdapter, BoxFuture, Claim, Outcome};
 use serde::Deserialize;
 use serenity::Error;
 use serenity::builder::CreateMessage;
@@ -183,10 +183,9 @@ mod tests {
     #[test]
     fn the_request_carries_the_compact_key_as_an_enforced_nonce() {
         // The request is built from the claim alone; serialized, it shows what is sent.
-        let outbox = chunked_outbox::Outbox::open_in_memory(Default::default()).unwrap();
-        let reply =
-            chunked_outbox::NewDelivery::chunked("discord", "41771983423143937", "a b", ["a", "b"])
-                .with_metadata(r#"{"reply_to_message_id": "1189283621932285982"}"#);
+        let outbox = crate::Outbox::open_in_memory(Default::default()).unwrap();
+        let reply = crate::NewDelivery::chunked("discord", "41771983423143937", "a b", ["a", "b"])
+            .with_metadata(r#"{"reply_to_message_id": "1189283621932285982"}"#);
         outbox.enqueue(&reply).unwrap();
         let claim = outbox.claim(1).unwrap().remove(0);
         let (channel, message) = request(&claim).unwrap();

@@ -1,10 +1,10 @@
-//! Telegram adapter for [chunked-outbox](chunked_outbox): sends each claimed chunk
+//! Telegram adapter (feature `teloxide`): sends each claimed chunk
 //! through the application's own [`teloxide_core::Bot`] and maps teloxide's typed
 //! errors — not their `Display` text — to an [`Outcome`].
 //!
 //! ```no_run
 //! use chunked_outbox::{AsyncDispatcher, Outbox, OutboxOptions};
-//! use chunked_outbox_teloxide::TelegramAdapter;
+//! use chunked_outbox::adapters::teloxide::TelegramAdapter;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let outbox = Outbox::open("bot.db", OutboxOptions::default())?;
@@ -21,15 +21,15 @@
 //! metadata, if any, is JSON read by [`SendOptions`]: `reply_to_message_id` (applied
 //! to the first chunk, so a long answer replies once), `message_thread_id`,
 //! `parse_mode` (`"HTML"` or `"MarkdownV2"`; split such text with
-//! [`Markup::TelegramHtml`](chunked_outbox::Markup::TelegramHtml) so no entity is cut)
+//! [`Markup::TelegramHtml`](crate::Markup::TelegramHtml) so no entity is cut)
 //! and `disable_notification`.
 //!
 //! teloxide waits 10 seconds before it reads an HTTP 5xx answer: give the dispatcher a
-//! [`send_timeout`](chunked_outbox::DispatcherBuilder::send_timeout) above that, or
+//! [`send_timeout`](crate::DispatcherBuilder::send_timeout) above that, or
 //! such a send is recorded as ambiguous when the timeout ends it.
 //!
 //! Telegram cannot deduplicate a send and cannot be asked whether one arrived: keep the
-//! channel's [`ReplayPolicy::Hold`](chunked_outbox::ReplayPolicy::Hold) (the default)
+//! channel's [`ReplayPolicy::Hold`](crate::ReplayPolicy::Hold) (the default)
 //! so an ambiguous send waits for a person, or choose `Replay` and accept a rare
 //! duplicate.
 //!
@@ -46,8 +46,8 @@
 //! | `InvalidJson` (an answer that cannot be read) | `Ambiguous` |
 //! | `Io` (reading a file to upload, before sending) | `Transient` |
 
-use chunked_outbox::platforms::{NoReply, no_reply};
-use chunked_outbox::{AsyncChannelAdapter, BoxFuture, Claim, Outcome};
+use crate::platforms::{NoReply, no_reply};
+use crate::{AsyncChannelAdapter, BoxFuture, Claim, Outcome};
 use serde::Deserialize;
 use teloxide_core::errors::{ApiError, RequestError};
 use teloxide_core::payloads::SendMessageSetters;

@@ -9,11 +9,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use chunked_outbox::adapters::serenity::DiscordAdapter;
 use chunked_outbox::{
     AsyncChannelAdapter, ChannelPolicy, ChunkStatus, DeliveryId, DeliveryStatus, ManualClock,
     NewDelivery, Outbox, OutboxOptions,
 };
-use chunked_outbox_serenity::DiscordAdapter;
 use serde_json::{Value, json};
 
 const TOKEN: &str = "Bot SECRET";
@@ -281,7 +281,7 @@ async fn every_documented_answer_becomes_the_right_outcome() {
         .send_message(&api.http(TOKEN), full_key)
         .await;
     assert!(matches!(
-        chunked_outbox_serenity::outcome(refused),
+        chunked_outbox::adapters::serenity::outcome(refused),
         chunked_outbox::Outcome::Permanent { error } if error.contains("50035")
     ));
 
