@@ -328,7 +328,10 @@ mod tests {
                 assert_eq!(&bytes[..16], delivery.as_uuid().as_bytes());
                 assert_eq!(u16::from_be_bytes([bytes[16], bytes[17]]), index as u16);
                 assert!(seen.insert(key));
-                assert!(seen.insert(chunk_key_uuid(&delivery, index).to_string()));
+                let uuid = chunk_key_uuid(&delivery, index);
+                let name = (index + 1).to_string();
+                assert_eq!(uuid, Uuid::new_v5(&delivery.as_uuid(), name.as_bytes()));
+                assert!(seen.insert(uuid.to_string()));
             }
         }
     }

@@ -78,7 +78,8 @@ mod tests {
         );
         assert!(matches!(
             map(429, r#"{"message": "You are being rate limited.", "retry_after": 64.57, "global": false}"#),
-            Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs_f64(64.57)
+            Outcome::RateLimited { retry_after, error }
+                if retry_after == Duration::from_secs_f64(64.57) && !error.contains("global rate limit")
         ));
         match map(
             429,
@@ -130,6 +131,19 @@ mod tests {
         assert!(matches!(map(502, ""), Outcome::Transient { .. }));
         assert!(matches!(map(500, ""), Outcome::Ambiguous { .. }));
         assert!(matches!(map(200, "{}"), Outcome::Ambiguous { .. }));
+        assert!(matches!(
+            map(200, r#"{"id": ""}"#),
+            Outcome::Ambiguous { .. }
+        ));
+        assert_eq!(
+            map(200, r#"{"id": 1234}"#),
+            Outcome::delivered(Some("1234".into()))
+        );
+        // A code without a message: the answer itself is quoted.
+        match map(403, r#"{"code": 50013}"#) {
+            Outcome::Permanent { error } => assert!(error.starts_with("HTTP 403"), "{error}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

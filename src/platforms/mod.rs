@@ -175,6 +175,7 @@ mod tests {
         );
         assert_eq!(seconds(&Value::from("7")), Some(Duration::from_secs(7)));
         assert_eq!(seconds(&Value::from(-1)), None);
+        assert_eq!(seconds(&Value::from(0)), Some(Duration::ZERO));
         assert_eq!(seconds(&Value::from("soon")), None);
         assert_eq!(seconds(&Value::from(1e300)), Some(crate::MAX_RETRY_AFTER));
         let reply = HttpReply::new(429, "").with_retry_after(" 12 ");

@@ -117,6 +117,12 @@ mod tests {
             HttpReply::new(429, r#"{"ok": false, "error": "ratelimited"}"#).with_retry_after("30");
         assert!(matches!(outcome(&limited),
             Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs(30)));
+        // Either sign alone is a rate limit.
+        assert!(matches!(
+            map(200, r#"{"ok": false, "error": "ratelimited"}"#),
+            Outcome::RateLimited { .. }
+        ));
+        assert!(matches!(map(429, ""), Outcome::RateLimited { .. }));
         for code in [
             "channel_not_found",
             "not_in_channel",

@@ -15,7 +15,8 @@ use crate::Outcome;
 /// `parameters.retry_after` seconds; a chat that moved
 /// (`parameters.migrate_to_chat_id`, see [`migrated_to`]) and every other 4xx are
 /// `Permanent`; 500, 502 and 504 are `Ambiguous` (the request reached Telegram, which may
-/// have sent it); 503 is `Transient`; a 2xx whose body cannot be read is `Ambiguous`.
+/// have sent it); 503 is `Transient`; anything else, a 2xx whose body cannot be read
+/// included, is `Ambiguous`.
 ///
 /// ```
 /// use chunked_outbox::platforms::{telegram, HttpReply};
@@ -60,9 +61,6 @@ pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
             ],
             error,
         ),
-        200..=299 => Outcome::Ambiguous {
-            error: reply.describe("unreadable answer"),
-        },
         400..=499 => Outcome::Permanent { error },
         503 => Outcome::Transient { error },
         _ => Outcome::Ambiguous { error },
@@ -139,7 +137,19 @@ mod tests {
             Outcome::Ambiguous { .. }
         ));
         assert!(matches!(map(503, ""), Outcome::Transient { .. }));
-        assert!(matches!(map(200, "{\"ok\":tr"), Outcome::Ambiguous { .. }));
+        match map(200, "{\"ok\":tr") {
+            Outcome::Ambiguous { error } => assert!(error.contains("HTTP 200"), "{error}"),
+            other => panic!("{other:?}"),
+        }
+        // Methods that return no message answer `true`; a result without an id is odd.
+        assert_eq!(
+            map(200, r#"{"ok":true,"result":true}"#),
+            Outcome::delivered(None)
+        );
+        assert!(matches!(
+            map(200, r#"{"ok":true,"result":{}}"#),
+            Outcome::Ambiguous { .. }
+        ));
     }
 
     #[test]
