@@ -20,8 +20,8 @@ use serde::Serialize;
 
 use crate::CliResult;
 use crate::sim::{
-    CHANNELS, OperatorLog, PlatformApi, PlatformRecord, SimPlatform, history, open_platform,
-    reply_text, settle_like_an_operator, sim_options,
+    CHANNELS, OperatorLog, PlatformApi, PlatformRecord, SimPlatform, chat_is_gone, history,
+    open_platform, reply_text, settle_like_an_operator, sim_options,
 };
 
 /// Options of `outbox demo`.
@@ -165,6 +165,9 @@ struct Summary {
     chunks: u64,
     delivered: u64,
     failed: u64,
+    /// Dead letters to chats that still exist: the platform refused something a real
+    /// one accepts (a nonce too long, a message over its limit), or a refusal was misread.
+    unexpected_dead_letters: u64,
     /// Chunks still uncertain at the end.
     uncertain: u64,
     /// Chunks of delivered replies that never arrived, and replies that ended unsettled.
@@ -428,6 +431,7 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
 impl Summary {
     fn ok(&self) -> bool {
         self.lost == 0
+            && self.unexpected_dead_letters == 0
             && self.out_of_order == 0
             && self.missing_finalizations == 0
             && self.wrong_finalizations == 0
@@ -483,7 +487,8 @@ fn verify(
                 }
             }
             _ if row.is_some() => s.wrong_finalizations += 1,
-            DeliveryStatus::Failed => {}
+            DeliveryStatus::Failed if chat_is_gone(&view.chat_id) => {}
+            DeliveryStatus::Failed => s.unexpected_dead_letters += 1,
             _ => s.lost += 1,
         }
         for c in &view.chunks {
@@ -518,11 +523,12 @@ fn print_verdict(s: &Summary) {
     println!();
     println!("verification, read from what the simulated platforms received:");
     println!(
-        "  {} deliveries {}: delivered {}, dead letters {} (chats that no longer exist), uncertain {}",
-        mark(s.uncertain == 0),
+        "  {} deliveries {}: delivered {}, dead letters {} ({} to chats that still exist), uncertain {}",
+        mark(s.uncertain == 0 && s.unexpected_dead_letters == 0),
         s.deliveries,
         s.delivered,
         s.failed,
+        s.unexpected_dead_letters,
         s.uncertain
     );
     println!(

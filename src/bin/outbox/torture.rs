@@ -109,7 +109,11 @@ struct Verdict {
     max_sends_in_flight: u64,
     /// Chunks still `uncertain` when the run ended.
     uncertain_left: u64,
+    /// Dead letters to chats that no longer exist (the simulation's expected ones).
     dead_letters: u64,
+    /// Dead letters to chats that still exist: a send a real platform accepts was
+    /// refused, or a refusal was misread.
+    unexpected_dead_letters: u64,
     seed: u64,
     elapsed_ms: u64,
 }
@@ -263,6 +267,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         std::fs::remove_dir_all(&dir)?;
     }
     let ok = verdict.lost == 0
+        && verdict.unexpected_dead_letters == 0
         && verdict.out_of_order == 0
         && verdict.missing_finalizations == 0
         && verdict.wrong_finalizations == 0
@@ -429,7 +434,13 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
         let got = keys.iter().filter(|k| arrived.contains(k.as_str())).count() as u32;
         match (&finalized, stored.as_ref().map(|d| d.status)) {
             (Some(_), _) => v.lost += u64::from(chunks - got),
-            (None, Some(chunked_outbox::DeliveryStatus::Failed)) => v.dead_letters += 1,
+            (None, Some(chunked_outbox::DeliveryStatus::Failed)) => {
+                if chat_is_gone(&chat_of(seed, *n).1) {
+                    v.dead_letters += 1;
+                } else {
+                    v.unexpected_dead_letters += 1;
+                }
+            }
             (None, Some(chunked_outbox::DeliveryStatus::Uncertain)) => {}
             (None, _) if got == chunks => v.missing_finalizations += 1,
             (None, _) => v.lost += 1,
