@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Shows that every check of the torture and demo verdicts can fail. Each patch in
-# scripts/sabotage/ plants one deliberate bug in the library (its name says which check
-# should catch it); this applies each to a scratch worktree of HEAD, builds the tool,
-# runs a short torture and a small demo, and reports whether that check failed and the
+# scripts/sabotage/ plants one deliberate bug in the library or in the simulation's
+# adapters (its name says which check should catch it); this applies each to a scratch
+# worktree of HEAD, builds the tool, runs a short torture and a small demo, and reports
+# whether that check failed and the
 # run exited non-zero. Exit status 1 if any planted bug went unnoticed.
 #
 #   scripts/sabotage.sh        # every patch (about a minute each on 2 cores)
