@@ -454,6 +454,7 @@ pub struct Settled {
 ///
 /// Every decision is appended to `log` before it is carried out, as lines
 /// `uncertain <claimant or -> <attempts> <key>`, then `lookup <key>` or `blind <key>`,
+/// and every stored dead letter as `dead <delivery>` after acknowledging them,
 /// so the verdict can
 /// tell a duplicate this policy caused from one nobody chose, and can attribute chunks
 /// held after a crash to the process that died holding them.
@@ -515,6 +516,16 @@ pub fn settle_like_an_operator(
         }
     }
     outbox.acknowledge_dead_letters(None)?;
+    // Every dead letter still stored, acknowledged ones included, before anything can
+    // purge them: the verdict tells a purged dead letter from a lost reply by this.
+    let dead = ListFilter {
+        status: Some(DeliveryStatus::Failed),
+        limit: 10_000,
+        ..ListFilter::default()
+    };
+    for d in outbox.list(&dead)? {
+        writeln!(log, "dead {}", d.id)?;
+    }
     Ok(settled)
 }
 
@@ -527,6 +538,8 @@ pub struct OperatorLog {
     pub looked_up: u64,
     /// Per claimant, the distinct (attempts, key) of chunks it left uncertain.
     pub uncertain_by_claimant: HashMap<String, HashSet<(u32, String)>>,
+    /// Deliveries the operator saw as dead letters (and may have purged since).
+    pub dead: HashSet<String>,
 }
 
 impl OperatorLog {
@@ -539,6 +552,9 @@ impl OperatorLog {
                     log.blind.insert(key.to_owned());
                 }
                 ["lookup", _] => log.looked_up += 1,
+                ["dead", delivery] => {
+                    log.dead.insert(delivery.to_owned());
+                }
                 ["uncertain", claimant, attempts, key] if claimant != "-" => {
                     if let Ok(attempts) = attempts.parse() {
                         log.uncertain_by_claimant

@@ -417,12 +417,15 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
             (None, Some(d)) => d.chunk_count,
             (None, None) => {
                 // Gone from the outbox without a history row: only an acknowledged dead
-                // letter may be purged like that, and only chats that no longer exist
-                // produce dead letters.
-                if chat_is_gone(&chat_of(seed, *n).1) {
-                    v.dead_letters += 1;
-                } else {
-                    v.lost += 1;
+                // letter may be purged like that (the operator logged each one it saw),
+                // and only chats that no longer exist should produce dead letters.
+                match (
+                    operator.dead.contains(&uid),
+                    chat_is_gone(&chat_of(seed, *n).1),
+                ) {
+                    (true, true) => v.dead_letters += 1,
+                    (true, false) => v.unexpected_dead_letters += 1,
+                    (false, _) => v.lost += 1,
                 }
                 continue;
             }
