@@ -5,15 +5,18 @@
 //! permissions; a bad token; an answer that never comes after the message was created —
 //! and every outcome recorded in a real outbox.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chunked_outbox::adapters::serenity::DiscordAdapter;
 use chunked_outbox::{
-    AsyncChannelAdapter, ChannelPolicy, ChunkStatus, DeliveryId, DeliveryStatus, ManualClock,
-    NewDelivery, Outbox, OutboxOptions,
+    ChannelPolicy, ChunkStatus, DeliveryId, DeliveryStatus, ManualClock, NewDelivery, Outbox,
+    OutboxOptions,
 };
+use common::emulator;
 use serde_json::{Value, json};
 
 const TOKEN: &str = "Bot SECRET";
@@ -38,16 +41,8 @@ struct DiscordApi {
 
 impl DiscordApi {
     fn start() -> DiscordApi {
-        let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("bind"));
-        let url = format!("http://{}", server.server_addr().to_ip().unwrap());
         let state = Arc::new(Mutex::new(State::default()));
-        let shared = state.clone();
-        std::thread::spawn(move || {
-            for request in server.incoming_requests() {
-                let state = shared.clone();
-                std::thread::spawn(move || answer(request, &state));
-            }
-        });
+        let url = emulator::serve(state.clone(), answer);
         DiscordApi { url, state }
     }
 
@@ -72,20 +67,9 @@ impl DiscordApi {
 }
 
 fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
-    let mut raw = String::new();
-    let _ = request.as_reader().read_to_string(&mut raw);
+    let body = emulator::json_body(&mut request);
     let url = request.url().to_owned();
-    let authorized = request
-        .headers()
-        .iter()
-        .any(|h| h.field.equiv("Authorization") && h.value.as_str() == TOKEN);
-    let respond = |status: u16, body: Value| {
-        let header = tiny_http::Header::from_bytes("Content-Type", "application/json").unwrap();
-        let response = tiny_http::Response::from_string(body.to_string())
-            .with_status_code(status)
-            .with_header(header);
-        let _ = request.respond(response);
-    };
+    let authorized = emulator::header(&request, "Authorization").as_deref() == Some(TOKEN);
     let error =
         |status: u16, code: u32, message: &str| (status, json!({"message": message, "code": code}));
     state.lock().unwrap().requests += 1;
@@ -94,7 +78,6 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
         .and_then(|rest| rest.strip_suffix("/messages"))
         .unwrap_or_default()
         .to_owned();
-    let body: Value = serde_json::from_str(&raw).unwrap_or(Value::Null);
     let content = body["content"].as_str().unwrap_or_default().to_owned();
     let nonce = body["nonce"].as_str().map(str::to_owned);
     let (status, reply) = if !authorized {
@@ -164,7 +147,7 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
             }
         }
     };
-    respond(status, reply);
+    emulator::respond(request, status, &reply.to_string(), &[]);
 }
 
 /// A message object as Discord's API reference documents it.
@@ -209,16 +192,6 @@ fn outbox_with_clock(dir: &tempfile::TempDir, clock: Option<&ManualClock>) -> Ou
     Outbox::open(dir.path().join("bot.db"), options).unwrap()
 }
 
-/// Claims every due chunk, sends each through the adapter and records its outcome.
-async fn send_due(outbox: &Outbox, adapter: &DiscordAdapter) -> usize {
-    let claims = outbox.claim(100).unwrap();
-    for claim in &claims {
-        let outcome = adapter.send(claim).await;
-        outbox.record(claim, outcome).unwrap();
-    }
-    claims.len()
-}
-
 fn last_error(outbox: &Outbox, id: DeliveryId) -> (DeliveryStatus, String) {
     let view = outbox.delivery(id).unwrap().unwrap();
     (
@@ -249,7 +222,7 @@ async fn every_documented_answer_becomes_the_right_outcome() {
         .enqueue(&NewDelivery::single("discord", "1002", "x".repeat(2001)))
         .unwrap()
         .id;
-    send_due(&outbox, &adapter).await;
+    emulator::send_due(&outbox, &adapter).await;
 
     let delivered = outbox.delivery(ids["1001"]).unwrap().unwrap();
     assert_eq!(delivered.status, DeliveryStatus::Delivered);
@@ -312,7 +285,7 @@ async fn an_ambiguous_send_is_replayed_and_deduplicated_by_its_nonce() {
         .enqueue(&NewDelivery::single("discord", "777", "exactly once"))
         .unwrap()
         .id;
-    send_due(&outbox, &adapter).await;
+    emulator::send_due(&outbox, &adapter).await;
     let view = outbox.delivery(id).unwrap().unwrap();
     assert_eq!(
         view.chunks[0].status,
@@ -321,12 +294,12 @@ async fn an_ambiguous_send_is_replayed_and_deduplicated_by_its_nonce() {
     );
     // Due again after the backoff.
     assert_eq!(
-        send_due(&outbox, &adapter).await,
+        emulator::send_due(&outbox, &adapter).await,
         0,
         "not before its backoff"
     );
     clock.advance(Duration::from_secs(60));
-    assert_eq!(send_due(&outbox, &adapter).await, 1);
+    assert_eq!(emulator::send_due(&outbox, &adapter).await, 1);
     let view = outbox.delivery(id).unwrap().unwrap();
     assert_eq!(view.status, DeliveryStatus::Delivered);
     let created = api.created();
@@ -350,7 +323,7 @@ async fn a_bad_token_is_permanent_and_a_reply_reference_is_sent() {
         .enqueue(&NewDelivery::single("discord", "1001", "hi"))
         .unwrap()
         .id;
-    send_due(&outbox, &DiscordAdapter::new(api.http("Bot WRONG"))).await;
+    emulator::send_due(&outbox, &DiscordAdapter::new(api.http("Bot WRONG"))).await;
     let (status, error) = last_error(&outbox, id);
     assert_eq!(status, DeliveryStatus::Failed);
     assert!(error.contains("401"), "{error}");
@@ -359,8 +332,8 @@ async fn a_bad_token_is_permanent_and_a_reply_reference_is_sent() {
     let reply = NewDelivery::chunked("discord", "1001", "a b", ["a", "b"])
         .with_metadata(r#"{"reply_to_message_id": "1189283621932284999"}"#);
     let id = outbox.enqueue(&reply).unwrap().id;
-    send_due(&outbox, &adapter).await;
-    send_due(&outbox, &adapter).await;
+    emulator::send_due(&outbox, &adapter).await;
+    emulator::send_due(&outbox, &adapter).await;
     assert_eq!(
         outbox.delivery(id).unwrap().unwrap().status,
         DeliveryStatus::Delivered

@@ -4,15 +4,15 @@
 //! and archived channels, bad and deactivated tokens, `internal_error`, a post that is
 //! made but never answered — and every outcome recorded in a real outbox.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chunked_outbox::adapters::slack_morphism::SlackAdapter;
-use chunked_outbox::{
-    AsyncChannelAdapter, ChunkStatus, DeliveryId, DeliveryStatus, NewDelivery, Outbox,
-    OutboxOptions,
-};
+use chunked_outbox::{ChunkStatus, DeliveryId, DeliveryStatus, NewDelivery, Outbox, OutboxOptions};
+use common::emulator;
 use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::{Value, json};
 use slack_morphism::prelude::*;
@@ -36,16 +36,8 @@ struct SlackApi {
 
 impl SlackApi {
     fn start() -> SlackApi {
-        let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("bind"));
-        let url = format!("http://{}/api", server.server_addr().to_ip().unwrap());
         let posted = Arc::new(Mutex::new(Vec::new()));
-        let log = posted.clone();
-        std::thread::spawn(move || {
-            for request in server.incoming_requests() {
-                let log = log.clone();
-                std::thread::spawn(move || answer(request, &log));
-            }
-        });
+        let url = format!("{}/api", emulator::serve(posted.clone(), answer));
         SlackApi { url, posted }
     }
 
@@ -67,33 +59,22 @@ fn adapter_at(url: &str, token: &str) -> SlackAdapter<SlackClientHyperConnector<
 }
 
 fn answer(mut request: tiny_http::Request, log: &Mutex<Vec<Posted>>) {
-    let mut raw = String::new();
-    let _ = request.as_reader().read_to_string(&mut raw);
+    let body = emulator::json_body(&mut request);
     let url = request.url().to_owned();
-    let token = request
-        .headers()
-        .iter()
-        .find(|h| h.field.equiv("Authorization"))
-        .map(|h| h.value.as_str().trim_start_matches("Bearer ").to_owned())
+    let token = emulator::header(&request, "Authorization")
+        .map(|t| t.trim_start_matches("Bearer ").to_owned())
         .unwrap_or_default();
     let respond = |status: u16, body: Value, retry_after: Option<&str>| {
-        let mut response = tiny_http::Response::from_string(body.to_string())
-            .with_status_code(status)
-            .with_header(
-                tiny_http::Header::from_bytes("Content-Type", "application/json; charset=utf-8")
-                    .unwrap(),
-            );
-        if let Some(wait) = retry_after {
-            response =
-                response.with_header(tiny_http::Header::from_bytes("Retry-After", wait).unwrap());
-        }
-        let _ = request.respond(response);
+        let headers: &[(&str, &str)] = match retry_after {
+            Some(wait) => &[("Retry-After", wait)],
+            None => &[],
+        };
+        emulator::respond(request, status, &body.to_string(), headers);
     };
     let error = |code: &str| json!({"ok": false, "error": code});
     if !url.starts_with("/api/chat.postMessage") {
         return respond(404, error("unknown_method"), None);
     }
-    let body: Value = serde_json::from_str(&raw).unwrap_or(Value::Null);
     let channel = body["channel"].as_str().unwrap_or_default().to_owned();
     let text = body["text"].as_str().unwrap_or_default().to_owned();
     match (token.as_str(), channel.as_str()) {
@@ -124,17 +105,6 @@ fn answer(mut request: tiny_http::Request, log: &Mutex<Vec<Posted>>) {
                "message": {"type": "message", "text": text, "ts": ts, "bot_id": "B1"}}),
         None,
     );
-}
-
-/// Claims every due chunk, sends each through the adapter and records its outcome.
-async fn send_due<C>(outbox: &Outbox, adapter: &SlackAdapter<C>)
-where
-    C: SlackClientHttpConnector + Send + Sync + 'static,
-{
-    for claim in &outbox.claim(100).unwrap() {
-        let outcome = adapter.send(claim).await;
-        outbox.record(claim, outcome).unwrap();
-    }
 }
 
 fn state(outbox: &Outbox, id: DeliveryId) -> (DeliveryStatus, ChunkStatus, u32, String) {
@@ -169,7 +139,7 @@ async fn every_documented_answer_becomes_the_right_outcome() {
         .enqueue(&NewDelivery::single("slack", "C2", "a".repeat(40_001)))
         .unwrap()
         .id;
-    send_due(&outbox, &api.adapter(TOKEN)).await;
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
 
     let delivered = outbox.delivery(ids["C1"]).unwrap().unwrap();
     assert_eq!(delivered.status, DeliveryStatus::Delivered);
@@ -227,7 +197,7 @@ async fn token_problems_are_permanent_and_an_unreachable_api_is_transient() {
             .enqueue(&NewDelivery::single("slack", "C1", "hi"))
             .unwrap()
             .id;
-        send_due(&outbox, &api.adapter(token)).await;
+        emulator::send_due(&outbox, &api.adapter(token)).await;
         let (status, _, _, error) = state(&outbox, id);
         assert_eq!(status, DeliveryStatus::Failed);
         assert!(error.contains(code), "{error}");
@@ -240,7 +210,7 @@ async fn token_problems_are_permanent_and_an_unreachable_api_is_transient() {
         .enqueue(&NewDelivery::single("slack", "C1", "again"))
         .unwrap()
         .id;
-    send_due(&outbox, &adapter_at(&url, TOKEN)).await;
+    emulator::send_due(&outbox, &adapter_at(&url, TOKEN)).await;
     let (_, chunk, attempts, error) = state(&outbox, id);
     assert_eq!((chunk, attempts), (ChunkStatus::Retry, 1), "{error}");
 }
@@ -254,8 +224,8 @@ async fn every_chunk_goes_into_the_thread_from_the_metadata() {
     let reply = NewDelivery::chunked("slack", "C1", "a b", ["a", "b"])
         .with_metadata(r#"{"thread_ts": "1503435956.000247"}"#);
     let id = outbox.enqueue(&reply).unwrap().id;
-    send_due(&outbox, &adapter).await;
-    send_due(&outbox, &adapter).await;
+    emulator::send_due(&outbox, &adapter).await;
+    emulator::send_due(&outbox, &adapter).await;
     assert_eq!(
         outbox.delivery(id).unwrap().unwrap().status,
         DeliveryStatus::Delivered

@@ -4,14 +4,15 @@
 //! that never comes after the message was accepted), and every outcome recorded in a
 //! real outbox.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chunked_outbox::adapters::teloxide::TelegramAdapter;
-use chunked_outbox::{
-    AsyncChannelAdapter, ChunkStatus, DeliveryStatus, NewDelivery, Outbox, OutboxOptions,
-};
+use chunked_outbox::{ChunkStatus, DeliveryStatus, NewDelivery, Outbox, OutboxOptions};
+use common::emulator;
 use serde_json::{Value, json};
 
 const TOKEN: &str = "123:SECRET";
@@ -34,16 +35,8 @@ struct BotApi {
 
 impl BotApi {
     fn start() -> BotApi {
-        let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("bind"));
-        let url = format!("http://{}/", server.server_addr().to_ip().unwrap());
         let received = Arc::new(Mutex::new(Vec::new()));
-        let log = received.clone();
-        std::thread::spawn(move || {
-            for request in server.incoming_requests() {
-                let log = log.clone();
-                std::thread::spawn(move || answer(request, &log));
-            }
-        });
+        let url = format!("{}/", emulator::serve(received.clone(), answer));
         BotApi { url, received }
     }
 
@@ -61,23 +54,14 @@ impl BotApi {
 }
 
 fn answer(mut request: tiny_http::Request, log: &Mutex<Vec<Received>>) {
-    let mut raw = String::new();
-    let _ = request.as_reader().read_to_string(&mut raw);
-    let url = request.url().to_owned();
-    let respond = |status: u16, body: String| {
-        let header = tiny_http::Header::from_bytes("Content-Type", "application/json").unwrap();
-        let response = tiny_http::Response::from_string(body)
-            .with_status_code(status)
-            .with_header(header);
-        let _ = request.respond(response);
-    };
-    if !url.eq_ignore_ascii_case(&format!("/bot{TOKEN}/sendMessage")) {
-        return respond(
-            401,
-            json!({"ok": false, "error_code": 401, "description": "Unauthorized"}).to_string(),
-        );
+    let body = emulator::json_body(&mut request);
+    if !request
+        .url()
+        .eq_ignore_ascii_case(&format!("/bot{TOKEN}/sendMessage"))
+    {
+        let unauthorized = json!({"ok": false, "error_code": 401, "description": "Unauthorized"});
+        return emulator::respond(request, 401, &unauthorized.to_string(), &[]);
     }
-    let body: Value = serde_json::from_str(&raw).unwrap_or(Value::Null);
     let chat = match &body["chat_id"] {
         Value::Number(n) => n.to_string(),
         Value::String(s) => s.clone(),
@@ -133,16 +117,7 @@ fn answer(mut request: tiny_http::Request, log: &Mutex<Vec<Received>>) {
             (200, json!({"ok": true, "result": message}).to_string())
         }
     };
-    respond(status, reply);
-}
-
-/// Claims every due chunk, sends each through the adapter and records its outcome.
-async fn send_due(outbox: &Outbox, adapter: &TelegramAdapter) {
-    let claims = outbox.claim(100).unwrap();
-    for claim in &claims {
-        let outcome = adapter.send(claim).await;
-        outbox.record(claim, outcome).unwrap();
-    }
+    emulator::respond(request, status, &reply, &[]);
 }
 
 fn status_of(
@@ -186,7 +161,7 @@ async fn every_documented_answer_becomes_the_right_outcome() {
         .unwrap()
         .id;
     let before = chrono::Utc::now();
-    send_due(&outbox, &adapter).await;
+    emulator::send_due(&outbox, &adapter).await;
     let after = chrono::Utc::now();
 
     let delivered = outbox.delivery(ids["100"]).unwrap().unwrap();
@@ -251,7 +226,7 @@ async fn a_bad_token_is_permanent_and_an_unreachable_api_is_transient() {
         .enqueue(&NewDelivery::single("telegram", "100", "hi"))
         .unwrap()
         .id;
-    send_due(&outbox, &TelegramAdapter::new(api.bot("123:WRONG"))).await;
+    emulator::send_due(&outbox, &TelegramAdapter::new(api.bot("123:WRONG"))).await;
     let (status, _, error) = status_of(&outbox, id);
     assert_eq!(status, DeliveryStatus::Failed);
     assert!(
@@ -268,7 +243,7 @@ async fn a_bad_token_is_permanent_and_an_unreachable_api_is_transient() {
         .enqueue(&NewDelivery::single("telegram", "100", "again"))
         .unwrap()
         .id;
-    send_due(&outbox, &TelegramAdapter::new(unreachable)).await;
+    emulator::send_due(&outbox, &TelegramAdapter::new(unreachable)).await;
     let view = outbox.delivery(id).unwrap().unwrap();
     assert_eq!(
         (view.chunks[0].status, view.chunks[0].attempts),
@@ -288,8 +263,8 @@ async fn metadata_reaches_the_request() {
     let reply = NewDelivery::chunked("telegram", "100", "<b>one</b> two", ["<b>one</b>", "two"])
         .with_metadata(metadata.to_string());
     let id = outbox.enqueue(&reply).unwrap().id;
-    send_due(&outbox, &adapter).await;
-    send_due(&outbox, &adapter).await;
+    emulator::send_due(&outbox, &adapter).await;
+    emulator::send_due(&outbox, &adapter).await;
     assert_eq!(
         outbox.delivery(id).unwrap().unwrap().status,
         DeliveryStatus::Delivered
@@ -312,7 +287,7 @@ async fn metadata_reaches_the_request() {
     let bad =
         NewDelivery::single("telegram", "100", "x").with_metadata("{\"parse_mode\": \"BBCode\"}");
     let id = outbox.enqueue(&bad).unwrap().id;
-    send_due(&outbox, &adapter).await;
+    emulator::send_due(&outbox, &adapter).await;
     let (status, _, error) = status_of(&outbox, id);
     assert_eq!(status, DeliveryStatus::Failed);
     assert!(error.contains("BBCode"), "{error}");

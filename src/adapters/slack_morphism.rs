@@ -102,11 +102,7 @@ impl SendOptions {
     /// A message naming what could not be read; the adapter records it as a permanent
     /// failure (the same metadata fails on every attempt).
     pub fn from_claim(claim: &Claim) -> Result<SendOptions, String> {
-        let Some(metadata) = &claim.metadata else {
-            return Ok(SendOptions::default());
-        };
-        serde_json::from_str(metadata)
-            .map_err(|e| format!("metadata is not the adapter's JSON: {e}"))
+        super::options_from(claim)
     }
 }
 
