@@ -4,8 +4,10 @@
 //! no retry of a permanent error, a rate limit that pauses a chat without using an
 //! attempt) only if every send's result is mapped to the right [`Outcome`]. These
 //! functions do that from what the HTTP client received — status, `Retry-After` header
-//! and JSON body — for the Bot API of Telegram, Discord's REST API and Slack's Web API,
-//! and [`no_reply`] for a request that got no answer. They read the platform's fields,
+//! and JSON body — for the Bot API of Telegram, Discord's REST API, Slack's Web API and
+//! the Matrix client-server API ([`matrix`]: `event_id`, `M_LIMIT_EXCEEDED` with
+//! `retry_after_ms`, other 4xx permanent, 5xx ambiguous), and [`no_reply`] for a
+//! request that got no answer. They read the platform's fields,
 //! never its human-readable text, so they do not depend on wording.
 //!
 //! | answer | Telegram | Discord | Slack |
@@ -42,6 +44,7 @@ use crate::Outcome;
 use crate::classify::cap_retry_after;
 
 pub mod discord;
+pub mod matrix;
 pub mod slack;
 pub mod telegram;
 

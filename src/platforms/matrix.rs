@@ -1,0 +1,105 @@
+//! Matrix client-server API (`PUT /_matrix/client/v3/rooms/{roomId}/send/{eventType}/{txnId}`).
+//!
+//! The transaction id in the URL makes a send idempotent for the same access token:
+//! use [`Claim::idempotency_key`](crate::Claim::idempotency_key) (URL-encoded) or
+//! [`Claim::compact_key`](crate::Claim::compact_key), and declare the channel
+//! [`ChannelPolicy::replayable`](crate::ChannelPolicy::replayable).
+
+use serde_json::Value;
+
+use super::{HttpReply, id_text, rate_limited, seconds};
+use crate::Outcome;
+
+/// Maps the homeserver's answer to a send.
+///
+/// 2xx is `Delivered` with the `event_id`; `M_LIMIT_EXCEEDED` (or 429) is
+/// `RateLimited` for `retry_after_ms` (or `Retry-After`); every other 4xx
+/// (`M_FORBIDDEN`, `M_UNKNOWN_TOKEN`, `M_NOT_FOUND`, `M_TOO_LARGE` …) is `Permanent`; 5xx
+/// is `Ambiguous` (a replay with the same transaction id is safe); a 2xx without an
+/// `event_id` is `Ambiguous`.
+///
+/// ```
+/// use chunked_outbox::platforms::{matrix, HttpReply};
+/// use chunked_outbox::Outcome;
+///
+/// let slow_down = HttpReply::new(429,
+///     r#"{"errcode": "M_LIMIT_EXCEEDED", "error": "Too many requests", "retry_after_ms": 2000}"#);
+/// assert!(matches!(matrix::outcome(&slow_down),
+///     Outcome::RateLimited { retry_after, .. } if retry_after.as_millis() == 2000));
+/// ```
+pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
+    let body = reply.json();
+    if (200..300).contains(&reply.status) {
+        return match id_text(&body["event_id"]) {
+            Some(id) => Outcome::delivered(Some(id)),
+            None => Outcome::Ambiguous {
+                error: reply.describe("success without an event_id"),
+            },
+        };
+    }
+    let code = body["errcode"].as_str().unwrap_or_default();
+    let error = match body["error"].as_str() {
+        Some(text) if !code.is_empty() => format!("{} {code}: {text}", reply.status),
+        _ => reply.describe("from the homeserver"),
+    };
+    if code == "M_LIMIT_EXCEEDED" || reply.status == 429 {
+        let millis = body["retry_after_ms"].as_f64().map(|ms| ms / 1000.0);
+        return rate_limited(
+            &[
+                millis.and_then(|s| seconds(&Value::from(s))),
+                reply.header_wait(),
+            ],
+            error,
+        );
+    }
+    match reply.status {
+        400..=499 => Outcome::Permanent { error },
+        _ => Outcome::Ambiguous { error },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn map(status: u16, body: &str) -> Outcome {
+        outcome(&HttpReply::new(status, body))
+    }
+
+    /// Sample answers from the client-server specification.
+    #[test]
+    fn documented_answers() {
+        assert_eq!(
+            map(200, r#"{"event_id": "$YUwRidLecu:example.com"}"#),
+            Outcome::delivered(Some("$YUwRidLecu:example.com".into()))
+        );
+        assert!(matches!(
+            map(429, r#"{"errcode": "M_LIMIT_EXCEEDED", "error": "Too many requests", "retry_after_ms": 2000}"#),
+            Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs(2)
+        ));
+        let header =
+            HttpReply::new(429, r#"{"errcode": "M_LIMIT_EXCEEDED"}"#).with_retry_after("5");
+        assert!(matches!(outcome(&header),
+            Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs(5)));
+        for (status, code) in [
+            (403, "M_FORBIDDEN"),
+            (401, "M_UNKNOWN_TOKEN"),
+            (404, "M_NOT_FOUND"),
+            (413, "M_TOO_LARGE"),
+        ] {
+            let body = format!(r#"{{"errcode": "{code}", "error": "no"}}"#);
+            match map(status, &body) {
+                Outcome::Permanent { error } => assert!(error.contains(code), "{error}"),
+                other => panic!("{code}: {other:?}"),
+            }
+        }
+        assert!(matches!(map(502, ""), Outcome::Ambiguous { .. }));
+        assert!(matches!(map(200, "{}"), Outcome::Ambiguous { .. }));
+        match map(400, r#"{"errcode": "M_BAD_JSON"}"#) {
+            Outcome::Permanent { error } => assert!(error.starts_with("HTTP 400"), "{error}"),
+            other => panic!("{other:?}"),
+        }
+    }
+}
