@@ -103,6 +103,10 @@
 //! and reads through a pool. Several threads may share one `Outbox`; several processes
 //! may open the same file. Concurrent claimers never receive the same chunk.
 
+// On docs.rs (`--cfg docsrs`, see Cargo.toml), each item behind a feature is marked
+// with the feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
