@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chunked_outbox::{
-    AsyncChannelAdapter, AsyncDispatcher, Backoff, BoxFuture, ChannelPolicy, Claim, Outbox,
-    OutboxOptions, Outcome, RetryPolicy, Splitter,
+    AsyncChannelAdapter, AsyncDispatcher, Backoff, ChannelPolicy, Claim, Outbox, OutboxOptions,
+    Outcome, RetryPolicy, SendFuture, Splitter,
 };
 
 struct SimulatedMatrix {
@@ -17,7 +17,7 @@ struct SimulatedMatrix {
 }
 
 impl AsyncChannelAdapter for SimulatedMatrix {
-    fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome> {
+    fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
         Box::pin(async move {
             tokio::time::sleep(Duration::from_millis(5)).await; // network round trip
             let n = self.sends.fetch_add(1, Ordering::SeqCst);

@@ -26,7 +26,7 @@ pub const MAX_CLAIM_BATCH: usize = 10_000;
 /// its lease expires; then the next claim or [`Outbox::recover`] treats it like a crash
 /// mid-send, following the channel's [`ReplayPolicy`]. Call
 /// [`release`](Outbox::release) for claims you decide not to start.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 #[must_use = "a claim left without an outcome holds its chunk until the lease expires"]
 pub struct Claim {
     /// The chunk.
@@ -55,7 +55,77 @@ pub struct Claim {
     pub(crate) token: i64,
 }
 
+/// The message text and metadata are shown by length only, and the fencing token not at
+/// all: a claim logged with `{:?}` leaks neither what the user is told nor what would
+/// settle the chunk.
+impl std::fmt::Debug for Claim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Claim")
+            .field("chunk_id", &self.chunk_id)
+            .field("delivery_id", &self.delivery_id)
+            .field("channel", &self.channel)
+            .field("chat_id", &self.chat_id)
+            .field("index", &self.index)
+            .field("total", &self.total)
+            .field("text", &format_args!("<{} bytes>", self.text.len()))
+            .field("idempotency_key", &self.idempotency_key)
+            .field("attempt", &self.attempt)
+            .field("lease_until", &self.lease_until)
+            .field(
+                "metadata",
+                &self
+                    .metadata
+                    .as_ref()
+                    .map(|m| format!("<{} bytes>", m.len())),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
 impl Claim {
+    /// A claim of no outbox, to unit-test an adapter without a database: the first of
+    /// one chunk, attempt 1, under a lease of a minute from now, no metadata. Its fields
+    /// are public, so a test sets whatever else it needs. Recording its outcome in an
+    /// outbox fails with [`Error::StaleClaim`](crate::Error::StaleClaim): it holds no
+    /// chunk there.
+    ///
+    /// ```
+    /// use chunked_outbox::{ChannelAdapter, Claim, Outcome};
+    ///
+    /// struct Echo;
+    /// impl ChannelAdapter for Echo {
+    ///     fn send(&self, claim: &Claim) -> Outcome {
+    ///         Outcome::delivered(Some(format!("{}:{}", claim.chat_id, claim.text)))
+    ///     }
+    /// }
+    ///
+    /// let mut claim = Claim::for_testing("telegram", "42", "hello");
+    /// claim.metadata = Some(r#"{"reply_to_message_id": 7}"#.into());
+    /// assert_eq!(Echo.send(&claim), Outcome::delivered(Some("42:hello".into())));
+    /// assert!(!format!("{claim:?}").contains("hello"), "Debug shows no text");
+    /// ```
+    pub fn for_testing(
+        channel: impl Into<String>,
+        chat_id: impl Into<String>,
+        text: impl Into<String>,
+    ) -> Claim {
+        let delivery_id = DeliveryId::from(uuid::Uuid::nil());
+        Claim {
+            chunk_id: ChunkId(0),
+            idempotency_key: chunk_idempotency_key(&delivery_id, 0),
+            delivery_id,
+            channel: channel.into(),
+            chat_id: chat_id.into(),
+            index: 0,
+            total: 1,
+            text: text.into(),
+            attempt: 1,
+            lease_until: Utc::now() + chrono::Duration::minutes(1),
+            metadata: None,
+            token: 0,
+        }
+    }
+
     /// This chunk's key in [`COMPACT_KEY_LEN`](crate::COMPACT_KEY_LEN) characters, for
     /// Discord's `nonce` and other short key fields (see
     /// [`chunk_compact_key`](crate::chunk_compact_key)).

@@ -141,7 +141,8 @@ pub use classify::{ErrorClass, MAX_RETRY_AFTER, classify_error};
 pub use clock::{Clock, ManualClock, SystemClock};
 #[cfg(feature = "tokio")]
 pub use dispatch::tokio::{
-    AsyncChannelAdapter, AsyncDispatcher, AsyncDispatcherBuilder, BoxFuture, RunningAsyncDispatcher,
+    AsyncChannelAdapter, AsyncDispatcher, AsyncDispatcherBuilder, RunningAsyncDispatcher,
+    SendFuture,
 };
 pub use dispatch::{
     ChannelAdapter, DispatchEvent, DispatchStats, Dispatcher, DispatcherBuilder, RunningDispatcher,
@@ -169,6 +170,9 @@ pub use outcome::{
 };
 pub use policy::{ChannelPolicy, Policy};
 pub use retention::PurgeReport;
+/// The rusqlite this crate is built with: [`Outbox::enqueue_in`] takes its
+/// `Connection`, so an application names the same version through this re-export.
+pub use rusqlite;
 pub use schema::{BACKGROUND_AUTOCHECKPOINT_PAGES, SCHEMA_VERSION, StorageSettings};
 pub use split::{LengthUnit, Markup, Splitter};
 pub use status::{ChunkStatus, DeliveryStatus};

@@ -350,7 +350,7 @@ fn apply(
         Outcome::Transient { error } => retry_or_fail(tx, rules, chunk, &error, now),
         Outcome::Ambiguous { error } => match rules.policy.channel(&chunk.channel).replay {
             ReplayPolicy::Replay => retry_or_fail(tx, rules, chunk, &error, now),
-            _ => {
+            ReplayPolicy::Hold => {
                 hold_uncertain(tx, rules, chunk, &error, now)?;
                 Ok(Recorded::settled(ChunkStatus::Uncertain))
             }

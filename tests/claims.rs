@@ -736,3 +736,21 @@ fn refunds_are_capped_so_no_chunk_is_rate_limited_forever() -> Result<()> {
     assert_eq!(view(ob, id).chunks[0].attempts, 0);
     Ok(())
 }
+
+/// A claim built for an adapter's unit test holds no chunk: recording it changes
+/// nothing and says so.
+#[test]
+fn a_test_claim_cannot_settle_anything() -> Result<()> {
+    let db = TestDb::default();
+    let id = enqueue(&db.outbox, "42", &["hello"]);
+    let claim = chunked_outbox::Claim::for_testing("telegram", "42", "hello");
+    let err = db.outbox.ack(&claim, None).unwrap_err();
+    assert!(matches!(err, Error::StaleClaim { .. }), "{err:?}");
+    assert_eq!(view(&db.outbox, id).chunks[0].status, ChunkStatus::Pending);
+    let debug = format!("{claim:?}");
+    assert!(
+        debug.contains("<5 bytes>") && !debug.contains("token"),
+        "{debug}"
+    );
+    Ok(())
+}

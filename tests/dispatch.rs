@@ -95,7 +95,7 @@ impl ChannelAdapter for Platform {
 
 #[cfg(feature = "tokio")]
 impl chunked_outbox::AsyncChannelAdapter for Platform {
-    fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::BoxFuture<'a, Outcome> {
+    fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::SendFuture<'a, Outcome> {
         Box::pin(async move {
             tokio::task::yield_now().await;
             self.answer(claim)
@@ -801,7 +801,7 @@ fn two_dispatcher_processes_never_send_a_chunk_twice() -> Result<()> {
 #[cfg(feature = "tokio")]
 mod tokio_running {
     use super::*;
-    use chunked_outbox::{AsyncChannelAdapter, AsyncDispatcher, BoxFuture};
+    use chunked_outbox::{AsyncChannelAdapter, AsyncDispatcher, SendFuture};
 
     /// Holds every send until released, like a slow platform.
     #[derive(Clone)]
@@ -823,7 +823,7 @@ mod tokio_running {
     }
 
     impl AsyncChannelAdapter for AsyncGate {
-        fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome> {
+        fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
             Box::pin(async move {
                 self.started.add_permits(1);
                 self.proceed.acquire().await.unwrap().forget();
@@ -874,7 +874,7 @@ mod tokio_running {
     struct Silent;
 
     impl AsyncChannelAdapter for Silent {
-        fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome> {
+        fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
             Box::pin(async move {
                 if claim.chat_id != "ok" {
                     std::future::pending::<()>().await;

@@ -47,7 +47,7 @@ impl ChannelAdapter for Scripted {
 
 #[cfg(feature = "tokio")]
 impl chunked_outbox::AsyncChannelAdapter for Scripted {
-    fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::BoxFuture<'a, Outcome> {
+    fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::SendFuture<'a, Outcome> {
         // The scripts block (gates, sleeps): keep them off the runtime's own threads.
         Box::pin(async move { tokio::task::block_in_place(|| (self.script)(claim)) })
     }
@@ -955,7 +955,7 @@ mod dropped {
 
     #[cfg(feature = "tokio")]
     impl chunked_outbox::AsyncChannelAdapter for Tracked {
-        fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::BoxFuture<'a, Outcome> {
+        fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::SendFuture<'a, Outcome> {
             chunked_outbox::AsyncChannelAdapter::send(&self.0, claim)
         }
     }

@@ -48,7 +48,7 @@
 use std::sync::Arc;
 
 use crate::platforms::{NoReply, no_reply};
-use crate::{AsyncChannelAdapter, BoxFuture, Claim, Outcome};
+use crate::{AsyncChannelAdapter, Claim, Outcome, SendFuture};
 use serde::Deserialize;
 use serenity::Error;
 use serenity::builder::CreateMessage;
@@ -114,7 +114,7 @@ fn request(claim: &Claim) -> Result<(ChannelId, CreateMessage), String> {
 }
 
 impl AsyncChannelAdapter for DiscordAdapter {
-    fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome> {
+    fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
         Box::pin(async move {
             match request(claim) {
                 Ok((channel, message)) => outcome(channel.send_message(&self.http, message).await),

@@ -48,7 +48,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::platforms::{NoReply, no_reply, slack};
-use crate::{AsyncChannelAdapter, BoxFuture, Claim, Outcome};
+use crate::{AsyncChannelAdapter, Claim, Outcome, SendFuture};
 use serde::Deserialize;
 use slack_morphism::errors::SlackClientError;
 use slack_morphism::prelude::*;
@@ -123,7 +123,7 @@ impl<C> AsyncChannelAdapter for SlackAdapter<C>
 where
     C: SlackClientHttpConnector + Send + Sync + 'static,
 {
-    fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome> {
+    fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
         Box::pin(async move {
             let request = match request(claim) {
                 Ok(request) => request,

@@ -47,7 +47,7 @@
 //! | `Io` (reading a file to upload, before sending) | `Transient` |
 
 use crate::platforms::{NoReply, no_reply};
-use crate::{AsyncChannelAdapter, BoxFuture, Claim, Outcome};
+use crate::{AsyncChannelAdapter, Claim, Outcome, SendFuture};
 use serde::Deserialize;
 use teloxide_core::errors::{ApiError, RequestError};
 use teloxide_core::payloads::SendMessageSetters;
@@ -130,7 +130,7 @@ where
     B: Requester<Err = RequestError> + Send + Sync + 'static,
     B::SendMessage: Send,
 {
-    fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome> {
+    fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
         Box::pin(async move {
             let (chat, options) = match recipient(&claim.chat_id)
                 .and_then(|chat| Ok((chat, SendOptions::from_claim(claim)?)))

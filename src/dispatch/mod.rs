@@ -75,6 +75,13 @@ pub trait ChannelAdapter: Send + Sync + 'static {
     fn send(&self, claim: &Claim) -> Outcome;
 }
 
+/// An adapter shared with the rest of the application serves as one too.
+impl<T: ChannelAdapter + ?Sized> ChannelAdapter for std::sync::Arc<T> {
+    fn send(&self, claim: &Claim) -> Outcome {
+        (**self).send(claim)
+    }
+}
+
 /// Most sends one worker may have in flight at once ([`DispatcherBuilder::batch_size`]).
 pub(crate) const MAX_IN_FLIGHT: usize = 1024;
 

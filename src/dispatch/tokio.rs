@@ -19,7 +19,7 @@ use crate::{Claim, Outbox, Outcome, Result};
 type Admitted = Vec<(Claim, Arc<dyn AsyncChannelAdapter>)>;
 
 /// A boxed, sendable future: what [`AsyncChannelAdapter::send`] returns.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub type SendFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The async counterpart of [`ChannelAdapter`](crate::ChannelAdapter).
 ///
@@ -27,12 +27,12 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// the blocking trait.
 ///
 /// ```
-/// use chunked_outbox::{AsyncChannelAdapter, BoxFuture, Claim, Outcome};
+/// use chunked_outbox::{AsyncChannelAdapter, SendFuture, Claim, Outcome};
 ///
 /// struct Discord;
 ///
 /// impl AsyncChannelAdapter for Discord {
-///     fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome> {
+///     fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
 ///         Box::pin(async move {
 ///             // POST /channels/{claim.chat_id}/messages with
 ///             // {"nonce": claim.compact_key(), "enforce_nonce": true} (the full key
@@ -44,7 +44,14 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// ```
 pub trait AsyncChannelAdapter: Send + Sync + 'static {
     /// Sends one chunk and says what happened. Bound the I/O with a timeout.
-    fn send<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Outcome>;
+    fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome>;
+}
+
+/// An adapter shared with the rest of the application serves as one too.
+impl<T: AsyncChannelAdapter + ?Sized> AsyncChannelAdapter for Arc<T> {
+    fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
+        (**self).send(claim)
+    }
 }
 
 /// Builds an [`AsyncDispatcher`]; the settings are those of
@@ -258,14 +265,15 @@ impl AsyncDispatcher {
     }
 
     /// Runs the workers until `shutdown` completes, then shuts down gracefully (waiting
-    /// up to `grace` for sends in flight).
+    /// up to `grace` for sends in flight). `shutdown` may be any future; its output is
+    /// ignored, so `tokio::signal::ctrl_c()` can be passed as it is.
     ///
     /// # Errors
     ///
     /// As [`start`](Self::start).
-    pub async fn run_until(
+    pub async fn run_until<F: Future>(
         &self,
-        shutdown: impl Future<Output = ()>,
+        shutdown: F,
         grace: Duration,
     ) -> Result<ShutdownReport> {
         let running = self.start()?;
@@ -333,7 +341,7 @@ impl AsyncDispatcher {
 
 /// An adapter's send future with its panics caught: a panic while polling it ends it
 /// with the panic's payload.
-struct CatchUnwind<'a>(BoxFuture<'a, Outcome>);
+struct CatchUnwind<'a>(SendFuture<'a, Outcome>);
 
 impl Future for CatchUnwind<'_> {
     type Output = std::thread::Result<Outcome>;
