@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chunked_outbox::{
-    AsyncChannelAdapter, AsyncDispatcher, Backoff, ChannelPolicy, Claim, Outbox, OutboxOptions,
-    Outcome, RetryPolicy, SendFuture, Splitter,
+    AsyncChannelAdapter, AsyncDispatcher, Backoff, ChannelPolicy, Claim, NewDelivery, Outbox,
+    OutboxOptions, Outcome, RetryPolicy, SendFuture, Splitter,
 };
 
 struct SimulatedMatrix {
@@ -64,12 +64,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build()?;
     let running = dispatcher.start()?;
 
+    // Every Outbox call blocks on SQLite; in async code they go to the blocking pool.
     let splitter = Splitter::new(50, chunked_outbox::LengthUnit::Bytes)?;
     for room in ["!ops:example.org", "!dev:example.org"] {
         let text = format!("Deploy finished for {room}.\n\nAll checks passed; nothing to do.");
-        outbox.enqueue_text("matrix", room, &text, &splitter)?;
+        outbox
+            .enqueue_async(NewDelivery::split("matrix", room, &text, &splitter)?)
+            .await?;
     }
-    while outbox.health()?.totals.delivered_deliveries < 2 {
+    while outbox.health_async().await?.totals.delivered_deliveries < 2 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let report = running.shutdown(Duration::from_secs(5)).await;

@@ -13,7 +13,7 @@ use tracing::Instrument;
 
 use super::{Core, DispatchStats, DispatcherBuilder, Run, Shared, ShutdownReport, keep_leases};
 use crate::outbox::ChangeWatcher;
-use crate::{Claim, Outbox, Outcome, Result};
+use crate::{Claim, Enqueued, Health, NewDelivery, Outbox, Outcome, Result};
 
 /// Claims admitted to be sent now, each with its adapter.
 type Admitted = Vec<(Claim, Arc<dyn AsyncChannelAdapter>)>;
@@ -51,6 +51,55 @@ pub trait AsyncChannelAdapter: Send + Sync + 'static {
 impl<T: AsyncChannelAdapter + ?Sized> AsyncChannelAdapter for Arc<T> {
     fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
         (**self).send(claim)
+    }
+}
+
+/// Every `Outbox` call blocks the thread: it waits for SQLite's writer lock (up to the
+/// busy timeout) and for the disk. In async code, run them on tokio's blocking pool.
+impl Outbox {
+    /// Runs `f` with this outbox on tokio's blocking pool, so the calling task's worker
+    /// thread is not blocked. A panic in `f` resumes in the caller.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), chunked_outbox::Error> {
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// let reply = NewDelivery::single("telegram", "42", "hi");
+    /// let id = outbox.run_blocking(move |o| o.enqueue(&reply)).await?.id;
+    /// let view = outbox.run_blocking(move |o| o.delivery(id)).await?;
+    /// assert!(view.is_some());
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn run_blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Outbox) -> T + Send + 'static,
+    ) -> T {
+        let outbox = self.clone();
+        match tokio::task::spawn_blocking(move || f(&outbox)).await {
+            Ok(value) => value,
+            Err(join) => std::panic::resume_unwind(join.into_panic()),
+        }
+    }
+
+    /// [`enqueue`](Outbox::enqueue) on the blocking pool.
+    ///
+    /// # Errors
+    ///
+    /// As [`enqueue`](Outbox::enqueue).
+    pub async fn enqueue_async(&self, delivery: NewDelivery) -> Result<Enqueued> {
+        self.run_blocking(move |o| o.enqueue(&delivery)).await
+    }
+
+    /// [`health`](Outbox::health) on the blocking pool.
+    ///
+    /// # Errors
+    ///
+    /// As [`health`](Outbox::health).
+    pub async fn health_async(&self) -> Result<Health> {
+        self.run_blocking(Outbox::health).await
     }
 }
 
