@@ -212,7 +212,6 @@ impl Splitter {
         if text.trim().is_empty() {
             return Err(Error::invalid("text", "must not be empty or whitespace"));
         }
-        let reserve = self.close_reserve(text);
         let mut open = Open::new(self.markup);
         let mut pieces = Vec::new();
         let mut start = 0;
@@ -233,7 +232,7 @@ impl Splitter {
             let end = if whole_fits {
                 rest.len()
             } else {
-                self.cut_with_room_to_close(rest, &open, used, reserve)?
+                self.cut_with_room_to_close(rest, &open, used)?
             };
             let body = start..start + end;
             start += end;
@@ -252,17 +251,11 @@ impl Splitter {
         Ok(pieces)
     }
 
-    /// A cut of `rest` that leaves room for the markup it has to close. The room kept
-    /// starts at `reserve` (Markdown: the longest fence, always enough) or what closes
-    /// the markup open now, and grows to what the cut actually leaves open.
-    fn cut_with_room_to_close(
-        &self,
-        rest: &str,
-        open: &Open,
-        used: usize,
-        reserve: usize,
-    ) -> Result<usize> {
-        let mut reserve = reserve.max(self.unit.len(&open.close("")));
+    /// A cut of `rest` that leaves room for the markup it has to close (a fence, HTML
+    /// tags). The room kept starts at what closes the markup open now and grows to what
+    /// the cut actually leaves open, so it is never more than needed.
+    fn cut_with_room_to_close(&self, rest: &str, open: &Open, used: usize) -> Result<usize> {
+        let mut reserve = self.unit.len(&open.close(""));
         loop {
             let room = self.limit.saturating_sub(used + reserve);
             let end = self.cut(rest, room)?;
@@ -272,19 +265,6 @@ impl Splitter {
             }
             reserve = close;
         }
-    }
-
-    /// Room to keep for a closing fence line, if the text has fences at all.
-    fn close_reserve(&self, text: &str) -> usize {
-        if self.markup != Markup::Markdown {
-            return 0;
-        }
-        let longest = text
-            .lines()
-            .filter_map(fence_marker)
-            .map(|(m, _)| m.len())
-            .max();
-        longest.map_or(0, |n| self.unit.len("\n") + n)
     }
 
     /// Where to cut `rest` so the cut-off part measures at most `room`.
@@ -690,6 +670,8 @@ mod tests {
         let splitter = Splitter::new(40, LengthUnit::Utf16)
             .unwrap()
             .with_markup(Markup::TelegramHtml);
+        assert_eq!(splitter.markup(), Markup::TelegramHtml);
+        assert_eq!(Splitter::telegram().markup(), Markup::Markdown);
         let text = "<a href=\"https://t.me/x\">a link with &amp; several words in it</a> end";
         let chunks = splitter.split(text).unwrap();
         assert!(chunks.len() > 1, "{chunks:?}");
