@@ -279,7 +279,11 @@ impl Outbox {
     /// content. Nothing is written in either case.
     pub fn enqueue(&self, delivery: &NewDelivery) -> Result<Enqueued> {
         delivery.validate()?;
-        self.write_and_wake(|tx, rules| insert(tx, self, rules, delivery))
+        let enqueued = self.write_and_wake(|tx, rules| insert(tx, self, rules, delivery))?;
+        if enqueued.created {
+            crate::telemetry::enqueued(&delivery.channel);
+        }
+        Ok(enqueued)
     }
 
     /// Splits `text` with `splitter` and enqueues the chunks in one call.

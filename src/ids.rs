@@ -49,6 +49,11 @@ impl DeliveryId {
         ((self.0.as_u128() ^ u128::from(salt as u64)) & ROW_BITS) as i64
     }
 
+    /// When the delivery was enqueued (ms since the epoch), from the UUID v7 time field.
+    pub(crate) fn created_ms(&self) -> i64 {
+        (self.0.as_u128() >> 80) as i64
+    }
+
     /// The underlying UUID.
     pub fn as_uuid(&self) -> Uuid {
         self.0
@@ -334,6 +339,12 @@ mod tests {
                 assert!(seen.insert(uuid.to_string()));
             }
         }
+    }
+
+    #[test]
+    fn a_uid_carries_its_creation_time() {
+        let id = DeliveryId::for_row(7, 99, 1_767_225_600_123);
+        assert_eq!(id.created_ms(), 1_767_225_600_123);
     }
 
     #[test]

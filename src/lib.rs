@@ -135,6 +135,7 @@ mod retention;
 mod schema;
 mod split;
 mod status;
+pub mod telemetry;
 
 pub use claim::{Claim, MAX_CLAIM_BATCH, RecoverScope, RecoveryReport};
 pub use classify::{ErrorClass, MAX_RETRY_AFTER, classify_error};

@@ -32,6 +32,7 @@ use serde::Serialize;
 use tracing::{Span, debug, info, info_span, warn};
 
 use crate::clock::duration_ms;
+use crate::telemetry;
 use crate::{ChunkId, ChunkStatus, Claim, DeliveryId, Error, Outbox, Outcome, Recorded, Result};
 
 pub use blocking::{Dispatcher, DispatcherBuilder, RunningDispatcher, ShutdownReport};
@@ -451,6 +452,7 @@ impl Core {
                 }
                 Err(e) => {
                     add(&self.counters.dropped, done.len() as u64);
+                    telemetry::events("outbox_dropped_outcomes_total", done.len() as u64);
                     tracing::error!(error = %e, outcomes = done.len(), "could not record outcomes; their leases will settle them");
                     for (claim, _) in done.drain(..) {
                         run.let_go(claim.chunk_id);
@@ -510,6 +512,7 @@ impl Core {
 
     pub(crate) fn before_send(&self, claim: &Claim) {
         bump(&self.counters.sent);
+        telemetry::send_started(&claim.channel);
         // Message text is private: debug level only.
         debug!(text = %claim.text, key = %claim.idempotency_key, "sending");
     }
@@ -517,6 +520,7 @@ impl Core {
     /// The outcome for a send whose adapter panicked: it may have reached the platform.
     pub(crate) fn panicked(&self, payload: Box<dyn Any + Send>) -> Outcome {
         bump(&self.counters.panics);
+        telemetry::events("outbox_panics_total", 1);
         let message = payload
             .downcast_ref::<&str>()
             .map(|s| (*s).to_owned())
@@ -531,6 +535,7 @@ impl Core {
     /// The outcome for a send that outlived the send timeout.
     pub(crate) fn timed_out(&self, timeout: Duration) -> Outcome {
         bump(&self.counters.timed_out);
+        telemetry::events("outbox_send_timeouts_total", 1);
         warn!(
             timeout_ms = timeout.as_millis() as u64,
             "send did not return in time; recording an ambiguous send"
@@ -549,6 +554,7 @@ impl Core {
                 Ok(recorded) => self.count(claim, kind, &recorded),
                 Err(e) => {
                     bump(&self.counters.errors);
+                    telemetry::events("outbox_record_errors_total", 1);
                     warn!(chunk = %claim.idempotency_key, error = %e, outcome = kind, "could not record outcome");
                 }
             }
@@ -557,16 +563,38 @@ impl Core {
 
     fn count(&self, claim: &Claim, kind: &'static str, recorded: &Recorded) {
         let c = &self.counters;
+        let channel = claim.channel.as_str();
+        let now = self.outbox.options().now_ms();
+        telemetry::outcome(channel, kind);
+        // Claims are made right before their send, so claim to record is the send.
+        let claimed_at =
+            claim.lease_until.timestamp_millis() - duration_ms(self.outbox.options().lease);
+        telemetry::seconds("outbox_send_duration_seconds", channel, now - claimed_at);
         match recorded.status {
             ChunkStatus::Delivered => {
                 bump(&c.delivered);
                 if recorded.finalized {
                     bump(&c.finalized);
+                    telemetry::chunk_state("outbox_finalized_total", channel);
+                    telemetry::seconds(
+                        "outbox_reply_latency_seconds",
+                        channel,
+                        now - claim.delivery_id.created_ms(),
+                    );
                 }
             }
-            ChunkStatus::Retry => bump(&c.retried),
-            ChunkStatus::Failed => bump(&c.failed),
-            ChunkStatus::Uncertain => bump(&c.uncertain),
+            ChunkStatus::Retry => {
+                bump(&c.retried);
+                telemetry::chunk_state("outbox_retries_total", channel);
+            }
+            ChunkStatus::Failed => {
+                bump(&c.failed);
+                telemetry::chunk_state("outbox_dead_letters_total", channel);
+            }
+            ChunkStatus::Uncertain => {
+                bump(&c.uncertain);
+                telemetry::chunk_state("outbox_uncertain_total", channel);
+            }
             ChunkStatus::Pending | ChunkStatus::Sending => {}
         }
         if recorded.finalized || recorded.status == ChunkStatus::Failed {

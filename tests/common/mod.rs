@@ -153,3 +153,16 @@ pub fn app_history(conn: &rusqlite::Connection) -> (String, Vec<(String, String)
         .unwrap();
     (sql, rows)
 }
+
+/// Waits for another thread's progress (a dispatcher's sends), failing the test after a
+/// minute. It waits for work to happen, not for time to pass: every check is of state.
+pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

@@ -1,0 +1,63 @@
+//! Counters and histograms through the `metrics` facade (feature `metrics`), so they
+//! land in whatever recorder the application installed (a Prometheus exporter, StatsD,
+//! OpenTelemetry ...). Without the feature, or without a recorder, each call is a no-op.
+//!
+//! | name | kind | labels | what |
+//! |---|---|---|---|
+//! | `outbox_enqueued_total` | counter | `channel` | deliveries stored by `enqueue` (not re-enqueues of a caller key; `enqueue_in` commits in the caller's transaction, so it is not counted) |
+//! | `outbox_sends_total` | counter | `channel` | sends started by a dispatcher |
+//! | `outbox_outcomes_total` | counter | `channel`, `outcome` | outcomes recorded: `delivered`, `transient`, `permanent`, `rate_limited`, `ambiguous` |
+//! | `outbox_finalized_total` | counter | `channel` | replies finalized (every chunk delivered, history written) |
+//! | `outbox_retries_total` | counter | `channel` | chunks put back for a retry |
+//! | `outbox_uncertain_total` | counter | `channel` | chunks held as possibly sent |
+//! | `outbox_dead_letters_total` | counter | `channel` | chunks failed for good |
+//! | `outbox_panics_total` | counter | — | adapter panics, recorded as ambiguous sends |
+//! | `outbox_send_timeouts_total` | counter | — | sends that outlived the send timeout |
+//! | `outbox_record_errors_total` | counter | — | outcomes that could not be recorded |
+//! | `outbox_dropped_outcomes_total` | counter | — | known outcomes given up after a lease of retries (alert on it) |
+//! | `outbox_send_duration_seconds` | histogram | `channel` | from a chunk's claim to its recorded outcome: the send plus one commit |
+//! | `outbox_reply_latency_seconds` | histogram | `channel` | from enqueue to finalization of a reply: the chat bot's delivery SLO |
+//!
+//! The counters count events, so purging history never lowers them.
+
+#[cfg(feature = "metrics")]
+mod on {
+    use metrics::{counter, histogram};
+
+    pub(crate) fn enqueued(channel: &str) {
+        counter!("outbox_enqueued_total", "channel" => channel.to_owned()).increment(1);
+    }
+
+    pub(crate) fn send_started(channel: &str) {
+        counter!("outbox_sends_total", "channel" => channel.to_owned()).increment(1);
+    }
+
+    pub(crate) fn outcome(channel: &str, kind: &'static str) {
+        counter!("outbox_outcomes_total", "channel" => channel.to_owned(), "outcome" => kind)
+            .increment(1);
+    }
+
+    pub(crate) fn chunk_state(name: &'static str, channel: &str) {
+        counter!(name, "channel" => channel.to_owned()).increment(1);
+    }
+
+    pub(crate) fn events(name: &'static str, n: u64) {
+        counter!(name).increment(n);
+    }
+
+    pub(crate) fn seconds(name: &'static str, channel: &str, ms: i64) {
+        histogram!(name, "channel" => channel.to_owned()).record(ms.max(0) as f64 / 1000.0);
+    }
+}
+
+#[cfg(not(feature = "metrics"))]
+mod on {
+    pub(crate) fn enqueued(_: &str) {}
+    pub(crate) fn send_started(_: &str) {}
+    pub(crate) fn outcome(_: &str, _: &'static str) {}
+    pub(crate) fn chunk_state(_: &'static str, _: &str) {}
+    pub(crate) fn events(_: &'static str, _: u64) {}
+    pub(crate) fn seconds(_: &'static str, _: &str, _: i64) {}
+}
+
+pub(crate) use on::*;
