@@ -47,10 +47,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Retries in milliseconds so the example finishes quickly (the default is 5 s, 25 s,
     // ...), and at most one send per chat every 50 ms: rules stored in the file.
     let options = OutboxOptions::default()
-        .with_retry(RetryPolicy {
-            backoff: Backoff::Schedule(vec![Duration::from_millis(100)]),
-            ..RetryPolicy::default()
-        })
+        .with_retry(
+            RetryPolicy::default()
+                .with_backoff(Backoff::Schedule(vec![Duration::from_millis(100)])),
+        )
         .with_channel(
             "telegram",
             ChannelPolicy::default().with_lane_interval(Duration::from_millis(50)),

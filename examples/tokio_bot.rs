@@ -48,10 +48,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Matrix deduplicates by transaction id, so a possibly-sent chunk may be replayed:
     // a rule stored in the file, like the fast retry schedule of this example.
     let options = OutboxOptions::default()
-        .with_retry(RetryPolicy {
-            backoff: Backoff::Schedule(vec![Duration::from_millis(100)]),
-            ..RetryPolicy::default()
-        })
+        .with_retry(
+            RetryPolicy::default()
+                .with_backoff(Backoff::Schedule(vec![Duration::from_millis(100)])),
+        )
         .with_channel("matrix", ChannelPolicy::replayable());
     let outbox = Outbox::open_in_memory(options)?;
     let dispatcher = AsyncDispatcher::builder(outbox.clone())

@@ -21,11 +21,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // A fast schedule so the example finishes in a moment; the default is 5 s, 25 s, ...
     let options = OutboxOptions::default()
-        .with_retry(RetryPolicy {
-            backoff: Backoff::Schedule(vec![Duration::from_millis(5), Duration::from_millis(20)]),
-            max_attempts: 8,
-            ..RetryPolicy::default()
-        })
+        .with_retry(
+            RetryPolicy::default()
+                .with_backoff(Backoff::Schedule(vec![
+                    Duration::from_millis(5),
+                    Duration::from_millis(20),
+                ]))
+                .with_max_attempts(8),
+        )
         .with_channel("matrix", ChannelPolicy::replayable());
     let outbox = Outbox::open(&path, options)?;
 

@@ -142,6 +142,7 @@ impl Claim {
 
 /// What [`Outbox::recover`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct RecoveryReport {
     /// Chunks put back to `retry` (channels that may replay).
     pub retried: u64,

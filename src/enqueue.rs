@@ -249,6 +249,7 @@ impl NewDelivery {
 
 /// What [`Outbox::enqueue`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct Enqueued {
     /// The delivery's id.
     pub id: DeliveryId,

@@ -15,6 +15,7 @@ use crate::status::{ChunkStatus, DeliveryStatus};
 
 /// Counts for one channel.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct ChannelHealth {
     /// Deliveries stored (enqueued and not purged).
     pub total_deliveries: u64,
@@ -74,6 +75,7 @@ pub struct ChannelHealth {
 /// The top-level counts cover all channels; [`channels`](Self::channels) has the
 /// same counts per channel.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct Health {
     /// When the snapshot was taken.
     pub generated_at: DateTime<Utc>,

@@ -14,6 +14,7 @@ pub const MAX_LIST_LIMIT: usize = 10_000;
 
 /// One delivery as stored, with its chunks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct DeliveryView {
     /// Public id.
     pub id: DeliveryId,
@@ -52,6 +53,7 @@ pub struct DeliveryView {
 
 /// One chunk as stored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct ChunkView {
     /// Chunk id.
     pub id: ChunkId,
@@ -82,7 +84,10 @@ pub struct ChunkView {
 }
 
 /// Which deliveries [`Outbox::list`] returns: all filters must match; newest first.
+/// Built from the default with its methods:
+/// `ListFilter::default().status(DeliveryStatus::Failed).limit(10)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ListFilter {
     /// Only this status.
     pub status: Option<DeliveryStatus>,
@@ -105,6 +110,45 @@ impl Default for ListFilter {
             idempotency_key: None,
             limit: 100,
         }
+    }
+}
+
+impl ListFilter {
+    /// Only deliveries in this status.
+    pub fn status(self, status: DeliveryStatus) -> Self {
+        ListFilter {
+            status: Some(status),
+            ..self
+        }
+    }
+
+    /// Only deliveries of this channel.
+    pub fn channel(self, channel: impl Into<String>) -> Self {
+        ListFilter {
+            channel: Some(channel.into()),
+            ..self
+        }
+    }
+
+    /// Only deliveries to this chat.
+    pub fn chat_id(self, chat_id: impl Into<String>) -> Self {
+        ListFilter {
+            chat_id: Some(chat_id.into()),
+            ..self
+        }
+    }
+
+    /// Only the delivery enqueued with this caller key.
+    pub fn idempotency_key(self, key: impl Into<String>) -> Self {
+        ListFilter {
+            idempotency_key: Some(key.into()),
+            ..self
+        }
+    }
+
+    /// At most this many.
+    pub fn limit(self, limit: usize) -> Self {
+        ListFilter { limit, ..self }
     }
 }
 

@@ -124,8 +124,21 @@ impl Backoff {
 ///
 /// The default is 5 s, 25 s, 2 min, 10 min, then 10 min; 5 attempts, then the chunk
 /// fails (dead letter); ±10 % jitter so that a recovered outage does not release every
-/// retry at the same instant; no maximum age.
+/// retry at the same instant; no maximum age. Change it with the `with_*` methods
+/// (the struct may gain fields, so it is not built by a literal outside this crate):
+///
+/// ```
+/// use std::time::Duration;
+/// use chunked_outbox::{Backoff, RetryPolicy};
+///
+/// let fast = RetryPolicy::default()
+///     .with_backoff(Backoff::Schedule(vec![Duration::from_millis(100)]))
+///     .with_max_attempts(8)
+///     .with_jitter(0.0);
+/// assert!(fast.validate().is_ok());
+/// ```
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct RetryPolicy {
     /// Delay schedule.
     pub backoff: Backoff,
@@ -157,6 +170,29 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// The same policy with this delay schedule.
+    pub fn with_backoff(self, backoff: Backoff) -> Self {
+        RetryPolicy { backoff, ..self }
+    }
+
+    /// The same policy with this many attempts per chunk.
+    pub fn with_max_attempts(self, max_attempts: u32) -> Self {
+        RetryPolicy {
+            max_attempts,
+            ..self
+        }
+    }
+
+    /// The same policy with this relative jitter (`0.0..=1.0`).
+    pub fn with_jitter(self, jitter: f64) -> Self {
+        RetryPolicy { jitter, ..self }
+    }
+
+    /// The same policy with this maximum age (`None`: none).
+    pub fn with_max_age(self, max_age: Option<Duration>) -> Self {
+        RetryPolicy { max_age, ..self }
+    }
+
     /// Checks that the policy can be followed: at least one attempt, a non-empty
     /// schedule, an exponential factor that is a finite number of at least 1, a jitter
     /// in `0.0..=1.0`, and a maximum age above zero.

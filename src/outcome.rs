@@ -82,6 +82,7 @@ impl Outcome {
 
 /// The state a chunk was left in by [`Outbox::record`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct Recorded {
     /// The chunk's new status.
     pub status: ChunkStatus,

@@ -25,6 +25,7 @@ macro_rules! purgeable {
 
 /// What [`Outbox::purge`] removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct PurgeReport {
     /// Deliveries removed.
     pub deliveries: u64,

@@ -387,6 +387,7 @@ fn has_sidecar(path: &Path, suffix: &str) -> bool {
 
 /// The settings a connection actually runs with, read back from SQLite.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
 pub struct StorageSettings {
     /// `PRAGMA journal_mode`: `wal` for files, `memory` in memory.
     pub journal_mode: String,

@@ -566,11 +566,9 @@ fn a_late_ack_counts_until_a_replayable_chunk_is_claimed_again() -> Result<()> {
 /// when an outcome asks for a retry and when a due chunk is claimed.
 #[test]
 fn deliveries_older_than_the_maximum_age_are_failed_not_retried() -> Result<()> {
-    let retry = chunked_outbox::RetryPolicy {
-        max_age: Some(Duration::from_secs(3600)),
-        max_attempts: 100,
-        ..Default::default()
-    };
+    let retry = chunked_outbox::RetryPolicy::default()
+        .with_max_age(Some(Duration::from_secs(3600)))
+        .with_max_attempts(100);
     let db = TestDb::new(OutboxOptions::default().with_retry(retry));
     let ob = &db.outbox;
     let young = enqueue(ob, "young", &["x"]);

@@ -206,10 +206,8 @@ fn lane_order_under_random_transient_failures<F: Flavour>() -> Result<()> {
     // Enough attempts that 30 % failures never exhaust a chunk (that would be a dead
     // letter, and the lane would rightly move on without it).
     let db = TestDb::new(
-        OutboxOptions::default().with_retry(chunked_outbox::RetryPolicy {
-            max_attempts: 100,
-            ..Default::default()
-        }),
+        OutboxOptions::default()
+            .with_retry(chunked_outbox::RetryPolicy::default().with_max_attempts(100)),
     );
     let rng = Mutex::new(fastrand::Rng::with_seed(42));
     let platform = Platform::new(&db, move |_| {

@@ -101,7 +101,10 @@ proptest! {
             Ok(claims) => prop_assert!((1..=chunked_outbox::MAX_CLAIM_BATCH).contains(&limit) && claims.len() <= 1),
             Err(e) => prop_assert!(matches!(e, Error::InvalidInput { what: "limit", .. }), "unexpected {:?}", e),
         }
-        let filter = ListFilter { channel, limit, ..ListFilter::default() };
+        let mut filter = ListFilter::default().limit(limit);
+        if let Some(channel) = channel {
+            filter = filter.channel(channel);
+        }
         match outbox.list(&filter) {
             Ok(found) => prop_assert!(found.len() <= 1),
             Err(e) => prop_assert!(matches!(e, Error::InvalidInput { .. }), "unexpected {:?}", e),

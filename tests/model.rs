@@ -89,10 +89,7 @@ impl World {
     fn new() -> World {
         let options = OutboxOptions::default()
             .with_lease(Duration::from_millis(LEASE_MS as u64))
-            .with_retry(RetryPolicy {
-                max_attempts: MAX_ATTEMPTS,
-                ..RetryPolicy::default()
-            })
+            .with_retry(RetryPolicy::default().with_max_attempts(MAX_ATTEMPTS))
             .with_channel("matrix", ChannelPolicy::replayable());
         let db = common::TestDb::new(options);
         World {
@@ -311,11 +308,11 @@ impl World {
             Op::Resolve { pick, delivered } => {
                 let uncertain: Vec<(DeliveryId, chunked_outbox::ChunkId, u32)> = self
                     .outbox
-                    .list(&ListFilter {
-                        status: Some(DeliveryStatus::Uncertain),
-                        limit: 1000,
-                        ..Default::default()
-                    })
+                    .list(
+                        &ListFilter::default()
+                            .status(DeliveryStatus::Uncertain)
+                            .limit(1000),
+                    )
                     .unwrap()
                     .into_iter()
                     .flat_map(|d| {
@@ -363,10 +360,7 @@ impl World {
 
     fn statuses(&self) -> HashMap<DeliveryId, DeliveryStatus> {
         self.outbox
-            .list(&ListFilter {
-                limit: 10_000,
-                ..Default::default()
-            })
+            .list(&ListFilter::default().limit(10_000))
             .unwrap()
             .into_iter()
             .map(|d| (d.id, d.status))

@@ -258,10 +258,7 @@ fn a_corrupt_row_is_set_aside_and_claims_go_on() -> Result<()> {
 fn a_conflicting_rule_at_open_is_an_error_unless_it_is_an_update() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("outbox.db");
-    let retry = RetryPolicy {
-        max_attempts: 9,
-        ..RetryPolicy::default()
-    };
+    let retry = RetryPolicy::default().with_max_attempts(9);
     let first = Outbox::open(
         &path,
         OutboxOptions::default().with_retry(RetryPolicy::default()),

@@ -229,46 +229,21 @@ fn list_filters_by_status_channel_and_chat() -> Result<()> {
     };
     assert_eq!(ids(ListFilter::default())?, [s, b, a], "newest first");
     assert_eq!(
-        ids(ListFilter {
-            status: Some(DeliveryStatus::Delivered),
-            ..Default::default()
-        })?,
+        ids(ListFilter::default().status(DeliveryStatus::Delivered))?,
         [a]
     );
     assert_eq!(
-        ids(ListFilter {
-            status: Some(DeliveryStatus::Pending),
-            ..Default::default()
-        })?,
+        ids(ListFilter::default().status(DeliveryStatus::Pending))?,
         [s, b]
     );
+    assert_eq!(ids(ListFilter::default().channel("slack"))?, [s]);
     assert_eq!(
-        ids(ListFilter {
-            channel: Some("slack".into()),
-            ..Default::default()
-        })?,
-        [s]
-    );
-    assert_eq!(
-        ids(ListFilter {
-            channel: Some("telegram".into()),
-            chat_id: Some("2".into()),
-            ..Default::default()
-        })?,
+        ids(ListFilter::default().channel("telegram").chat_id("2"))?,
         [b]
     );
-    assert_eq!(
-        ids(ListFilter {
-            limit: 1,
-            ..Default::default()
-        })?,
-        [s]
-    );
+    assert_eq!(ids(ListFilter::default().limit(1))?, [s]);
     assert!(matches!(
-        ob.list(&ListFilter {
-            limit: 0,
-            ..Default::default()
-        }),
+        ob.list(&ListFilter::default().limit(0)),
         Err(Error::InvalidInput { .. })
     ));
     Ok(())

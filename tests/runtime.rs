@@ -516,12 +516,12 @@ fn a_full_database_delays_an_outcome_but_never_drops_it() -> Result<()> {
 }
 
 fn fast_retries(max_attempts: u32) -> OutboxOptions {
-    OutboxOptions::default().with_retry(RetryPolicy {
-        backoff: Backoff::Schedule(vec![Duration::from_millis(1)]),
-        max_attempts,
-        jitter: 0.0,
-        ..RetryPolicy::default()
-    })
+    OutboxOptions::default().with_retry(
+        RetryPolicy::default()
+            .with_backoff(Backoff::Schedule(vec![Duration::from_millis(1)]))
+            .with_max_attempts(max_attempts)
+            .with_jitter(0.0),
+    )
 }
 
 /// Finding 4: a panicking adapter killed its worker silently. Under `Hold`, the panicked

@@ -50,6 +50,7 @@ pub mod telegram;
 
 /// An HTTP answer to a send, as the adapter's client received it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct HttpReply<'a> {
     /// The HTTP status code.
     pub status: u16,

@@ -10,7 +10,6 @@ pub mod emulator;
 
 use chunked_outbox::{
     Claim, DeliveryId, DeliveryView, ManualClock, NewDelivery, Outbox, OutboxOptions, Result,
-    RetryPolicy,
 };
 
 /// 2026-01-01T00:00:00Z, a fixed start so failures reproduce.
@@ -43,10 +42,11 @@ impl TestDb {
     /// The options of a new test file: a manual clock, and no jitter so due times are
     /// exact (the retry policy is stored in the file, so reopening keeps it).
     fn with_clock(options: OutboxOptions, clock: &ManualClock) -> OutboxOptions {
-        let retry = RetryPolicy {
-            jitter: 0.0,
-            ..options.retry_policy().cloned().unwrap_or_default()
-        };
+        let retry = options
+            .retry_policy()
+            .cloned()
+            .unwrap_or_default()
+            .with_jitter(0.0);
         options
             .with_retry(retry)
             .with_clock(Arc::new(clock.clone()))

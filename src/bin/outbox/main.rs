@@ -244,13 +244,11 @@ fn run(cli: Cli) -> CliResult<u8> {
     match cli.command {
         Command::Health(args) => health(&open_read_only(db)?, &args),
         Command::List(args) => {
-            let filter = ListFilter {
-                status: args.status.map(Into::into),
-                channel: args.channel,
-                chat_id: args.chat,
-                idempotency_key: args.key,
-                limit: args.limit,
-            };
+            let mut filter = ListFilter::default().limit(args.limit);
+            filter.status = args.status.map(Into::into);
+            filter.channel = args.channel;
+            filter.chat_id = args.chat;
+            filter.idempotency_key = args.key;
             let outbox = open_read_only(db)?;
             let deliveries = outbox.list(&filter)?;
             if args.json {

@@ -77,11 +77,13 @@ pub const CHANNELS: [SimChannel; 3] = [
 /// and strict lane order (a lane waits for its uncertain or dead head to be settled).
 pub fn sim_options() -> OutboxOptions {
     OutboxOptions::default()
-        .with_retry(RetryPolicy {
-            backoff: Backoff::Schedule([50, 100, 200, 400].map(Duration::from_millis).to_vec()),
-            max_attempts: 8,
-            ..RetryPolicy::default()
-        })
+        .with_retry(
+            RetryPolicy::default()
+                .with_backoff(Backoff::Schedule(
+                    [50, 100, 200, 400].map(Duration::from_millis).to_vec(),
+                ))
+                .with_max_attempts(8),
+        )
         .with_lease(Duration::from_secs(2))
         .with_lane_failure(LaneFailurePolicy::Block)
         // Declared here too, not only by the dispatcher's adapters, so that every
@@ -465,11 +467,9 @@ pub fn settle_like_an_operator(
     log: &mut impl std::io::Write,
 ) -> CliResult<Settled> {
     let mut settled = Settled::default();
-    let filter = ListFilter {
-        status: Some(DeliveryStatus::Uncertain),
-        limit: 10_000,
-        ..ListFilter::default()
-    };
+    let filter = ListFilter::default()
+        .status(DeliveryStatus::Uncertain)
+        .limit(10_000);
     let ripe = chrono::Utc::now() - grace;
     for d in outbox.list(&filter)? {
         let Some(view) = outbox.delivery(d.id)? else {
@@ -518,11 +518,9 @@ pub fn settle_like_an_operator(
     outbox.acknowledge_dead_letters(None)?;
     // Every dead letter still stored, acknowledged ones included, before anything can
     // purge them: the verdict tells a purged dead letter from a lost reply by this.
-    let dead = ListFilter {
-        status: Some(DeliveryStatus::Failed),
-        limit: 10_000,
-        ..ListFilter::default()
-    };
+    let dead = ListFilter::default()
+        .status(DeliveryStatus::Failed)
+        .limit(10_000);
     for d in outbox.list(&dead)? {
         writeln!(log, "dead {}", d.id)?;
     }

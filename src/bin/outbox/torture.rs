@@ -462,11 +462,9 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
     let h = outbox.health()?;
     v.uncertain_left = h.totals.uncertain_chunks;
     if v.uncertain_left > 0 {
-        let filter = chunked_outbox::ListFilter {
-            status: Some(chunked_outbox::DeliveryStatus::Uncertain),
-            limit: 10_000,
-            ..Default::default()
-        };
+        let filter = chunked_outbox::ListFilter::default()
+            .status(chunked_outbox::DeliveryStatus::Uncertain)
+            .limit(10_000);
         for d in outbox.list(&filter)? {
             for c in outbox.delivery(d.id)?.into_iter().flat_map(|d| d.chunks) {
                 if let (chunked_outbox::ChunkStatus::Uncertain, Some(claimant)) =
