@@ -348,9 +348,9 @@ impl MarkupScan {
                 '<' => self.in_tag = true,
                 '>' => self.in_tag = false,
                 '&' if !self.in_tag => self.in_entity = true,
-                ';' => self.in_entity = false,
+                // The `;` that ends an entity, or whatever ends a bare `&` (Telegram
+                // refuses one, but it is no entity to keep whole).
                 c if self.in_entity && !(c.is_ascii_alphanumeric() || c == '#') => {
-                    // A bare `&` (Telegram refuses it, but it is not an entity to keep).
                     self.in_entity = false
                 }
                 _ => {}
@@ -701,6 +701,59 @@ mod tests {
             .split(text)
             .unwrap();
         assert!(!plain.iter().all(|c| html_parses(c)), "{plain:?}");
+    }
+
+    /// A cut never falls inside a character entity, and a bare `&` is no entity: text
+    /// after it can still be cut.
+    #[test]
+    fn html_entities_are_never_cut_and_a_bare_ampersand_is_text() {
+        let html = |limit| {
+            Splitter::new(limit, LengthUnit::Chars)
+                .unwrap()
+                .with_markup(Markup::TelegramHtml)
+        };
+        let entities = "&amp;".repeat(50);
+        let chunks = html(23).split(&entities).unwrap();
+        assert!(chunks.len() > 1);
+        for c in &chunks {
+            assert!(c.len() <= 23 && c.len() % 5 == 0 && html_parses(c), "{c:?}");
+        }
+        let bare = "fish & chips ".repeat(10);
+        let chunks = html(30).split(&bare).unwrap();
+        assert!(chunks.iter().all(|c| c.chars().count() <= 30), "{chunks:?}");
+        assert_eq!(chunks.concat().trim_end(), bare.trim_end());
+        // Inside a tag an `&` starts nothing, even in an unquoted attribute.
+        let unquoted = format!("<a href=t.me/x&y>{}</a>", "abcdefghij".repeat(4));
+        let chunks = html(40).split(&unquoted).unwrap();
+        assert!(chunks.iter().all(|c| c.chars().count() <= 40), "{chunks:?}");
+        let link = "<a href=\"https://x.org/?a=1&b=2\">a long enough link text</a>";
+        for c in html(60).split(link).unwrap() {
+            assert!(html_parses(&c.replace("&b", "&amp;b")), "{c:?}");
+        }
+    }
+
+    #[test]
+    fn open_tags_are_followed_through_nesting_and_closing() {
+        let mut tags = TagState::default();
+        tags.scan("<b>bold <i>both</i></b><a href=\"u\">link <code>x");
+        assert_eq!(tags.reopen(), "<a href=\"u\"><code>");
+        assert_eq!(tags.close(), "</code></a>");
+        tags.scan("</code> end</a><br/>");
+        assert_eq!(
+            (tags.reopen(), tags.close()),
+            (String::new(), String::new())
+        );
+    }
+
+    /// Breaks are looked for in the second half of the room only: a paragraph break
+    /// near the start does not make a tiny chunk.
+    #[test]
+    fn an_early_break_does_not_make_a_tiny_chunk() {
+        let s = Splitter::new(30, LengthUnit::Chars).unwrap();
+        let chunks = s
+            .split("Hi.\n\nThis sentence runs on and on and on for a while")
+            .unwrap();
+        assert!(chunks[0].len() > 15, "{chunks:?}");
     }
 
     #[test]
