@@ -606,8 +606,12 @@ impl Core {
                 // Named here: at `warn` the info-level span around it is off.
                 warn!(chunk = %claim.idempotency_key, channel = %claim.channel, outcome = kind, status = %recorded.status, "chunk needs attention")
             }
+            // One line per chunk is for troubleshooting; a finished reply is news.
+            _ if recorded.finalized => {
+                info!(delivery = %claim.delivery_id, channel = %claim.channel, chunks = claim.total, "reply finalized")
+            }
             _ => {
-                info!(outcome = kind, status = %recorded.status, next_attempt_at = ?next, finalized = recorded.finalized, "recorded")
+                debug!(outcome = kind, status = %recorded.status, next_attempt_at = ?next, "recorded")
             }
         }
     }
