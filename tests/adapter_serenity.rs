@@ -21,13 +21,13 @@ use serde_json::{Value, json};
 
 const TOKEN: &str = "Bot SECRET";
 
-/// What the emulated API holds: messages created, by nonce, and requests seen.
+/// What the emulated API holds: messages created, by nonce, and the channels it has
+/// rate-limited once.
 #[derive(Default)]
 struct State {
     created: Vec<Value>,
     by_nonce: HashMap<String, usize>,
     rate_limited: HashMap<String, bool>,
-    requests: usize,
 }
 
 /// The emulated API. Channel ids choose the behaviour: 10003 does not exist, 50007 is a
@@ -72,7 +72,6 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
     let authorized = emulator::header(&request, "Authorization").as_deref() == Some(TOKEN);
     let error =
         |status: u16, code: u32, message: &str| (status, json!({"message": message, "code": code}));
-    state.lock().unwrap().requests += 1;
     let channel = url
         .strip_prefix("/api/v10/channels/")
         .and_then(|rest| rest.strip_suffix("/messages"))
