@@ -69,3 +69,19 @@ CREATE INDEX outbound_deliveries_open
 -- (re)set. Past a fixed number (`MAX_REFUNDED_RATE_LIMITS`) a rate limit uses an
 -- attempt, so a chunk refused as "rate limited" forever still becomes a dead letter.
 ALTER TABLE outbound_delivery_chunks ADD COLUMN rate_limits INTEGER NOT NULL DEFAULT 0;
+
+-- Totals that only grow, per channel, for monitoring that must not drop after a purge:
+-- replies finalized, and how long each took from enqueue to finalization (count, sum
+-- and cumulative buckets of a Prometheus histogram). Kept by the statement that already
+-- counts a finalization, so every process, and every scraper, sees the same numbers.
+-- Files written before start their total at the finalized replies they still store.
+ALTER TABLE outbound_channel_stats ADD COLUMN finalized_total INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE outbound_channel_stats ADD COLUMN latency_count INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE outbound_channel_stats ADD COLUMN latency_sum_ms INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE outbound_channel_stats ADD COLUMN latency_le_1s INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE outbound_channel_stats ADD COLUMN latency_le_5s INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE outbound_channel_stats ADD COLUMN latency_le_30s INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE outbound_channel_stats ADD COLUMN latency_le_120s INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE outbound_channel_stats ADD COLUMN latency_le_600s INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE outbound_channel_stats ADD COLUMN latency_le_3600s INTEGER NOT NULL DEFAULT 0;
+UPDATE outbound_channel_stats SET finalized_total = delivered;

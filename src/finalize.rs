@@ -131,13 +131,15 @@ pub(crate) fn finalize(
     (channel, chat_id): (&str, &str),
     now: i64,
 ) -> Result<()> {
-    tx.prepare_cached(
-        "INSERT INTO outbound_messages
-             (delivery_id, channel, chat_id, sender, content, chunk_count, created_at, delivered_at)
-         SELECT uid, channel, chat_id, sender, text, chunk_count, created_at, ?2
-         FROM outbound_deliveries WHERE id = ?1",
-    )?
-    .execute(params![delivery, now])?;
+    let created_at: i64 = tx
+        .prepare_cached(
+            "INSERT INTO outbound_messages
+                 (delivery_id, channel, chat_id, sender, content, chunk_count, created_at, delivered_at)
+             SELECT uid, channel, chat_id, sender, text, chunk_count, created_at, ?2
+             FROM outbound_deliveries WHERE id = ?1
+             RETURNING created_at",
+        )?
+        .query_row(params![delivery, now], |r| r.get(0))?;
     if let Some(sql) = &rules.finalize_sql {
         run_statement(tx, sql, delivery, now)?;
     }
@@ -147,12 +149,29 @@ pub(crate) fn finalize(
          WHERE id = ?1",
     )?
     .execute(params![delivery, now])?;
+    // The stored count and the totals that only grow: finalized replies and their
+    // enqueue-to-finalization latency (buckets as in `health::LATENCY_BUCKETS`).
     tx.prepare_cached(
-        "INSERT INTO outbound_channel_stats (channel, delivered, last_delivered_at) VALUES (?1, 1, ?2)
+        "INSERT INTO outbound_channel_stats
+             (channel, delivered, last_delivered_at, finalized_total, latency_count,
+              latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s, latency_le_120s,
+              latency_le_600s, latency_le_3600s)
+         VALUES (?1, 1, ?2, 1, 1, ?3, ?3 <= 1000, ?3 <= 5000, ?3 <= 30000, ?3 <= 120000,
+                 ?3 <= 600000, ?3 <= 3600000)
          ON CONFLICT (channel) DO UPDATE
-         SET delivered = delivered + 1, last_delivered_at = max(coalesce(last_delivered_at, ?2), ?2)",
+         SET delivered = delivered + 1,
+             last_delivered_at = max(coalesce(last_delivered_at, ?2), ?2),
+             finalized_total = finalized_total + 1,
+             latency_count = latency_count + 1,
+             latency_sum_ms = latency_sum_ms + ?3,
+             latency_le_1s = latency_le_1s + (?3 <= 1000),
+             latency_le_5s = latency_le_5s + (?3 <= 5000),
+             latency_le_30s = latency_le_30s + (?3 <= 30000),
+             latency_le_120s = latency_le_120s + (?3 <= 120000),
+             latency_le_600s = latency_le_600s + (?3 <= 600000),
+             latency_le_3600s = latency_le_3600s + (?3 <= 3600000)",
     )?
-    .execute(params![channel, now])?;
+    .execute(params![channel, now, (now - created_at).max(0)])?;
     lane::advance(tx, &rules.policy, channel, chat_id, now)
 }
 

@@ -68,6 +68,36 @@ pub struct ChannelHealth {
     pub oldest_due_age_ms: Option<u64>,
     /// The latest finalization.
     pub last_delivered_at: Option<DateTime<Utc>>,
+    /// Replies finalized since the file was created (or upgraded): only grows, so a
+    /// purge does not lower it.
+    pub finalized_total: u64,
+    /// How long replies took from enqueue to finalization; only grows.
+    pub reply_latency: LatencyHistogram,
+}
+
+/// The upper bounds, in seconds, of the reply-latency buckets (plus `+Inf`).
+pub const LATENCY_BUCKETS: [u64; 6] = [1, 5, 30, 120, 600, 3600];
+
+/// A histogram of reply latencies (enqueue to finalization), as Prometheus shows one.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct LatencyHistogram {
+    /// Replies observed.
+    pub count: u64,
+    /// Their latencies added up, in milliseconds.
+    pub sum_ms: u64,
+    /// Replies at most [`LATENCY_BUCKETS`]`[i]` seconds, cumulative.
+    pub buckets: [u64; 6],
+}
+
+impl LatencyHistogram {
+    fn add(&mut self, o: &LatencyHistogram) {
+        self.count += o.count;
+        self.sum_ms += o.sum_ms;
+        for (mine, theirs) in self.buckets.iter_mut().zip(o.buckets) {
+            *mine += theirs;
+        }
+    }
 }
 
 /// A point-in-time summary of the outbox for monitoring; `serde::Serialize`.
@@ -225,8 +255,11 @@ const FAMILIES: &[Family] = &[
 ];
 
 impl Health {
-    /// The snapshot in the Prometheus text exposition format: one gauge family per
-    /// count, `outbox_` names, a `channel` label per channel.
+    /// The snapshot in the Prometheus text exposition format, a `channel` label per
+    /// channel: one gauge family per count, and what the file keeps that only grows —
+    /// `outbox_file_finalized_total` (counter) and `outbox_file_reply_latency_seconds`
+    /// (histogram, buckets [`LATENCY_BUCKETS`]). The `file_` prefix keeps them apart
+    /// from the per-process counters of the `metrics` feature.
     ///
     /// ```
     /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
@@ -236,6 +269,7 @@ impl Health {
     /// let text = outbox.health()?.to_prometheus();
     /// assert!(text.contains("# TYPE outbox_pending_chunks gauge"));
     /// assert!(text.contains("outbox_pending_chunks{channel=\"slack\"} 1"));
+    /// assert!(text.contains("# TYPE outbox_file_reply_latency_seconds histogram"));
     /// # Ok::<(), chunked_outbox::Error>(())
     /// ```
     pub fn to_prometheus(&self) -> String {
@@ -251,6 +285,39 @@ impl Health {
                     ));
                 }
             }
+        }
+        let name = "outbox_file_finalized_total";
+        out.push_str(&format!(
+            "# HELP {name} Replies finalized in this file, whichever process sent them (not lowered by purge).\n# TYPE {name} counter\n"
+        ));
+        for (channel, h) in &self.channels {
+            let channel = escape_label(channel);
+            out.push_str(&format!(
+                "{name}{{channel=\"{channel}\"}} {}\n",
+                h.finalized_total
+            ));
+        }
+        let name = "outbox_file_reply_latency_seconds";
+        out.push_str(&format!(
+            "# HELP {name} Enqueue to finalization of the replies finalized in this file.\n# TYPE {name} histogram\n"
+        ));
+        for (channel, h) in &self.channels {
+            let channel = escape_label(channel);
+            let l = &h.reply_latency;
+            for (le, n) in LATENCY_BUCKETS.iter().zip(l.buckets) {
+                out.push_str(&format!(
+                    "{name}_bucket{{channel=\"{channel}\",le=\"{le}\"}} {n}\n"
+                ));
+            }
+            out.push_str(&format!(
+                "{name}_bucket{{channel=\"{channel}\",le=\"+Inf\"}} {}\n",
+                l.count
+            ));
+            out.push_str(&format!(
+                "{name}_sum{{channel=\"{channel}\"}} {}\n{name}_count{{channel=\"{channel}\"}} {}\n",
+                l.sum_ms as f64 / 1000.0,
+                l.count
+            ));
         }
         out
     }
@@ -292,7 +359,10 @@ fn snapshot(tx: &Connection, now: i64) -> Result<Health> {
     let mut channels: BTreeMap<String, ChannelHealth> = BTreeMap::new();
 
     let mut stats = tx.prepare_cached(
-        "SELECT channel, delivered, last_delivered_at FROM outbound_channel_stats",
+        "SELECT channel, delivered, last_delivered_at, finalized_total, latency_count,
+                latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s,
+                latency_le_120s, latency_le_600s, latency_le_3600s
+         FROM outbound_channel_stats",
     )?;
     let mut rows = stats.query([])?;
     while let Some(r) = rows.next()? {
@@ -300,6 +370,12 @@ fn snapshot(tx: &Connection, now: i64) -> Result<Health> {
         h.delivered_deliveries = count(r, 1)?;
         h.total_deliveries += h.delivered_deliveries;
         h.last_delivered_at = r.get::<_, Option<i64>>(2)?.map(to_datetime);
+        h.finalized_total = count(r, 3)?;
+        h.reply_latency.count = count(r, 4)?;
+        h.reply_latency.sum_ms = count(r, 5)?;
+        for (i, bucket) in h.reply_latency.buckets.iter_mut().enumerate() {
+            *bucket = count(r, 6 + i)?;
+        }
     }
 
     let mut open = tx.prepare_cached(OPEN_DELIVERIES_SQL)?;
@@ -403,6 +479,8 @@ impl ChannelHealth {
         self.oldest_unfinished_at = min_opt(self.oldest_unfinished_at, o.oldest_unfinished_at);
         self.oldest_due_age_ms = self.oldest_due_age_ms.max(o.oldest_due_age_ms);
         self.last_delivered_at = self.last_delivered_at.max(o.last_delivered_at);
+        self.finalized_total += o.finalized_total;
+        self.reply_latency.add(&o.reply_latency);
     }
 }
 

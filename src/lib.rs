@@ -155,7 +155,7 @@ pub use enqueue::{
 };
 pub use error::{Error, Result};
 pub use finalize::FINALIZE_PARAMETERS;
-pub use health::{ChannelHealth, Health};
+pub use health::{ChannelHealth, Health, LATENCY_BUCKETS, LatencyHistogram};
 pub use ids::{
     COMPACT_KEY_LEN, ChunkId, ClaimantId, DeliveryId, chunk_compact_key, chunk_idempotency_key,
     chunk_key_uuid,

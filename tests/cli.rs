@@ -174,6 +174,17 @@ fn health_json_and_prometheus_parse() -> Result<()> {
     assert_eq!(v["channels"]["telegram"]["failed_chunks"], 1);
 
     let (_, text) = stdout(outbox(&p.db.path()).args(["health", "--prometheus"]));
+    // The one finalized reply is counted and timed, and stays so after a purge.
+    assert!(
+        text.contains("outbox_file_finalized_total{channel=\"telegram\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "outbox_file_reply_latency_seconds_bucket{channel=\"telegram\",le=\"+Inf\"} 1"
+        ),
+        "{text}"
+    );
     let mut helped = std::collections::HashSet::new();
     let mut typed = std::collections::HashSet::new();
     let mut samples = 0;
@@ -182,8 +193,14 @@ fn health_json_and_prometheus_parse() -> Result<()> {
             helped.insert(rest.split_whitespace().next().unwrap().to_owned());
         } else if let Some(rest) = line.strip_prefix("# TYPE ") {
             let mut parts = rest.split_whitespace();
-            typed.insert(parts.next().unwrap().to_owned());
-            assert_eq!(parts.next(), Some("gauge"));
+            let name = parts.next().unwrap().to_owned();
+            let kind = parts.next().unwrap();
+            match kind {
+                "counter" => assert!(name.ends_with("_total"), "{line}"),
+                "histogram" => assert!(name.ends_with("_seconds"), "{line}"),
+                _ => assert_eq!(kind, "gauge", "{line}"),
+            }
+            typed.insert(name);
         } else {
             let (series, value) = line.rsplit_once(' ').expect("sample line");
             value.parse::<f64>().expect("numeric value");
@@ -193,8 +210,12 @@ fn health_json_and_prometheus_parse() -> Result<()> {
                 labels.starts_with("channel=\"") && labels.ends_with("\"}"),
                 "{line}"
             );
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s).filter(|f| typed.contains(*f)))
+                .unwrap_or(name);
             assert!(
-                typed.contains(name) && helped.contains(name),
+                typed.contains(family) && helped.contains(family),
                 "sample before its HELP/TYPE: {line}"
             );
             samples += 1;

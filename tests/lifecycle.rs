@@ -234,3 +234,33 @@ fn health_tells_what_moves_and_what_waits_for_a_human() -> chunked_outbox::Resul
     );
     Ok(())
 }
+
+/// The totals the file keeps only grow: a purge lowers the stored count of delivered
+/// replies, not the count of finalizations nor their latency histogram.
+#[test]
+fn finalizations_and_their_latency_are_counted_for_good() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    let slow = enqueue(ob, "1", &["a"]);
+    let fast = enqueue(ob, "2", &["b"]);
+    let claims = claim_all(ob);
+    let (first, second): (Vec<_>, Vec<_>) = claims.iter().partition(|c| c.delivery_id == fast);
+    ob.ack(first[0], None)?; // at once
+    db.advance(Duration::from_secs(40));
+    ob.ack(second[0], None)?; // 40 s after its enqueue
+    let l = ob.health()?.totals.reply_latency;
+    assert_eq!((l.count, l.sum_ms), (2, 40_000));
+    // 1 s, 5 s, 30 s, 2 min, 10 min, 1 h
+    assert_eq!(l.buckets, [1, 1, 1, 2, 2, 2]);
+    assert_eq!(ob.health()?.totals.finalized_total, 2);
+
+    enqueue(ob, "3", &["kept: the newest delivery"]);
+    db.advance(Duration::from_secs(1));
+    let cutoff = chrono::DateTime::from_timestamp_millis(db.now_ms()).unwrap();
+    assert_eq!(ob.purge(cutoff)?.deliveries, 2);
+    assert!(ob.delivery(slow)?.is_none());
+    let h = ob.health()?.totals;
+    assert_eq!((h.delivered_deliveries, h.finalized_total), (0, 2));
+    assert_eq!(h.reply_latency, l);
+    Ok(())
+}
