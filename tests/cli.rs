@@ -953,3 +953,76 @@ fn the_tools_repairs_follow_the_files_rules() -> Result<()> {
     );
     Ok(())
 }
+
+/// `outbox serve` answered by a real HTTP client: Prometheus text with counters and a
+/// histogram, `/healthz` 200 on a healthy file and 503 with the reason on one with a
+/// dead letter, the snapshot as JSON, 404 elsewhere.
+#[test]
+fn serve_answers_scrapers_and_load_balancers() -> Result<()> {
+    use std::io::BufRead;
+
+    struct Serving(std::process::Child);
+    impl Drop for Serving {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let serve = |db: &Path| -> (Serving, String) {
+        let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("outbox"))
+            .arg("--db")
+            .arg(db)
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .env_remove("OUTBOX_DB")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn outbox serve");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let base = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|url| url.strip_suffix("/metrics,"))
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_owned();
+        (Serving(child), base)
+    };
+    let get = |url: String| {
+        let response = reqwest::blocking::get(url).expect("HTTP answer");
+        (response.status().as_u16(), response.text().unwrap())
+    };
+
+    let healthy = TestDb::default();
+    let id = enqueue(&healthy.outbox, "1", &["hello"]);
+    healthy.outbox.ack(&claim_one(&healthy.outbox), None)?;
+    let (_server, base) = serve(&healthy.path());
+    let (status, metrics) = get(format!("{base}/metrics"));
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("outbox_file_finalized_total{channel=\"telegram\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics
+            .contains("outbox_file_reply_latency_seconds_bucket{channel=\"telegram\",le=\"1\"} 1"),
+        "{metrics}"
+    );
+    assert_eq!(get(format!("{base}/healthz")), (200, "ok\n".to_owned()));
+    let (status, json) = get(format!("{base}/health.json"));
+    let v: serde_json::Value = serde_json::from_str(&json).expect("JSON");
+    assert_eq!((status, v["finalized_total"].as_u64()), (200, Some(1)));
+    assert_eq!(get(format!("{base}/nothing-here")).0, 404);
+    assert!(healthy.outbox.delivery(id)?.is_some());
+
+    let p = prepared()?; // a dead letter, an uncertain chunk
+    let (_server, base) = serve(&p.db.path());
+    let (status, body) = get(format!("{base}/healthz"));
+    assert_eq!(status, 503);
+    assert!(
+        body.starts_with("fail: ") && body.contains("1 unacknowledged dead letters"),
+        "{body}"
+    );
+    Ok(())
+}

@@ -9,6 +9,7 @@
 mod config;
 mod demo;
 mod render;
+mod serve;
 mod sim;
 mod torture;
 
@@ -104,6 +105,9 @@ enum Command {
         #[arg(long)]
         all_sending: bool,
     },
+    /// Serve /metrics (Prometheus text), /healthz (200 ok or warn, 503 fail, with the
+    /// reasons; the thresholds of `health`) and /health.json over HTTP.
+    Serve(serve::ServeArgs),
     /// Show or change the rules stored in the file (lane order, retries, channel rules).
     #[command(subcommand)]
     Config(config::ConfigCommand),
@@ -140,6 +144,14 @@ struct HealthArgs {
     /// from cron); the status still goes to stderr.
     #[arg(long)]
     exit_zero: bool,
+    #[command(flatten)]
+    thresholds: Thresholds,
+}
+
+/// When a snapshot warns or fails (`outbox health`'s exit status, `outbox serve`'s
+/// `/healthz`).
+#[derive(Args)]
+pub(crate) struct Thresholds {
     /// Warn when a chunk has been due longer than this.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     warn_due_age: Duration,
@@ -243,6 +255,7 @@ fn run(cli: Cli) -> CliResult<u8> {
     let db = cli.db.as_deref();
     match cli.command {
         Command::Health(args) => health(&open_read_only(db)?, &args),
+        Command::Serve(args) => serve::serve(&open_read_only(db)?, &args),
         Command::List(args) => {
             let mut filter = ListFilter::default().limit(args.limit);
             filter.status = args.status.map(Into::into);
@@ -473,7 +486,7 @@ fn chunk_key(text: &str) -> CliResult<(DeliveryId, u32)> {
 /// Prints the snapshot and turns it into an exit status.
 fn health(outbox: &Outbox, args: &HealthArgs) -> CliResult<u8> {
     let h = outbox.health()?;
-    let (code, reasons) = verdict(&h, args);
+    let (code, reasons) = verdict(&h, &args.thresholds);
     let word = ["ok", "warn", "fail"][usize::from(code)];
     let mut status = format!("status: {word}");
     for reason in &reasons {
@@ -497,7 +510,8 @@ fn health(outbox: &Outbox, args: &HealthArgs) -> CliResult<u8> {
     Ok(code)
 }
 
-fn verdict(h: &Health, args: &HealthArgs) -> (u8, Vec<String>) {
+/// The snapshot's verdict: 0 ok, 1 warn, 2 fail, with the reasons.
+pub(crate) fn verdict(h: &Health, args: &Thresholds) -> (u8, Vec<String>) {
     let t = &h.totals;
     let mut code = 0;
     let mut reasons = Vec::new();
