@@ -302,6 +302,23 @@ impl Outbox {
     /// are used up. Claiming does the same for expired leases as it meets them, so
     /// calling this is only needed at start-up.
     ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use chunked_outbox::{ManualClock, NewDelivery, Outbox, OutboxOptions, RecoverScope};
+    ///
+    /// let clock = ManualClock::new(1_767_225_600_000);
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default().with_clock(Arc::new(clock.clone())))?;
+    /// outbox.enqueue(&NewDelivery::single("telegram", "42", "hi"))?;
+    /// let claim = outbox.claim(1)?.remove(0);
+    /// drop(claim); // the worker died mid-send
+    /// clock.advance(Duration::from_secs(120)); // past its lease
+    /// let report = outbox.recover(RecoverScope::ExpiredLeases)?;
+    /// // Telegram cannot deduplicate, so the default policy holds it for a decision.
+    /// assert_eq!(report.held_uncertain, 1);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`Error::Busy`] and other database errors; nothing is changed then.

@@ -42,6 +42,21 @@
 //! flight, renews their leases, catches adapter panics and records each outcome before
 //! its next send — most applications run one instead of this loop.
 //!
+//! # What else is here
+//!
+//! * [`Dispatcher`] (threads) and [`AsyncDispatcher`] (feature `tokio`) run the loop
+//!   above against [`ChannelAdapter`]s, one per channel, with events
+//!   ([`DispatchEvent`]) for finalized replies and dead letters.
+//! * Ready adapters (features `teloxide`, `serenity`, `slack-morphism`, see
+//!   `adapters`) and typed mappings of the platforms' answers ([`platforms`]).
+//! * [`Splitter`]: platform presets, grapheme-safe cuts, code fences and Telegram HTML
+//!   kept whole.
+//! * Monitoring: [`Outbox::health`] with [`Health::to_prometheus`], and with feature
+//!   `metrics` counters and histograms through the `metrics` facade ([`telemetry`]).
+//! * The `outbox` tool (feature `cli`, on by default): `health`, `serve`, `list`, `show`,
+//!   `requeue`, `resolve`, `cancel`, `purge`, `config`, `migrate`, and the `demo` and
+//!   `torture` that show the guarantees below.
+//!
 //! # Chunk states
 //!
 //! ```text

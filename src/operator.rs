@@ -45,6 +45,20 @@ impl Outbox {
     /// Requeues the `failed` or `uncertain` chunk of a delivery (see
     /// [`requeue_chunk`](Self::requeue_chunk)).
     ///
+    /// ```
+    /// use chunked_outbox::{DeliveryStatus, NewDelivery, Outbox, OutboxOptions, Outcome};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// let id = outbox.enqueue(&NewDelivery::single("slack", "C1", "hi"))?.id;
+    /// let claim = outbox.claim(1)?.remove(0);
+    /// outbox.record(&claim, Outcome::Permanent { error: "not_in_channel".into() })?;
+    /// assert_eq!(outbox.delivery(id)?.unwrap().status, DeliveryStatus::Failed);
+    /// // The bot was invited to the channel: send it again.
+    /// outbox.requeue_delivery(id)?;
+    /// assert_eq!(outbox.claim(1)?.len(), 1);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`Error::DeliveryNotFound`]; [`Error::DeliveryState`] (naming the delivery and its
@@ -88,6 +102,20 @@ impl Outbox {
     }
 
     /// Settles a chunk held as `uncertain` (see [`Resolution`]).
+    ///
+    /// ```
+    /// use chunked_outbox::{ChunkStatus, NewDelivery, Outbox, OutboxOptions, Outcome, Resolution};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// outbox.enqueue(&NewDelivery::single("telegram", "42", "hi"))?;
+    /// let claim = outbox.claim(1)?.remove(0);
+    /// let held = outbox.record(&claim, Outcome::Ambiguous { error: "read timeout".into() })?;
+    /// assert_eq!(held.status, ChunkStatus::Uncertain);
+    /// // The user confirms they saw it.
+    /// let done = outbox.resolve_uncertain(claim.chunk_id, Resolution::Delivered { platform_message_id: None })?;
+    /// assert!(done.finalized);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
     ///
     /// # Errors
     ///

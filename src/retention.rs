@@ -46,6 +46,22 @@ impl Outbox {
     /// Runs in batches of 1000 deliveries, one transaction each; an error stops it with
     /// the earlier batches committed (each one is complete on its own).
     ///
+    /// ```
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// for chat in ["1", "2"] {
+    ///     outbox.enqueue(&NewDelivery::single("telegram", chat, "hi"))?;
+    /// }
+    /// for claim in outbox.claim(10)? {
+    ///     outbox.record(&claim, Outcome::delivered(None))?;
+    /// }
+    /// let report = outbox.purge(chrono::Utc::now() + chrono::Duration::seconds(1))?;
+    /// assert_eq!(report.deliveries, 1, "the newest delivery is kept");
+    /// assert_eq!(outbox.health()?.totals.finalized_total, 2, "totals never drop");
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    ///
     /// # Errors
     ///
     /// Database errors.

@@ -134,6 +134,32 @@ impl DispatcherBuilder<dyn AsyncChannelAdapter> {
 /// Same guarantees as [`Dispatcher`](crate::Dispatcher): batched claims, wake-up on
 /// enqueue and at the next due time, other processes' commits noticed within the poll
 /// interval, graceful shutdown that finishes sends in flight and releases the rest.
+///
+/// ```
+/// use std::time::Duration;
+/// use chunked_outbox::{AsyncChannelAdapter, AsyncDispatcher, Claim, NewDelivery, Outbox, OutboxOptions, Outcome, SendFuture};
+///
+/// struct Matrix;
+/// impl AsyncChannelAdapter for Matrix {
+///     fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
+///         // PUT /rooms/{claim.chat_id}/send/m.room.message/{claim.idempotency_key} ...
+///         Box::pin(async move { Outcome::delivered(Some("$event".into())) })
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+/// # async fn main() -> Result<(), chunked_outbox::Error> {
+/// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+/// let running = AsyncDispatcher::builder(outbox.clone()).adapter("matrix", Matrix).build()?.start()?;
+/// outbox.enqueue_async(NewDelivery::single("matrix", "!room:example.org", "hi")).await?;
+/// while outbox.health_async().await?.totals.finalized_total == 0 {
+///     tokio::time::sleep(Duration::from_millis(10)).await;
+/// }
+/// let report = running.shutdown(Duration::from_secs(5)).await;
+/// assert!(report.clean);
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct AsyncDispatcher {
     shared: Arc<Shared<dyn AsyncChannelAdapter>>,
