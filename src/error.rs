@@ -244,13 +244,26 @@ pub enum Error {
         message: String,
     },
 
-    /// The connection pool could not hand out a connection.
-    #[error("connection pool error: {0}")]
-    Pool(#[from] r2d2::Error),
+    /// No read connection could be had in time (every reader busy, or the file could
+    /// not be opened for reading). Retry later; more `readers` in the options help a
+    /// process with many concurrent readers.
+    #[error("no read connection: {message}")]
+    Pool {
+        /// What the pool said.
+        message: String,
+    },
 
     /// Any other SQLite error.
     #[error("sqlite error: {0}")]
     Sqlite(rusqlite::Error),
+}
+
+impl From<r2d2::Error> for Error {
+    fn from(err: r2d2::Error) -> Self {
+        Error::Pool {
+            message: err.to_string(),
+        }
+    }
 }
 
 impl From<rusqlite::Error> for Error {

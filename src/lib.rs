@@ -104,7 +104,7 @@
 //!
 //! # Durability
 //!
-//! The database runs in WAL mode with a busy timeout and `foreign_keys=ON`. With
+//! The database runs in WAL mode with a busy timeout. With
 //! [`Synchronous::Normal`] (the default) every committed transaction survives a crash of
 //! the process; a power loss may lose the last few commits but never corrupts the file.
 //! [`Synchronous::Full`] also survives power loss, at the cost of an fsync per commit.

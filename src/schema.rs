@@ -258,15 +258,12 @@ pub(crate) fn configure(conn: &Connection, options: &OutboxOptions, in_memory: b
         expect_pragma("journal_mode", "memory", &journal)?;
     }
     conn.pragma_update(None, "synchronous", options.synchronous.pragma_value())?;
-    conn.pragma_update(None, "foreign_keys", true)?;
     let sync: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
     expect_pragma(
         "synchronous",
         &options.synchronous.pragma_value().to_string(),
         &sync.to_string(),
     )?;
-    let fk: i64 = conn.query_row("PRAGMA foreign_keys", [], |r| r.get(0))?;
-    expect_pragma("foreign_keys", "1", &fk.to_string())?;
     // The writer walks several indexes per chunk; a page cache of 32 MiB (SQLite's
     // default is 2 MiB) keeps their upper levels in memory as history grows.
     conn.pragma_update(None, "cache_size", -32_768)?;
@@ -393,8 +390,6 @@ pub struct StorageSettings {
     pub journal_mode: String,
     /// `PRAGMA synchronous`: 1 = NORMAL, 2 = FULL.
     pub synchronous: i64,
-    /// `PRAGMA foreign_keys`.
-    pub foreign_keys: bool,
     /// `PRAGMA busy_timeout`, in milliseconds.
     pub busy_timeout_ms: i64,
     /// `PRAGMA query_only`: true for the pooled read connections.
@@ -420,7 +415,6 @@ pub(crate) fn read_settings(conn: &Connection) -> Result<StorageSettings> {
     Ok(StorageSettings {
         journal_mode: conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?,
         synchronous: int("synchronous")?,
-        foreign_keys: int("foreign_keys")? == 1,
         busy_timeout_ms: int("busy_timeout")?,
         query_only: int("query_only")? == 1,
         wal_autocheckpoint: int("wal_autocheckpoint")?,
@@ -433,7 +427,6 @@ pub(crate) fn configure_reader(conn: &Connection, options: &OutboxOptions) -> ru
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     conn.busy_timeout(options.busy_timeout)?;
     conn.pragma_update(None, "synchronous", options.synchronous.pragma_value())?;
-    conn.pragma_update(None, "foreign_keys", true)?;
     conn.pragma_update(None, "query_only", true)
 }
 

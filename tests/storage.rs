@@ -28,7 +28,6 @@ fn pragmas_are_read_back_on_writer_and_readers() -> Result<()> {
         for s in [&w, &r] {
             assert_eq!(s.journal_mode, "wal");
             assert_eq!(s.synchronous, want_sync);
-            assert!(s.foreign_keys);
             assert_eq!(s.busy_timeout_ms, 1234);
         }
         assert!(!w.query_only);
