@@ -50,6 +50,7 @@ impl DeliveryId {
     }
 
     /// When the delivery was enqueued (ms since the epoch), from the UUID v7 time field.
+    #[cfg(any(feature = "metrics", test))]
     pub(crate) fn created_ms(&self) -> i64 {
         (self.0.as_u128() >> 80) as i64
     }
@@ -108,6 +109,12 @@ macro_rules! chunks_of_delivery {
     };
 }
 pub(crate) use chunks_of_delivery;
+
+/// Deletes the chunks of delivery `?1` (a purge, a cancel).
+pub(crate) const DELETE_CHUNKS_SQL: &str = concat!(
+    "DELETE FROM outbound_delivery_chunks AS c WHERE ",
+    chunks_of_delivery!("c", "?1")
+);
 
 /// The id of one chunk within this database.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use crate::ids::chunks_of_delivery;
+use crate::ids::{DELETE_CHUNKS_SQL, chunks_of_delivery};
 use crate::outcome::{ChunkRef, Recorded, chunk_ref_where, deliver_chunk};
 use crate::policy::Stored;
 use crate::status::{ChunkStatus, DeliveryStatus};
@@ -67,15 +67,8 @@ impl Outbox {
         self.write_and_wake(|tx, rules| {
             let chunk = held_or_head_chunk(self, tx, delivery)?;
             if !matches!(chunk.status, ChunkStatus::Failed | ChunkStatus::Uncertain) {
-                let status = tx
-                    .prepare_cached("SELECT status FROM outbound_deliveries WHERE id = ?1")?
-                    .query_row([chunk.delivery], |r| r.get(0))?;
-                return Err(Error::DeliveryState {
-                    delivery,
-                    status,
-                    action: "requeue",
-                    expected: "failed or uncertain",
-                });
+                let status = delivery_row(self, tx, delivery)?.0;
+                return Err(not_requeueable(delivery, status));
             }
             requeue(tx, rules, &chunk, "requeue", self.options().now_ms())
         })
@@ -224,16 +217,7 @@ impl Outbox {
     pub fn cancel(&self, delivery: DeliveryId) -> Result<()> {
         self.write_and_wake(|tx, rules| {
             let id = self.delivery_rowid(delivery);
-            let (status, channel, chat_id): (DeliveryStatus, String, String) = tx
-                .prepare_cached(
-                    "SELECT status, channel, chat_id FROM outbound_deliveries
-                     WHERE id = ?1 AND uid = ?2",
-                )?
-                .query_row(params![id, delivery.to_string()], |r| {
-                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-                })
-                .optional()?
-                .ok_or(Error::DeliveryNotFound(delivery))?;
+            let (status, channel, chat_id) = delivery_row(self, tx, delivery)?;
             match status {
                 DeliveryStatus::Cancelled => return Ok(()),
                 DeliveryStatus::Queued | DeliveryStatus::Pending => {}
@@ -268,11 +252,7 @@ impl Outbox {
                 });
             }
             let now = self.options().now_ms();
-            tx.prepare_cached(concat!(
-                "DELETE FROM outbound_delivery_chunks AS c WHERE ",
-                chunks_of_delivery!("c", "?1")
-            ))?
-            .execute([id])?;
+            tx.prepare_cached(DELETE_CHUNKS_SQL)?.execute([id])?;
             tx.prepare_cached(
                 "UPDATE outbound_deliveries
                  SET status = 'cancelled', updated_at = ?2, finished_at = ?2 WHERE id = ?1",
@@ -358,23 +338,39 @@ fn held_or_head_chunk(outbox: &Outbox, tx: &Connection, delivery: DeliveryId) ->
             ChunkRef::from_row,
         )
         .optional()?;
-    if let Some(chunk) = chunk {
-        return Ok(chunk);
-    }
-    // A cancelled delivery has no chunks left.
-    let status = tx
-        .prepare_cached("SELECT status FROM outbound_deliveries WHERE id = ?1 AND uid = ?2")?
-        .query_row(
-            params![outbox.delivery_rowid(delivery), delivery.to_string()],
-            |r| r.get(0),
-        )
-        .optional()?;
-    Err(status.map_or(Error::DeliveryNotFound(delivery), |status| {
-        Error::DeliveryState {
+    match chunk {
+        Some(chunk) => Ok(chunk),
+        // A cancelled delivery has no chunks left.
+        None => Err(not_requeueable(
             delivery,
-            status,
-            action: "requeue",
-            expected: "failed or uncertain",
-        }
-    }))
+            delivery_row(outbox, tx, delivery)?.0,
+        )),
+    }
+}
+
+/// A delivery's status, channel and chat, by its public id.
+fn delivery_row(
+    outbox: &Outbox,
+    tx: &Connection,
+    delivery: DeliveryId,
+) -> Result<(DeliveryStatus, String, String)> {
+    tx.prepare_cached(
+        "SELECT status, channel, chat_id FROM outbound_deliveries WHERE id = ?1 AND uid = ?2",
+    )?
+    .query_row(
+        params![outbox.delivery_rowid(delivery), delivery.to_string()],
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+    )
+    .optional()?
+    .ok_or(Error::DeliveryNotFound(delivery))
+}
+
+/// Why a delivery in `status` cannot be requeued.
+fn not_requeueable(delivery: DeliveryId, status: DeliveryStatus) -> Error {
+    Error::DeliveryState {
+        delivery,
+        status,
+        action: "requeue",
+        expected: "failed or uncertain",
+    }
 }

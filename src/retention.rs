@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use rusqlite::params;
 use serde::Serialize;
 
-use crate::ids::chunks_of_delivery;
+use crate::ids::DELETE_CHUNKS_SQL;
 use crate::{Outbox, Result};
 
 /// Deliveries purged per transaction, so a large purge never holds the write lock long.
@@ -119,12 +119,7 @@ impl Outbox {
                 let mut chunks = 0;
                 let mut per_channel: BTreeMap<&str, i64> = BTreeMap::new();
                 for (id, channel, delivered) in &rows {
-                    chunks += tx
-                        .prepare_cached(concat!(
-                            "DELETE FROM outbound_delivery_chunks AS c WHERE ",
-                            chunks_of_delivery!("c", "?1")
-                        ))?
-                        .execute([id])? as u64;
+                    chunks += tx.prepare_cached(DELETE_CHUNKS_SQL)?.execute([id])? as u64;
                     tx.prepare_cached("DELETE FROM outbound_deliveries WHERE id = ?1")?
                         .execute([id])?;
                     if *delivered {

@@ -45,7 +45,25 @@ mod on {
         counter!(name).increment(n);
     }
 
-    pub(crate) fn seconds(name: &'static str, channel: &str, ms: i64) {
+    /// The send's duration — claims are made right before their send, so claim to
+    /// record is the send — and, for a finalized reply, its enqueue-to-finalization
+    /// latency. Computed only here, so a build without the feature reads no clock.
+    pub(crate) fn timings(options: &crate::OutboxOptions, claim: &crate::Claim, finalized: bool) {
+        let now = options.now_ms();
+        let claimed_at =
+            claim.lease_until.timestamp_millis() - crate::clock::duration_ms(options.lease);
+        seconds(
+            "outbox_send_duration_seconds",
+            &claim.channel,
+            now - claimed_at,
+        );
+        if finalized {
+            let latency = now - claim.delivery_id.created_ms();
+            seconds("outbox_reply_latency_seconds", &claim.channel, latency);
+        }
+    }
+
+    fn seconds(name: &'static str, channel: &str, ms: i64) {
         histogram!(name, "channel" => channel.to_owned()).record(ms.max(0) as f64 / 1000.0);
     }
 }
@@ -57,7 +75,7 @@ mod on {
     pub(crate) fn outcome(_: &str, _: &'static str) {}
     pub(crate) fn chunk_state(_: &'static str, _: &str) {}
     pub(crate) fn events(_: &'static str, _: u64) {}
-    pub(crate) fn seconds(_: &'static str, _: &str, _: i64) {}
+    pub(crate) fn timings(_: &crate::OutboxOptions, _: &crate::Claim, _: bool) {}
 }
 
 pub(crate) use on::*;

@@ -564,23 +564,14 @@ impl Core {
     fn count(&self, claim: &Claim, kind: &'static str, recorded: &Recorded) {
         let c = &self.counters;
         let channel = claim.channel.as_str();
-        let now = self.outbox.options().now_ms();
         telemetry::outcome(channel, kind);
-        // Claims are made right before their send, so claim to record is the send.
-        let claimed_at =
-            claim.lease_until.timestamp_millis() - duration_ms(self.outbox.options().lease);
-        telemetry::seconds("outbox_send_duration_seconds", channel, now - claimed_at);
+        telemetry::timings(self.outbox.options(), claim, recorded.finalized);
         match recorded.status {
             ChunkStatus::Delivered => {
                 bump(&c.delivered);
                 if recorded.finalized {
                     bump(&c.finalized);
                     telemetry::chunk_state("outbox_finalized_total", channel);
-                    telemetry::seconds(
-                        "outbox_reply_latency_seconds",
-                        channel,
-                        now - claim.delivery_id.created_ms(),
-                    );
                 }
             }
             ChunkStatus::Retry => {

@@ -7,7 +7,7 @@
 
 use serde_json::Value;
 
-use super::{HttpReply, id_text, rate_limited, seconds};
+use super::{HttpReply, delivered, rate_limited, seconds};
 use crate::Outcome;
 
 /// Maps Discord's answer to a message create.
@@ -29,12 +29,7 @@ use crate::Outcome;
 pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
     let body = reply.json();
     if (200..300).contains(&reply.status) {
-        return match id_text(&body["id"]) {
-            Some(id) => Outcome::delivered(Some(id)),
-            None => Outcome::Ambiguous {
-                error: reply.describe("success without a message id"),
-            },
-        };
+        return delivered(reply, &body["id"], "id");
     }
     let message = body["message"].as_str().unwrap_or_default();
     let error = match body["code"].as_u64() {

@@ -7,7 +7,7 @@
 
 use serde_json::Value;
 
-use super::{HttpReply, id_text, rate_limited, seconds};
+use super::{HttpReply, delivered, rate_limited, seconds};
 use crate::Outcome;
 
 /// Maps the homeserver's answer to a send.
@@ -30,12 +30,7 @@ use crate::Outcome;
 pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
     let body = reply.json();
     if (200..300).contains(&reply.status) {
-        return match id_text(&body["event_id"]) {
-            Some(id) => Outcome::delivered(Some(id)),
-            None => Outcome::Ambiguous {
-                error: reply.describe("success without an event_id"),
-            },
-        };
+        return delivered(reply, &body["event_id"], "event_id");
     }
     let code = body["errcode"].as_str().unwrap_or_default();
     let error = match body["error"].as_str() {

@@ -146,12 +146,16 @@ fn rate_limited(waits: &[Option<Duration>], error: String) -> Outcome {
     }
 }
 
-/// A platform message id (a JSON string or number) as text.
-fn id_text(value: &Value) -> Option<String> {
-    match value {
-        Value::String(s) if !s.is_empty() => Some(s.clone()),
-        Value::Number(n) => Some(n.to_string()),
-        _ => None,
+/// A successful answer's outcome: `Delivered` with the platform's message id (a JSON
+/// string or number), or `Ambiguous` when the answer lacks one — the send happened or
+/// not, and nothing in the answer says which message it made.
+fn delivered(reply: &HttpReply<'_>, id: &Value, field: &str) -> Outcome {
+    match id {
+        Value::String(s) if !s.is_empty() => Outcome::delivered(Some(s.clone())),
+        Value::Number(n) => Outcome::delivered(Some(n.to_string())),
+        _ => Outcome::Ambiguous {
+            error: reply.describe(&format!("success without {field}")),
+        },
     }
 }
 

@@ -5,7 +5,7 @@
 //! uncertain chunk can be settled by asking, then
 //! [`resolve_uncertain`](crate::Outbox::resolve_uncertain).
 
-use super::{HttpReply, id_text, rate_limited};
+use super::{HttpReply, delivered, rate_limited};
 use crate::Outcome;
 
 /// Errors after which Slack may have acted on the request ("it's possible some aspect
@@ -55,12 +55,7 @@ pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
         };
     }
     if body["ok"] == serde_json::Value::Bool(true) {
-        return match id_text(&body["ts"]) {
-            Some(ts) => Outcome::delivered(Some(ts)),
-            None => Outcome::Ambiguous {
-                error: reply.describe("ok without a ts"),
-            },
-        };
+        return delivered(reply, &body["ts"], "ts");
     }
     if code.is_empty() {
         // Neither ok nor an error: a proxy's page, a truncated body.

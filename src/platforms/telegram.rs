@@ -6,7 +6,7 @@
 
 use serde_json::Value;
 
-use super::{HttpReply, rate_limited, seconds};
+use super::{HttpReply, delivered, rate_limited, seconds};
 use crate::Outcome;
 
 /// Maps the Bot API's answer to a send.
@@ -30,14 +30,11 @@ pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
     let body = reply.json();
     let description = body["description"].as_str().unwrap_or_default();
     if body["ok"] == Value::Bool(true) {
-        return match body["result"]["message_id"].as_i64() {
-            Some(id) => Outcome::delivered(Some(id.to_string())),
-            // `true` is the result of methods that return no message.
-            None if body["result"] == Value::Bool(true) => Outcome::delivered(None),
-            None => Outcome::Ambiguous {
-                error: reply.describe("ok without a message id"),
-            },
-        };
+        // `true` is the result of methods that return no message.
+        if body["result"] == Value::Bool(true) {
+            return Outcome::delivered(None);
+        }
+        return delivered(reply, &body["result"]["message_id"], "result.message_id");
     }
     let code = body["error_code"]
         .as_u64()
