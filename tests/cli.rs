@@ -995,7 +995,7 @@ fn serve_answers_scrapers_and_load_balancers() -> Result<()> {
     };
 
     let healthy = TestDb::default();
-    let id = enqueue(&healthy.outbox, "1", &["hello"]);
+    enqueue(&healthy.outbox, "1", &["hello"]);
     healthy.outbox.ack(&claim_one(&healthy.outbox), None)?;
     let (_server, base) = serve(&healthy.path());
     let (status, metrics) = get(format!("{base}/metrics"));
@@ -1014,7 +1014,6 @@ fn serve_answers_scrapers_and_load_balancers() -> Result<()> {
     let v: serde_json::Value = serde_json::from_str(&json).expect("JSON");
     assert_eq!((status, v["finalized_total"].as_u64()), (200, Some(1)));
     assert_eq!(get(format!("{base}/nothing-here")).0, 404);
-    assert!(healthy.outbox.delivery(id)?.is_some());
 
     let p = prepared()?; // a dead letter, an uncertain chunk
     let (_server, base) = serve(&p.db.path());
