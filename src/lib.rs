@@ -51,8 +51,10 @@
 //!   `adapters`) and typed mappings of the platforms' answers ([`platforms`]).
 //! * [`Splitter`]: platform presets, grapheme-safe cuts, code fences and Telegram HTML
 //!   kept whole.
-//! * Monitoring: [`Outbox::health`] with [`Health::to_prometheus`], and with feature
-//!   `metrics` counters and histograms through the `metrics` facade ([`telemetry`]).
+//! * Monitoring: [`Outbox::health`] with [`Health::to_prometheus`] and
+//!   [`Health::verdict`]; an HTTP [`monitoring::Endpoint`] (`/metrics`, `/healthz`,
+//!   `/health.json`) to mount in the application's server; and with feature `metrics`
+//!   counters and histograms through the `metrics` facade ([`telemetry`]).
 //! * The `outbox` tool (feature `cli`, on by default): `health`, `serve`, `list`, `show`,
 //!   `requeue`, `resolve`, `cancel`, `purge`, `config`, `migrate`, and the `demo` and
 //!   `torture` that show the guarantees below.
@@ -140,6 +142,7 @@ mod health;
 mod ids;
 mod inspect;
 mod lane;
+pub mod monitoring;
 mod operator;
 mod options;
 mod outbox;

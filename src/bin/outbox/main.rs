@@ -18,9 +18,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use chunked_outbox::monitoring::{self, Level};
 use chunked_outbox::{
-    DeliveryId, DeliveryStatus, Error, Health, ListFilter, Outbox, OutboxOptions, RecoverScope,
-    Resolution,
+    DeliveryId, DeliveryStatus, Error, ListFilter, Outbox, OutboxOptions, RecoverScope, Resolution,
 };
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
@@ -486,10 +486,14 @@ fn chunk_key(text: &str) -> CliResult<(DeliveryId, u32)> {
 /// Prints the snapshot and turns it into an exit status.
 fn health(outbox: &Outbox, args: &HealthArgs) -> CliResult<u8> {
     let h = outbox.health()?;
-    let (code, reasons) = verdict(&h, &args.thresholds);
-    let word = ["ok", "warn", "fail"][usize::from(code)];
-    let mut status = format!("status: {word}");
-    for reason in &reasons {
+    let verdict = h.verdict(&args.thresholds.to_library());
+    let code = match verdict.level {
+        Level::Ok => 0,
+        Level::Warn => 1,
+        Level::Fail => 2,
+    };
+    let mut status = format!("status: {}", verdict.level.as_str());
+    for reason in &verdict.reasons {
         status.push_str("\n  ");
         status.push_str(reason);
     }
@@ -510,47 +514,13 @@ fn health(outbox: &Outbox, args: &HealthArgs) -> CliResult<u8> {
     Ok(code)
 }
 
-/// The snapshot's verdict: 0 ok, 1 warn, 2 fail, with the reasons.
-pub(crate) fn verdict(h: &Health, args: &Thresholds) -> (u8, Vec<String>) {
-    let t = &h.totals;
-    let mut code = 0;
-    let mut reasons = Vec::new();
-    let mut flag = |level: u8, reason: String| {
-        code = code.max(level);
-        reasons.push(reason);
-    };
-    if t.unacknowledged_dead_letters > args.fail_dead_letters {
-        flag(
-            2,
-            format!(
-                "{} unacknowledged dead letters",
-                t.unacknowledged_dead_letters
-            ),
-        );
+impl Thresholds {
+    /// The library's thresholds with these values.
+    pub(crate) fn to_library(&self) -> monitoring::Thresholds {
+        monitoring::Thresholds::default()
+            .with_warn_due_age(self.warn_due_age)
+            .with_warn_expired_leases(self.warn_expired_leases)
+            .with_fail_dead_letters(self.fail_dead_letters)
+            .with_fail_uncertain(self.fail_uncertain)
     }
-    if t.uncertain_chunks > args.fail_uncertain {
-        flag(2, format!("{} uncertain chunks", t.uncertain_chunks));
-    }
-    if t.corrupt_deliveries > 0 {
-        flag(
-            2,
-            format!("{} corrupt rows set aside", t.corrupt_deliveries),
-        );
-    }
-    if t.expired_leases > args.warn_expired_leases {
-        flag(1, format!("{} expired leases", t.expired_leases));
-    }
-    if let Some(age) = t
-        .oldest_due_age_ms
-        .filter(|ms| *ms > args.warn_due_age.as_millis() as u64)
-    {
-        flag(
-            1,
-            format!(
-                "a chunk has been due for {}",
-                humantime::format_duration(Duration::from_secs(age / 1000))
-            ),
-        );
-    }
-    (code, reasons)
 }

@@ -1,0 +1,157 @@
+//! The health verdict's thresholds, and the HTTP endpoint mounted in an application's
+//! own axum server, read with a real HTTP client.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chunked_outbox::monitoring::{Endpoint, Level, Thresholds};
+use chunked_outbox::{ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome, Result};
+
+fn outbox_at(clock: &ManualClock) -> Outbox {
+    let options = OutboxOptions::default()
+        .with_clock(Arc::new(clock.clone()))
+        .with_lease(Duration::from_secs(30));
+    Outbox::open_in_memory(options).unwrap()
+}
+
+fn level(outbox: &Outbox, thresholds: &Thresholds) -> (Level, Vec<String>) {
+    let v = outbox.health().unwrap().verdict(thresholds);
+    (v.level, v.reasons)
+}
+
+#[test]
+fn a_chunk_due_too_long_warns_only_past_the_threshold() -> Result<()> {
+    let clock = ManualClock::new(1_767_225_600_000);
+    let outbox = outbox_at(&clock);
+    outbox.enqueue(&NewDelivery::single("telegram", "42", "hello"))?;
+    let five_minutes = Thresholds::default();
+    assert_eq!(level(&outbox, &five_minutes), (Level::Ok, vec![]));
+
+    clock.advance(Duration::from_secs(300));
+    assert_eq!(level(&outbox, &five_minutes).0, Level::Ok, "at the limit");
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(
+        level(&outbox, &five_minutes),
+        (Level::Warn, vec!["a chunk has been due for 5m 1s".into()])
+    );
+    let ten_minutes = Thresholds::default().with_warn_due_age(Duration::from_secs(600));
+    assert_eq!(level(&outbox, &ten_minutes).0, Level::Ok);
+    Ok(())
+}
+
+#[test]
+fn expired_leases_warn_and_uncertain_chunks_fail() -> Result<()> {
+    let clock = ManualClock::new(1_767_225_600_000);
+    let outbox = outbox_at(&clock);
+    for chat in ["1", "2"] {
+        outbox.enqueue(&NewDelivery::single("telegram", chat, "hello"))?;
+    }
+    let claims = outbox.claim(2)?;
+    clock.advance(Duration::from_secs(31));
+    let strict = Thresholds::default().with_warn_due_age(Duration::from_secs(3600));
+    assert_eq!(
+        level(&outbox, &strict),
+        (Level::Warn, vec!["2 expired leases".into()])
+    );
+    let lenient = strict.clone().with_warn_expired_leases(2);
+    assert_eq!(level(&outbox, &lenient).0, Level::Ok);
+
+    for claim in &claims {
+        let error = "socket closed after write".to_owned();
+        outbox.record(claim, Outcome::Ambiguous { error })?;
+    }
+    assert_eq!(
+        level(&outbox, &strict),
+        (Level::Fail, vec!["2 uncertain chunks".into()])
+    );
+    let tolerant = strict.with_fail_uncertain(2);
+    assert_eq!(level(&outbox, &tolerant).0, Level::Ok);
+    Ok(())
+}
+
+#[test]
+fn the_worst_reason_decides_and_every_reason_is_named() -> Result<()> {
+    let clock = ManualClock::new(1_767_225_600_000);
+    let outbox = outbox_at(&clock);
+    for chat in ["1", "2"] {
+        outbox.enqueue(&NewDelivery::single("telegram", chat, "hello"))?;
+    }
+    let mut claims = outbox.claim(2)?;
+    let dead = claims.pop().unwrap();
+    let error = "403 Forbidden: bot was blocked by the user".to_owned();
+    outbox.record(&dead, Outcome::Permanent { error })?;
+    clock.advance(Duration::from_secs(31)); // the other lease runs out
+    let verdict = outbox.health()?.verdict(&Thresholds::default());
+    assert_eq!(verdict.level, Level::Fail);
+    assert_eq!(
+        verdict.to_string(),
+        "fail: 1 unacknowledged dead letters; 1 expired leases"
+    );
+    Ok(())
+}
+
+/// The endpoint as an application mounts it: an axum fallback route on its own
+/// runtime, each answer read on the blocking pool.
+#[cfg(feature = "tokio")]
+fn serve(endpoint: Endpoint) -> (tokio::runtime::Runtime, String) {
+    use axum::http::{StatusCode, Uri, header::CONTENT_TYPE};
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let endpoint = Arc::new(endpoint);
+    let app = axum::Router::new().fallback(move |uri: Uri| {
+        let endpoint = endpoint.clone();
+        async move {
+            let r = endpoint.respond_async(uri.path()).await;
+            (
+                StatusCode::from_u16(r.status).unwrap(),
+                [(CONTENT_TYPE, r.content_type)],
+                r.body,
+            )
+        }
+    });
+    runtime.spawn(async move { axum::serve(listener, app).await });
+    (runtime, base)
+}
+
+#[cfg(feature = "tokio")]
+#[test]
+fn the_endpoint_mounted_in_axum_answers_a_real_client() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = Outbox::open(dir.path().join("bot.db"), OutboxOptions::default())?;
+    outbox.enqueue(&NewDelivery::single("telegram", "42", "hello"))?;
+    outbox.enqueue(&NewDelivery::single("telegram", "43", "hello"))?;
+    let (_runtime, base) = serve(Endpoint::new(outbox.clone(), Thresholds::default()));
+    let client = reqwest::blocking::Client::new();
+    let get = |path: &str| {
+        let r = client.get(format!("{base}{path}")).send().unwrap();
+        let kind = r.headers()["content-type"].to_str().unwrap().to_owned();
+        (r.status().as_u16(), kind, r.text().unwrap())
+    };
+
+    let (status, kind, body) = get("/metrics");
+    assert_eq!((status, kind.as_str()), (200, "text/plain; version=0.0.4"));
+    assert!(body.contains("outbox_pending_chunks{channel=\"telegram\"} 2"), "{body}");
+    assert!(body.contains("outbox_file_finalized_total"), "{body}");
+    assert!(body.contains("_bucket{"), "{body}");
+    assert_eq!(get("/healthz").0, 200);
+    let (status, kind, body) = get("/health.json");
+    assert_eq!((status, kind.as_str()), (200, "application/json"));
+    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(json["pending_chunks"], 2);
+
+    // A dead letter written by another process on the file turns /healthz to 503.
+    let other = Outbox::open(dir.path().join("bot.db"), OutboxOptions::default())?;
+    let claim = other.claim(1)?.pop().unwrap();
+    let error = "400 Bad Request: chat not found".to_owned();
+    other.record(&claim, Outcome::Permanent { error })?;
+    let (status, _, body) = get("/healthz?probe=lb");
+    assert_eq!(
+        (status, body.as_str()),
+        (503, "fail: 1 unacknowledged dead letters\n")
+    );
+    assert_eq!(get("/nothing-here").0, 404);
+    Ok(())
+}
