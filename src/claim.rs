@@ -19,7 +19,7 @@ pub const MAX_CLAIM_BATCH: usize = 10_000;
 /// One chunk handed to a worker: everything needed to send it, plus the fencing token.
 ///
 /// Record its outcome with [`Outbox::record`] (or [`ack`](Outbox::ack),
-/// [`fail`](Outbox::fail), [`release`](Outbox::release)) before
+/// [`record_error_text`](Outbox::record_error_text), [`release`](Outbox::release)) before
 /// [`lease_until`](Self::lease_until).
 ///
 /// **Drop behaviour:** dropping a claim records nothing. The chunk stays `sending` until

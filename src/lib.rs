@@ -155,8 +155,8 @@ mod split;
 mod status;
 pub mod telemetry;
 
-pub use claim::{Claim, MAX_CLAIM_BATCH, RecoverScope, RecoveryReport};
-pub use classify::{ErrorClass, MAX_RETRY_AFTER, classify_error};
+pub use claim::{Claim, RecoverScope, RecoveryReport};
+pub use classify::{ErrorClass, classify_error};
 pub use clock::{Clock, ManualClock, SystemClock};
 #[cfg(feature = "tokio")]
 pub use dispatch::tokio::{
@@ -167,10 +167,7 @@ pub use dispatch::{
     ChannelAdapter, DispatchEvent, DispatchStats, Dispatcher, DispatcherBuilder, RunningDispatcher,
     ShutdownReport,
 };
-pub use enqueue::{
-    Enqueued, MAX_CHANNEL_BYTES, MAX_CHAT_ID_BYTES, MAX_CHUNKS, MAX_DELIVERY_BYTES, MAX_KEY_BYTES,
-    MAX_METADATA_BYTES, NewDelivery,
-};
+pub use enqueue::{Enqueued, NewDelivery};
 pub use error::{Error, Result};
 pub use finalize::FINALIZE_PARAMETERS;
 pub use health::{ChannelHealth, Health, LATENCY_BUCKETS, LatencyHistogram};
@@ -178,20 +175,32 @@ pub use ids::{
     COMPACT_KEY_LEN, ChunkId, ClaimantId, DeliveryId, chunk_compact_key, chunk_idempotency_key,
     chunk_key_uuid,
 };
-pub use inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter, MAX_LIST_LIMIT};
+pub use inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
 pub use operator::Resolution;
 pub use options::{
     Backoff, LaneFailurePolicy, LaneOrder, OutboxOptions, ReplayPolicy, RetryPolicy, Synchronous,
 };
 pub use outbox::Outbox;
-pub use outcome::{
-    MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES, MAX_REFUNDED_RATE_LIMITS, Outcome, Recorded,
-};
+pub use outcome::{Outcome, Recorded};
 pub use policy::{ChannelPolicy, Policy};
 pub use retention::PurgeReport;
 /// The rusqlite this crate is built with: [`Outbox::enqueue_in`] takes its
 /// `Connection`, so an application names the same version through this re-export.
 pub use rusqlite;
-pub use schema::{BACKGROUND_AUTOCHECKPOINT_PAGES, SCHEMA_VERSION, StorageSettings};
+pub use schema::{SCHEMA_VERSION, StorageSettings};
 pub use split::{LengthUnit, Markup, Splitter};
 pub use status::{ChunkStatus, DeliveryStatus};
+
+/// The bounds the outbox holds input and waits to. Input beyond one is refused with
+/// [`Error::InvalidInput`] before anything is written, except where an item says it is
+/// cut or capped instead.
+pub mod limits {
+    pub use crate::claim::MAX_CLAIM_BATCH;
+    pub use crate::classify::MAX_RETRY_AFTER;
+    pub use crate::enqueue::{
+        MAX_CHANNEL_BYTES, MAX_CHAT_ID_BYTES, MAX_CHUNKS, MAX_DELIVERY_BYTES, MAX_KEY_BYTES,
+        MAX_METADATA_BYTES,
+    };
+    pub use crate::inspect::MAX_LIST_LIMIT;
+    pub use crate::outcome::{MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES, MAX_REFUNDED_RATE_LIMITS};
+}

@@ -39,7 +39,7 @@ pub enum Outcome {
         error: String,
     },
     /// The platform asked to slow down: `retry` at `retry_after` from now (at most
-    /// [`MAX_RETRY_AFTER`](crate::MAX_RETRY_AFTER)), the whole lane paused until then,
+    /// [`MAX_RETRY_AFTER`](crate::limits::MAX_RETRY_AFTER)), the whole lane paused until then,
     /// and the attempt is given back — for the first
     /// [`MAX_REFUNDED_RATE_LIMITS`] rate limits of the chunk's attempt budget; after
     /// that each one uses an attempt.
@@ -170,12 +170,33 @@ impl Outbox {
     }
 
     /// Records a failed send described only by its error text, classified by
-    /// [`classify_error`] into permanent, rate-limited or transient.
+    /// [`classify_error`]: a permanent failure (dead letter), a rate limit (the lane
+    /// paused, the attempt refunded), an ambiguous send (the channel's
+    /// [`ReplayPolicy`](crate::ReplayPolicy) decides) or a transient failure (retried
+    /// with backoff). So the chunk may well be retried; the name says what is recorded,
+    /// not what becomes of it. An adapter that has the platform's answer should map it
+    /// with [`platforms`](crate::platforms) instead.
+    ///
+    /// ```
+    /// use chunked_outbox::{ChunkStatus, NewDelivery, Outbox, OutboxOptions};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// outbox.enqueue(&NewDelivery::single("telegram", "42", "hello"))?;
+    /// let claim = outbox.claim(1)?.pop().unwrap();
+    /// let recorded = outbox.record_error_text(&claim, "502 Bad Gateway")?;
+    /// assert_eq!(recorded.status, ChunkStatus::Retry);
+    ///
+    /// outbox.enqueue(&NewDelivery::single("telegram", "43", "hello"))?;
+    /// let claim = outbox.claim(1)?.pop().unwrap();
+    /// let recorded = outbox.record_error_text(&claim, "Forbidden: bot was blocked by the user")?;
+    /// assert_eq!(recorded.status, ChunkStatus::Failed);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
     ///
     /// # Errors
     ///
     /// As [`record`](Self::record).
-    pub fn fail(&self, claim: &Claim, error: &str) -> Result<Recorded> {
+    pub fn record_error_text(&self, claim: &Claim, error: &str) -> Result<Recorded> {
         self.record(claim, Outcome::from_error_text(error))
     }
 

@@ -238,11 +238,6 @@ pub(crate) fn enable_wal(conn: &Connection, options: &OutboxOptions) -> Result<(
     }
 }
 
-/// SQLite's automatic checkpoint threshold, in pages, on a writer whose outbox runs
-/// background checkpoints (SQLite's default of 1000 otherwise): 40 MiB of WAL at the
-/// default page size.
-pub const BACKGROUND_AUTOCHECKPOINT_PAGES: i64 = 10_000;
-
 /// Sets the connection's own pragmas and reads each one back (the journal mode, which
 /// lives in the file, is [`enable_wal`]'s).
 ///
@@ -271,7 +266,11 @@ pub(crate) fn configure(conn: &Connection, options: &OutboxOptions, in_memory: b
         // The background thread does the regular checkpoints; SQLite's own, which runs
         // (with an fsync) inside whichever commit crosses the threshold, stays only as
         // the bound on the WAL under sustained writes.
-        conn.pragma_update(None, "wal_autocheckpoint", BACKGROUND_AUTOCHECKPOINT_PAGES)?;
+        conn.pragma_update(
+            None,
+            "wal_autocheckpoint",
+            StorageSettings::BACKGROUND_AUTOCHECKPOINT_PAGES,
+        )?;
     }
     if let Some(bytes) = options.max_size {
         let page_size: i64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
@@ -396,6 +395,14 @@ pub struct StorageSettings {
     pub query_only: bool,
     /// `PRAGMA wal_autocheckpoint`: SQLite's own checkpoint threshold, in pages.
     pub wal_autocheckpoint: i64,
+}
+
+impl StorageSettings {
+    /// SQLite's automatic checkpoint threshold, in pages, on a writer whose outbox runs
+    /// background checkpoints (SQLite's default of 1000 otherwise): 40 MiB of WAL at
+    /// the default page size. An application connection that writes to the same file
+    /// may set the same `PRAGMA wal_autocheckpoint`.
+    pub const BACKGROUND_AUTOCHECKPOINT_PAGES: i64 = 10_000;
 }
 
 pub(crate) fn read_settings(conn: &Connection) -> Result<StorageSettings> {

@@ -357,7 +357,7 @@ fn claim_limits_and_channel_filter() -> Result<()> {
         ob.claim(usize::MAX),
         Err(Error::InvalidInput { .. })
     ));
-    let max = chunked_outbox::MAX_CLAIM_BATCH;
+    let max = chunked_outbox::limits::MAX_CLAIM_BATCH;
     assert!(matches!(ob.claim(max + 1), Err(Error::InvalidInput { .. })));
     assert!(ob.claim(max)?.is_empty(), "the limit itself is allowed");
     assert!(matches!(
@@ -621,7 +621,7 @@ fn deliveries_older_than_the_maximum_age_are_failed_not_retried() -> Result<()> 
 /// ids up to `MAX_PLATFORM_ID_BYTES` — and an ack with a longer id is kept, not refused.
 #[test]
 fn long_error_texts_and_platform_ids_are_cut_at_a_character_boundary() -> Result<()> {
-    use chunked_outbox::{MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES};
+    use chunked_outbox::limits::{MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES};
     let db = TestDb::default();
     let ob = &db.outbox;
     // An odd prefix puts a two-byte character across the limit.
@@ -668,10 +668,10 @@ fn a_rate_limit_pauses_for_at_most_the_cap() -> Result<()> {
     )?;
     assert_eq!(
         recorded.next_attempt_at.map(|t| t.timestamp_millis()),
-        Some(db.now_ms() + chunked_outbox::MAX_RETRY_AFTER.as_millis() as i64)
+        Some(db.now_ms() + chunked_outbox::limits::MAX_RETRY_AFTER.as_millis() as i64)
     );
     let recorded = ob.record(
-        &claim_after(&db, chunked_outbox::MAX_RETRY_AFTER),
+        &claim_after(&db, chunked_outbox::limits::MAX_RETRY_AFTER),
         Outcome::RateLimited {
             retry_after: Duration::MAX,
             error: "429".into(),
@@ -679,7 +679,7 @@ fn a_rate_limit_pauses_for_at_most_the_cap() -> Result<()> {
     )?;
     assert_eq!(
         recorded.next_attempt_at.map(|t| t.timestamp_millis()),
-        Some(db.now_ms() + chunked_outbox::MAX_RETRY_AFTER.as_millis() as i64),
+        Some(db.now_ms() + chunked_outbox::limits::MAX_RETRY_AFTER.as_millis() as i64),
         "the typed outcome is capped the same way"
     );
     Ok(())
@@ -702,7 +702,7 @@ fn refunds_are_capped_so_no_chunk_is_rate_limited_forever() -> Result<()> {
         retry_after: Duration::from_secs(1),
         error: "429".into(),
     };
-    for _ in 0..chunked_outbox::MAX_REFUNDED_RATE_LIMITS {
+    for _ in 0..chunked_outbox::limits::MAX_REFUNDED_RATE_LIMITS {
         let claim = claim_after(&db, Duration::from_secs(1));
         ob.record(&claim, limited())?;
     }
@@ -721,7 +721,7 @@ fn refunds_are_capped_so_no_chunk_is_rate_limited_forever() -> Result<()> {
     let v = view(ob, id);
     assert_eq!(v.status, chunked_outbox::DeliveryStatus::Failed);
     let error = v.chunks[0].last_error.clone().unwrap();
-    let times = chunked_outbox::MAX_REFUNDED_RATE_LIMITS + max_attempts;
+    let times = chunked_outbox::limits::MAX_REFUNDED_RATE_LIMITS + max_attempts;
     assert!(
         error.contains(&format!("rate limited {times} times")),
         "{error}"

@@ -303,7 +303,7 @@ fn metadata_travels_with_every_claim_of_every_chunk() -> Result<()> {
 #[test]
 fn metadata_beyond_the_limit_is_refused_and_nothing_is_written() -> Result<()> {
     let db = TestDb::default();
-    let big = "x".repeat(chunked_outbox::MAX_METADATA_BYTES + 1);
+    let big = "x".repeat(chunked_outbox::limits::MAX_METADATA_BYTES + 1);
     let err = db
         .outbox
         .enqueue(&chunked_outbox::NewDelivery::single("telegram", "42", "hi").with_metadata(big))
@@ -319,7 +319,7 @@ fn metadata_beyond_the_limit_is_refused_and_nothing_is_written() -> Result<()> {
         "{err:?}"
     );
     assert_eq!(db.outbox.health()?.totals.total_deliveries, 0);
-    let at_limit = "x".repeat(chunked_outbox::MAX_METADATA_BYTES);
+    let at_limit = "x".repeat(chunked_outbox::limits::MAX_METADATA_BYTES);
     db.outbox.enqueue(
         &chunked_outbox::NewDelivery::single("telegram", "42", "hi").with_metadata(at_limit),
     )?;

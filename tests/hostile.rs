@@ -98,7 +98,7 @@ proptest! {
             prop_assert!(matches!(r, Err(Error::ChunkNotFound(_))), "{:?}", r);
         }
         match outbox.claim(limit) {
-            Ok(claims) => prop_assert!((1..=chunked_outbox::MAX_CLAIM_BATCH).contains(&limit) && claims.len() <= 1),
+            Ok(claims) => prop_assert!((1..=chunked_outbox::limits::MAX_CLAIM_BATCH).contains(&limit) && claims.len() <= 1),
             Err(e) => prop_assert!(matches!(e, Error::InvalidInput { what: "limit", .. }), "unexpected {:?}", e),
         }
         let mut filter = ListFilter::default().limit(limit);

@@ -133,7 +133,10 @@ fn the_endpoint_mounted_in_axum_answers_a_real_client() -> Result<()> {
 
     let (status, kind, body) = get("/metrics");
     assert_eq!((status, kind.as_str()), (200, "text/plain; version=0.0.4"));
-    assert!(body.contains("outbox_pending_chunks{channel=\"telegram\"} 2"), "{body}");
+    assert!(
+        body.contains("outbox_pending_chunks{channel=\"telegram\"} 2"),
+        "{body}"
+    );
     assert!(body.contains("outbox_file_finalized_total"), "{body}");
     assert!(body.contains("_bucket{"), "{body}");
     assert_eq!(get("/healthz").0, 200);

@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use chrono::{TimeZone, Utc};
 use chunked_outbox::{
-    BACKGROUND_AUTOCHECKPOINT_PAGES, Error, NewDelivery, Outbox, OutboxOptions, Result,
-    SCHEMA_VERSION, Synchronous,
+    Error, NewDelivery, Outbox, OutboxOptions, Result, SCHEMA_VERSION, StorageSettings, Synchronous,
 };
 use common::*;
 
@@ -33,7 +32,8 @@ fn pragmas_are_read_back_on_writer_and_readers() -> Result<()> {
         assert!(!w.query_only);
         assert!(r.query_only, "pooled readers can never write");
         assert_eq!(
-            w.wal_autocheckpoint, BACKGROUND_AUTOCHECKPOINT_PAGES,
+            w.wal_autocheckpoint,
+            StorageSettings::BACKGROUND_AUTOCHECKPOINT_PAGES,
             "with background checkpoints, the automatic one only bounds the WAL"
         );
     }
@@ -273,7 +273,7 @@ fn the_wal_stays_bounded_under_sustained_writes() -> Result<()> {
     // The threshold plus slack: a commit that crosses it while the background thread
     // holds the checkpoint lock skips its checkpoint, and a later commit does it.
     let frame = 4096 + 24;
-    let bound = BACKGROUND_AUTOCHECKPOINT_PAGES as u64 * 5 / 4 * frame;
+    let bound = StorageSettings::BACKGROUND_AUTOCHECKPOINT_PAGES as u64 * 5 / 4 * frame;
     assert!(wal <= bound, "the WAL grew to {wal} bytes (bound {bound})");
     // A checkpoint in a quiet moment gives the space back.
     db.outbox.checkpoint()?;

@@ -20,7 +20,7 @@
 //! | unreadable success | 2xx body without the fields → `Ambiguous` | same | same |
 //! | no answer | [`no_reply`]: not sent → `Transient`; maybe sent (timeout or reset after the request was written) → `Ambiguous` | same | same |
 //!
-//! A rate limit's wait is capped at [`MAX_RETRY_AFTER`](crate::MAX_RETRY_AFTER); with
+//! A rate limit's wait is capped at [`MAX_RETRY_AFTER`](crate::limits::MAX_RETRY_AFTER); with
 //! none given it is 1 s. `Ambiguous` follows the channel's
 //! [`ReplayPolicy`](crate::ReplayPolicy): `Hold` for Telegram and Slack (they cannot
 //! deduplicate), `Replay` for Discord when the send carries
@@ -185,7 +185,10 @@ mod tests {
         assert_eq!(seconds(&Value::from(-1)), None);
         assert_eq!(seconds(&Value::from(0)), Some(Duration::ZERO));
         assert_eq!(seconds(&Value::from("soon")), None);
-        assert_eq!(seconds(&Value::from(1e300)), Some(crate::MAX_RETRY_AFTER));
+        assert_eq!(
+            seconds(&Value::from(1e300)),
+            Some(crate::limits::MAX_RETRY_AFTER)
+        );
         let reply = HttpReply::new(429, "").with_retry_after(" 12 ");
         assert_eq!(reply.header_wait(), Some(Duration::from_secs(12)));
     }

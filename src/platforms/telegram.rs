@@ -170,6 +170,6 @@ mod tests {
             Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs(1)));
         let huge = r#"{"ok":false,"error_code":429,"parameters":{"retry_after":9999999999999}}"#;
         assert!(matches!(map(429, huge),
-            Outcome::RateLimited { retry_after, .. } if retry_after == crate::MAX_RETRY_AFTER));
+            Outcome::RateLimited { retry_after, .. } if retry_after == crate::limits::MAX_RETRY_AFTER));
     }
 }
