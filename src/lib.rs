@@ -198,8 +198,8 @@ pub mod limits {
     pub use crate::claim::MAX_CLAIM_BATCH;
     pub use crate::classify::MAX_RETRY_AFTER;
     pub use crate::enqueue::{
-        MAX_CHANNEL_BYTES, MAX_CHAT_ID_BYTES, MAX_CHUNKS, MAX_DELIVERY_BYTES, MAX_KEY_BYTES,
-        MAX_METADATA_BYTES,
+        MAX_CHANNEL_BYTES, MAX_CHAT_ID_BYTES, MAX_CHUNKS, MAX_DELIVERY_BYTES, MAX_ENQUEUE_BATCH,
+        MAX_KEY_BYTES, MAX_METADATA_BYTES,
     };
     pub use crate::inspect::MAX_LIST_LIMIT;
     pub use crate::outcome::{MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES, MAX_REFUNDED_RATE_LIMITS};

@@ -343,3 +343,85 @@ fn a_caller_key_with_other_metadata_is_a_conflict() -> Result<()> {
     ));
     Ok(())
 }
+
+#[test]
+fn a_batch_is_stored_as_its_enqueues_would_be_in_one_transaction() -> Result<()> {
+    let db = TestDb::default();
+    let batch = [
+        NewDelivery::chunked("telegram", "1", "a b", ["a", "b"]),
+        NewDelivery::single("telegram", "1", "second reply to chat 1"),
+        NewDelivery::single("discord", "2", "chat 2"),
+    ];
+    let stored = db.outbox.enqueue_batch(&batch)?;
+    assert_eq!(stored.len(), 3);
+    assert!(stored.iter().all(|e| e.created));
+    let views: Vec<_> = stored.iter().map(|e| view(&db.outbox, e.id)).collect();
+    assert_eq!(
+        views[1].text, "second reply to chat 1",
+        "results in the order given"
+    );
+    // Lanes as for three enqueues: chat 1's second reply waits behind its first.
+    let t = db.outbox.health()?.totals;
+    assert_eq!(
+        (t.total_deliveries, t.pending_chunks, t.due_chunks),
+        (3, 4, 2)
+    );
+    let order: Vec<String> = std::iter::from_fn(|| {
+        let claim = db.outbox.claim_channels(&["telegram"], 1).unwrap().pop()?;
+        db.outbox.ack(&claim, None).unwrap();
+        Some(claim.text)
+    })
+    .collect();
+    assert_eq!(order, ["a", "b", "second reply to chat 1"]);
+    assert!(db.outbox.enqueue_batch(&[])?.is_empty());
+    Ok(())
+}
+
+#[test]
+fn a_batch_with_one_refused_delivery_writes_nothing() -> Result<()> {
+    let db = TestDb::default();
+    db.outbox
+        .enqueue(&NewDelivery::single("telegram", "1", "original").with_idempotency_key("k"))?;
+    let before = row_counts(&db.raw());
+    let conflicting = [
+        NewDelivery::single("telegram", "2", "fine"),
+        NewDelivery::single("telegram", "1", "other text").with_idempotency_key("k"),
+    ];
+    assert!(matches!(
+        db.outbox.enqueue_batch(&conflicting),
+        Err(Error::IdempotencyConflict { .. })
+    ));
+    let invalid = [
+        NewDelivery::single("telegram", "2", "fine"),
+        NewDelivery::single("", "3", "no channel"),
+    ];
+    assert!(matches!(
+        db.outbox.enqueue_batch(&invalid),
+        Err(Error::InvalidInput {
+            what: "channel",
+            ..
+        })
+    ));
+    let max = chunked_outbox::limits::MAX_ENQUEUE_BATCH;
+    let too_many = vec![NewDelivery::single("telegram", "2", "fine"); max + 1];
+    assert!(matches!(
+        db.outbox.enqueue_batch(&too_many),
+        Err(Error::InvalidInput {
+            what: "deliveries",
+            ..
+        })
+    ));
+    assert_eq!(row_counts(&db.raw()), before);
+    Ok(())
+}
+
+#[test]
+fn a_key_repeated_within_a_batch_names_its_first_delivery() -> Result<()> {
+    let db = TestDb::default();
+    let d = NewDelivery::single("telegram", "1", "once").with_idempotency_key("u-1");
+    let stored = db.outbox.enqueue_batch([&d, &d])?;
+    assert_eq!(stored[0].id, stored[1].id);
+    assert_eq!((stored[0].created, stored[1].created), (true, false));
+    assert_eq!(db.outbox.health()?.totals.total_deliveries, 1);
+    Ok(())
+}
