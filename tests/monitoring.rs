@@ -158,3 +158,27 @@ fn the_endpoint_mounted_in_axum_answers_a_real_client() -> Result<()> {
     assert_eq!(get("/nothing-here").0, 404);
     Ok(())
 }
+
+#[test]
+fn a_row_set_aside_as_corrupt_fails_whatever_the_dead_letter_threshold() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bot.db");
+    let outbox = Outbox::open(&path, OutboxOptions::default())?;
+    let id = outbox
+        .enqueue(&NewDelivery::single("telegram", "42", "hello"))?
+        .id;
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute(
+            "UPDATE outbound_deliveries SET uid = 'not-a-uuid' WHERE uid = ?1",
+            [id.to_string()],
+        )
+        .unwrap();
+    assert!(outbox.claim(1)?.is_empty(), "the claim sets it aside");
+    let one_dead_letter = Thresholds::default().with_fail_dead_letters(1);
+    assert_eq!(
+        level(&outbox, &one_dead_letter),
+        (Level::Fail, vec!["1 corrupt rows set aside".into()])
+    );
+    Ok(())
+}
