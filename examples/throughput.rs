@@ -422,6 +422,59 @@ fn crate_dispatch_with(backlog: u64, sync: Synchronous, batch: usize) -> f64 {
     drain_with(&outbox, backlog, batch)
 }
 
+/// The peer harness's message shape (`../shared/peers`): a 100-byte text to chat
+/// `i % 1000`, one chunk.
+fn peer_reply(i: u64) -> NewDelivery {
+    let text: String = format!("{i:>10}")
+        .chars()
+        .chain("x".repeat(90).chars())
+        .collect();
+    NewDelivery::single("bench", format!("chat-{}", i % 1000), text)
+}
+
+/// (h) The peer harness's `insert_1_per_txn` and `insert_batch100_per_txn` through the
+/// crate's API: `enqueue` each, and `enqueue_batch` of 100.
+fn peer_inserts(n: u64) -> (f64, f64) {
+    let (_dir, path) = temp_db("outbox.db");
+    let outbox = Outbox::open(&path, options(Synchronous::Normal)).unwrap();
+    let start = Instant::now();
+    for i in 0..n {
+        outbox.enqueue(&peer_reply(i)).unwrap();
+    }
+    let one = per_s(n, start.elapsed());
+    let (_dir, path) = temp_db("outbox.db");
+    let outbox = Outbox::open(&path, options(Synchronous::Normal)).unwrap();
+    let start = Instant::now();
+    for from in (0..n).step_by(100) {
+        let batch: Vec<NewDelivery> = (from..(from + 100).min(n)).map(peer_reply).collect();
+        outbox.enqueue_batch(&batch).unwrap();
+    }
+    (one, per_s(n, start.elapsed()))
+}
+
+/// (h) The peer harness's `claim_ack_batch64` through the crate's API: a prefilled
+/// backlog, `claim(64)` then `record_batch` of 64 acks, until drained.
+fn peer_claim_ack_batch64(n: u64) -> f64 {
+    let (_dir, path) = temp_db("outbox.db");
+    let outbox = Outbox::open(&path, options(Synchronous::Normal)).unwrap();
+    for from in (0..n).step_by(1000) {
+        let batch: Vec<NewDelivery> = (from..(from + 1000).min(n)).map(peer_reply).collect();
+        outbox.enqueue_batch(&batch).unwrap();
+    }
+    let _ = outbox.checkpoint();
+    let start = Instant::now();
+    let mut done = 0;
+    while done < n {
+        let claims = outbox.claim(64).unwrap();
+        assert!(!claims.is_empty());
+        let results = outbox
+            .record_batch(claims.iter().map(|c| (c, Outcome::delivered(None))))
+            .unwrap();
+        done += results.len() as u64;
+    }
+    per_s(n, start.elapsed())
+}
+
 /// (g) A claim filtered by channel, and `next_due`, beside `backlog` chunks of another
 /// channel that are all due: the µs each takes with that backlog and without it. The
 /// claim index is searched per channel, so the other backlog should cost nothing.
@@ -599,6 +652,22 @@ fn main() {
             return println!(
                 "filtered claim {quiet:.1} µs alone, {busy:.1} µs beside 100k; next_due {quiet_next:.1} / {busy_next:.1} µs"
             );
+        }
+        Some("peers") => {
+            let (one, batch) = peer_inserts(s.enqueues * 4);
+            let claim_ack = peer_claim_ack_batch64(s.enqueues * 4);
+            return println!(
+                "insert_1 {one:.0} /s, insert_batch100 {batch:.0} /s, claim_ack_batch64 {claim_ack:.0} /s"
+            );
+        }
+        Some("claim_ack64") => {
+            return println!(
+                "claim_ack_batch64 {:.0} /s",
+                peer_claim_ack_batch64(s.enqueues * 10)
+            );
+        }
+        Some("insert1") => {
+            return println!("insert_1 {:.0} /s", peer_inserts(s.enqueues * 10).0);
         }
         Some("dispatch1") => {
             return println!(

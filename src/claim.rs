@@ -363,20 +363,34 @@ fn check_limit(limit: usize) -> Result<()> {
 struct ChannelRow {
     id: i64,
     name: String,
-    /// The channel's interval between sends, ms (0: no rate limit), and the earliest
-    /// start of its next send.
-    interval: i64,
-    next_send_at: Option<i64>,
+    /// The channel's interval between sends, µs (0: no rate limit), and the start of
+    /// its next send on the channel's schedule, µs.
+    interval_us: i64,
+    next_send_at_us: Option<i64>,
 }
 
 impl ChannelRow {
-    /// The earliest time the channel's rate lets a send start.
+    /// The earliest time, ms (rounded up), the channel's rate lets a send start.
     fn rate_slot(&self) -> i64 {
-        if self.interval > 0 {
-            self.next_send_at.unwrap_or(i64::MIN)
-        } else {
-            i64::MIN
+        match self.next_send_at_us {
+            Some(at) if self.interval_us > 0 => at.saturating_add(999).div_euclid(1000),
+            _ => i64::MIN,
         }
+    }
+
+    /// The slot after one taken at `now` (ms): one interval after the slot the send
+    /// was scheduled for if it started at most a millisecond after that, else one
+    /// interval after `now`. The clock reads whole milliseconds, so without keeping the
+    /// schedule a rate of 195/s (5,129 µs) would run at one send per 6 ms; and a send
+    /// that comes later than that starts a new schedule, so lateness never turns into
+    /// a burst.
+    fn slot_after(&self, now: i64) -> i64 {
+        let now_us = now.saturating_mul(1000);
+        let scheduled = match self.next_send_at_us {
+            Some(at) if at >= now_us.saturating_sub(1000) => at,
+            _ => now_us,
+        };
+        scheduled.saturating_add(self.interval_us)
     }
 }
 
@@ -385,8 +399,8 @@ impl ChannelRow {
 /// chunks and are left out.
 fn channel_rows(tx: &Connection, channels: Option<&[&str]>) -> Result<Vec<ChannelRow>> {
     let mut stmt = tx.prepare_cached(
-        "SELECT ch.id, ch.name, coalesce(ch.channel_interval_ms, p.channel_interval_ms, 0),
-                ch.next_send_at
+        "SELECT ch.id, ch.name, coalesce(ch.channel_interval_us, p.channel_interval_us, 0),
+                ch.next_send_at_us
          FROM outbound_channels ch, outbound_policy p
          WHERE p.id = 1 AND (?1 IS NULL OR ch.name = ?1)",
     )?;
@@ -395,8 +409,8 @@ fn channel_rows(tx: &Connection, channels: Option<&[&str]>) -> Result<Vec<Channe
             Ok(ChannelRow {
                 id: r.get(0)?,
                 name: r.get(1)?,
-                interval: r.get(2)?,
-                next_send_at: r.get(3)?,
+                interval_us: r.get(2)?,
+                next_send_at_us: r.get(3)?,
             })
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
@@ -435,8 +449,8 @@ fn claim_in(
         if channel.rate_slot() > now {
             continue;
         }
-        let take = if channel.interval > 0 {
-            paced.push((channel.id, channel.interval));
+        let take = if channel.interval_us > 0 {
+            paced.push((channel.id, channel.slot_after(now)));
             1
         } else {
             limit
@@ -500,8 +514,8 @@ fn claim_in(
         )?
         .execute(params![c.chunk.id, lease_until, token])?;
         lane::note_send(tx, rules, &c.chunk.channel, &c.chunk.chat_id, now)?;
-        if let Some((id, interval)) = paced.iter().find(|(id, _)| *id == candidate.channel_id) {
-            slots_taken.push((*id, now.saturating_add(*interval)));
+        if let Some(slot) = paced.iter().find(|(id, _)| *id == candidate.channel_id) {
+            slots_taken.push(*slot);
         }
         claims.push(Claim {
             chunk_id: ChunkId(c.chunk.id),
@@ -519,7 +533,7 @@ fn claim_in(
         });
     }
     for (channel, next) in slots_taken {
-        tx.prepare_cached("UPDATE outbound_channels SET next_send_at = ?2 WHERE id = ?1")?
+        tx.prepare_cached("UPDATE outbound_channels SET next_send_at_us = ?2 WHERE id = ?1")?
             .execute(params![channel, next])?;
     }
     Ok(claims)

@@ -30,10 +30,14 @@ pub(crate) enum LaneHead {
     Idle,
 }
 
-/// Is a delivery of the lane active? A seek on the index of unfinished deliveries.
-pub(crate) const ACTIVE_SQL: &str = "SELECT 1 FROM outbound_deliveries
-     WHERE channel = ?1 AND chat_id = ?2 AND status IN ('pending', 'partial')
-       AND status <> 'delivered' LIMIT 1";
+/// Is a delivery of the lane active? Two seeks on the index of unfinished deliveries
+/// (`status IN (...)` would build a temporary b-tree of the list on every call).
+pub(crate) const ACTIVE_SQL: &str = "SELECT 1 WHERE EXISTS (
+         SELECT 1 FROM outbound_deliveries
+         WHERE channel = ?1 AND chat_id = ?2 AND status = 'pending' AND status <> 'delivered')
+     OR EXISTS (
+         SELECT 1 FROM outbound_deliveries
+         WHERE channel = ?1 AND chat_id = ?2 AND status = 'partial' AND status <> 'delivered')";
 
 /// The oldest queued delivery of the lane: a seek, whatever the length of the queue.
 pub(crate) const QUEUED_SQL: &str = "SELECT id FROM outbound_deliveries

@@ -334,13 +334,18 @@ impl ChunkRef {
 }
 
 /// The claimed chunk, if the claim still owns it: it carries the claim's token, either
+/// The chunk a claim holds (`?1` its id, `?2` its token). Comparisons joined by OR, as
+/// `status IN (...)` would build a temporary b-tree of the list on every ack.
+pub(crate) const CLAIMED_SQL: &str = chunk_ref_where!(
+    "c.id = ?1 AND c.claim_token = ?2
+     AND (c.status = 'sending' OR c.status = 'uncertain' OR c.status = 'retry')"
+);
+
 /// `sending` or — after its lease ran out and nobody else took it — `uncertain` or
 /// `retry`. Every other transition clears the token.
 fn claimed(tx: &Connection, claim: &Claim) -> Result<ChunkRef> {
     let chunk = tx
-        .prepare_cached(chunk_ref_where!(
-            "c.id = ?1 AND c.claim_token = ?2 AND c.status IN ('sending', 'uncertain', 'retry')"
-        ))?
+        .prepare_cached(CLAIMED_SQL)?
         .query_row(params![claim.chunk_id.0, claim.token], ChunkRef::from_row)
         .optional()?;
     chunk.ok_or(Error::StaleClaim {

@@ -40,6 +40,9 @@ pub struct ChannelPolicy {
     pub lane_interval: Duration,
     /// Minimum time between the starts of two sends on the whole channel, across every
     /// process on the file (1/30 s for Telegram's 30 messages/s per bot). Default zero.
+    /// Stored in whole microseconds. The channel keeps a schedule: a send that starts
+    /// up to a millisecond late (the clock's resolution) does not push the next one
+    /// back, so a rate such as 195/s is kept although the clock reads milliseconds.
     pub channel_interval: Duration,
     /// The channel's own retry policy; `None` follows the file's.
     pub retry: Option<RetryPolicy>,
@@ -75,8 +78,8 @@ impl ChannelPolicy {
 
     /// Sets the channel-wide rate as sends per second (the inverse of
     /// [`with_channel_interval`](Self::with_channel_interval)); 0 or less means no limit.
-    /// Intervals are stored in whole milliseconds, rounded up, so the stored rate never
-    /// exceeds the one asked for (30/s is kept as 34 ms, 29.4/s).
+    /// The interval is stored in whole microseconds, rounded up, so the stored rate never
+    /// exceeds the one asked for (30/s is kept as 33,334 µs, 29.9999/s).
     pub fn with_rate_per_second(self, rate: f64) -> Self {
         let interval = if rate > 0.0 {
             Duration::try_from_secs_f64(1.0 / rate).unwrap_or(Duration::ZERO)
@@ -92,13 +95,13 @@ impl ChannelPolicy {
         self
     }
 
-    /// The policy as the file stores it: intervals in whole milliseconds, rounded up (a
-    /// send is never allowed sooner than asked).
+    /// The policy as the file stores it: the lane interval in whole milliseconds and the
+    /// channel's in whole microseconds, rounded up (a send is never allowed sooner than
+    /// asked).
     pub(crate) fn stored_form(&self) -> Self {
-        let up = |d: Duration| Duration::from_millis(ceil_ms(d));
         ChannelPolicy {
-            lane_interval: up(self.lane_interval),
-            channel_interval: up(self.channel_interval),
+            lane_interval: Duration::from_millis(ceil_ms(self.lane_interval)),
+            channel_interval: us(stored_us(self.channel_interval)),
             retry: self.retry.as_ref().map(RetryPolicy::stored_form),
             ..self.clone()
         }
@@ -202,10 +205,10 @@ pub(crate) fn load(conn: &Connection) -> Result<Stored> {
         Option<i64>,
         Option<String>,
     );
-    let (version, lane_order, lane_failure, retry, replay, lane_ms, channel_ms, finalize_sql): Row =
+    let (version, lane_order, lane_failure, retry, replay, lane_ms, channel_us, finalize_sql): Row =
         conn.query_row(
             "SELECT version, lane_order, lane_failure, retry, replay, lane_interval_ms,
-                    channel_interval_ms, finalize_sql
+                    channel_interval_us, finalize_sql
              FROM outbound_policy WHERE id = 1",
             [],
             |r| {
@@ -232,7 +235,7 @@ pub(crate) fn load(conn: &Connection) -> Result<Stored> {
         Some(replay) => ChannelPolicy {
             replay: parse_replay(&replay)?,
             lane_interval: ms(lane_ms.unwrap_or(0)),
-            channel_interval: ms(channel_ms.unwrap_or(0)),
+            channel_interval: us(channel_us.unwrap_or(0)),
             retry: None,
         },
         None => defaults.default_channel,
@@ -252,7 +255,7 @@ pub(crate) fn load(conn: &Connection) -> Result<Stored> {
     };
     let mut channel_ids = HashMap::new();
     let mut stmt = conn.prepare(
-        "SELECT id, name, replay, lane_interval_ms, channel_interval_ms, retry
+        "SELECT id, name, replay, lane_interval_ms, channel_interval_us, retry
          FROM outbound_channels",
     )?;
     let mut rows = stmt.query([])?;
@@ -266,7 +269,7 @@ pub(crate) fn load(conn: &Connection) -> Result<Stored> {
                 ChannelPolicy {
                     replay: parse_replay(&replay)?,
                     lane_interval: ms(r.get::<_, Option<i64>>(3)?.unwrap_or(0)),
-                    channel_interval: ms(r.get::<_, Option<i64>>(4)?.unwrap_or(0)),
+                    channel_interval: us(r.get::<_, Option<i64>>(4)?.unwrap_or(0)),
                     retry: retry.as_deref().map(retry_from_json).transpose()?,
                 },
             );
@@ -295,7 +298,7 @@ pub(crate) fn store_file_rules(conn: &Connection, policy: &Policy, which: FileRu
              retry = CASE WHEN ?5 THEN ?6 ELSE retry END,
              replay = CASE WHEN ?7 THEN ?8 ELSE replay END,
              lane_interval_ms = CASE WHEN ?7 THEN ?9 ELSE lane_interval_ms END,
-             channel_interval_ms = CASE WHEN ?7 THEN ?10 ELSE channel_interval_ms END
+             channel_interval_us = CASE WHEN ?7 THEN ?10 ELSE channel_interval_us END
          WHERE id = 1",
         params![
             which.lane_order,
@@ -307,7 +310,7 @@ pub(crate) fn store_file_rules(conn: &Connection, policy: &Policy, which: FileRu
             which.default_channel,
             replay_str(d.replay),
             stored_ms(d.lane_interval),
-            stored_ms(d.channel_interval),
+            stored_us(d.channel_interval),
         ],
     )?;
     Ok(())
@@ -324,16 +327,16 @@ pub(crate) fn store_channel(
         rules.validate()?;
     }
     conn.execute(
-        "INSERT INTO outbound_channels (name, replay, lane_interval_ms, channel_interval_ms, retry)
+        "INSERT INTO outbound_channels (name, replay, lane_interval_ms, channel_interval_us, retry)
          VALUES (?1, ?2, ?3, ?4, ?5)
          ON CONFLICT (name) DO UPDATE SET replay = excluded.replay,
              lane_interval_ms = excluded.lane_interval_ms,
-             channel_interval_ms = excluded.channel_interval_ms, retry = excluded.retry",
+             channel_interval_us = excluded.channel_interval_us, retry = excluded.retry",
         params![
             channel,
             rules.map(|r| replay_str(r.replay)),
             rules.map(|r| stored_ms(r.lane_interval)),
-            rules.map(|r| stored_ms(r.channel_interval)),
+            rules.map(|r| stored_us(r.channel_interval)),
             rules.and_then(|r| r.retry.as_ref()).map(retry_to_json),
         ],
     )?;
@@ -374,6 +377,15 @@ fn ceil_ms(d: Duration) -> u64 {
 /// An interval as a stored column: whole milliseconds, rounded up.
 fn stored_ms(d: Duration) -> i64 {
     i64::try_from(ceil_ms(d)).unwrap_or(i64::MAX)
+}
+
+/// A channel interval as a stored column: whole microseconds, rounded up.
+fn stored_us(d: Duration) -> i64 {
+    i64::try_from(d.as_nanos().div_ceil(1_000)).unwrap_or(i64::MAX)
+}
+
+fn us(us: i64) -> Duration {
+    Duration::from_micros(us.max(0) as u64)
 }
 
 fn ms(ms: i64) -> Duration {

@@ -13,6 +13,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../migrations/0002_stored_policy.sql"),
     include_str!("../migrations/0003_history_table_name.sql"),
     include_str!("../migrations/0004_cancel_and_rate_limit_budget.sql"),
+    include_str!("../migrations/0005_status_checks_and_microsecond_rates.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:
@@ -477,7 +478,7 @@ mod tests {
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 4);
+        assert_eq!(SCHEMA_VERSION, 5);
     }
 
     fn schema_of(conn: &Connection) -> Vec<String> {
@@ -552,6 +553,71 @@ mod tests {
 
     /// Version 4 rebuilds the deliveries table to admit `cancelled`: every column of
     /// every row, and both indexes, come through; the CHECK still refuses unknown words.
+    #[test]
+    fn version_five_keeps_every_row_and_index_and_converts_rates_to_microseconds() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrations().to_version(&mut conn, 4).unwrap();
+        conn.execute_batch(
+            "INSERT INTO outbound_deliveries VALUES
+               (7, 'u7', 'slack', 'C1', 'bot', 'key-1', 'partial', 2, 1, 10, 11, NULL, NULL,
+                'a b', NULL, '{}', 5000);
+             INSERT INTO outbound_delivery_chunks VALUES
+               (7 * 16384, 7, 0, 'delivered', 1, NULL, NULL, NULL, 'p1', 12, 'a', 1, 0),
+               (7 * 16384 + 1, 7, 1, 'retry', 2, 99, 5, 'boom', NULL, NULL, 'b', 1, 3);
+             INSERT INTO outbound_channels (id, name, replay, channel_interval_ms, next_send_at)
+               VALUES (1, 'slack', 'hold', 34, 1000);
+             UPDATE outbound_policy SET channel_interval_ms = 5 WHERE id = 1;",
+        )
+        .unwrap();
+        let dump = |conn: &Connection, sql: &str| -> Vec<String> {
+            let mut stmt = conn.prepare(sql).unwrap();
+            stmt.query_map([], |r| r.get(0))
+                .unwrap()
+                .collect::<rusqlite::Result<_>>()
+                .unwrap()
+        };
+        let deliveries = "SELECT json_array(id, uid, channel, chat_id, sender, idempotency_key,
+            status, chunk_count, delivered_count, created_at, updated_at, finished_at,
+            acknowledged_at, text, corrupt, metadata, not_before) FROM outbound_deliveries";
+        let chunks = "SELECT json_array(id, delivery_id, chunk_index, status, attempts, due_at,
+            claim_token, last_error, platform_message_id, delivered_at, text, channel_id,
+            rate_limits) FROM outbound_delivery_chunks ORDER BY id";
+        let indexes = "SELECT name FROM sqlite_master WHERE type = 'index'
+            AND name NOT LIKE 'sqlite_autoindex%' ORDER BY name";
+        let before = (
+            dump(&conn, deliveries),
+            dump(&conn, chunks),
+            dump(&conn, indexes),
+        );
+        migrate(&mut conn).unwrap();
+        let after = (
+            dump(&conn, deliveries),
+            dump(&conn, chunks),
+            dump(&conn, indexes),
+        );
+        assert_eq!(after, before);
+        assert_eq!(
+            dump(
+                &conn,
+                "SELECT json_array(channel_interval_us, next_send_at_us) FROM outbound_channels"
+            ),
+            ["[34000,1000000]"]
+        );
+        let policy: i64 = conn
+            .query_row("SELECT channel_interval_us FROM outbound_policy", [], |r| {
+                r.get(0)
+            })
+            .unwrap();
+        assert_eq!(policy, 5000);
+        // The checks still refuse a status no code writes.
+        for sql in [
+            "UPDATE outbound_deliveries SET status = 'withdrawn'",
+            "UPDATE outbound_delivery_chunks SET status = 'queued'",
+        ] {
+            assert!(conn.execute(sql, []).is_err(), "{sql}");
+        }
+    }
+
     #[test]
     fn the_rebuild_for_cancel_keeps_every_row_and_index() {
         let mut conn = Connection::open_in_memory().unwrap();
@@ -818,6 +884,41 @@ mod plan_tests {
                 "{plan}"
             );
             assert_no_full_scan(&plan, "outbound_deliveries");
+        }
+    }
+
+    /// The statements of every claim, ack and enqueue run without a temporary b-tree:
+    /// `x IN (list)` in a CHECK or a lookup builds one per execution (and a page cache
+    /// under a global mutex), which was a tenth of a batched claim and ack.
+    #[test]
+    fn hot_statements_open_no_temporary_b_tree() {
+        let ob = populated();
+        let conn = ob.writer();
+        for sql in [
+            crate::lane::ACTIVE_SQL,
+            crate::lane::QUEUED_SQL,
+            crate::outcome::CLAIMED_SQL,
+            "UPDATE outbound_delivery_chunks SET status = 'sending', attempts = attempts + 1
+             WHERE id = ?1",
+            "UPDATE outbound_delivery_chunks SET status = 'delivered' WHERE id = ?1",
+            "UPDATE outbound_deliveries SET status = 'delivered' WHERE id = ?1",
+            "INSERT INTO outbound_deliveries (id, uid, channel, chat_id, status, chunk_count,
+                 created_at, updated_at, text) VALUES (?1, 'u', 'c', 'x', 'pending', 1, 0, 0, 't')",
+            "INSERT INTO outbound_delivery_chunks (id, delivery_id, chunk_index, status)
+             VALUES (?1 * 16384, ?1, 0, 'pending')",
+        ] {
+            let params = if sql.contains("?2") { 2 } else { 1 };
+            let mut stmt = conn.prepare(&format!("EXPLAIN {sql}")).unwrap();
+            let values: Vec<rusqlite::types::Value> = (0..params).map(|_| 0_i64.into()).collect();
+            let opcodes: Vec<String> = stmt
+                .query_map(rusqlite::params_from_iter(values), |r| r.get(1))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            assert!(
+                !opcodes.iter().any(|op| op == "OpenEphemeral"),
+                "a temporary b-tree in {sql}"
+            );
         }
     }
 }

@@ -703,8 +703,8 @@ fn config_show_lists_every_stored_rule_and_config_set_changes_them() {
     assert_eq!(policy.lane_order, chunked_outbox::LaneOrder::Parallel);
     let telegram = policy.channel("telegram");
     assert_eq!(telegram.lane_interval, Duration::from_secs(1));
-    // 30/s is stored as 34 ms between sends: rounded so as never to exceed the rate.
-    assert_eq!(telegram.channel_interval, Duration::from_millis(34));
+    // 30/s is stored as 33,334 µs between sends: rounded so as never to exceed it.
+    assert_eq!(telegram.channel_interval, Duration::from_micros(33_334));
     assert_eq!(
         policy.channel("discord").replay,
         chunked_outbox::ReplayPolicy::Replay

@@ -150,6 +150,52 @@ fn the_channel_rate_holds_across_processes() -> Result<()> {
     Ok(())
 }
 
+/// A channel keeps a schedule: a send that starts up to the clock's millisecond late
+/// does not push the next one back (a worker waking a little late costs no rate), one
+/// later than that starts a new schedule (lateness never becomes a burst), and
+/// sub-millisecond rates are kept as asked.
+#[test]
+fn the_channel_rate_keeps_its_schedule_when_a_send_starts_late() -> Result<()> {
+    let rules = ChannelPolicy::default().with_channel_interval(Duration::from_millis(10));
+    let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
+    for n in 0..20 {
+        enqueue(&db.outbox, &format!("c{n}"), &["x"]);
+    }
+    let start = db.now_ms();
+    let mut sends = Vec::new();
+    // A worker that always comes `late` ms after the time it was told.
+    let mut run = |late: u64, until: i64| -> Result<()> {
+        while db.now_ms() - start <= until {
+            if db.outbox.claim(10)?.len() == 1 {
+                sends.push(db.now_ms() - start);
+            }
+            let next = db.outbox.next_due(None)?.unwrap().timestamp_millis();
+            db.advance(Duration::from_millis(
+                (next - db.now_ms()).max(0) as u64 + late,
+            ));
+        }
+        Ok(())
+    };
+    run(1, 50)?;
+    run(3, 100)?;
+    assert_eq!(sends, [0, 11, 21, 31, 41, 51, 63, 76, 89]);
+    Ok(())
+}
+
+/// The stored channel interval keeps microseconds.
+#[test]
+fn a_channel_rate_is_stored_to_the_microsecond() -> Result<()> {
+    let db = TestDb::default();
+    // 195 sends a second is 5,129 µs between them, not 6 ms (167/s).
+    db.outbox.set_channel_policy(
+        "telegram",
+        Some(ChannelPolicy::default().with_rate_per_second(195.0)),
+    )?;
+    let stored = db.outbox.policy()?.channel("telegram").channel_interval;
+    assert_eq!(stored, Duration::from_micros(5_129));
+    Ok(())
+}
+
 /// Found: a lane interval given at open was replaced by the adapter's declaration. The
 /// stored interval is now the only one, and a dispatcher keeps it.
 #[test]

@@ -358,7 +358,7 @@ fn channel_json(c: &ChannelPolicy) -> Value {
     json!({
         "replay": replay_word(c.replay),
         "lane_interval_ms": ms(c.lane_interval),
-        "channel_interval_ms": ms(c.channel_interval),
+        "channel_interval_us": c.channel_interval.as_micros() as u64,
         "rate_per_second": (!c.channel_interval.is_zero()).then(|| 1.0 / c.channel_interval.as_secs_f64()),
         "retry": c.retry.as_ref().map(retry_json),
     })
