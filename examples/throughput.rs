@@ -4,7 +4,7 @@
 //! stated). Ratios against the floors and the models are what to compare across
 //! machines; absolute figures drift with the machine's load.
 //!
-//! Run: `cargo run --release --example throughput -- [--quick]`
+//! Run: `cargo run --release --features tokio --example throughput -- [--quick]`
 //!
 //! The last line is one JSON object.
 
@@ -13,7 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use chunked_outbox::{
-    ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome, Synchronous,
+    AsyncChannelAdapter, AsyncDispatcher, ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox,
+    OutboxOptions, Outcome, SendFuture, Synchronous,
 };
 use rusqlite::{Connection, TransactionBehavior, params};
 
@@ -475,6 +476,292 @@ fn peer_claim_ack_batch64(n: u64) -> f64 {
     per_s(n, start.elapsed())
 }
 
+/// (b2) What marking sends as started costs the dispatcher: the same drain as (b) —
+/// claim 64, send, record — by a plain loop on the crate's API that calls the adapter
+/// for each claim in turn, as a dispatcher that did not keep "a claim is a send in
+/// flight" would (no concurrent sends, no lease check, no keeper, outcomes in their own
+/// transaction). Chunks per second.
+fn unmarked_dispatch(backlog: u64) -> f64 {
+    let (_dir, path) = temp_db("outbox.db");
+    let outbox = Outbox::open(&path, options(Synchronous::Normal)).unwrap();
+    bulk_enqueue(&path, &outbox, 0, backlog);
+    let _ = outbox.checkpoint();
+    let adapter = Counter::default();
+    let start = Instant::now();
+    let mut done = 0;
+    while done < backlog {
+        let claims = outbox.claim(BATCH).unwrap();
+        let outcomes: Vec<_> = claims.iter().map(|c| (c, adapter.send(c))).collect();
+        done += outbox.record_batch(outcomes).unwrap().len() as u64;
+    }
+    per_s(backlog, start.elapsed())
+}
+
+/// A send's simulated network round trip in (i).
+const ROUND_TRIP: Duration = Duration::from_millis(50);
+
+/// A platform that takes [`ROUND_TRIP`] to answer each send (blocking).
+#[derive(Clone, Default)]
+struct Distant;
+
+impl ChannelAdapter for Distant {
+    fn send(&self, _claim: &Claim) -> Outcome {
+        std::thread::sleep(ROUND_TRIP);
+        Outcome::delivered(None)
+    }
+}
+
+/// The same platform for the async dispatcher.
+struct DistantAsync;
+
+impl AsyncChannelAdapter for DistantAsync {
+    fn send<'a>(&'a self, _claim: &'a Claim) -> SendFuture<'a, Outcome> {
+        Box::pin(async {
+            tokio::time::sleep(ROUND_TRIP).await;
+            Outcome::delivered(None)
+        })
+    }
+}
+
+/// (i) Sends that each take [`ROUND_TRIP`], to 1,000 chats, `concurrency` in flight
+/// (workers × batch): achieved sends/s ÷ (concurrency ÷ round trip). Enough work for
+/// `seconds` at the ideal rate.
+fn latency_bound(concurrency: usize, asynchronous: bool, seconds: f64) -> f64 {
+    let ideal = concurrency as f64 / ROUND_TRIP.as_secs_f64();
+    let n = (ideal * seconds) as u64;
+    let (_dir, path) = temp_db("outbox.db");
+    let outbox = Outbox::open(&path, options(Synchronous::Normal)).unwrap();
+    for from in (0..n).step_by(1000) {
+        let batch: Vec<NewDelivery> = (from..(from + 1000).min(n)).map(peer_reply).collect();
+        outbox.enqueue_batch(&batch).unwrap();
+    }
+    let _ = outbox.checkpoint();
+    // Rounds of at most 32 sends: a worker's round waits for its own record-and-claim
+    // transaction, so smaller ones queue less behind each other.
+    let workers = concurrency.div_ceil(32);
+    let batch = concurrency / workers;
+    let wait_for = |stats: &dyn Fn() -> u64| {
+        while stats() < n {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    let elapsed = if asynchronous {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let _guard = runtime.enter();
+        let running = AsyncDispatcher::builder(outbox.clone())
+            .adapter("bench", DistantAsync)
+            .workers(workers)
+            .batch_size(batch)
+            .build()
+            .unwrap()
+            .start()
+            .unwrap();
+        let start = Instant::now();
+        wait_for(&|| running.stats().finalized);
+        let elapsed = start.elapsed();
+        runtime.block_on(running.shutdown(Duration::from_secs(10)));
+        elapsed
+    } else {
+        let running = Dispatcher::builder(outbox.clone())
+            .adapter("bench", Distant)
+            .workers(workers)
+            .batch_size(batch)
+            .build()
+            .unwrap()
+            .start()
+            .unwrap();
+        let start = Instant::now();
+        wait_for(&|| running.stats().finalized);
+        let elapsed = start.elapsed();
+        running.shutdown(Duration::from_secs(10));
+        elapsed
+    };
+    per_s(n, elapsed) / ideal
+}
+
+/// (j) The platform's limits, as [Telegram's](https://core.telegram.org/bots/faq#my-bot-is-hitting-limits-how-do-i-avoid-this)
+/// are shaped, with the channel-wide one scaled up: at most `RATE` messages a second
+/// per bot and one a second per chat, each enforced as a generic cell rate algorithm
+/// (GCRA) on arrival times with a tolerance of [`TOLERANCE`] for network jitter. A
+/// message beyond either is refused with 429 and not counted.
+const PLATFORM_RATE: f64 = 200.0;
+const CHAT_INTERVAL: Duration = Duration::from_secs(1);
+const TOLERANCE: Duration = Duration::from_millis(50);
+
+/// One GCRA: the theoretical arrival time of the next conforming message.
+#[derive(Default)]
+struct Gcra(Option<Instant>);
+
+impl Gcra {
+    fn conforms(&self, at: Instant) -> bool {
+        self.0.is_none_or(|tat| at + TOLERANCE >= tat)
+    }
+
+    fn count(&mut self, at: Instant, interval: Duration) {
+        let tat = self.0.map_or(at, |tat| tat.max(at));
+        self.0 = Some(tat + interval);
+    }
+}
+
+/// The simulated platform's books: the bot's limiter, one per chat, what it accepted
+/// (arrival times) and how many it refused.
+#[derive(Default)]
+struct Books {
+    bot: Gcra,
+    chats: std::collections::HashMap<String, Gcra>,
+    accepted: Vec<Instant>,
+    refused: u64,
+}
+
+/// Serves the platform on 127.0.0.1 for the rest of the process's life; each answer
+/// takes [`ROUND_TRIP`], judged at arrival. Returns its address and the books.
+fn serve_platform() -> (String, Arc<std::sync::Mutex<Books>>) {
+    let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").unwrap());
+    let addr = server.server_addr().to_ip().unwrap().to_string();
+    let books = Arc::new(std::sync::Mutex::new(Books::default()));
+    let interval = Duration::from_secs_f64(1.0 / PLATFORM_RATE);
+    for _ in 0..48 {
+        let (server, books) = (server.clone(), books.clone());
+        std::thread::spawn(move || {
+            while let Ok(mut request) = server.recv() {
+                let at = Instant::now();
+                let mut chat = String::new();
+                let _ = std::io::Read::read_to_string(request.as_reader(), &mut chat);
+                let accepted = {
+                    let mut b = books.lock().unwrap();
+                    let b = &mut *b;
+                    let lane = b.chats.entry(chat).or_default();
+                    let ok = b.bot.conforms(at) && lane.conforms(at);
+                    if ok {
+                        b.bot.count(at, interval);
+                        lane.count(at, CHAT_INTERVAL);
+                        b.accepted.push(at);
+                    } else {
+                        b.refused += 1;
+                    }
+                    ok
+                };
+                std::thread::sleep(ROUND_TRIP.saturating_sub(at.elapsed()));
+                let (status, body) = if accepted {
+                    (200, r#"{"ok":true,"result":{"message_id":1}}"#)
+                } else {
+                    (
+                        429,
+                        r#"{"ok":false,"error_code":429,"description":"Too Many Requests: retry after 1","parameters":{"retry_after":1}}"#,
+                    )
+                };
+                let _ = request
+                    .respond(tiny_http::Response::from_string(body).with_status_code(status));
+            }
+        });
+    }
+    (addr, books)
+}
+
+/// A Telegram-shaped adapter that posts each chunk's chat to the simulated platform
+/// and maps its answer with the crate's Telegram mapping.
+struct Platform {
+    url: String,
+    client: reqwest::blocking::Client,
+}
+
+impl ChannelAdapter for Platform {
+    fn send(&self, claim: &Claim) -> Outcome {
+        match self
+            .client
+            .post(&self.url)
+            .body(claim.chat_id.clone())
+            .send()
+        {
+            Ok(reply) => {
+                let status = reply.status().as_u16();
+                let body = reply.text().unwrap_or_default();
+                chunked_outbox::platforms::telegram::outcome(
+                    &chunked_outbox::platforms::HttpReply::new(status, &body),
+                )
+            }
+            Err(e) => Outcome::Ambiguous {
+                error: e.to_string(),
+            },
+        }
+    }
+}
+
+/// Workers per dispatcher process in (j): with one send per claim on a paced channel
+/// and [`ROUND_TRIP`] per send, 2 × 8 in flight allow 320/s, above the limit.
+const DRAIN_WORKERS: usize = 8;
+
+/// A dispatcher process of (j): serves `db` against the platform at `addr` until
+/// nothing is left to send.
+fn drain_child(db: &str, addr: &str) {
+    let outbox = Outbox::open(db, options(Synchronous::Normal)).unwrap();
+    let adapter = Platform {
+        url: format!("http://{addr}/send"),
+        client: reqwest::blocking::Client::builder()
+            .pool_max_idle_per_host(DRAIN_WORKERS)
+            .build()
+            .unwrap(),
+    };
+    let running = Dispatcher::builder(outbox.clone())
+        .adapter("telegram", adapter)
+        .workers(DRAIN_WORKERS)
+        .build()
+        .unwrap()
+        .start()
+        .unwrap();
+    loop {
+        std::thread::sleep(Duration::from_millis(50));
+        let t = outbox.health().unwrap().totals;
+        if t.pending_chunks + t.retry_chunks + t.sending_chunks == 0 {
+            break;
+        }
+    }
+    running.shutdown(Duration::from_secs(10));
+}
+
+/// (j) `replies` replies to `chats` chats drained by two dispatcher processes sharing
+/// the file, under the platform's limits, with the limits stored as the channel's
+/// rules (`PLATFORM_RATE` a second, one a second per chat). Returns the accepted
+/// messages a second over the span from the first to the last ÷ `PLATFORM_RATE`, and
+/// the number of 429 answers.
+fn platform_drain(replies: u64, chats: u64) -> (f64, u64) {
+    let (_dir, path) = temp_db("outbox.db");
+    let outbox = Outbox::open(&path, options(Synchronous::Normal)).unwrap();
+    let rules = chunked_outbox::ChannelPolicy::default()
+        .with_lane_interval(CHAT_INTERVAL)
+        .with_rate_per_second(PLATFORM_RATE);
+    outbox.set_channel_policy("telegram", Some(rules)).unwrap();
+    for from in (0..replies).step_by(1000) {
+        let batch: Vec<NewDelivery> = (from..(from + 1000).min(replies))
+            .map(|i| NewDelivery::single("telegram", format!("{}", i % chats), "hi"))
+            .collect();
+        outbox.enqueue_batch(&batch).unwrap();
+    }
+    let (addr, books) = serve_platform();
+    let children: Vec<_> = (0..2)
+        .map(|_| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--drain-child", path.to_str().unwrap(), &addr])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut child in children {
+        assert!(
+            child.wait().unwrap().success(),
+            "a dispatcher process failed"
+        );
+    }
+    let t = outbox.health().unwrap().totals;
+    assert_eq!(t.delivered_deliveries, replies, "every reply delivered");
+    let b = books.lock().unwrap();
+    assert_eq!(b.accepted.len() as u64, replies, "each accepted once");
+    let span = *b.accepted.last().unwrap() - b.accepted[0];
+    // n messages span n - 1 intervals.
+    let rate = (replies - 1) as f64 / span.as_secs_f64();
+    (rate / PLATFORM_RATE, b.refused)
+}
+
 /// (g) A claim filtered by channel, and `next_due`, beside `backlog` chunks of another
 /// channel that are all due: the µs each takes with that backlog and without it. The
 /// claim index is searched per channel, so the other backlog should cost nothing.
@@ -634,6 +921,12 @@ fn main() {
     let s = if quick { QUICK } else { FULL };
     // For profiling: `--only enqueue` or `--only dispatch` runs just that part.
     let only: Option<String> = std::env::args().skip_while(|a| a != "--only").nth(1);
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, flag, db, addr] = &args[..]
+        && flag == "--drain-child"
+    {
+        return drain_child(db, addr);
+    }
     match only.as_deref() {
         Some("enqueue") => {
             return println!(
@@ -668,6 +961,30 @@ fn main() {
         }
         Some("insert1") => {
             return println!("insert_1 {:.0} /s", peer_inserts(s.enqueues * 10).0);
+        }
+        Some("marking") => {
+            for _ in 0..3 {
+                let marked = crate_dispatch(s.dispatch_backlog, Synchronous::Normal);
+                let unmarked = unmarked_dispatch(s.dispatch_backlog);
+                println!(
+                    "dispatcher {marked:.0} /s, unmarked loop {unmarked:.0} /s: cost {:.3}",
+                    1.0 - marked / unmarked
+                );
+            }
+            return;
+        }
+        Some("latency") => {
+            for asynchronous in [false, true] {
+                for c in [1, 16, 64, 256] {
+                    let e = latency_bound(c, asynchronous, 2.0);
+                    println!("latency-bound, concurrency {c}, async {asynchronous}: {e:.3}");
+                }
+            }
+            return;
+        }
+        Some("drain") => {
+            let (e, refused) = platform_drain(2_000, 200);
+            return println!("platform drain: {e:.3} of the limit, {refused} answers 429");
         }
         Some("dispatch1") => {
             return println!(
@@ -719,6 +1036,44 @@ fn main() {
         "(b1) the same, one send in flight (batch 1)      {one:>10.0} /s   {:.2} of (b)",
         one / dispatch
     );
+    let unmarked = unmarked_dispatch(s.dispatch_backlog);
+    let marking_cost = 1.0 - dispatch / unmarked;
+    println!(
+        "(b2) the same drain by a loop that sends each claim in turn, nothing marked {unmarked:>10.0} /s: marking sends as started costs {:.1} % of it",
+        marking_cost * 100.0
+    );
+    let (peer_one, peer_batch) = peer_inserts(s.enqueues);
+    let peer_claim_ack = peer_claim_ack_batch64(s.enqueues);
+    println!(
+        "(h) the peer harness's shapes: enqueue {peer_one:.0} /s, enqueue_batch of 100 {peer_batch:.0} /s, claim(64) + record_batch {peer_claim_ack:.0} /s"
+    );
+    let seconds = if quick { 2.0 } else { 3.0 };
+    let mut latency_cases = Vec::new();
+    for asynchronous in [false, true] {
+        for c in [1, 16, 64, 256] {
+            latency_cases.push((asynchronous, c, latency_bound(c, asynchronous, seconds)));
+        }
+    }
+    let latency_efficiency = latency_cases
+        .iter()
+        .map(|c| c.2)
+        .fold(f64::INFINITY, f64::min);
+    for (asynchronous, c, e) in &latency_cases {
+        println!(
+            "(i) sends of {} ms, {c:>3} in flight, {}: {e:.3} of concurrency ÷ round trip",
+            ROUND_TRIP.as_millis(),
+            if *asynchronous {
+                "async   "
+            } else {
+                "blocking"
+            }
+        );
+    }
+    let (replies, chats) = if quick { (2_000, 200) } else { (6_000, 600) };
+    let (platform_efficiency, platform_429s) = platform_drain(replies, chats);
+    println!(
+        "(j) {replies} replies to {chats} chats, two dispatcher processes, platform limits {PLATFORM_RATE}/s and 1/s per chat: {platform_efficiency:.3} of the limit, {platform_429s} answers 429"
+    );
     let (backlog_ratio, health_ratio, small_rate, big_rate) = scaling(s.big, s.big_drain);
     println!(
         "(c) dispatch with {} history + backlog: {big_rate:.0} /s vs {small_rate:.0} /s with 1k: ratio {backlog_ratio:.2}",
@@ -740,7 +1095,12 @@ fn main() {
     let rss = peak_rss_mb();
     println!("peak RSS {rss:.0} MB");
     println!(
-        "{{\"enqueue_per_s\":{enqueue:.0},\"enqueue_vs_floor\":{:.3},\"dispatch_per_s\":{dispatch:.0},\"dispatch_vs_floor\":{:.3},\"dispatch_one_in_flight_per_s\":{one:.0},\"one_in_flight_vs_batch\":{:.3},\"filtered_claim_us\":{quiet_claim:.1},\"filtered_claim_beside_100k_us\":{busy_claim:.1},\"next_due_us\":{quiet_next:.1},\"next_due_beside_100k_us\":{busy_next:.1},\"backlog_1m_vs_1k\":{backlog_ratio:.3},\"health_1m_vs_1k\":{health_ratio:.3},\"latency_p50_us\":{p50},\"latency_p99_us\":{p99},\"full_enqueue_per_s\":{full_enqueue:.0},\"full_dispatch_per_s\":{full_dispatch:.0},\"peak_rss_mb\":{rss:.0},\"floor_insert_per_s\":{f_insert:.0},\"floor_claim_ack_1_per_s\":{f_single:.0},\"floor_claim_ack_64_per_s\":{f_batch:.0},\"model_enqueue_per_s\":{model_in:.0},\"enqueue_vs_model\":{:.3},\"model_dispatch_per_s\":{model:.0},\"dispatch_vs_model\":{:.3},\"quick\":{quick}}}",
+        "{{\"latency_bound_efficiency\":{latency_efficiency:.3},\"latency_bound_cases\":[{}],\"platform_limit_efficiency\":{platform_efficiency:.3},\"platform_429s\":{platform_429s},\"unmarked_dispatch_per_s\":{unmarked:.0},\"start_marking_cost\":{marking_cost:.3},\"peer_insert_1_per_s\":{peer_one:.0},\"peer_enqueue_batch100_per_s\":{peer_batch:.0},\"peer_claim_ack_batch64_per_s\":{peer_claim_ack:.0},\"enqueue_per_s\":{enqueue:.0},\"enqueue_vs_floor\":{:.3},\"dispatch_per_s\":{dispatch:.0},\"dispatch_vs_floor\":{:.3},\"dispatch_one_in_flight_per_s\":{one:.0},\"one_in_flight_vs_batch\":{:.3},\"filtered_claim_us\":{quiet_claim:.1},\"filtered_claim_beside_100k_us\":{busy_claim:.1},\"next_due_us\":{quiet_next:.1},\"next_due_beside_100k_us\":{busy_next:.1},\"backlog_1m_vs_1k\":{backlog_ratio:.3},\"health_1m_vs_1k\":{health_ratio:.3},\"latency_p50_us\":{p50},\"latency_p99_us\":{p99},\"full_enqueue_per_s\":{full_enqueue:.0},\"full_dispatch_per_s\":{full_dispatch:.0},\"peak_rss_mb\":{rss:.0},\"floor_insert_per_s\":{f_insert:.0},\"floor_claim_ack_1_per_s\":{f_single:.0},\"floor_claim_ack_64_per_s\":{f_batch:.0},\"model_enqueue_per_s\":{model_in:.0},\"enqueue_vs_model\":{:.3},\"model_dispatch_per_s\":{model:.0},\"dispatch_vs_model\":{:.3},\"quick\":{quick}}}",
+        latency_cases
+            .iter()
+            .map(|(a, c, e)| format!("{{\"concurrency\":{c},\"async\":{a},\"efficiency\":{e:.3}}}"))
+            .collect::<Vec<_>>()
+            .join(","),
         enqueue / f_insert,
         dispatch / f_batch,
         one / dispatch,

@@ -1,7 +1,7 @@
 //! The blocking dispatcher: worker threads for CLI agents and simple bots.
 
 use std::collections::HashMap;
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, Condvar, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -337,11 +337,12 @@ struct Job {
     claim: Claim,
 }
 
-/// A send thread's answer.
-struct Answer {
-    round: u64,
-    slot: usize,
-    outcome: Outcome,
+/// The outcomes of the current round, filled in by the send threads. The last one to
+/// answer wakes the worker: one wake-up per round, not one per send.
+struct Round {
+    number: u64,
+    outcomes: Vec<Option<Outcome>>,
+    waiting: usize,
 }
 
 /// A worker's send threads, kept for the worker's life, so a round of concurrent sends
@@ -352,8 +353,7 @@ struct SendThreads {
     dispatcher: Dispatcher,
     /// One per slot of a round; dropping a sender ends its thread after its send.
     threads: Vec<mpsc::Sender<Job>>,
-    answers: (mpsc::Sender<Answer>, mpsc::Receiver<Answer>),
-    round: u64,
+    round: Arc<(Mutex<Round>, Condvar)>,
 }
 
 impl SendThreads {
@@ -361,26 +361,34 @@ impl SendThreads {
         SendThreads {
             dispatcher,
             threads: Vec::new(),
-            answers: mpsc::channel(),
-            round: 0,
+            round: Arc::new((
+                Mutex::new(Round {
+                    number: 0,
+                    outcomes: Vec::new(),
+                    waiting: 0,
+                }),
+                Condvar::new(),
+            )),
         }
     }
 
     fn spawn(&self) -> std::io::Result<mpsc::Sender<Job>> {
         let (jobs, inbox) = mpsc::channel::<Job>();
-        let (answers, me) = (self.answers.0.clone(), self.dispatcher.clone());
+        let (round, me) = (self.round.clone(), self.dispatcher.clone());
         std::thread::Builder::new()
             .name("outbox-send".into())
             .spawn(move || {
                 for job in inbox {
                     let outcome = me.send_one(&job.adapter, &job.claim);
-                    let answer = Answer {
-                        round: job.round,
-                        slot: job.slot,
-                        outcome,
-                    };
-                    if answers.send(answer).is_err() {
-                        return;
+                    let (state, done) = &*round;
+                    let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+                    // The late answer of a send abandoned in an earlier round is dropped.
+                    if state.number == job.round {
+                        state.outcomes[job.slot] = Some(outcome);
+                        state.waiting -= 1;
+                        if state.waiting == 0 {
+                            done.notify_one();
+                        }
                     }
                 }
             })?;
@@ -393,11 +401,15 @@ impl SendThreads {
         round: Vec<(Claim, Arc<dyn ChannelAdapter>)>,
         timeout: Option<Duration>,
     ) -> Vec<(Claim, Outcome)> {
-        self.round += 1;
         let started = Instant::now();
-        let mut outcomes: Vec<Option<Outcome>> = vec![None; round.len()];
+        let number = {
+            let mut state = self.round.0.lock().unwrap_or_else(|e| e.into_inner());
+            state.number += 1;
+            state.outcomes = vec![None; round.len()];
+            state.waiting = round.len();
+            state.number
+        };
         let mut claims = Vec::with_capacity(round.len());
-        let mut waiting = 0;
         for (slot, (claim, adapter)) in round.into_iter().enumerate() {
             if self.threads.len() == slot {
                 match self.spawn() {
@@ -408,41 +420,42 @@ impl SendThreads {
                 }
             }
             let job = Job {
-                round: self.round,
+                round: number,
                 slot,
                 adapter: adapter.clone(),
                 claim: claim.clone(),
             };
             let handed = self.threads.get(slot).is_some_and(|t| t.send(job).is_ok());
-            if handed {
-                waiting += 1;
-            } else {
-                outcomes[slot] = Some(self.dispatcher.send_one(&adapter, &claim));
+            if !handed {
+                let outcome = self.dispatcher.send_one(&adapter, &claim);
+                let mut state = self.round.0.lock().unwrap_or_else(|e| e.into_inner());
+                state.outcomes[slot] = Some(outcome);
+                state.waiting -= 1;
             }
             claims.push(claim);
         }
-        while waiting > 0 {
-            let answer = match timeout {
-                Some(t) => self
-                    .answers
-                    .1
-                    .recv_timeout(t.saturating_sub(started.elapsed())),
-                // `send_one` catches panics, so every thread answers.
-                None => self
-                    .answers
-                    .1
-                    .recv()
-                    .map_err(|_| mpsc::RecvTimeoutError::Disconnected),
-            };
-            match answer {
-                Ok(a) if a.round == self.round => {
-                    outcomes[a.slot] = Some(a.outcome);
-                    waiting -= 1;
-                }
-                Ok(_) => {} // the late answer of a send abandoned in an earlier round
-                Err(_) => break,
+        let outcomes = {
+            let (state, done) = &*self.round;
+            let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+            while state.waiting > 0 {
+                state = match timeout {
+                    // `send_one` catches panics, so every thread answers.
+                    None => done.wait(state).unwrap_or_else(|e| e.into_inner()),
+                    Some(t) => {
+                        let left = t.saturating_sub(started.elapsed());
+                        if left.is_zero() {
+                            break;
+                        }
+                        done.wait_timeout(state, left)
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0
+                    }
+                };
             }
-        }
+            // Answers still to come belong to an abandoned round from now on.
+            state.number += 1;
+            std::mem::take(&mut state.outcomes)
+        };
         let mut done = Vec::with_capacity(claims.len());
         for (slot, (claim, outcome)) in claims.into_iter().zip(outcomes).enumerate() {
             let outcome = match outcome {
