@@ -118,6 +118,12 @@ fn run_statement(tx: &Connection, sql: &str, delivery: i64, now: i64) -> Result<
     Ok(())
 }
 
+/// Copies delivery `?1` into the crate's history, delivered at `?2`.
+pub(crate) const HISTORY_SQL: &str = "INSERT INTO outbound_messages
+         (delivery_id, channel, chat_id, sender, content, chunk_count, created_at, delivered_at)
+     SELECT uid, channel, chat_id, sender, text, chunk_count, created_at, ?2
+     FROM outbound_deliveries WHERE id = ?1";
+
 /// Writes a fully delivered delivery to `outbound_messages` — and runs the application's
 /// finalization statement, if the file stores one — and marks it delivered, in the
 /// caller's transaction (the one that recorded its last ack).
@@ -129,17 +135,18 @@ pub(crate) fn finalize(
     rules: &Stored,
     delivery: i64,
     (channel, chat_id): (&str, &str),
-    now: i64,
+    (created_at, now): (i64, i64),
+    tally: &mut Tally,
 ) -> Result<()> {
-    let created_at: i64 = tx
-        .prepare_cached(
-            "INSERT INTO outbound_messages
-                 (delivery_id, channel, chat_id, sender, content, chunk_count, created_at, delivered_at)
-             SELECT uid, channel, chat_id, sender, text, chunk_count, created_at, ?2
-             FROM outbound_deliveries WHERE id = ?1
-             RETURNING created_at",
-        )?
-        .query_row(params![delivery, now], |r| r.get(0))?;
+    let written = tx
+        .prepare_cached(HISTORY_SQL)?
+        .execute(params![delivery, now])?;
+    if written != 1 {
+        return Err(Error::invalid(
+            "delivery",
+            format!("row {delivery} to finalize is not stored"),
+        ));
+    }
     if let Some(sql) = &rules.finalize_sql {
         run_statement(tx, sql, delivery, now)?;
     }
@@ -149,30 +156,72 @@ pub(crate) fn finalize(
          WHERE id = ?1",
     )?
     .execute(params![delivery, now])?;
-    // The stored count and the totals that only grow: finalized replies and their
-    // enqueue-to-finalization latency (buckets as in `health::LATENCY_BUCKETS`).
-    tx.prepare_cached(
-        "INSERT INTO outbound_channel_stats
-             (channel, delivered, last_delivered_at, finalized_total, latency_count,
-              latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s, latency_le_120s,
-              latency_le_600s, latency_le_3600s)
-         VALUES (?1, 1, ?2, 1, 1, ?3, ?3 <= 1000, ?3 <= 5000, ?3 <= 30000, ?3 <= 120000,
-                 ?3 <= 600000, ?3 <= 3600000)
-         ON CONFLICT (channel) DO UPDATE
-         SET delivered = delivered + 1,
-             last_delivered_at = max(coalesce(last_delivered_at, ?2), ?2),
-             finalized_total = finalized_total + 1,
-             latency_count = latency_count + 1,
-             latency_sum_ms = latency_sum_ms + ?3,
-             latency_le_1s = latency_le_1s + (?3 <= 1000),
-             latency_le_5s = latency_le_5s + (?3 <= 5000),
-             latency_le_30s = latency_le_30s + (?3 <= 30000),
-             latency_le_120s = latency_le_120s + (?3 <= 120000),
-             latency_le_600s = latency_le_600s + (?3 <= 600000),
-             latency_le_3600s = latency_le_3600s + (?3 <= 3600000)",
-    )?
-    .execute(params![channel, now, (now - created_at).max(0)])?;
+    tally.add(channel, now, (now - created_at).max(0));
     lane::advance(tx, &rules.policy, channel, chat_id, now)
+}
+
+/// The finalizations of one transaction, per channel, for `outbound_channel_stats`:
+/// written once per channel when the transaction's work is done ([`Tally::write`])
+/// rather than once per reply — a batch of 64 acks updates the row once.
+#[derive(Default)]
+pub(crate) struct Tally {
+    /// Channel → (replies, latest finalization, latencies in ms).
+    channels: Vec<(String, i64, Vec<i64>)>,
+}
+
+impl Tally {
+    fn add(&mut self, channel: &str, now: i64, latency_ms: i64) {
+        match self.channels.iter_mut().find(|(c, ..)| c == channel) {
+            Some((_, at, latencies)) => {
+                *at = (*at).max(now);
+                latencies.push(latency_ms);
+            }
+            None => self
+                .channels
+                .push((channel.to_owned(), now, vec![latency_ms])),
+        }
+    }
+
+    /// Adds the tally to the stored count and to the totals that only grow: finalized
+    /// replies and their enqueue-to-finalization latency (buckets as in
+    /// `health::LATENCY_BUCKETS`).
+    pub(crate) fn write(self, tx: &Connection) -> Result<()> {
+        for (channel, at, latencies) in self.channels {
+            let le = |limit_ms: i64| latencies.iter().filter(|l| **l <= limit_ms).count() as i64;
+            tx.prepare_cached(
+                "INSERT INTO outbound_channel_stats
+                     (channel, delivered, last_delivered_at, finalized_total, latency_count,
+                      latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s,
+                      latency_le_120s, latency_le_600s, latency_le_3600s)
+                 VALUES (?1, ?3, ?2, ?3, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+                 ON CONFLICT (channel) DO UPDATE
+                 SET delivered = delivered + ?3,
+                     last_delivered_at = max(coalesce(last_delivered_at, ?2), ?2),
+                     finalized_total = finalized_total + ?3,
+                     latency_count = latency_count + ?3,
+                     latency_sum_ms = latency_sum_ms + ?4,
+                     latency_le_1s = latency_le_1s + ?5,
+                     latency_le_5s = latency_le_5s + ?6,
+                     latency_le_30s = latency_le_30s + ?7,
+                     latency_le_120s = latency_le_120s + ?8,
+                     latency_le_600s = latency_le_600s + ?9,
+                     latency_le_3600s = latency_le_3600s + ?10",
+            )?
+            .execute(params![
+                channel,
+                at,
+                latencies.len() as i64,
+                latencies.iter().sum::<i64>(),
+                le(1_000),
+                le(5_000),
+                le(30_000),
+                le(120_000),
+                le(600_000),
+                le(3_600_000),
+            ])?;
+        }
+        Ok(())
+    }
 }
 
 /// Unfinished deliveries whose chunks are all delivered.
@@ -190,8 +239,14 @@ pub(crate) const SWEEP_SQL: &str = concat!(
 /// manual repair) leaves behind. Reads only unfinished deliveries, never history.
 pub(crate) fn sweep(tx: &Connection, rules: &Stored, now: i64) -> Result<u64> {
     let done = lane::deliveries_with_lanes(tx, SWEEP_SQL)?;
+    let mut tally = Tally::default();
     for (delivery, channel, chat_id) in &done {
-        finalize(tx, rules, *delivery, (channel, chat_id), now)?;
+        let created_at: i64 = tx
+            .prepare_cached("SELECT created_at FROM outbound_deliveries WHERE id = ?1")?
+            .query_row([delivery], |r| r.get(0))?;
+        let times = (created_at, now);
+        finalize(tx, rules, *delivery, (channel, chat_id), times, &mut tally)?;
     }
+    tally.write(tx)?;
     Ok(done.len() as u64)
 }

@@ -44,6 +44,18 @@ pub(crate) const QUEUED_SQL: &str = "SELECT id FROM outbound_deliveries
      WHERE channel = ?1 AND chat_id = ?2 AND status = 'queued' AND status <> 'delivered'
      ORDER BY id LIMIT 1";
 
+/// The oldest queued delivery of the lane if none of its deliveries is active: the
+/// lookups of [`ACTIVE_SQL`] and [`QUEUED_SQL`] in one statement.
+pub(crate) const NEXT_IF_IDLE_SQL: &str = "SELECT id FROM outbound_deliveries
+     WHERE channel = ?1 AND chat_id = ?2 AND status = 'queued' AND status <> 'delivered'
+       AND NOT EXISTS (
+           SELECT 1 FROM outbound_deliveries
+           WHERE channel = ?1 AND chat_id = ?2 AND status = 'pending' AND status <> 'delivered')
+       AND NOT EXISTS (
+           SELECT 1 FROM outbound_deliveries
+           WHERE channel = ?1 AND chat_id = ?2 AND status = 'partial' AND status <> 'delivered')
+     ORDER BY id LIMIT 1";
+
 /// The oldest delivery holding the lane under [`LaneFailurePolicy::Block`]: an
 /// uncertain one, or a dead letter nobody acknowledged.
 const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
@@ -87,7 +99,18 @@ pub(crate) fn advance(
     if rules.lane_order == LaneOrder::Parallel {
         return Ok(());
     }
-    if let LaneHead::Next(delivery) = head(tx, rules, channel, chat_id)? {
+    let next = if rules.lane_failure == LaneFailurePolicy::Skip {
+        // What `head` decides without a held head to consider, in one statement.
+        tx.prepare_cached(NEXT_IF_IDLE_SQL)?
+            .query_row(params![channel, chat_id], |r| r.get(0))
+            .optional()?
+    } else {
+        match head(tx, rules, channel, chat_id)? {
+            LaneHead::Next(delivery) => Some(delivery),
+            LaneHead::Busy | LaneHead::Idle => None,
+        }
+    };
+    if let Some(delivery) = next {
         activate(tx, delivery, channel, chat_id, earliest)?;
     }
     Ok(())
@@ -101,13 +124,17 @@ pub(crate) fn activate(
     chat_id: &str,
     earliest: i64,
 ) -> Result<()> {
+    // A read, then the write: `RETURNING` would gather its row in a temporary b-tree.
     let (head_index, not_before): (i64, Option<i64>) = tx
         .prepare_cached(
-            "UPDATE outbound_deliveries
-             SET status = CASE WHEN delivered_count > 0 THEN 'partial' ELSE 'pending' END
-             WHERE id = ?1 RETURNING delivered_count, not_before",
+            "SELECT delivered_count, not_before FROM outbound_deliveries WHERE id = ?1",
         )?
         .query_row([delivery], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    tx.prepare_cached(
+        "UPDATE outbound_deliveries SET status = CASE WHEN ?2 > 0 THEN 'partial' ELSE 'pending' END
+         WHERE id = ?1",
+    )?
+    .execute(params![delivery, head_index])?;
     // A delayed reply starts no earlier than asked; once started, it goes on as usual.
     let earliest = match not_before {
         Some(at) if head_index == 0 => earliest.max(at),
@@ -126,9 +153,21 @@ pub(crate) fn make_due(
     chat_id: &str,
     earliest: i64,
 ) -> Result<()> {
-    let due = due_time(tx, channel, chat_id, earliest)?;
-    tx.prepare_cached("UPDATE outbound_delivery_chunks SET due_at = ?2 WHERE id = ?1")?
-        .execute(params![delivery * CHUNK_STRIDE + index, due])?;
+    // `due_time` and the write in one statement.
+    tx.prepare_cached(
+        "UPDATE outbound_delivery_chunks
+         SET due_at = coalesce(
+             (SELECT max(?2, coalesce(paused_until, ?2), coalesce(next_send_at, ?2))
+              FROM outbound_lanes WHERE channel = ?3 AND chat_id = ?4),
+             ?2)
+         WHERE id = ?1",
+    )?
+    .execute(params![
+        delivery * CHUNK_STRIDE + index,
+        earliest,
+        channel,
+        chat_id
+    ])?;
     Ok(())
 }
 

@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
+use crate::finalize::Tally;
 use crate::ids::{DELETE_CHUNKS_SQL, chunks_of_delivery};
 use crate::outcome::{ChunkRef, Recorded, chunk_ref_where, deliver_chunk};
 use crate::policy::Stored;
@@ -123,6 +124,7 @@ impl Outbox {
                 Resolution::Delivered {
                     platform_message_id,
                 } => {
+                    let mut tally = Tally::default();
                     let finalized = deliver_chunk(
                         tx,
                         rules,
@@ -130,7 +132,9 @@ impl Outbox {
                         platform_message_id.as_deref(),
                         now,
                         false,
+                        &mut tally,
                     )?;
+                    tally.write(tx)?;
                     Ok(Recorded {
                         status: ChunkStatus::Delivered,
                         next_attempt_at: None,

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::classify::{ErrorClass, cap_retry_after, classify_error};
 use crate::clock::{duration_ms, to_datetime};
+use crate::finalize::Tally;
 use crate::policy::Stored;
 use crate::status::ChunkStatus;
 use crate::{ChunkId, Claim, Error, Outbox, ReplayPolicy, Result, finalize, lane};
@@ -249,13 +250,18 @@ pub(crate) fn record_in(
     now: i64,
 ) -> Result<Vec<Result<Recorded>>> {
     let mut results = Vec::new();
+    let mut tally = Tally::default();
     for (claim, outcome) in outcomes {
         match claimed(tx, claim.borrow()) {
-            Ok(chunk) => results.push(Ok(apply(tx, rules, &chunk, trimmed(outcome), now)?)),
+            Ok(chunk) => {
+                let recorded = apply(tx, rules, &chunk, trimmed(outcome), now, &mut tally)?;
+                results.push(Ok(recorded));
+            }
             Err(e @ Error::StaleClaim { .. }) => results.push(Err(e)),
             Err(e) => return Err(e),
         }
     }
+    tally.write(tx)?;
     Ok(results)
 }
 
@@ -359,16 +365,24 @@ fn apply(
     chunk: &ChunkRef,
     outcome: Outcome,
     now: i64,
+    tally: &mut Tally,
 ) -> Result<Recorded> {
     if chunk.status == ChunkStatus::Uncertain {
-        return settle_held(tx, rules, chunk, outcome, now);
+        return settle_held(tx, rules, chunk, outcome, now, tally);
     }
     match outcome {
         Outcome::Delivered {
             platform_message_id,
         } => {
-            let finalized =
-                deliver_chunk(tx, rules, chunk, platform_message_id.as_deref(), now, true)?;
+            let finalized = deliver_chunk(
+                tx,
+                rules,
+                chunk,
+                platform_message_id.as_deref(),
+                now,
+                true,
+                tally,
+            )?;
             Ok(Recorded {
                 finalized,
                 ..Recorded::settled(ChunkStatus::Delivered)
@@ -414,6 +428,7 @@ fn settle_held(
     chunk: &ChunkRef,
     outcome: Outcome,
     now: i64,
+    tally: &mut Tally,
 ) -> Result<Recorded> {
     // A dead letter: its delivery is out of the lane already, so the lane moves on.
     let fail = |error: &str| -> Result<Recorded> {
@@ -425,8 +440,15 @@ fn settle_held(
         Outcome::Delivered {
             platform_message_id,
         } => {
-            let finalized =
-                deliver_chunk(tx, rules, chunk, platform_message_id.as_deref(), now, false)?;
+            let finalized = deliver_chunk(
+                tx,
+                rules,
+                chunk,
+                platform_message_id.as_deref(),
+                now,
+                false,
+                tally,
+            )?;
             return Ok(Recorded {
                 finalized,
                 ..Recorded::settled(ChunkStatus::Delivered)
@@ -606,6 +628,7 @@ pub(crate) fn deliver_chunk(
     platform_message_id: Option<&str>,
     now: i64,
     active: bool,
+    tally: &mut Tally,
 ) -> Result<bool> {
     tx.prepare_cached(
         "UPDATE outbound_delivery_chunks
@@ -616,7 +639,8 @@ pub(crate) fn deliver_chunk(
     .execute(params![chunk.id, platform_message_id, now])?;
     if chunk.index + 1 >= chunk.total {
         let lane = (chunk.channel.as_str(), chunk.chat_id.as_str());
-        finalize::finalize(tx, rules, chunk.delivery, lane, now)?;
+        let times = (chunk.created_at, now);
+        finalize::finalize(tx, rules, chunk.delivery, lane, times, tally)?;
         return Ok(true);
     }
     // One write to the delivery row: the count, and for an active delivery its status.

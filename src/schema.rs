@@ -875,7 +875,11 @@ mod plan_tests {
     #[test]
     fn lane_lookups_are_seeks_on_the_open_index() {
         let ob = populated();
-        for sql in [crate::lane::ACTIVE_SQL, crate::lane::QUEUED_SQL] {
+        for sql in [
+            crate::lane::ACTIVE_SQL,
+            crate::lane::QUEUED_SQL,
+            crate::lane::NEXT_IF_IDLE_SQL,
+        ] {
             let plan = explain(&ob, sql, 2);
             assert!(
                 plan.contains(
@@ -897,7 +901,9 @@ mod plan_tests {
         for sql in [
             crate::lane::ACTIVE_SQL,
             crate::lane::QUEUED_SQL,
+            crate::lane::NEXT_IF_IDLE_SQL,
             crate::outcome::CLAIMED_SQL,
+            crate::finalize::HISTORY_SQL,
             "UPDATE outbound_delivery_chunks SET status = 'sending', attempts = attempts + 1
              WHERE id = ?1",
             "UPDATE outbound_delivery_chunks SET status = 'delivered' WHERE id = ?1",
