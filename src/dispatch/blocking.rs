@@ -329,7 +329,7 @@ impl Dispatcher {
     }
 }
 
-/// One send handed to a send thread, in a round of the worker's.
+/// One send of a round, waiting for a thread to start it.
 struct Job {
     round: u64,
     slot: usize,
@@ -337,62 +337,81 @@ struct Job {
     claim: Claim,
 }
 
-/// The outcomes of the current round, filled in by the send threads. The last one to
-/// answer wakes the worker: one wake-up per round, not one per send.
+/// A worker's round of sends, shared with its send threads.
+#[derive(Default)]
 struct Round {
     number: u64,
+    /// Sends not started yet.
+    queue: std::collections::VecDeque<Job>,
+    /// The round's outcomes by slot, filled in as sends return.
     outcomes: Vec<Option<Outcome>>,
+    /// Sends of the round that have not returned.
     waiting: usize,
+    /// Send threads inside a send (of this round or, stuck past a timeout, an earlier
+    /// one), and send threads alive.
+    busy: usize,
+    threads: usize,
+    /// Threads asleep, and those woken that have not come for a send yet: a couple on
+    /// their way at a time is enough, as each takes a send and wakes more while sends
+    /// are left.
+    sleeping: usize,
+    woken: usize,
+    /// The worker is gone: threads end once idle.
+    closed: bool,
 }
 
-/// A worker's send threads, kept for the worker's life, so a round of concurrent sends
-/// costs a message per send rather than a thread per send. A thread whose send outlives
-/// the send timeout is abandoned — it ends after that send, and its late answer is
-/// ignored — and replaced for the next round.
+/// A worker's send threads, kept for the worker's life.
+///
+/// Every send of a round starts at once, whatever the others do, yet a fast platform
+/// does not cost a thread wake-up per send: the worker wakes one thread, and each
+/// thread that takes a send wakes the next before starting it while sends are left.
+/// Threads that find the queue empty go back to sleep; sends that return at once are
+/// all taken by the threads already awake (the worker too, without a send timeout).
+/// A thread stuck in a send past the timeout stays busy; the round is recorded
+/// without it, its late answer is dropped, and more threads are started as needed.
 struct SendThreads {
     dispatcher: Dispatcher,
-    /// One per slot of a round; dropping a sender ends its thread after its send.
-    threads: Vec<mpsc::Sender<Job>>,
-    round: Arc<(Mutex<Round>, Condvar)>,
+    shared: Arc<(Mutex<Round>, Condvar, Condvar)>,
 }
 
 impl SendThreads {
     fn new(dispatcher: Dispatcher) -> Self {
         SendThreads {
             dispatcher,
-            threads: Vec::new(),
-            round: Arc::new((
-                Mutex::new(Round {
-                    number: 0,
-                    outcomes: Vec::new(),
-                    waiting: 0,
-                }),
-                Condvar::new(),
-            )),
+            // The round, "a send is waiting", "the round is done".
+            shared: Arc::new((Mutex::new(Round::default()), Condvar::new(), Condvar::new())),
         }
     }
 
-    fn spawn(&self) -> std::io::Result<mpsc::Sender<Job>> {
-        let (jobs, inbox) = mpsc::channel::<Job>();
-        let (round, me) = (self.round.clone(), self.dispatcher.clone());
+    fn lock(&self) -> std::sync::MutexGuard<'_, Round> {
+        self.shared.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn spawn(&self) -> std::io::Result<()> {
+        let (shared, me) = (self.shared.clone(), self.dispatcher.clone());
         std::thread::Builder::new()
             .name("outbox-send".into())
             .spawn(move || {
-                for job in inbox {
-                    let outcome = me.send_one(&job.adapter, &job.claim);
-                    let (state, done) = &*round;
-                    let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
-                    // The late answer of a send abandoned in an earlier round is dropped.
-                    if state.number == job.round {
-                        state.outcomes[job.slot] = Some(outcome);
-                        state.waiting -= 1;
-                        if state.waiting == 0 {
-                            done.notify_one();
-                        }
+                let (round, work, done) = &*shared;
+                let mut state = round.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    if let Some(job) = take(&mut state, work) {
+                        drop(state);
+                        let outcome = me.send_one(&job.adapter, &job.claim);
+                        state = round.lock().unwrap_or_else(|e| e.into_inner());
+                        answer(&mut state, done, job, outcome);
+                    } else if state.closed {
+                        state.threads -= 1;
+                        return;
+                    } else {
+                        state.sleeping += 1;
+                        state = work.wait(state).unwrap_or_else(|e| e.into_inner());
+                        state.sleeping -= 1;
+                        state.woken = state.woken.saturating_sub(1);
                     }
                 }
             })?;
-        Ok(jobs)
+        Ok(())
     }
 
     /// Sends a round concurrently and waits for every answer, or until `timeout`.
@@ -402,80 +421,126 @@ impl SendThreads {
         timeout: Option<Duration>,
     ) -> Vec<(Claim, Outcome)> {
         let started = Instant::now();
-        let number = {
-            let mut state = self.round.0.lock().unwrap_or_else(|e| e.into_inner());
-            state.number += 1;
-            state.outcomes = vec![None; round.len()];
-            state.waiting = round.len();
-            state.number
+        let n = round.len();
+        // Enough idle threads for every send of the round, whatever is stuck.
+        let missing = {
+            let state = self.lock();
+            n.saturating_sub(state.threads - state.busy)
         };
-        let mut claims = Vec::with_capacity(round.len());
-        for (slot, (claim, adapter)) in round.into_iter().enumerate() {
-            if self.threads.len() == slot {
-                match self.spawn() {
-                    Ok(thread) => self.threads.push(thread),
-                    Err(e) => {
-                        warn!(error = %e, "could not start a send thread; sending on this one")
-                    }
-                }
+        for _ in 0..missing {
+            match self.spawn() {
+                Ok(()) => self.lock().threads += 1,
+                Err(e) => warn!(error = %e, "could not start a send thread"),
             }
-            let job = Job {
-                round: number,
-                slot,
-                adapter: adapter.clone(),
-                claim: claim.clone(),
-            };
-            let handed = self.threads.get(slot).is_some_and(|t| t.send(job).is_ok());
-            if !handed {
-                let outcome = self.dispatcher.send_one(&adapter, &claim);
-                let mut state = self.round.0.lock().unwrap_or_else(|e| e.into_inner());
-                state.outcomes[slot] = Some(outcome);
-                state.waiting -= 1;
-            }
-            claims.push(claim);
         }
-        let outcomes = {
-            let (state, done) = &*self.round;
-            let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
-            while state.waiting > 0 {
-                state = match timeout {
-                    // `send_one` catches panics, so every thread answers.
-                    None => done.wait(state).unwrap_or_else(|e| e.into_inner()),
-                    Some(t) => {
-                        let left = t.saturating_sub(started.elapsed());
-                        if left.is_zero() {
-                            break;
-                        }
-                        done.wait_timeout(state, left)
-                            .unwrap_or_else(|e| e.into_inner())
-                            .0
-                    }
-                };
-            }
-            // Answers still to come belong to an abandoned round from now on.
+        let mut claims = Vec::with_capacity(n);
+        {
+            let mut state = self.lock();
             state.number += 1;
-            std::mem::take(&mut state.outcomes)
-        };
-        let mut done = Vec::with_capacity(claims.len());
-        for (slot, (claim, outcome)) in claims.into_iter().zip(outcomes).enumerate() {
-            let outcome = match outcome {
-                Some(outcome) => outcome,
-                None => {
-                    // Stuck past the timeout: abandon its thread for a fresh one.
-                    if let Ok(fresh) = self.spawn()
-                        && let Some(thread) = self.threads.get_mut(slot)
-                    {
-                        *thread = fresh;
+            state.outcomes = vec![None; n];
+            state.waiting = n;
+            let number = state.number;
+            for (slot, (claim, adapter)) in round.into_iter().enumerate() {
+                state.queue.push_back(Job {
+                    round: number,
+                    slot,
+                    adapter,
+                    claim: claim.clone(),
+                });
+                claims.push(claim);
+            }
+        }
+        let (_, work, done) = &*self.shared;
+        let mut state = self.lock();
+        wake_one(&mut state, work);
+        // Without a timeout the worker sends too; with one it must stay free to keep it.
+        // With no thread at all (none could be started) it sends everything itself.
+        while timeout.is_none() || state.threads == 0 {
+            let Some(job) = take(&mut state, work) else {
+                break;
+            };
+            drop(state);
+            let outcome = self.dispatcher.send_one(&job.adapter, &job.claim);
+            state = self.lock();
+            answer(&mut state, done, job, outcome);
+        }
+        while state.waiting > 0 {
+            state = match timeout {
+                // `send_one` catches panics, so every send returns.
+                None => done.wait(state).unwrap_or_else(|e| e.into_inner()),
+                Some(t) => {
+                    let left = t.saturating_sub(started.elapsed());
+                    if left.is_zero() {
+                        break;
                     }
+                    done.wait_timeout(state, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+        }
+        // Sends still out belong to an abandoned round from now on. One that no thread
+        // could start (every thread stuck, and no new one) is sent here, late, rather
+        // than reported as possibly sent.
+        state.number += 1;
+        let mut outcomes = std::mem::take(&mut state.outcomes);
+        let unstarted: Vec<Job> = state.queue.drain(..).collect();
+        drop(state);
+        for job in unstarted {
+            outcomes[job.slot] = Some(self.dispatcher.send_one(&job.adapter, &job.claim));
+        }
+        claims
+            .into_iter()
+            .zip(outcomes)
+            .map(|(claim, outcome)| {
+                let outcome = outcome.unwrap_or_else(|| {
                     self.dispatcher
                         .shared
                         .core
                         .timed_out(timeout.unwrap_or_default())
-                }
-            };
-            done.push((claim, outcome));
+                });
+                (claim, outcome)
+            })
+            .collect()
+    }
+}
+
+impl Drop for SendThreads {
+    fn drop(&mut self) {
+        self.lock().closed = true;
+        self.shared.1.notify_all();
+    }
+}
+
+/// Takes the next send of the round, making sure another thread is on its way for the
+/// rest first.
+fn take(state: &mut Round, work: &Condvar) -> Option<Job> {
+    let job = state.queue.pop_front()?;
+    state.busy += 1;
+    if !state.queue.is_empty() {
+        wake_one(state, work);
+    }
+    Some(job)
+}
+
+/// Wakes a sleeping send thread unless two are already on their way (two, so that the
+/// sends of a long round start in a widening tree of wake-ups rather than a chain).
+fn wake_one(state: &mut Round, work: &Condvar) {
+    if state.woken < 2.min(state.queue.len()) && state.sleeping > state.woken {
+        state.woken += 1;
+        work.notify_one();
+    }
+}
+
+/// Files a returned send's outcome, if its round is still waiting for it.
+fn answer(state: &mut Round, done: &Condvar, job: Job, outcome: Outcome) {
+    state.busy -= 1;
+    if state.number == job.round {
+        state.outcomes[job.slot] = Some(outcome);
+        state.waiting -= 1;
+        if state.waiting == 0 {
+            done.notify_one();
         }
-        done
     }
 }
 
