@@ -973,6 +973,12 @@ fn main() {
             }
             return;
         }
+        Some("scaling") => {
+            let (backlog, health, small, big) = scaling(s.big, s.big_drain);
+            return println!(
+                "dispatch {big:.0} /s vs {small:.0} /s: ratio {backlog:.3}; health ratio {health:.3}"
+            );
+        }
         Some("latency") => {
             for asynchronous in [false, true] {
                 for c in [1, 16, 64, 256] {
