@@ -363,8 +363,9 @@ struct Round {
 /// A worker's send threads, kept for the worker's life.
 ///
 /// Every send of a round starts at once, whatever the others do, yet a fast platform
-/// does not cost a thread wake-up per send: the worker wakes one thread, and each
-/// thread that takes a send wakes the next before starting it while sends are left.
+/// does not cost a thread wake-up per send: the worker wakes a thread, and each thread
+/// that takes a send first makes sure up to two more are on their way while sends are
+/// left, so the wake-ups spread as a tree over a slow round.
 /// Threads that find the queue empty go back to sleep; sends that return at once are
 /// all taken by the threads already awake (the worker too, without a send timeout).
 /// A thread stuck in a send past the timeout stays busy; the round is recorded
