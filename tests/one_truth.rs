@@ -182,6 +182,31 @@ fn the_channel_rate_keeps_its_schedule_when_a_send_starts_late() -> Result<()> {
     Ok(())
 }
 
+/// A channel whose rate is lifted sends at once: the slot its last paced send left
+/// behind no longer counts.
+#[test]
+fn lifting_a_channel_rate_frees_its_next_send_at_once() -> Result<()> {
+    let rules = ChannelPolicy::default().with_channel_interval(Duration::from_secs(60));
+    let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
+    for n in 0..3 {
+        enqueue(&db.outbox, &format!("c{n}"), &["x"]);
+    }
+    assert_eq!(db.outbox.claim(10)?.len(), 1);
+    assert_eq!(
+        db.outbox.claim(10)?.len(),
+        0,
+        "the next slot is a minute away"
+    );
+    db.outbox
+        .set_channel_policy("telegram", Some(ChannelPolicy::default()))?;
+    assert_eq!(
+        db.outbox.claim(10)?.len(),
+        2,
+        "no rate, no slot to wait for"
+    );
+    Ok(())
+}
+
 /// The stored channel interval keeps microseconds.
 #[test]
 fn a_channel_rate_is_stored_to_the_microsecond() -> Result<()> {
