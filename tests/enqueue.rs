@@ -425,3 +425,15 @@ fn a_key_repeated_within_a_batch_names_its_first_delivery() -> Result<()> {
     assert_eq!(db.outbox.health()?.totals.total_deliveries, 1);
     Ok(())
 }
+
+#[test]
+fn a_batch_of_the_largest_size_is_stored() -> Result<()> {
+    let db = TestDb::default();
+    let max = chunked_outbox::limits::MAX_ENQUEUE_BATCH;
+    let batch: Vec<NewDelivery> = (0..max)
+        .map(|n| NewDelivery::single("telegram", n.to_string(), "hi"))
+        .collect();
+    assert_eq!(db.outbox.enqueue_batch(&batch)?.len(), max);
+    assert_eq!(db.outbox.health()?.totals.total_deliveries, max as u64);
+    Ok(())
+}

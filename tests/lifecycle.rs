@@ -264,3 +264,37 @@ fn finalizations_and_their_latency_are_counted_for_good() -> Result<()> {
     assert_eq!(h.reply_latency, l);
     Ok(())
 }
+
+/// One batch of acks across channels counts each finalization on its own channel,
+/// with its own latency.
+#[test]
+fn a_batch_of_acks_counts_each_channel_apart() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    for channel in ["telegram", "discord", "telegram"] {
+        let chat = format!("{channel}-{}", ob.health()?.totals.total_deliveries);
+        ob.enqueue(&chunked_outbox::NewDelivery::single(channel, chat, "hi"))?;
+    }
+    db.advance(Duration::from_secs(2));
+    let claims = claim_all(ob);
+    assert_eq!(claims.len(), 3);
+    let recorded = ob.record_batch(claims.iter().map(|c| (c, Outcome::delivered(None))))?;
+    assert!(
+        recorded
+            .iter()
+            .all(|r| r.as_ref().is_ok_and(|r| r.finalized))
+    );
+    let h = ob.health()?;
+    let (telegram, discord) = (&h.channels["telegram"], &h.channels["discord"]);
+    assert_eq!((telegram.finalized_total, discord.finalized_total), (2, 1));
+    assert_eq!(
+        (telegram.delivered_deliveries, discord.delivered_deliveries),
+        (2, 1)
+    );
+    assert_eq!(
+        (telegram.reply_latency.count, telegram.reply_latency.sum_ms),
+        (2, 4_000)
+    );
+    assert_eq!(discord.reply_latency.buckets, [0, 1, 1, 1, 1, 1]);
+    Ok(())
+}
