@@ -207,6 +207,23 @@ fn lifting_a_channel_rate_frees_its_next_send_at_once() -> Result<()> {
     Ok(())
 }
 
+/// Rules given in finer units than the file keeps are compared as stored: opening the
+/// file again with the same options is no conflict.
+#[test]
+fn rules_in_finer_units_than_stored_reopen_without_a_conflict() -> Result<()> {
+    let rules = ChannelPolicy::default()
+        .with_lane_interval(Duration::from_micros(1_500))
+        .with_channel_interval(Duration::from_nanos(5_128_500));
+    let options = || OutboxOptions::default().with_channel("telegram", rules.clone());
+    let db = TestDb::new(options());
+    let stored = db.outbox.policy()?.channel("telegram").clone();
+    assert_eq!(stored.lane_interval, Duration::from_millis(2));
+    assert_eq!(stored.channel_interval, Duration::from_micros(5_129));
+    let again = db.reopen(options());
+    assert_eq!(again.policy()?.channel("telegram"), &stored);
+    Ok(())
+}
+
 /// The stored channel interval keeps microseconds.
 #[test]
 fn a_channel_rate_is_stored_to_the_microsecond() -> Result<()> {
