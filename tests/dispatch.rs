@@ -992,3 +992,69 @@ fn a_panicking_event_handler_does_not_stop_the_dispatcher() -> Result<()> {
     assert_eq!(db.outbox.health()?.totals.delivered_deliveries, 3);
     Ok(())
 }
+
+/// Sends that meet only when all of a round's are in flight at once: each waits (up
+/// to 5 s) until `round` sends more have started since the round before it.
+struct Rendezvous {
+    round: usize,
+    started: Mutex<usize>,
+    all_in: std::sync::Condvar,
+    met: std::sync::atomic::AtomicUsize,
+}
+
+impl ChannelAdapter for Rendezvous {
+    fn send(&self, _claim: &Claim) -> Outcome {
+        let mut started = self.started.lock().unwrap();
+        *started += 1;
+        let target = (*started).div_ceil(self.round) * self.round;
+        self.all_in.notify_all();
+        let (started, _) = self
+            .all_in
+            .wait_timeout_while(started, Duration::from_secs(5), |n| *n < target)
+            .unwrap();
+        if *started >= target {
+            self.met.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        Outcome::delivered(None)
+    }
+}
+
+/// "A claim is a send in flight": every send of a blocking worker's round is under way
+/// at once — in later rounds too, when its send threads sleep between rounds — with a
+/// send timeout (the worker only waits) and without one (the worker sends too).
+#[test]
+fn every_send_of_a_round_is_in_flight_at_once() -> Result<()> {
+    for timeout in [None, Some(Duration::from_secs(20))] {
+        let db = TestDb::default();
+        let adapter = Arc::new(Rendezvous {
+            round: 6,
+            started: Mutex::new(0),
+            all_in: std::sync::Condvar::new(),
+            met: std::sync::atomic::AtomicUsize::new(0),
+        });
+        let running = Dispatcher::builder(db.outbox.clone())
+            .adapter("telegram", adapter.clone())
+            .workers(1)
+            .batch_size(6)
+            .send_timeout(timeout)
+            .build()?
+            .start()?;
+        for wave in 0..3 {
+            // In one transaction, so that a round claims the whole wave.
+            let replies: Vec<NewDelivery> = (0..6)
+                .map(|n| NewDelivery::single("telegram", format!("c{wave}-{n}"), "x"))
+                .collect();
+            db.outbox.enqueue_batch(&replies)?;
+            wait_until("the wave sent", || {
+                running.stats().finalized == 6 * (wave + 1)
+            });
+        }
+        running.shutdown(Duration::from_secs(5));
+        assert_eq!(
+            adapter.met.load(std::sync::atomic::Ordering::SeqCst),
+            18,
+            "every send of each round in flight together (send timeout {timeout:?})"
+        );
+    }
+    Ok(())
+}
