@@ -30,14 +30,44 @@ pub(crate) enum LaneHead {
     Idle,
 }
 
-/// Is a delivery of the lane active? Two seeks on the index of unfinished deliveries
-/// (`status IN (...)` would build a temporary b-tree of the list on every call).
-pub(crate) const ACTIVE_SQL: &str = "SELECT 1 WHERE EXISTS (
-         SELECT 1 FROM outbound_deliveries
-         WHERE channel = ?1 AND chat_id = ?2 AND status = 'pending' AND status <> 'delivered')
-     OR EXISTS (
-         SELECT 1 FROM outbound_deliveries
-         WHERE channel = ?1 AND chat_id = ?2 AND status = 'partial' AND status <> 'delivered')";
+/// "A delivery of lane (`?1`, `?2`) is active", as a condition: two seeks on the index
+/// of unfinished deliveries (`status IN (...)` would build a temporary b-tree of the
+/// list on every call).
+macro_rules! lane_active {
+    () => {
+        "(EXISTS (
+             SELECT 1 FROM outbound_deliveries
+             WHERE channel = ?1 AND chat_id = ?2 AND status = 'pending' AND status <> 'delivered')
+         OR EXISTS (
+             SELECT 1 FROM outbound_deliveries
+             WHERE channel = ?1 AND chat_id = ?2 AND status = 'partial' AND status <> 'delivered'))"
+    };
+}
+
+/// The due time of [`due_time`] as an SQL expression of its parameters: `earliest`, or
+/// the end of lane (`channel`, `chat`)'s pause or interval if later.
+macro_rules! lane_due {
+    ($earliest:literal, $channel:literal, $chat:literal) => {
+        concat!(
+            "coalesce((SELECT max(",
+            $earliest,
+            ", coalesce(paused_until, ",
+            $earliest,
+            "), coalesce(next_send_at, ",
+            $earliest,
+            ")) FROM outbound_lanes WHERE channel = ",
+            $channel,
+            " AND chat_id = ",
+            $chat,
+            "), ",
+            $earliest,
+            ")"
+        )
+    };
+}
+
+/// Is a delivery of the lane active?
+pub(crate) const ACTIVE_SQL: &str = concat!("SELECT 1 WHERE ", lane_active!());
 
 /// The oldest queued delivery of the lane: a seek, whatever the length of the queue.
 pub(crate) const QUEUED_SQL: &str = "SELECT id FROM outbound_deliveries
@@ -46,15 +76,13 @@ pub(crate) const QUEUED_SQL: &str = "SELECT id FROM outbound_deliveries
 
 /// The oldest queued delivery of the lane if none of its deliveries is active: the
 /// lookups of [`ACTIVE_SQL`] and [`QUEUED_SQL`] in one statement.
-pub(crate) const NEXT_IF_IDLE_SQL: &str = "SELECT id FROM outbound_deliveries
+pub(crate) const NEXT_IF_IDLE_SQL: &str = concat!(
+    "SELECT id FROM outbound_deliveries
      WHERE channel = ?1 AND chat_id = ?2 AND status = 'queued' AND status <> 'delivered'
-       AND NOT EXISTS (
-           SELECT 1 FROM outbound_deliveries
-           WHERE channel = ?1 AND chat_id = ?2 AND status = 'pending' AND status <> 'delivered')
-       AND NOT EXISTS (
-           SELECT 1 FROM outbound_deliveries
-           WHERE channel = ?1 AND chat_id = ?2 AND status = 'partial' AND status <> 'delivered')
-     ORDER BY id LIMIT 1";
+       AND NOT ",
+    lane_active!(),
+    " ORDER BY id LIMIT 1"
+);
 
 /// The oldest delivery holding the lane under [`LaneFailurePolicy::Block`]: an
 /// uncertain one, or a dead letter nobody acknowledged.
@@ -154,14 +182,11 @@ pub(crate) fn make_due(
     earliest: i64,
 ) -> Result<()> {
     // `due_time` and the write in one statement.
-    tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks
-         SET due_at = coalesce(
-             (SELECT max(?2, coalesce(paused_until, ?2), coalesce(next_send_at, ?2))
-              FROM outbound_lanes WHERE channel = ?3 AND chat_id = ?4),
-             ?2)
-         WHERE id = ?1",
-    )?
+    tx.prepare_cached(concat!(
+        "UPDATE outbound_delivery_chunks SET due_at = ",
+        lane_due!("?2", "?3", "?4"),
+        " WHERE id = ?1"
+    ))?
     .execute(params![
         delivery * CHUNK_STRIDE + index,
         earliest,
@@ -181,17 +206,9 @@ pub(crate) fn due_time(
     chat_id: &str,
     earliest: i64,
 ) -> Result<i64> {
-    let lane: Option<(Option<i64>, Option<i64>)> = tx
-        .prepare_cached(
-            "SELECT paused_until, next_send_at FROM outbound_lanes
-             WHERE channel = ?1 AND chat_id = ?2",
-        )?
-        .query_row(params![channel, chat_id], |r| Ok((r.get(0)?, r.get(1)?)))
-        .optional()?;
-    let (paused, next) = lane.unwrap_or_default();
-    Ok(earliest
-        .max(paused.unwrap_or(i64::MIN))
-        .max(next.unwrap_or(i64::MIN)))
+    Ok(tx
+        .prepare_cached(concat!("SELECT ", lane_due!("?3", "?1", "?2")))?
+        .query_row(params![channel, chat_id, earliest], |r| r.get(0))?)
 }
 
 /// Notes that a send of the lane starts `now`: under a lane interval, no other send of

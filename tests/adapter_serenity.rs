@@ -205,18 +205,11 @@ async fn every_documented_answer_becomes_the_right_outcome() {
     let dir = tempfile::tempdir().unwrap();
     let outbox = outbox(&dir);
     let adapter = DiscordAdapter::new(api.http(TOKEN));
-    let mut ids = HashMap::new();
-    for channel in ["1001", "10003", "50007", "50013", "429", "general"] {
-        let id = outbox
-            .enqueue(&NewDelivery::single(
-                "discord",
-                channel,
-                format!("hello {channel}"),
-            ))
-            .unwrap()
-            .id;
-        ids.insert(channel, id);
-    }
+    let ids = emulator::hello_each(
+        &outbox,
+        "discord",
+        &["1001", "10003", "50007", "50013", "429", "general"],
+    );
     let too_long = outbox
         .enqueue(&NewDelivery::single("discord", "1002", "x".repeat(2001)))
         .unwrap()

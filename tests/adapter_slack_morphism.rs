@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -123,18 +122,11 @@ async fn every_documented_answer_becomes_the_right_outcome() {
     let api = SlackApi::start();
     let dir = tempfile::tempdir().unwrap();
     let outbox = Outbox::open(dir.path().join("bot.db"), OutboxOptions::default()).unwrap();
-    let mut ids = HashMap::new();
-    for channel in ["C1", "C404", "CARCH", "C429", "C500", "C777"] {
-        let id = outbox
-            .enqueue(&NewDelivery::single(
-                "slack",
-                channel,
-                format!("hello {channel}"),
-            ))
-            .unwrap()
-            .id;
-        ids.insert(channel, id);
-    }
+    let ids = emulator::hello_each(
+        &outbox,
+        "slack",
+        &["C1", "C404", "CARCH", "C429", "C500", "C777"],
+    );
     let too_long = outbox
         .enqueue(&NewDelivery::single("slack", "C2", "a".repeat(40_001)))
         .unwrap()

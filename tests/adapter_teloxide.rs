@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -139,18 +138,11 @@ async fn every_documented_answer_becomes_the_right_outcome() {
     let dir = tempfile::tempdir().unwrap();
     let outbox = Outbox::open(dir.path().join("bot.db"), OutboxOptions::default()).unwrap();
     let adapter = TelegramAdapter::new(api.bot(TOKEN));
-    let mut ids = HashMap::new();
-    for chat in ["100", "403", "404", "429", "500", "502", "777", "@news"] {
-        let id = outbox
-            .enqueue(&NewDelivery::single(
-                "telegram",
-                chat,
-                format!("hello {chat}"),
-            ))
-            .unwrap()
-            .id;
-        ids.insert(chat, id);
-    }
+    let ids = emulator::hello_each(
+        &outbox,
+        "telegram",
+        &["100", "403", "404", "429", "500", "502", "777", "@news"],
+    );
     // One chunk over Telegram's limit, as a splitter that was not used would leave it.
     let too_long = outbox
         .enqueue(&NewDelivery::single("telegram", "101", "🚀".repeat(2049)))

@@ -385,7 +385,7 @@ impl SendThreads {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Round> {
-        self.shared.0.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.shared.0)
     }
 
     fn spawn(&self) -> std::io::Result<()> {
@@ -394,12 +394,12 @@ impl SendThreads {
             .name("outbox-send".into())
             .spawn(move || {
                 let (round, work, done) = &*shared;
-                let mut state = round.lock().unwrap_or_else(|e| e.into_inner());
+                let mut state = lock(round);
                 loop {
                     if let Some(job) = take(&mut state, work) {
                         drop(state);
                         let outcome = me.send_one(&job.adapter, &job.claim);
-                        state = round.lock().unwrap_or_else(|e| e.into_inner());
+                        state = lock(round);
                         answer(&mut state, done, job, outcome);
                     } else if state.closed {
                         state.threads -= 1;
@@ -511,6 +511,12 @@ impl Drop for SendThreads {
         self.lock().closed = true;
         self.shared.1.notify_all();
     }
+}
+
+/// The round, also after a send thread panicked holding it (sends are guarded, so
+/// only the bookkeeping between them could have).
+fn lock(round: &Mutex<Round>) -> std::sync::MutexGuard<'_, Round> {
+    round.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Takes the next send of the round, making sure another thread is on its way for the

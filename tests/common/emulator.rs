@@ -1,6 +1,28 @@
 //! An emulated platform HTTP API on 127.0.0.1, for the adapters' end-to-end tests.
 
+use std::collections::HashMap;
 use std::sync::Arc;
+
+use chunked_outbox::{DeliveryId, NewDelivery, Outbox};
+
+/// Enqueues `hello {chat}` to each of `chats` on `channel`, in one transaction (so a
+/// dispatcher sees them all at once); the delivery id of each chat.
+pub fn hello_each<'a>(
+    outbox: &Outbox,
+    channel: &str,
+    chats: &[&'a str],
+) -> HashMap<&'a str, DeliveryId> {
+    let replies: Vec<NewDelivery> = chats
+        .iter()
+        .map(|chat| NewDelivery::single(channel, *chat, format!("hello {chat}")))
+        .collect();
+    let stored = outbox.enqueue_batch(&replies).unwrap();
+    chats
+        .iter()
+        .copied()
+        .zip(stored.iter().map(|e| e.id))
+        .collect()
+}
 
 /// Starts a server on a free port of 127.0.0.1 that answers every request on its own
 /// thread (so one answer held back does not hold the others) with `answer`, which
