@@ -66,29 +66,40 @@ macro_rules! lane_due {
     };
 }
 
-/// Is a delivery of the lane active?
-pub(crate) const ACTIVE_SQL: &str = concat!("SELECT 1 WHERE ", lane_active!());
+/// The oldest queued delivery of the lane, as a scalar subquery: a seek, whatever the
+/// length of the queue.
+macro_rules! lane_queued {
+    () => {
+        "(SELECT id FROM outbound_deliveries
+          WHERE channel = ?1 AND chat_id = ?2 AND status = 'queued' AND status <> 'delivered'
+          ORDER BY id LIMIT 1)"
+    };
+}
 
-/// The oldest queued delivery of the lane: a seek, whatever the length of the queue.
-pub(crate) const QUEUED_SQL: &str = "SELECT id FROM outbound_deliveries
-     WHERE channel = ?1 AND chat_id = ?2 AND status = 'queued' AND status <> 'delivered'
-     ORDER BY id LIMIT 1";
-
-/// The oldest queued delivery of the lane if none of its deliveries is active: the
-/// lookups of [`ACTIVE_SQL`] and [`QUEUED_SQL`] in one statement.
-pub(crate) const NEXT_IF_IDLE_SQL: &str = concat!(
-    "SELECT id FROM outbound_deliveries
-     WHERE channel = ?1 AND chat_id = ?2 AND status = 'queued' AND status <> 'delivered'
-       AND NOT ",
+/// What [`head`] decides from, in one statement: whether a delivery of lane (`?1`,
+/// `?2`) is active, its oldest queued delivery, and, when `?3` is true (under
+/// [`LaneFailurePolicy::Block`]), the oldest delivery holding it: an uncertain one, or
+/// a dead letter nobody acknowledged.
+pub(crate) const HEAD_SQL: &str = concat!(
+    "SELECT ",
     lane_active!(),
-    " ORDER BY id LIMIT 1"
+    ", ",
+    lane_queued!(),
+    ", CASE WHEN ?3 THEN (
+         SELECT min(id) FROM outbound_deliveries
+         WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered'
+           AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL)))
+       END"
 );
 
-/// The oldest delivery holding the lane under [`LaneFailurePolicy::Block`]: an
-/// uncertain one, or a dead letter nobody acknowledged.
-const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
-     WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered'
-       AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL))";
+/// The oldest queued delivery of the lane if none of its deliveries is active: what
+/// [`head`] decides without a held head to consider.
+pub(crate) const NEXT_IF_IDLE_SQL: &str = concat!(
+    "SELECT ",
+    lane_queued!(),
+    " WHERE NOT ",
+    lane_active!()
+);
 
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
 pub(crate) fn head(
@@ -97,19 +108,14 @@ pub(crate) fn head(
     channel: &str,
     chat_id: &str,
 ) -> Result<LaneHead> {
-    let lane = params![channel, chat_id];
-    if tx.prepare_cached(ACTIVE_SQL)?.exists(lane)? {
+    let block = rules.lane_failure == LaneFailurePolicy::Block;
+    let (active, next, held): (bool, Option<i64>, Option<i64>) = tx
+        .prepare_cached(HEAD_SQL)?
+        .query_row(params![channel, chat_id, block], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })?;
+    if active || held.is_some_and(|h| next.is_none_or(|n| h < n)) {
         return Ok(LaneHead::Busy);
-    }
-    let next: Option<i64> = tx
-        .prepare_cached(QUEUED_SQL)?
-        .query_row(lane, |r| r.get(0))
-        .optional()?;
-    if rules.lane_failure == LaneFailurePolicy::Block {
-        let held: Option<i64> = tx.prepare_cached(HELD_SQL)?.query_row(lane, |r| r.get(0))?;
-        if held.is_some_and(|h| next.is_none_or(|n| h < n)) {
-            return Ok(LaneHead::Busy);
-        }
     }
     Ok(next.map_or(LaneHead::Idle, LaneHead::Next))
 }
@@ -132,6 +138,7 @@ pub(crate) fn advance(
         tx.prepare_cached(NEXT_IF_IDLE_SQL)?
             .query_row(params![channel, chat_id], |r| r.get(0))
             .optional()?
+            .flatten()
     } else {
         match head(tx, rules, channel, chat_id)? {
             LaneHead::Next(delivery) => Some(delivery),

@@ -875,12 +875,9 @@ mod plan_tests {
     #[test]
     fn lane_lookups_are_seeks_on_the_open_index() {
         let ob = populated();
-        for sql in [
-            crate::lane::ACTIVE_SQL,
-            crate::lane::QUEUED_SQL,
-            crate::lane::NEXT_IF_IDLE_SQL,
-        ] {
-            let plan = explain(&ob, sql, 2);
+        for sql in [crate::lane::HEAD_SQL, crate::lane::NEXT_IF_IDLE_SQL] {
+            let params = if sql.contains("?3") { 3 } else { 2 };
+            let plan = explain(&ob, sql, params);
             assert!(
                 plan.contains(
                     "SEARCH outbound_deliveries USING COVERING INDEX outbound_deliveries_open (channel=? AND chat_id=? AND status=?)"
@@ -899,8 +896,7 @@ mod plan_tests {
         let ob = populated();
         let conn = ob.writer();
         for sql in [
-            crate::lane::ACTIVE_SQL,
-            crate::lane::QUEUED_SQL,
+            crate::lane::HEAD_SQL,
             crate::lane::NEXT_IF_IDLE_SQL,
             crate::outcome::CLAIMED_SQL,
             crate::finalize::HISTORY_SQL,
@@ -913,7 +909,9 @@ mod plan_tests {
             "INSERT INTO outbound_delivery_chunks (id, delivery_id, chunk_index, status)
              VALUES (?1 * 16384, ?1, 0, 'pending')",
         ] {
-            let params = if sql.contains("?2") { 2 } else { 1 };
+            let params = (1..=9)
+                .take_while(|n| sql.contains(&format!("?{n}")))
+                .count();
             let mut stmt = conn.prepare(&format!("EXPLAIN {sql}")).unwrap();
             let values: Vec<rusqlite::types::Value> = (0..params).map(|_| 0_i64.into()).collect();
             let opcodes: Vec<String> = stmt
