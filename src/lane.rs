@@ -94,12 +94,8 @@ pub(crate) const HEAD_SQL: &str = concat!(
 
 /// The oldest queued delivery of the lane if none of its deliveries is active: what
 /// [`head`] decides without a held head to consider.
-pub(crate) const NEXT_IF_IDLE_SQL: &str = concat!(
-    "SELECT ",
-    lane_queued!(),
-    " WHERE NOT ",
-    lane_active!()
-);
+pub(crate) const NEXT_IF_IDLE_SQL: &str =
+    concat!("SELECT ", lane_queued!(), " WHERE NOT ", lane_active!());
 
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
 pub(crate) fn head(
