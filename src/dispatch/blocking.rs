@@ -661,3 +661,78 @@ impl Drop for RunningDispatcher {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Accept;
+
+    impl ChannelAdapter for Accept {
+        fn send(&self, _: &Claim) -> Outcome {
+            Outcome::delivered(None)
+        }
+    }
+
+    /// Round 1 with `sends` queued and `sleeping` idle threads.
+    fn round(sends: usize, sleeping: usize) -> Round {
+        let adapter: Arc<dyn ChannelAdapter> = Arc::new(Accept);
+        Round {
+            number: 1,
+            queue: (0..sends)
+                .map(|slot| Job {
+                    round: 1,
+                    slot,
+                    adapter: adapter.clone(),
+                    claim: Claim::for_testing("c", slot.to_string(), "t"),
+                })
+                .collect(),
+            outcomes: vec![None; sends],
+            waiting: sends,
+            threads: sleeping,
+            sleeping,
+            ..Round::default()
+        }
+    }
+
+    #[test]
+    fn each_take_wakes_a_thread_while_sends_are_left_two_on_their_way_at_most() {
+        let work = Condvar::new();
+        let mut state = round(5, 8);
+        let mut woken = Vec::new();
+        while take(&mut state, &work).is_some() {
+            woken.push(state.woken);
+        }
+        // Nobody came for the sends here, so the woken stay on their way: one per take
+        // up to two, and none once a single send is left for the two.
+        assert_eq!(woken, [1, 2, 2, 2, 2]);
+        assert_eq!(state.busy, 5);
+    }
+
+    #[test]
+    fn no_more_threads_are_woken_than_are_asleep() {
+        let work = Condvar::new();
+        let mut state = round(5, 1);
+        while take(&mut state, &work).is_some() {}
+        assert_eq!(state.woken, 1);
+        let mut state = round(5, 0);
+        while take(&mut state, &work).is_some() {}
+        assert_eq!(state.woken, 0);
+    }
+
+    #[test]
+    fn an_answer_is_filed_for_its_round_only() {
+        let done = Condvar::new();
+        let mut state = round(2, 2);
+        let first = take(&mut state, &Condvar::new()).unwrap();
+        let second = take(&mut state, &Condvar::new()).unwrap();
+        answer(&mut state, &done, first, Outcome::delivered(None));
+        assert_eq!((state.busy, state.waiting), (1, 1));
+        assert!(state.outcomes[0].is_some() && state.outcomes[1].is_none());
+        // The round was given up meanwhile: the late answer frees its thread, no more.
+        state.number += 1;
+        answer(&mut state, &done, second, Outcome::delivered(None));
+        assert_eq!((state.busy, state.waiting), (0, 1));
+        assert!(state.outcomes[1].is_none());
+    }
+}
