@@ -7,7 +7,8 @@
 # no longer set), `BACKGROUND_AUTOCHECKPOINT_PAGES` at the crate root (now an associated
 # constant of `StorageSettings`) and `count(*)` of `messages` (the crate's history is
 # `outbound_messages` since schema 3), and enqueues its batches through `enqueue_in`
-# (now `Outbox::enqueue_batch`). The patch changes exactly those lines.
+# (now `Outbox::enqueue_batch`); it also mirrors the writer's page cache in its notes
+# (16 MiB now, not 32). The patch changes exactly those lines.
 #
 #   scripts/peers/run.sh                                  # every system, 3 reps
 #   SYSTEMS="raw honker outbox" scripts/peers/run.sh      # as ../shared/peers/run.sh
