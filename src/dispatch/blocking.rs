@@ -665,14 +665,7 @@ impl Drop for RunningDispatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    struct Accept;
-
-    impl ChannelAdapter for Accept {
-        fn send(&self, _: &Claim) -> Outcome {
-            Outcome::delivered(None)
-        }
-    }
+    use crate::dispatch::tests::Accept;
 
     /// Round 1 with `sends` queued and `sleeping` idle threads.
     fn round(sends: usize, sleeping: usize) -> Round {

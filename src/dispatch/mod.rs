@@ -750,7 +750,8 @@ mod tests {
     use super::*;
     use crate::{ManualClock, NewDelivery, OutboxOptions};
 
-    struct Accept;
+    /// A platform that accepts every send (also for the send threads' tests).
+    pub(super) struct Accept;
 
     impl ChannelAdapter for Accept {
         fn send(&self, _: &Claim) -> Outcome {
