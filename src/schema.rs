@@ -239,15 +239,15 @@ pub(crate) fn enable_wal(conn: &Connection, options: &OutboxOptions) -> Result<(
     }
 }
 
+/// The page cache of each connection, in KiB (as `PRAGMA cache_size` takes it,
+/// negative).
+const CACHE_KIB: i64 = -16_384;
+
 /// Sets the connection's own pragmas and reads each one back (the journal mode, which
 /// lives in the file, is [`enable_wal`]'s).
 ///
 /// A pragma that did not take (effectum once shipped a misspelled WAL pragma and
 /// silently ran in rollback-journal mode) is an error, not a surprise in production.
-/// The page cache of each connection, in KiB (as `PRAGMA cache_size` takes it,
-/// negative).
-const CACHE_KIB: i64 = -16_384;
-
 pub(crate) fn configure(conn: &Connection, options: &OutboxOptions, in_memory: bool) -> Result<()> {
     // Every statement of the crate is prepared once per connection and kept; the
     // default cache of 16 is smaller than the set of statements the writer uses.
