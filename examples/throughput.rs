@@ -401,13 +401,18 @@ fn drain_with(outbox: &Outbox, n: u64, batch: usize) -> f64 {
         .unwrap()
         .start()
         .unwrap();
-    let start = Instant::now();
-    while running.stats().finalized < n {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let elapsed = start.elapsed();
+    let elapsed = time_until(n, || running.stats().finalized);
     running.shutdown(Duration::from_secs(10));
     per_s(n, elapsed)
+}
+
+/// The time until `finalized()` reaches `n`, looked at every millisecond.
+fn time_until(n: u64, finalized: impl Fn() -> u64) -> Duration {
+    let start = Instant::now();
+    while finalized() < n {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    start.elapsed()
 }
 
 /// (b) end to end through the dispatcher, draining a backlog.
@@ -542,11 +547,6 @@ fn latency_bound(concurrency: usize, asynchronous: bool, seconds: f64) -> f64 {
     // 0.93–0.95, in runs side by side.
     let workers = concurrency.div_ceil(16);
     let batch = concurrency / workers;
-    let wait_for = |stats: &dyn Fn() -> u64| {
-        while stats() < n {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    };
     let elapsed = if asynchronous {
         let runtime = tokio::runtime::Runtime::new().unwrap();
         let _guard = runtime.enter();
@@ -558,9 +558,7 @@ fn latency_bound(concurrency: usize, asynchronous: bool, seconds: f64) -> f64 {
             .unwrap()
             .start()
             .unwrap();
-        let start = Instant::now();
-        wait_for(&|| running.stats().finalized);
-        let elapsed = start.elapsed();
+        let elapsed = time_until(n, || running.stats().finalized);
         runtime.block_on(running.shutdown(Duration::from_secs(10)));
         elapsed
     } else {
@@ -572,9 +570,7 @@ fn latency_bound(concurrency: usize, asynchronous: bool, seconds: f64) -> f64 {
             .unwrap()
             .start()
             .unwrap();
-        let start = Instant::now();
-        wait_for(&|| running.stats().finalized);
-        let elapsed = start.elapsed();
+        let elapsed = time_until(n, || running.stats().finalized);
         running.shutdown(Duration::from_secs(10));
         elapsed
     };

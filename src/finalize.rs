@@ -226,7 +226,7 @@ impl Tally {
 
 /// Unfinished deliveries whose chunks are all delivered.
 pub(crate) const SWEEP_SQL: &str = concat!(
-    "SELECT d.id, d.channel, d.chat_id FROM outbound_deliveries d
+    "SELECT d.id, d.channel, d.chat_id, d.created_at FROM outbound_deliveries d
      WHERE d.status <> 'delivered' AND NOT EXISTS (
          SELECT 1 FROM outbound_delivery_chunks c
          WHERE c.status <> 'delivered' AND ",
@@ -238,13 +238,14 @@ pub(crate) const SWEEP_SQL: &str = concat!(
 /// path that recorded chunk acks separately from finalization (an older outbox, a
 /// manual repair) leaves behind. Reads only unfinished deliveries, never history.
 pub(crate) fn sweep(tx: &Connection, rules: &Stored, now: i64) -> Result<u64> {
-    let done = lane::deliveries_with_lanes(tx, SWEEP_SQL)?;
+    type Done = (i64, String, String, i64);
+    let done: Vec<Done> = tx
+        .prepare_cached(SWEEP_SQL)?
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
+        .collect::<rusqlite::Result<_>>()?;
     let mut tally = Tally::default();
-    for (delivery, channel, chat_id) in &done {
-        let created_at: i64 = tx
-            .prepare_cached("SELECT created_at FROM outbound_deliveries WHERE id = ?1")?
-            .query_row([delivery], |r| r.get(0))?;
-        let times = (created_at, now);
+    for (delivery, channel, chat_id, created_at) in &done {
+        let times = (*created_at, now);
         finalize(tx, rules, *delivery, (channel, chat_id), times, &mut tally)?;
     }
     tally.write(tx)?;

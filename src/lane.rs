@@ -13,7 +13,7 @@
 //!   anything before its channel's lane interval has passed since its last send
 //!   started, whoever sent it (`outbound_lanes`).
 
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::{Connection, params};
 
 use crate::clock::duration_ms;
 use crate::ids::CHUNK_STRIDE;
@@ -92,11 +92,6 @@ pub(crate) const HEAD_SQL: &str = concat!(
        END"
 );
 
-/// The oldest queued delivery of the lane if none of its deliveries is active: what
-/// [`head`] decides without a held head to consider.
-pub(crate) const NEXT_IF_IDLE_SQL: &str =
-    concat!("SELECT ", lane_queued!(), " WHERE NOT ", lane_active!());
-
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
 pub(crate) fn head(
     tx: &Connection,
@@ -129,19 +124,7 @@ pub(crate) fn advance(
     if rules.lane_order == LaneOrder::Parallel {
         return Ok(());
     }
-    let next = if rules.lane_failure == LaneFailurePolicy::Skip {
-        // What `head` decides without a held head to consider, in one statement.
-        tx.prepare_cached(NEXT_IF_IDLE_SQL)?
-            .query_row(params![channel, chat_id], |r| r.get(0))
-            .optional()?
-            .flatten()
-    } else {
-        match head(tx, rules, channel, chat_id)? {
-            LaneHead::Next(delivery) => Some(delivery),
-            LaneHead::Busy | LaneHead::Idle => None,
-        }
-    };
-    if let Some(delivery) = next {
+    if let LaneHead::Next(delivery) = head(tx, rules, channel, chat_id)? {
         activate(tx, delivery, channel, chat_id, earliest)?;
     }
     Ok(())

@@ -125,21 +125,10 @@ impl Outbox {
                     platform_message_id,
                 } => {
                     let mut tally = Tally::default();
-                    let finalized = deliver_chunk(
-                        tx,
-                        rules,
-                        &chunk,
-                        platform_message_id.as_deref(),
-                        now,
-                        false,
-                        &mut tally,
-                    )?;
+                    let id = platform_message_id.as_deref();
+                    let recorded = deliver_chunk(tx, rules, &chunk, id, now, false, &mut tally)?;
                     tally.write(tx)?;
-                    Ok(Recorded {
-                        status: ChunkStatus::Delivered,
-                        next_attempt_at: None,
-                        finalized,
-                    })
+                    Ok(recorded)
                 }
                 Resolution::Resend => {
                     requeue(tx, rules, &chunk, "resolve", now)?;

@@ -373,21 +373,15 @@ fn apply(
     match outcome {
         Outcome::Delivered {
             platform_message_id,
-        } => {
-            let finalized = deliver_chunk(
-                tx,
-                rules,
-                chunk,
-                platform_message_id.as_deref(),
-                now,
-                true,
-                tally,
-            )?;
-            Ok(Recorded {
-                finalized,
-                ..Recorded::settled(ChunkStatus::Delivered)
-            })
-        }
+        } => deliver_chunk(
+            tx,
+            rules,
+            chunk,
+            platform_message_id.as_deref(),
+            now,
+            true,
+            tally,
+        ),
         Outcome::Transient { error } => retry_or_fail(tx, rules, chunk, &error, now),
         Outcome::Ambiguous { error } => match rules.policy.channel(&chunk.channel).replay {
             ReplayPolicy::Replay => retry_or_fail(tx, rules, chunk, &error, now),
@@ -440,7 +434,7 @@ fn settle_held(
         Outcome::Delivered {
             platform_message_id,
         } => {
-            let finalized = deliver_chunk(
+            return deliver_chunk(
                 tx,
                 rules,
                 chunk,
@@ -448,11 +442,7 @@ fn settle_held(
                 now,
                 false,
                 tally,
-            )?;
-            return Ok(Recorded {
-                finalized,
-                ..Recorded::settled(ChunkStatus::Delivered)
-            });
+            );
         }
         Outcome::Permanent { error } => return fail(&error),
         Outcome::Ambiguous { error } => {
@@ -620,7 +610,7 @@ pub(crate) fn reschedule(
 /// Marks a chunk delivered and moves its delivery on: the next chunk becomes due, or
 /// the delivery is finalized. `active` says whether the delivery currently holds its
 /// lane (an ack) or was held aside (resolving an `uncertain` chunk), in which case it
-/// queues up in its lane again. Returns whether the delivery was finalized.
+/// queues up in its lane again. The result says whether the delivery was finalized.
 pub(crate) fn deliver_chunk(
     tx: &Connection,
     rules: &Stored,
@@ -629,7 +619,7 @@ pub(crate) fn deliver_chunk(
     now: i64,
     active: bool,
     tally: &mut Tally,
-) -> Result<bool> {
+) -> Result<Recorded> {
     tx.prepare_cached(
         "UPDATE outbound_delivery_chunks
          SET status = 'delivered', due_at = NULL, claim_token = NULL,
@@ -641,7 +631,10 @@ pub(crate) fn deliver_chunk(
         let lane = (chunk.channel.as_str(), chunk.chat_id.as_str());
         let times = (chunk.created_at, now);
         finalize::finalize(tx, rules, chunk.delivery, lane, times, tally)?;
-        return Ok(true);
+        return Ok(Recorded {
+            finalized: true,
+            ..Recorded::settled(ChunkStatus::Delivered)
+        });
     }
     // One write to the delivery row: the count, and for an active delivery its status.
     tx.prepare_cached(
@@ -671,7 +664,7 @@ pub(crate) fn deliver_chunk(
             now,
         )?;
     }
-    Ok(false)
+    Ok(Recorded::settled(ChunkStatus::Delivered))
 }
 
 /// Fails a chunk for good and its delivery with it (a dead letter); the lane moves on

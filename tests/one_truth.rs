@@ -121,15 +121,22 @@ fn the_lane_interval_holds_between_consecutive_replies() -> Result<()> {
     Ok(())
 }
 
+/// A file whose channel `telegram` sends at most once per `interval`, with a reply
+/// queued for each of `chats` chats.
+fn paced_chats(interval: Duration, chats: usize) -> TestDb {
+    let rules = ChannelPolicy::default().with_channel_interval(interval);
+    let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
+    for n in 0..chats {
+        enqueue(&db.outbox, &format!("c{n}"), &["x"]);
+    }
+    db
+}
+
 /// Found: the channel-wide rate was kept per dispatcher process: two processes sent
 /// twice as fast as the channel allows.
 #[test]
 fn the_channel_rate_holds_across_processes() -> Result<()> {
-    let rules = ChannelPolicy::default().with_channel_interval(Duration::from_secs(1));
-    let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
-    for n in 0..10 {
-        enqueue(&db.outbox, &format!("c{n}"), &["x"]);
-    }
+    let db = paced_chats(Duration::from_secs(1), 10);
     let other = tool(&db);
     let mut claimed = 0;
     for second in 0..5 {
@@ -156,11 +163,7 @@ fn the_channel_rate_holds_across_processes() -> Result<()> {
 /// sub-millisecond rates are kept as asked.
 #[test]
 fn the_channel_rate_keeps_its_schedule_when_a_send_starts_late() -> Result<()> {
-    let rules = ChannelPolicy::default().with_channel_interval(Duration::from_millis(10));
-    let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
-    for n in 0..20 {
-        enqueue(&db.outbox, &format!("c{n}"), &["x"]);
-    }
+    let db = paced_chats(Duration::from_millis(10), 20);
     let start = db.now_ms();
     let mut sends = Vec::new();
     // A worker that always comes `late` ms after the time it was told.
@@ -186,11 +189,7 @@ fn the_channel_rate_keeps_its_schedule_when_a_send_starts_late() -> Result<()> {
 /// behind no longer counts.
 #[test]
 fn lifting_a_channel_rate_frees_its_next_send_at_once() -> Result<()> {
-    let rules = ChannelPolicy::default().with_channel_interval(Duration::from_secs(60));
-    let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
-    for n in 0..3 {
-        enqueue(&db.outbox, &format!("c{n}"), &["x"]);
-    }
+    let db = paced_chats(Duration::from_secs(60), 3);
     assert_eq!(db.outbox.claim(10)?.len(), 1);
     assert_eq!(
         db.outbox.claim(10)?.len(),

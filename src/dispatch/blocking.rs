@@ -435,24 +435,21 @@ impl SendThreads {
             }
         }
         let mut claims = Vec::with_capacity(n);
-        {
-            let mut state = self.lock();
-            state.number += 1;
-            state.outcomes = vec![None; n];
-            state.waiting = n;
-            let number = state.number;
-            for (slot, (claim, adapter)) in round.into_iter().enumerate() {
-                state.queue.push_back(Job {
-                    round: number,
-                    slot,
-                    adapter,
-                    claim: claim.clone(),
-                });
-                claims.push(claim);
-            }
-        }
         let (_, work, done) = &*self.shared;
         let mut state = self.lock();
+        state.number += 1;
+        state.outcomes = vec![None; n];
+        state.waiting = n;
+        let number = state.number;
+        for (slot, (claim, adapter)) in round.into_iter().enumerate() {
+            state.queue.push_back(Job {
+                round: number,
+                slot,
+                adapter,
+                claim: claim.clone(),
+            });
+            claims.push(claim);
+        }
         wake_one(&mut state, work);
         // Without a timeout the worker sends too; with one it must stay free to keep it.
         // With no thread at all (none could be started) it sends everything itself.
