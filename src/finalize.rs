@@ -224,12 +224,15 @@ impl Tally {
     }
 }
 
-/// Unfinished deliveries whose chunks are all delivered.
+/// Unfinished deliveries whose chunks are all delivered. A delivery without chunk rows
+/// has none delivered: a cancelled one, whose chunks were removed.
 pub(crate) const SWEEP_SQL: &str = concat!(
     "SELECT d.id, d.channel, d.chat_id, d.created_at FROM outbound_deliveries d
      WHERE d.status <> 'delivered' AND NOT EXISTS (
          SELECT 1 FROM outbound_delivery_chunks c
          WHERE c.status <> 'delivered' AND ",
+    chunks_of_delivery!("c", "d.id"),
+    ") AND EXISTS (SELECT 1 FROM outbound_delivery_chunks c WHERE ",
     chunks_of_delivery!("c", "d.id"),
     ")"
 );

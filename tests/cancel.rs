@@ -279,3 +279,24 @@ fn purge_removes_cancelled_replies() -> Result<()> {
     assert_eq!(ob.health()?.totals.cancelled_deliveries, 0);
     Ok(())
 }
+
+/// A cancelled reply has no chunk rows left, which recovery's sweep for wholly
+/// delivered replies must not read as "all of them delivered": queued or pending when
+/// cancelled, it never enters the history.
+#[test]
+fn recovery_does_not_finalize_a_cancelled_reply() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    let pending = enqueue(ob, "1", &["pending"]);
+    let queued = enqueue(ob, "1", &["queued"]);
+    ob.cancel(queued)?;
+    ob.cancel(pending)?;
+    let report = ob.recover(chunked_outbox::RecoverScope::AllSending)?;
+    assert_eq!(report.finalized, 0);
+    for id in [pending, queued] {
+        assert_eq!(view(ob, id).status, DeliveryStatus::Cancelled);
+        assert!(messages_for(&db.raw(), id)?.is_empty());
+    }
+    assert_eq!(ob.health()?.totals.finalized_total, 0);
+    Ok(())
+}
