@@ -508,6 +508,9 @@ fn insert(tx: &Connection, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> 
     } else {
         None
     };
+    if !active && stored_at_activation(d) {
+        return Ok(Enqueued { id, created: true });
+    }
     let mut chunk = tx.prepare_cached(
         "INSERT INTO outbound_delivery_chunks
              (id, delivery_id, chunk_index, status, due_at, text, channel_id)
@@ -530,6 +533,15 @@ fn insert(tx: &Connection, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> 
     Ok(Enqueued { id, created: true })
 }
 
+/// Whether a queued delivery's chunk row waits for its activation: a reply sent as one
+/// chunk holding its whole text has nothing to store in that row but its state, which
+/// is `pending` with nothing due until the lane reaches it. [`lane::activate`] inserts
+/// the row then, so a reply enqueued behind another writes two b-tree pages instead of
+/// three — most of an enqueue's cost is its commit's page writes.
+fn stored_at_activation(d: &NewDelivery) -> bool {
+    matches!(d.chunks.as_slice(), [only] if *only == d.text)
+}
+
 /// The delivery with caller key `?2` on channel `?1`.
 pub(crate) const KEY_LOOKUP_SQL: &str =
     "SELECT id, uid FROM outbound_deliveries WHERE channel = ?1 AND idempotency_key = ?2";
@@ -546,13 +558,21 @@ fn find_by_key(tx: &Connection, channel: &str, key: &str) -> Result<Option<(i64,
 }
 
 fn same_content(tx: &Connection, rowid: i64, d: &NewDelivery) -> Result<bool> {
-    type Row = (String, String, Option<String>, String, Option<String>);
-    let (channel, chat_id, sender, text, metadata): Row = tx
+    type Row = (String, String, Option<String>, String, Option<String>, bool);
+    let (channel, chat_id, sender, text, metadata, queued): Row = tx
         .prepare_cached(
-            "SELECT channel, chat_id, sender, text, metadata FROM outbound_deliveries WHERE id = ?1",
+            "SELECT channel, chat_id, sender, text, metadata, status = 'queued'
+             FROM outbound_deliveries WHERE id = ?1",
         )?
         .query_row([rowid], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            Ok((
+                r.get(0)?,
+                r.get(1)?,
+                r.get(2)?,
+                r.get(3)?,
+                r.get(4)?,
+                r.get(5)?,
+            ))
         })?;
     if channel != d.channel
         || chat_id != d.chat_id
@@ -567,9 +587,13 @@ fn same_content(tx: &Connection, rowid: i64, d: &NewDelivery) -> Result<bool> {
         chunks_of_delivery!("c", "?1"),
         " ORDER BY c.id"
     ))?;
-    let chunks = stmt
+    let mut chunks = stmt
         .query_map([rowid], |r| r.get::<_, Option<String>>(0))?
         .collect::<rusqlite::Result<Vec<_>>>()?;
+    if chunks.is_empty() && queued {
+        // One chunk of the whole text, its row not stored yet (`stored_at_activation`).
+        chunks.push(None);
+    }
     Ok(chunks.len() == d.chunks.len()
         && chunks
             .iter()

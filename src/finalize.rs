@@ -225,7 +225,8 @@ impl Tally {
 }
 
 /// Unfinished deliveries whose chunks are all delivered. A delivery without chunk rows
-/// has none delivered: a cancelled one, whose chunks were removed.
+/// has none delivered: a cancelled one (its chunks removed) or a queued one (its chunk
+/// is stored when it becomes active).
 pub(crate) const SWEEP_SQL: &str = concat!(
     "SELECT d.id, d.channel, d.chat_id, d.created_at FROM outbound_deliveries d
      WHERE d.status <> 'delivered' AND NOT EXISTS (

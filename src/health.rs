@@ -340,19 +340,21 @@ pub(crate) const OPEN_DELIVERIES_SQL: &str =
  GROUP BY channel, status, acknowledged_at IS NULL";
 
 /// Counted per channel and chunk status, over the chunks of unfinished deliveries only.
-/// The unsent rest of a dead letter is not pending work, so it is left out.
+/// The unsent rest of a dead letter is not pending work, so it is left out. A queued
+/// delivery without a chunk row (its one chunk is stored when it becomes active) counts
+/// as one pending chunk, not yet due.
 pub(crate) const OPEN_CHUNKS_SQL: &str = concat!(
-    "SELECT d.channel, c.status, count(*),
+    "SELECT d.channel, coalesce(c.status, 'pending') AS state, count(*),
         sum(c.due_at IS NOT NULL AND c.due_at <= ?1),
         min(CASE WHEN c.status <> 'sending' THEN c.due_at END),
         sum(c.due_at IS NOT NULL)
  FROM outbound_deliveries d INDEXED BY outbound_deliveries_open
- JOIN outbound_delivery_chunks c ON ",
+ LEFT JOIN outbound_delivery_chunks c ON ",
     chunks_of_delivery!("c", "d.id"),
     "
- WHERE d.status <> 'delivered' AND c.status <> 'delivered'
-   AND NOT (d.status = 'failed' AND c.status = 'pending')
- GROUP BY d.channel, c.status"
+ WHERE d.status <> 'delivered' AND (c.id IS NOT NULL OR d.status = 'queued')
+   AND state <> 'delivered' AND NOT (d.status = 'failed' AND state = 'pending')
+ GROUP BY d.channel, state"
 );
 
 fn snapshot(tx: &Connection, now: i64) -> Result<Health> {

@@ -5,7 +5,7 @@ use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter, typ
 use serde::Serialize;
 
 use crate::clock::to_datetime;
-use crate::ids::chunks_of_delivery;
+use crate::ids::{CHUNK_STRIDE, chunks_of_delivery};
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::{ChunkId, ClaimantId, DeliveryId, Error, Outbox, Result, chunk_idempotency_key};
 
@@ -316,14 +316,18 @@ fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
 }
 
 fn chunks_of(tx: &Connection, delivery: i64, id: &DeliveryId) -> Result<Vec<ChunkView>> {
+    // A queued delivery without a chunk row has one pending chunk, stored when the
+    // delivery becomes active (see `enqueue::stored_at_activation`).
     let mut stmt = tx.prepare_cached(concat!(
-        "SELECT c.id, c.chunk_index, c.status, c.attempts, c.due_at, c.last_error,
+        "SELECT coalesce(c.id, ?2), coalesce(c.chunk_index, 0),
+                coalesce(c.status, 'pending'), coalesce(c.attempts, 0), c.due_at, c.last_error,
                 c.platform_message_id, c.delivered_at, coalesce(c.text, d.text), c.claim_token
-         FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = ?1 WHERE ",
+         FROM outbound_deliveries d LEFT JOIN outbound_delivery_chunks c ON ",
         chunks_of_delivery!("c", "?1"),
-        " ORDER BY c.id"
+        " WHERE d.id = ?1 AND (c.id IS NOT NULL OR d.status = 'queued')
+         ORDER BY c.id"
     ))?;
-    let rows = stmt.query_map(params![delivery], |r| {
+    let rows = stmt.query_map(params![delivery, delivery * CHUNK_STRIDE], |r| {
         let index: u32 = r.get(1)?;
         let status: ChunkStatus = r.get(2)?;
         let due = r.get::<_, Option<i64>>(4)?.map(to_datetime);

@@ -154,7 +154,26 @@ pub(crate) fn activate(
         Some(at) if head_index == 0 => earliest.max(at),
         _ => earliest,
     };
-    make_due(tx, delivery, head_index, channel, chat_id, earliest)
+    if head_index > 0 {
+        return make_due(tx, delivery, head_index, channel, chat_id, earliest);
+    }
+    // The first activation of a reply sent as one chunk of its whole text stores its
+    // chunk row (see `enqueue::stored_at_activation`); any other head chunk has a row.
+    tx.prepare_cached(concat!(
+        "INSERT INTO outbound_delivery_chunks (id, delivery_id, chunk_index, status, due_at, channel_id)
+         VALUES (?1, ?5, 0, 'pending', ",
+        lane_due!("?2", "?3", "?4"),
+        ", (SELECT id FROM outbound_channels WHERE name = ?3))
+         ON CONFLICT (id) DO UPDATE SET due_at = excluded.due_at"
+    ))?
+    .execute(params![
+        delivery * CHUNK_STRIDE,
+        earliest,
+        channel,
+        chat_id,
+        delivery
+    ])?;
+    Ok(())
 }
 
 /// Gives chunk `index` of `delivery` a due time: `earliest`, or the end of the lane's

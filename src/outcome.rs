@@ -9,6 +9,7 @@ use serde::Serialize;
 use crate::classify::{ErrorClass, cap_retry_after, classify_error};
 use crate::clock::{duration_ms, to_datetime};
 use crate::finalize::Tally;
+use crate::ids::CHUNK_STRIDE;
 use crate::policy::Stored;
 use crate::status::ChunkStatus;
 use crate::{ChunkId, Claim, Error, Outbox, ReplayPolicy, Result, finalize, lane};
@@ -330,12 +331,23 @@ impl ChunkRef {
         })
     }
 
-    /// Loads a chunk by id.
+    /// Loads a chunk by id, including the one chunk of a queued delivery whose row is
+    /// stored when the delivery becomes active (see `enqueue::stored_at_activation`).
     pub fn load(tx: &Connection, id: ChunkId) -> Result<ChunkRef> {
-        tx.prepare_cached(chunk_ref_where!("c.id = ?1"))?
+        let mut chunk = tx
+            .prepare_cached(chunk_ref_where!("c.id = ?1"))?
             .query_row([id.0], Self::from_row)
-            .optional()?
-            .ok_or(Error::ChunkNotFound(id))
+            .optional()?;
+        if chunk.is_none() && id.0 % CHUNK_STRIDE == 0 {
+            chunk = tx
+                .prepare_cached(
+                    "SELECT ?1, id, 0, 'pending', 0, channel, chat_id, created_at, chunk_count
+                     FROM outbound_deliveries WHERE id = ?2 AND status = 'queued'",
+                )?
+                .query_row([id.0, id.0 / CHUNK_STRIDE], Self::from_row)
+                .optional()?;
+        }
+        chunk.ok_or(Error::ChunkNotFound(id))
     }
 }
 

@@ -14,6 +14,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../migrations/0003_history_table_name.sql"),
     include_str!("../migrations/0004_cancel_and_rate_limit_budget.sql"),
     include_str!("../migrations/0005_status_checks_and_microsecond_rates.sql"),
+    include_str!("../migrations/0006_chunk_rows_at_activation.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:
@@ -486,7 +487,7 @@ mod tests {
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 5);
+        assert_eq!(SCHEMA_VERSION, 6);
     }
 
     fn schema_of(conn: &Connection) -> Vec<String> {

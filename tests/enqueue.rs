@@ -437,3 +437,121 @@ fn a_batch_of_the_largest_size_is_stored() -> Result<()> {
     assert_eq!(db.outbox.health()?.totals.total_deliveries, max as u64);
     Ok(())
 }
+
+/// Chunk rows of delivery `id`'s row, as (index, status, due).
+fn chunk_rows(
+    conn: &rusqlite::Connection,
+    id: chunked_outbox::DeliveryId,
+) -> Vec<(i64, String, bool)> {
+    let mut stmt = conn
+        .prepare(
+            "SELECT c.chunk_index, c.status, c.due_at IS NOT NULL FROM outbound_delivery_chunks c
+             JOIN outbound_deliveries d ON d.id = c.delivery_id WHERE d.uid = ?1 ORDER BY c.id",
+        )
+        .unwrap();
+    stmt.query_map([id.to_string()], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap()
+}
+
+/// A reply queued behind another, sent as one chunk of its whole text, writes no chunk
+/// row until its lane reaches it (one b-tree page less per enqueue), yet every reader
+/// sees its chunk: inspection, health, the idempotency check, the operator calls, and
+/// the claim once the head is delivered.
+#[test]
+fn a_queued_reply_of_one_chunk_stores_its_chunk_when_its_lane_reaches_it() -> Result<()> {
+    use chunked_outbox::{ChunkStatus, DeliveryStatus, Resolution};
+    let db = TestDb::default();
+    let reply = |text: &str| NewDelivery::single("telegram", "1", text).with_idempotency_key(text);
+    let head = db.outbox.enqueue(&reply("first"))?.id;
+    let queued = db.outbox.enqueue(&reply("second"))?.id;
+    assert_eq!(chunk_rows(&db.raw(), head), [(0, "pending".into(), true)]);
+    assert_eq!(chunk_rows(&db.raw(), queued), []);
+
+    let shown = view(&db.outbox, queued);
+    assert_eq!(shown.status, DeliveryStatus::Queued);
+    let [chunk] = shown.chunks.as_slice() else {
+        panic!("one chunk: {:?}", shown.chunks)
+    };
+    assert_eq!(
+        (chunk.index, chunk.status, chunk.attempts),
+        (0, ChunkStatus::Pending, 0)
+    );
+    assert_eq!(chunk.text, "second");
+    assert_eq!(chunk.next_attempt_at, None);
+    let totals = db.outbox.health()?.totals;
+    assert_eq!((totals.pending_chunks, totals.due_chunks), (2, 1));
+
+    assert!(!db.outbox.enqueue(&reply("second"))?.created);
+    let other = NewDelivery::chunked("telegram", "1", "second", ["sec", "ond"])
+        .with_idempotency_key("second");
+    assert!(matches!(
+        db.outbox.enqueue(&other),
+        Err(Error::IdempotencyConflict { .. })
+    ));
+    for refused in [
+        db.outbox.requeue_chunk(chunk.id),
+        db.outbox
+            .resolve_uncertain(chunk.id, Resolution::Resend)
+            .map(drop),
+    ] {
+        assert!(
+            matches!(refused, Err(Error::InvalidState { chunk: c, status: ChunkStatus::Pending, .. }) if c == chunk.id),
+            "{refused:?}"
+        );
+    }
+    // Recovery finalizes what is wholly delivered; no chunk row is not that.
+    assert_eq!(
+        db.outbox
+            .recover(chunked_outbox::RecoverScope::AllSending)?
+            .finalized,
+        0
+    );
+    assert_eq!(chunk_rows(&db.raw(), queued), []);
+
+    let first = claim_one(&db.outbox);
+    assert_eq!(first.delivery_id, head);
+    db.outbox.ack(&first, None)?;
+    assert_eq!(chunk_rows(&db.raw(), queued), [(0, "pending".into(), true)]);
+    let second = claim_one(&db.outbox);
+    assert_eq!((second.delivery_id, second.chunk_id), (queued, chunk.id));
+    assert_eq!(second.text, "second");
+    assert_eq!(second.idempotency_key, chunk.idempotency_key);
+    db.outbox.ack(&second, None)?;
+    assert_eq!(messages_for(&db.raw(), queued)?, ["second"]);
+    Ok(())
+}
+
+/// Queued replies with something of their own to store in chunk rows — several chunks,
+/// or one chunk that is not the whole text — store them at enqueue, and their lane
+/// activates them in place.
+#[test]
+fn a_queued_reply_with_chunk_texts_stores_its_rows_at_once() -> Result<()> {
+    let db = TestDb::default();
+    db.outbox
+        .enqueue(&NewDelivery::single("telegram", "1", "head"))?;
+    let split = db
+        .outbox
+        .enqueue(&NewDelivery::chunked("telegram", "1", "a b", ["a", "b"]))?
+        .id;
+    let reworded = db
+        .outbox
+        .enqueue(&NewDelivery::chunked("telegram", "1", "*bold*", ["bold"]))?
+        .id;
+    let idle = (0, "pending".to_string(), false);
+    assert_eq!(
+        chunk_rows(&db.raw(), split),
+        [idle.clone(), (1, "pending".into(), false)]
+    );
+    assert_eq!(chunk_rows(&db.raw(), reworded), [idle]);
+
+    let mut sent = Vec::new();
+    while let Some(claim) = db.outbox.claim(1)?.pop() {
+        sent.push(claim.text.clone());
+        db.outbox.ack(&claim, None)?;
+    }
+    assert_eq!(sent, ["head", "a", "b", "bold"]);
+    assert_eq!(messages_for(&db.raw(), reworded)?, ["*bold*"]);
+    Ok(())
+}

@@ -1,0 +1,12 @@
+-- Version 6: a queued delivery sent as one chunk holding its whole text has no row in
+-- outbound_delivery_chunks until its lane activates it; the row is inserted then,
+-- `pending` and due. An enqueue behind another reply of its chat writes one b-tree page
+-- less (the chunk row), and most of an enqueue's cost is its commit's page writes.
+--
+-- Nothing is rewritten: rows stored by earlier versions for queued deliveries stay and
+-- are activated in place. The version number changes so that an earlier version, which
+-- expects every delivery to have all its chunk rows, refuses the file instead of
+-- activating a delivery without a chunk to claim, or finalizing it as "no chunk left
+-- undelivered" in its start-up sweep.
+-- The statement a migration must have.
+SELECT 1;
