@@ -501,6 +501,11 @@ fn a_queued_reply_of_one_chunk_stores_its_chunk_when_its_lane_reaches_it() -> Re
             "{refused:?}"
         );
     }
+    let refused = db.outbox.requeue_delivery(queued);
+    assert!(
+        matches!(refused, Err(Error::DeliveryState { delivery, status: DeliveryStatus::Queued, .. }) if delivery == queued),
+        "{refused:?}"
+    );
     // Recovery finalizes what is wholly delivered; no chunk row is not that.
     assert_eq!(
         db.outbox
@@ -531,10 +536,9 @@ fn a_queued_reply_with_chunk_texts_stores_its_rows_at_once() -> Result<()> {
     let db = TestDb::default();
     db.outbox
         .enqueue(&NewDelivery::single("telegram", "1", "head"))?;
-    let split = db
-        .outbox
-        .enqueue(&NewDelivery::chunked("telegram", "1", "a b", ["a", "b"]))?
-        .id;
+    let split_reply =
+        || NewDelivery::chunked("telegram", "1", "a b", ["a", "b"]).with_idempotency_key("k");
+    let split = db.outbox.enqueue(&split_reply())?.id;
     let reworded = db
         .outbox
         .enqueue(&NewDelivery::chunked("telegram", "1", "*bold*", ["bold"]))?
@@ -545,6 +549,8 @@ fn a_queued_reply_with_chunk_texts_stores_its_rows_at_once() -> Result<()> {
         [idle.clone(), (1, "pending".into(), false)]
     );
     assert_eq!(chunk_rows(&db.raw(), reworded), [idle]);
+    let again = db.outbox.enqueue(&split_reply())?;
+    assert_eq!((again.id, again.created), (split, false));
 
     let mut sent = Vec::new();
     while let Some(claim) = db.outbox.claim(1)?.pop() {
