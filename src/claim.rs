@@ -558,14 +558,16 @@ struct Readable {
 
 /// The claim query for one channel: a range search on the claim index, in its order,
 /// so its cost is what it returns, never another channel's backlog or any history.
-/// `?1` is the channel, `?2` now, `?3` the limit.
+/// `?1` is the channel, `?2` now. The caller stops reading at its limit: a bound
+/// `LIMIT ?` would have SQLite compile the statement again each time it is bound (the
+/// limit's value takes part in the plan), which was most of what a claim of one cost.
 pub(crate) const CLAIM_SQL: &str =
     "SELECT c.id, c.delivery_id, c.due_at, c.chunk_index, c.status, c.attempts,
             d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text),
             d.metadata
      FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
      WHERE c.channel_id = ?1 AND c.due_at IS NOT NULL AND c.due_at <= ?2
-     ORDER BY c.due_at LIMIT ?3";
+     ORDER BY c.due_at";
 
 /// The earliest due time of one channel (`?1`): the first entry of its claim index.
 pub(crate) const NEXT_DUE_SQL: &str = "SELECT min(due_at) FROM outbound_delivery_chunks
@@ -579,7 +581,7 @@ fn due_chunks(
     limit: usize,
 ) -> Result<Vec<Candidate>> {
     let mut stmt = tx.prepare_cached(CLAIM_SQL)?;
-    let rows = stmt.query_map(params![channel_id, now, limit as i64], |r| {
+    let rows = stmt.query_map(params![channel_id, now], |r| {
         let readable = || -> std::result::Result<Readable, String> {
             let text = |i: usize| -> std::result::Result<String, String> {
                 let value = r.get_ref(i).map_err(|e| e.to_string())?;
@@ -623,7 +625,7 @@ fn due_chunks(
             row: readable(),
         })
     })?;
-    Ok(rows.collect::<rusqlite::Result<_>>()?)
+    Ok(rows.take(limit).collect::<rusqlite::Result<_>>()?)
 }
 
 /// `sending` chunks of one channel (`?1`) whose lease ends at or before `?2`: a range of
@@ -673,6 +675,29 @@ mod tests {
     use std::time::Duration;
 
     use crate::{ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome};
+
+    /// Claims of any size take their rows from one compiled statement: nothing bound to
+    /// it takes part in its plan, so SQLite never compiles it again. Each claim returns
+    /// at most its limit, the earliest due first.
+    #[test]
+    fn claims_reuse_one_compiled_statement_and_stop_at_their_limit() {
+        let ob = Outbox::open_in_memory(OutboxOptions::default()).unwrap();
+        for chat in 0..10 {
+            ob.enqueue(&NewDelivery::single("t", chat.to_string(), "x"))
+                .unwrap();
+        }
+        let mut chats = Vec::new();
+        for limit in [1, 3, 2, 64] {
+            let claims = ob.claim(limit).unwrap();
+            assert_eq!(claims.len(), limit.min(10 - chats.len()));
+            chats.extend(claims.iter().map(|c| c.chat_id.parse::<i32>().unwrap()));
+        }
+        assert_eq!(chats, (0..10).collect::<Vec<_>>());
+        let conn = ob.writer();
+        let stmt = conn.prepare_cached(super::CLAIM_SQL).unwrap();
+        assert_eq!(stmt.get_status(rusqlite::StatementStatus::RePrepare), 0);
+        assert!(stmt.get_status(rusqlite::StatementStatus::Run) >= 4);
+    }
 
     /// A renewal extends a live claim to a full lease from now, and refuses a claim that
     /// no longer owns its chunk (another token, or settled).
