@@ -564,16 +564,7 @@ fn same_content(tx: &Connection, rowid: i64, d: &NewDelivery) -> Result<bool> {
             "SELECT channel, chat_id, sender, text, metadata, status = 'queued'
              FROM outbound_deliveries WHERE id = ?1",
         )?
-        .query_row([rowid], |r| {
-            Ok((
-                r.get(0)?,
-                r.get(1)?,
-                r.get(2)?,
-                r.get(3)?,
-                r.get(4)?,
-                r.get(5)?,
-            ))
-        })?;
+        .query_row([rowid], |r| r.try_into())?;
     if channel != d.channel
         || chat_id != d.chat_id
         || sender != d.sender
