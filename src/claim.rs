@@ -560,7 +560,7 @@ struct Readable {
 /// so its cost is what it returns, never another channel's backlog or any history.
 /// `?1` is the channel, `?2` now. The caller stops reading at its limit: a bound
 /// `LIMIT ?` would have SQLite compile the statement again each time it is bound (the
-/// limit's value takes part in the plan), which was most of what a claim of one cost.
+/// limit's value takes part in the plan), a full parse and plan in every claim.
 pub(crate) const CLAIM_SQL: &str =
     "SELECT c.id, c.delivery_id, c.due_at, c.chunk_index, c.status, c.attempts,
             d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text),
