@@ -154,24 +154,23 @@ pub(crate) fn activate(
         Some(at) if head_index == 0 => earliest.max(at),
         _ => earliest,
     };
-    if head_index > 0 {
-        return make_due(tx, delivery, head_index, channel, chat_id, earliest);
-    }
-    // The first activation of a reply sent as one chunk of its whole text stores its
-    // chunk row (see `enqueue::stored_at_activation`); any other head chunk has a row.
+    // The head chunk has a row, whose due time is set, except at the first activation
+    // of a reply sent as one chunk of its whole text: that row is stored now (see
+    // `enqueue::stored_at_activation`).
     tx.prepare_cached(concat!(
         "INSERT INTO outbound_delivery_chunks (id, delivery_id, chunk_index, status, due_at, channel_id)
-         VALUES (?1, ?5, 0, 'pending', ",
+         VALUES (?1, ?5, ?6, 'pending', ",
         lane_due!("?2", "?3", "?4"),
         ", (SELECT id FROM outbound_channels WHERE name = ?3))
          ON CONFLICT (id) DO UPDATE SET due_at = excluded.due_at"
     ))?
     .execute(params![
-        delivery * CHUNK_STRIDE,
+        delivery * CHUNK_STRIDE + head_index,
         earliest,
         channel,
         chat_id,
-        delivery
+        delivery,
+        head_index
     ])?;
     Ok(())
 }
