@@ -1,13 +1,14 @@
 //! Claiming due chunks under a lease, and recovering expired leases.
 
 use chrono::{DateTime, Utc};
-use rusqlite::{Connection, params};
+use rusqlite::params;
 use serde::Serialize;
 
 use crate::clock::{duration_ms, to_datetime};
 use crate::outcome::{self, ChunkRef, Outcome, Recorded};
 use crate::policy::Stored;
 use crate::status::ChunkStatus;
+use crate::tx::Tx;
 use crate::{
     ChunkId, DeliveryId, Error, Outbox, ReplayPolicy, Result, chunk_idempotency_key, lane,
 };
@@ -232,7 +233,7 @@ impl Outbox {
         limit: usize,
     ) -> Result<(Vec<Result<Recorded>>, Vec<Claim>)> {
         // `limit` is a dispatcher's validated batch size (or 0), so within range.
-        let step = |tx: &rusqlite::Transaction<'_>, rules: &Stored| {
+        let step = |tx: &Tx<'_>, rules: &Stored| {
             let now = self.options().now_ms();
             let recorded =
                 outcome::record_in(tx, rules, outcomes.iter().map(|(c, o)| (c, o.clone())), now)?;
@@ -397,7 +398,7 @@ impl ChannelRow {
 /// The channel rows of `channels` (every channel, for `None`), with the interval their
 /// stored rules (or the default's) give. Channels the file has never seen have no
 /// chunks and are left out.
-fn channel_rows(tx: &Connection, channels: Option<&[&str]>) -> Result<Vec<ChannelRow>> {
+fn channel_rows(tx: &Tx<'_>, channels: Option<&[&str]>) -> Result<Vec<ChannelRow>> {
     let mut stmt = tx.prepare_cached(
         "SELECT ch.id, ch.name, coalesce(ch.channel_interval_us, p.channel_interval_us, 0),
                 ch.next_send_at_us
@@ -435,7 +436,7 @@ fn channel_rows(tx: &Connection, channels: Option<&[&str]>) -> Result<Vec<Channe
 /// lane interval has not passed since the lane's last send is pushed back to when it
 /// has; a row that cannot be read is set aside as corrupt.
 fn claim_in(
-    tx: &Connection,
+    tx: &Tx<'_>,
     outbox: &Outbox,
     rules: &Stored,
     channels: Option<&[&str]>,
@@ -574,7 +575,7 @@ pub(crate) const NEXT_DUE_SQL: &str = "SELECT min(due_at) FROM outbound_delivery
      WHERE channel_id = ?1 AND due_at IS NOT NULL";
 
 fn due_chunks(
-    tx: &Connection,
+    tx: &Tx<'_>,
     channel_id: i64,
     channel: &str,
     now: i64,
@@ -635,7 +636,7 @@ pub(crate) const EXPIRED_SQL: &str = outcome::chunk_ref_where!(
 );
 
 /// `sending` chunks of one channel whose lease ends at or before `until`.
-fn sending_chunks(tx: &Connection, channel_id: i64, until: i64) -> Result<Vec<ChunkRef>> {
+fn sending_chunks(tx: &Tx<'_>, channel_id: i64, until: i64) -> Result<Vec<ChunkRef>> {
     let mut stmt = tx.prepare_cached(EXPIRED_SQL)?;
     let rows = stmt.query_map(params![channel_id, until], ChunkRef::from_row)?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
@@ -644,7 +645,7 @@ fn sending_chunks(tx: &Connection, channel_id: i64, until: i64) -> Result<Vec<Ch
 /// Settles a chunk whose lease expired while `sending`. A replayable chunk is left for
 /// the caller to claim or reschedule; a held one becomes `uncertain`; one with no
 /// attempts left fails.
-fn expire(tx: &Connection, rules: &Stored, chunk: &ChunkRef, now: i64) -> Result<Expired> {
+fn expire(tx: &Tx<'_>, rules: &Stored, chunk: &ChunkRef, now: i64) -> Result<Expired> {
     let max_attempts = rules.policy.retry_for(&chunk.channel).max_attempts;
     if chunk.attempts >= max_attempts {
         let reason = format!(

@@ -6,6 +6,7 @@ use serde::Serialize;
 use crate::ids::{CHUNK_STRIDE, chunks_of_delivery};
 use crate::lane::{self, LaneHead};
 use crate::policy::{self, Stored};
+use crate::tx::Tx;
 use crate::{DeliveryId, Error, LaneOrder, Outbox, Result};
 
 /// Longest accepted channel name, in bytes.
@@ -420,7 +421,7 @@ impl Outbox {
         conn.execute_batch("SAVEPOINT chunked_outbox_enqueue")?;
         match self
             .rules(conn)
-            .and_then(|rules| insert(conn, self, &rules, delivery))
+            .and_then(|rules| insert(&Tx::new(conn), self, &rules, delivery))
         {
             Ok(enqueued) => {
                 conn.execute_batch("RELEASE chunked_outbox_enqueue")?;
@@ -439,7 +440,7 @@ impl Outbox {
     }
 }
 
-fn insert(tx: &Connection, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> Result<Enqueued> {
+fn insert(tx: &Tx<'_>, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> Result<Enqueued> {
     if let Some(key) = &d.idempotency_key
         && let Some((rowid, existing)) = find_by_key(tx, &d.channel, key)?
     {
@@ -475,7 +476,7 @@ fn insert(tx: &Connection, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> 
             LaneHead::Busy => false,
             // A queued delivery with nothing in front of it: start that one first.
             LaneHead::Next(waiting) => {
-                lane::activate(tx, waiting, &d.channel, &d.chat_id, now)?;
+                lane::activate(tx, &waiting, &d.channel, &d.chat_id, now)?;
                 false
             }
         },
@@ -546,7 +547,7 @@ fn stored_at_activation(d: &NewDelivery) -> bool {
 pub(crate) const KEY_LOOKUP_SQL: &str =
     "SELECT id, uid FROM outbound_deliveries WHERE channel = ?1 AND idempotency_key = ?2";
 
-fn find_by_key(tx: &Connection, channel: &str, key: &str) -> Result<Option<(i64, DeliveryId)>> {
+fn find_by_key(tx: &Tx<'_>, channel: &str, key: &str) -> Result<Option<(i64, DeliveryId)>> {
     let row = tx
         .prepare_cached(KEY_LOOKUP_SQL)?
         .query_row([channel, key], |r| {
@@ -557,7 +558,7 @@ fn find_by_key(tx: &Connection, channel: &str, key: &str) -> Result<Option<(i64,
         .transpose()
 }
 
-fn same_content(tx: &Connection, rowid: i64, d: &NewDelivery) -> Result<bool> {
+fn same_content(tx: &Tx<'_>, rowid: i64, d: &NewDelivery) -> Result<bool> {
     type Row = (String, String, Option<String>, String, Option<String>, bool);
     let (channel, chat_id, sender, text, metadata, queued): Row = tx
         .prepare_cached(

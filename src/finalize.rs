@@ -5,6 +5,7 @@ use rusqlite::{Connection, params};
 
 use crate::ids::chunks_of_delivery;
 use crate::policy::Stored;
+use crate::tx::Tx;
 use crate::{Error, Result, lane};
 
 /// The named parameters an application's finalization statement may use (written
@@ -94,7 +95,7 @@ pub(crate) fn validate_statement(conn: &Connection, sql: &str) -> Result<()> {
 
 /// Runs the application's finalization statement for `delivery`, every parameter
 /// bound (never interpolated) from the delivery.
-fn run_statement(tx: &Connection, sql: &str, delivery: i64, now: i64) -> Result<()> {
+fn run_statement(tx: &Tx<'_>, sql: &str, delivery: i64, now: i64) -> Result<()> {
     let values: Vec<Value> =
         tx.prepare_cached(FINALIZE_VALUES_SQL)?
             .query_row(params![delivery, now], |r| {
@@ -102,7 +103,8 @@ fn run_statement(tx: &Connection, sql: &str, delivery: i64, now: i64) -> Result<
                     .map(|i| r.get::<_, Value>(i))
                     .collect()
             })?;
-    let mut stmt = tx.prepare_cached(sql)?;
+    // The application's text, not the crate's: through the connection's own cache.
+    let mut stmt = Connection::prepare_cached(tx, sql)?;
     for i in 1..=stmt.parameter_count() {
         let name = stmt.parameter_name(i).unwrap_or_default();
         // Checked when it was set; a statement stored by hand may still be wrong.
@@ -131,7 +133,7 @@ pub(crate) const HISTORY_SQL: &str = "INSERT INTO outbound_messages
 /// finalization fails before it reaches the application's table, whatever that
 /// table's own constraints.
 pub(crate) fn finalize(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     delivery: i64,
     (channel, chat_id): (&str, &str),
@@ -185,7 +187,7 @@ impl Tally {
     /// Adds the tally to the stored count and to the totals that only grow: finalized
     /// replies and their enqueue-to-finalization latency (buckets as in
     /// `health::LATENCY_BUCKETS`).
-    pub(crate) fn write(self, tx: &Connection) -> Result<()> {
+    pub(crate) fn write(self, tx: &Tx<'_>) -> Result<()> {
         for (channel, at, latencies) in self.channels {
             let le = |limit_ms: i64| latencies.iter().filter(|l| **l <= limit_ms).count() as i64;
             tx.prepare_cached(
@@ -241,7 +243,7 @@ pub(crate) const SWEEP_SQL: &str = concat!(
 /// Finalizes unfinished deliveries whose chunks are all delivered: what a crash in a
 /// path that recorded chunk acks separately from finalization (an older outbox, a
 /// manual repair) leaves behind. Reads only unfinished deliveries, never history.
-pub(crate) fn sweep(tx: &Connection, rules: &Stored, now: i64) -> Result<u64> {
+pub(crate) fn sweep(tx: &Tx<'_>, rules: &Stored, now: i64) -> Result<u64> {
     type Done = (i64, String, String, i64);
     let done: Vec<Done> = tx
         .prepare_cached(SWEEP_SQL)?

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use rusqlite::Connection;
 use serde::Serialize;
 
 use crate::Outbox;
@@ -12,6 +11,7 @@ use crate::Result;
 use crate::clock::to_datetime;
 use crate::ids::chunks_of_delivery;
 use crate::status::{ChunkStatus, DeliveryStatus};
+use crate::tx::Tx;
 
 /// Counts for one channel.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -357,7 +357,7 @@ pub(crate) const OPEN_CHUNKS_SQL: &str = concat!(
  GROUP BY d.channel, state"
 );
 
-fn snapshot(tx: &Connection, now: i64) -> Result<Health> {
+fn snapshot(tx: &Tx<'_>, now: i64) -> Result<Health> {
     let mut channels: BTreeMap<String, ChannelHealth> = BTreeMap::new();
 
     let mut stats = tx.prepare_cached(

@@ -7,6 +7,7 @@ use serde::Serialize;
 use crate::clock::to_datetime;
 use crate::ids::{CHUNK_STRIDE, chunks_of_delivery};
 use crate::status::{ChunkStatus, DeliveryStatus};
+use crate::tx::Tx;
 use crate::{ChunkId, ClaimantId, DeliveryId, Error, Outbox, Result, chunk_idempotency_key};
 
 /// Most rows one [`Outbox::list`] returns.
@@ -160,13 +161,15 @@ impl Outbox {
     /// Database errors.
     pub fn delivery(&self, id: DeliveryId) -> Result<Option<DeliveryView>> {
         self.read(|tx| {
-            let Some((rowid, mut view)) = tx
-                .prepare_cached(&format!("{DELIVERY_SELECT} WHERE id = ?1 AND uid = ?2"))?
-                .query_row(
-                    params![self.delivery_rowid(id), id.to_string()],
-                    delivery_row,
-                )
-                .optional()?
+            let Some((rowid, mut view)) = Connection::prepare_cached(
+                tx,
+                &format!("{DELIVERY_SELECT} WHERE id = ?1 AND uid = ?2"),
+            )?
+            .query_row(
+                params![self.delivery_rowid(id), id.to_string()],
+                delivery_row,
+            )
+            .optional()?
             else {
                 return Ok(None);
             };
@@ -212,7 +215,7 @@ impl Outbox {
         values.push(Value::Integer(filter.limit as i64));
         sql.push_str(&format!(" ORDER BY id DESC LIMIT ?{}", values.len()));
         self.read(|tx| {
-            let mut stmt = tx.prepare_cached(&sql)?;
+            let mut stmt = Connection::prepare_cached(tx, &sql)?;
             let rows = stmt.query_map(params_from_iter(values), |r| Ok(delivery_row(r)))?;
             let mut views = Vec::new();
             for row in rows {
@@ -315,7 +318,7 @@ fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
     ))
 }
 
-fn chunks_of(tx: &Connection, delivery: i64, id: &DeliveryId) -> Result<Vec<ChunkView>> {
+fn chunks_of(tx: &Tx<'_>, delivery: i64, id: &DeliveryId) -> Result<Vec<ChunkView>> {
     // A queued delivery without a chunk row has one pending chunk, stored when the
     // delivery becomes active (see `enqueue::stored_at_activation`).
     let mut stmt = tx.prepare_cached(concat!(

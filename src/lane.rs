@@ -13,11 +13,12 @@
 //!   anything before its channel's lane interval has passed since its last send
 //!   started, whoever sent it (`outbound_lanes`).
 
-use rusqlite::{Connection, params};
+use rusqlite::{OptionalExtension, params};
 
 use crate::clock::duration_ms;
 use crate::ids::CHUNK_STRIDE;
 use crate::policy::Stored;
+use crate::tx::Tx;
 use crate::{LaneFailurePolicy, LaneOrder, Policy, Result};
 
 /// Where a lane stands for scheduling purposes.
@@ -25,23 +26,34 @@ pub(crate) enum LaneHead {
     /// A delivery is active, or a failed/uncertain head blocks the lane.
     Busy,
     /// Nothing is active; this queued delivery should go next.
-    Next(i64),
+    Next(Waiting),
     /// Nothing active and nothing queued.
     Idle,
 }
 
-/// "A delivery of lane (`?1`, `?2`) is active", as a condition: two seeks on the index
-/// of unfinished deliveries (`status IN (...)` would build a temporary b-tree of the
-/// list on every call).
-macro_rules! lane_active {
-    () => {
-        "(EXISTS (
-             SELECT 1 FROM outbound_deliveries
-             WHERE channel = ?1 AND chat_id = ?2 AND status = 'pending' AND status <> 'delivered')
-         OR EXISTS (
-             SELECT 1 FROM outbound_deliveries
-             WHERE channel = ?1 AND chat_id = ?2 AND status = 'partial' AND status <> 'delivered'))"
-    };
+/// A delivery to make active: its row id, the index of its head chunk (chunks before
+/// it were delivered before it was set aside), and the time it may start, if delayed.
+pub(crate) struct Waiting {
+    pub id: i64,
+    head_index: i64,
+    not_before: Option<i64>,
+}
+
+impl Waiting {
+    /// Reads delivery `id` as [`activate`] needs it.
+    pub(crate) fn load(tx: &Tx<'_>, id: i64) -> Result<Waiting> {
+        Ok(tx
+            .prepare_cached(
+                "SELECT delivered_count, not_before FROM outbound_deliveries WHERE id = ?1",
+            )?
+            .query_row([id], |r| {
+                Ok(Waiting {
+                    id,
+                    head_index: r.get(0)?,
+                    not_before: r.get(1)?,
+                })
+            })?)
+    }
 }
 
 /// The due time of [`due_time`] as an SQL expression of its parameters: `earliest`, or
@@ -66,47 +78,53 @@ macro_rules! lane_due {
     };
 }
 
-/// The oldest queued delivery of the lane, as a scalar subquery: a seek, whatever the
-/// length of the queue.
-macro_rules! lane_queued {
-    () => {
-        "(SELECT id FROM outbound_deliveries
-          WHERE channel = ?1 AND chat_id = ?2 AND status = 'queued' AND status <> 'delivered'
-          ORDER BY id LIMIT 1)"
-    };
-}
+/// The first of lane (`?1`, `?2`)'s deliveries that are active (`partial`, `pending`)
+/// or `queued`, in that order, then oldest first: one seek on the index of unfinished
+/// deliveries, whatever the length of the queue. Those three statuses are next to each
+/// other in the index, and no other status the schema allows sorts between them
+/// (`cancelled` < `delivered` < `failed` < `partial` < `pending` < `queued` <
+/// `uncertain`), so an active delivery, if any, comes before every queued one. For a
+/// queued one it also gives what [`activate`] needs from its row; SQLite reads the row
+/// itself only then (a deferred seek), so a busy lane costs the index seek alone.
+pub(crate) const HEAD_SQL: &str = "SELECT status = 'queued', id,
+            CASE WHEN status = 'queued' THEN delivered_count END,
+            CASE WHEN status = 'queued' THEN not_before END
+     FROM outbound_deliveries
+     WHERE channel = ?1 AND chat_id = ?2 AND status >= 'partial' AND status <= 'queued'
+       AND status <> 'delivered'
+     ORDER BY status, id LIMIT 1";
 
-/// What [`head`] decides from, in one statement: whether a delivery of lane (`?1`,
-/// `?2`) is active, its oldest queued delivery, and, when `?3` is true (under
-/// [`LaneFailurePolicy::Block`]), the oldest delivery holding it: an uncertain one, or
-/// a dead letter nobody acknowledged.
-pub(crate) const HEAD_SQL: &str = concat!(
-    "SELECT ",
-    lane_active!(),
-    ", ",
-    lane_queued!(),
-    ", CASE WHEN ?3 THEN (
-         SELECT min(id) FROM outbound_deliveries
-         WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered'
-           AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL)))
-       END"
-);
+/// The oldest delivery holding lane (`?1`, `?2`) under [`LaneFailurePolicy::Block`]:
+/// an uncertain one, or a dead letter nobody acknowledged.
+pub(crate) const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
+     WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered'
+       AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL))";
 
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
-pub(crate) fn head(
-    tx: &Connection,
-    rules: &Policy,
-    channel: &str,
-    chat_id: &str,
-) -> Result<LaneHead> {
-    let block = rules.lane_failure == LaneFailurePolicy::Block;
-    let (active, next, held): (bool, Option<i64>, Option<i64>) = tx
+pub(crate) fn head(tx: &Tx<'_>, rules: &Policy, channel: &str, chat_id: &str) -> Result<LaneHead> {
+    let first: Option<(bool, Waiting)> = tx
         .prepare_cached(HEAD_SQL)?
-        .query_row(params![channel, chat_id, block], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-        })?;
-    if active || held.is_some_and(|h| next.is_none_or(|n| h < n)) {
-        return Ok(LaneHead::Busy);
+        .query_row(params![channel, chat_id], |r| {
+            let waiting = Waiting {
+                id: r.get(1)?,
+                head_index: r.get::<_, Option<i64>>(2)?.unwrap_or(0),
+                not_before: r.get(3)?,
+            };
+            Ok((r.get(0)?, waiting))
+        })
+        .optional()?;
+    let next = match first {
+        Some((false, _active)) => return Ok(LaneHead::Busy),
+        Some((true, queued)) => Some(queued),
+        None => None,
+    };
+    if rules.lane_failure == LaneFailurePolicy::Block {
+        let held: Option<i64> = tx
+            .prepare_cached(HELD_SQL)?
+            .query_row(params![channel, chat_id], |r| r.get(0))?;
+        if held.is_some_and(|h| next.as_ref().is_none_or(|n| h < n.id)) {
+            return Ok(LaneHead::Busy);
+        }
     }
     Ok(next.map_or(LaneHead::Idle, LaneHead::Next))
 }
@@ -115,7 +133,7 @@ pub(crate) fn head(
 /// head chunk due no earlier than `earliest`. Does nothing for parallel lanes, whose
 /// deliveries are active from the start.
 pub(crate) fn advance(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Policy,
     channel: &str,
     chat_id: &str,
@@ -124,26 +142,25 @@ pub(crate) fn advance(
     if rules.lane_order == LaneOrder::Parallel {
         return Ok(());
     }
-    if let LaneHead::Next(delivery) = head(tx, rules, channel, chat_id)? {
-        activate(tx, delivery, channel, chat_id, earliest)?;
+    if let LaneHead::Next(waiting) = head(tx, rules, channel, chat_id)? {
+        activate(tx, &waiting, channel, chat_id, earliest)?;
     }
     Ok(())
 }
 
 /// Marks a delivery active and makes its head chunk due.
 pub(crate) fn activate(
-    tx: &Connection,
-    delivery: i64,
+    tx: &Tx<'_>,
+    waiting: &Waiting,
     channel: &str,
     chat_id: &str,
     earliest: i64,
 ) -> Result<()> {
-    // A read, then the write: `RETURNING` would gather its row in a temporary b-tree.
-    let (head_index, not_before): (i64, Option<i64>) = tx
-        .prepare_cached(
-            "SELECT delivered_count, not_before FROM outbound_deliveries WHERE id = ?1",
-        )?
-        .query_row([delivery], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let &Waiting {
+        id: delivery,
+        head_index,
+        not_before,
+    } = waiting;
     tx.prepare_cached(
         "UPDATE outbound_deliveries SET status = CASE WHEN ?2 > 0 THEN 'partial' ELSE 'pending' END
          WHERE id = ?1",
@@ -178,7 +195,7 @@ pub(crate) fn activate(
 /// Gives chunk `index` of `delivery` a due time: `earliest`, or the end of the lane's
 /// rate-limit pause if that is later.
 pub(crate) fn make_due(
-    tx: &Connection,
+    tx: &Tx<'_>,
     delivery: i64,
     index: i64,
     channel: &str,
@@ -204,12 +221,7 @@ pub(crate) fn make_due(
 /// time its channel's lane interval allows the next send. Every due time handed to a
 /// chunk (other than a claim's lease expiry) goes through here, so no send of a paused
 /// or paced lane starts early.
-pub(crate) fn due_time(
-    tx: &Connection,
-    channel: &str,
-    chat_id: &str,
-    earliest: i64,
-) -> Result<i64> {
+pub(crate) fn due_time(tx: &Tx<'_>, channel: &str, chat_id: &str, earliest: i64) -> Result<i64> {
     Ok(tx
         .prepare_cached(concat!("SELECT ", lane_due!("?3", "?1", "?2")))?
         .query_row(params![channel, chat_id, earliest], |r| r.get(0))?)
@@ -219,7 +231,7 @@ pub(crate) fn due_time(
 /// the lane may start before `now + interval`, whichever process makes it. Nothing is
 /// written for channels without one.
 pub(crate) fn note_send(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     channel: &str,
     chat_id: &str,
@@ -251,7 +263,7 @@ pub(crate) const PAUSE_DUE_SQL: &str = "UPDATE outbound_delivery_chunks SET due_
 /// the pause for chunks that become due later, and pushes back the chunks of the lane
 /// that are already due — to the end of the pause as stored, not only to `until`.
 /// Returns that end.
-pub(crate) fn pause(tx: &Connection, channel: &str, chat_id: &str, until: i64) -> Result<i64> {
+pub(crate) fn pause(tx: &Tx<'_>, channel: &str, chat_id: &str, until: i64) -> Result<i64> {
     let paused_until: i64 = tx
         .prepare_cached(
             "INSERT INTO outbound_lanes (channel, chat_id, paused_until) VALUES (?1, ?2, ?3)
@@ -269,7 +281,7 @@ pub(crate) fn pause(tx: &Connection, channel: &str, chat_id: &str, until: i64) -
 /// into its lane: active at once for parallel lanes; queued behind whatever is active
 /// for FIFO lanes, and activated if the lane is free.
 pub(crate) fn rejoin(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Policy,
     delivery: i64,
     channel: &str,
@@ -277,7 +289,13 @@ pub(crate) fn rejoin(
     earliest: i64,
 ) -> Result<()> {
     if rules.lane_order == LaneOrder::Parallel {
-        return activate(tx, delivery, channel, chat_id, earliest);
+        return activate(
+            tx,
+            &Waiting::load(tx, delivery)?,
+            channel,
+            chat_id,
+            earliest,
+        );
     }
     tx.prepare_cached(
         "UPDATE outbound_deliveries
@@ -289,8 +307,8 @@ pub(crate) fn rejoin(
 
 /// The rows of `sql`, a query of `(delivery row id, channel, chat id)`.
 pub(crate) fn deliveries_with_lanes(
-    tx: &Connection,
-    sql: &str,
+    tx: &Tx<'_>,
+    sql: &'static str,
 ) -> Result<Vec<(i64, String, String)>> {
     let mut stmt = tx.prepare_cached(sql)?;
     let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
@@ -306,7 +324,7 @@ pub(crate) const QUEUED_ALL_SQL: &str = "SELECT id, channel, chat_id FROM outbou
 /// (with a changed failure policy) each lane with a queued delivery gets the head the
 /// new rules give it.
 pub(crate) fn follow_rule_change(
-    tx: &Connection,
+    tx: &Tx<'_>,
     before: &Policy,
     after: &Policy,
     now: i64,
@@ -318,7 +336,7 @@ pub(crate) fn follow_rule_change(
     let mut lanes = std::collections::BTreeSet::new();
     for (delivery, channel, chat_id) in queued {
         if after.lane_order == LaneOrder::Parallel {
-            activate(tx, delivery, &channel, &chat_id, now)?;
+            activate(tx, &Waiting::load(tx, delivery)?, &channel, &chat_id, now)?;
         } else if lanes.insert((channel.clone(), chat_id.clone())) {
             advance(tx, after, &channel, &chat_id, now)?;
         }

@@ -154,6 +154,7 @@ mod schema;
 mod split;
 mod status;
 pub mod telemetry;
+mod tx;
 
 pub use claim::{Claim, RecoverScope, RecoveryReport};
 pub use classify::{ErrorClass, classify_error};

@@ -3,13 +3,14 @@
 
 use std::collections::BTreeSet;
 
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::{OptionalExtension, params};
 
 use crate::finalize::Tally;
 use crate::ids::{DELETE_CHUNKS_SQL, chunks_of_delivery};
 use crate::outcome::{ChunkRef, Recorded, chunk_ref_where, deliver_chunk};
 use crate::policy::Stored;
 use crate::status::{ChunkStatus, DeliveryStatus};
+use crate::tx::Tx;
 use crate::{ChunkId, DeliveryId, Error, Outbox, Result, lane};
 
 /// How to settle a chunk held as `uncertain`.
@@ -278,7 +279,7 @@ fn expect_status(
 }
 
 fn requeue(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     chunk: &ChunkRef,
     action: &'static str,
@@ -318,7 +319,7 @@ pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
 
 /// The failed or uncertain chunk of a delivery, or else its current head chunk (for the
 /// error message).
-fn held_or_head_chunk(outbox: &Outbox, tx: &Connection, delivery: DeliveryId) -> Result<ChunkRef> {
+fn held_or_head_chunk(outbox: &Outbox, tx: &Tx<'_>, delivery: DeliveryId) -> Result<ChunkRef> {
     let chunk = tx
         .prepare_cached(chunk_ref_where!(
             "d.id = ?1 AND d.uid = ?2
@@ -344,7 +345,7 @@ fn held_or_head_chunk(outbox: &Outbox, tx: &Connection, delivery: DeliveryId) ->
 /// A delivery's status, channel and chat, by its public id.
 fn delivery_row(
     outbox: &Outbox,
-    tx: &Connection,
+    tx: &Tx<'_>,
     delivery: DeliveryId,
 ) -> Result<(DeliveryStatus, String, String)> {
     tx.prepare_cached(

@@ -12,6 +12,7 @@ use rusqlite::{Connection, OpenFlags, Transaction, TransactionBehavior};
 use crate::checkpoint::Checkpointer;
 use crate::policy::{self, Stored};
 use crate::schema::{self, StorageSettings};
+use crate::tx::Tx;
 use crate::{
     ChannelPolicy, ClaimantId, DeliveryId, Error, OutboxOptions, Policy, Result, RetryPolicy,
 };
@@ -435,14 +436,11 @@ impl Outbox {
     /// Runs `f` in one `BEGIN IMMEDIATE` transaction on the writer connection, with the
     /// stored rules as they stand in that transaction; commits if it returns `Ok`, rolls
     /// back otherwise.
-    pub(crate) fn write<T>(
-        &self,
-        f: impl FnOnce(&Transaction<'_>, &Stored) -> Result<T>,
-    ) -> Result<T> {
+    pub(crate) fn write<T>(&self, f: impl FnOnce(&Tx<'_>, &Stored) -> Result<T>) -> Result<T> {
         let mut conn = self.writer();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let rules = self.rules(&tx)?;
-        let value = f(&tx, &rules)?;
+        let value = f(&Tx::new(&tx), &rules)?;
         tx.commit()?;
         Ok(value)
     }
@@ -462,7 +460,7 @@ impl Outbox {
     /// writes that can make work due.
     pub(crate) fn write_and_wake<T>(
         &self,
-        f: impl FnOnce(&Transaction<'_>, &Stored) -> Result<T>,
+        f: impl FnOnce(&Tx<'_>, &Stored) -> Result<T>,
     ) -> Result<T> {
         let value = self.write(f)?;
         self.wake();
@@ -471,17 +469,17 @@ impl Outbox {
 
     /// Runs `f` on a read-only connection (the writer, for an in-memory outbox), inside
     /// one read transaction so that everything `f` reads is one consistent snapshot.
-    pub(crate) fn read<T>(&self, f: impl FnOnce(&Transaction<'_>) -> Result<T>) -> Result<T> {
+    pub(crate) fn read<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
         match &self.inner.readers {
             Some(pool) => {
                 let mut conn = pool.get()?;
                 let tx = conn.transaction()?;
-                f(&tx)
+                f(&Tx::new(&tx))
             }
             None => {
                 let mut conn = self.writer();
                 let tx = conn.transaction()?;
-                f(&tx)
+                f(&Tx::new(&tx))
             }
         }
     }
@@ -618,7 +616,7 @@ fn reconcile(conn: &Connection, options: &OutboxOptions) -> Result<()> {
     }
     if store.any() {
         policy::store_file_rules(&tx, &wanted, store)?;
-        crate::lane::follow_rule_change(&tx, &stored, &wanted, options.now_ms())?;
+        crate::lane::follow_rule_change(&Tx::new(&tx), &stored, &wanted, options.now_ms())?;
     }
     for (name, rules) in channels {
         policy::store_channel(&tx, name, Some(rules))?;

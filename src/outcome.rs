@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use rusqlite::{Connection, OptionalExtension, Row, params};
+use rusqlite::{OptionalExtension, Row, params};
 use serde::Serialize;
 
 use crate::classify::{ErrorClass, cap_retry_after, classify_error};
@@ -12,6 +12,7 @@ use crate::finalize::Tally;
 use crate::ids::CHUNK_STRIDE;
 use crate::policy::Stored;
 use crate::status::ChunkStatus;
+use crate::tx::Tx;
 use crate::{ChunkId, Claim, Error, Outbox, ReplayPolicy, Result, finalize, lane};
 
 /// Longest error text kept with a chunk; longer texts are cut at a character boundary.
@@ -245,7 +246,7 @@ impl Outbox {
 /// Records each outcome in the caller's transaction; a stale claim gets
 /// [`Error::StaleClaim`] in its slot and changes nothing.
 pub(crate) fn record_in(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     outcomes: impl IntoIterator<Item = (impl std::borrow::Borrow<Claim>, Outcome)>,
     now: i64,
@@ -333,7 +334,7 @@ impl ChunkRef {
 
     /// Loads a chunk by id, including the one chunk of a queued delivery whose row is
     /// stored when the delivery becomes active (see `enqueue::stored_at_activation`).
-    pub fn load(tx: &Connection, id: ChunkId) -> Result<ChunkRef> {
+    pub fn load(tx: &Tx<'_>, id: ChunkId) -> Result<ChunkRef> {
         let mut chunk = tx
             .prepare_cached(chunk_ref_where!("c.id = ?1"))?
             .query_row([id.0], Self::from_row)
@@ -361,7 +362,7 @@ pub(crate) const CLAIMED_SQL: &str = chunk_ref_where!(
 
 /// `sending` or — after its lease ran out and nobody else took it — `uncertain` or
 /// `retry`. Every other transition clears the token.
-fn claimed(tx: &Connection, claim: &Claim) -> Result<ChunkRef> {
+fn claimed(tx: &Tx<'_>, claim: &Claim) -> Result<ChunkRef> {
     let chunk = tx
         .prepare_cached(CLAIMED_SQL)?
         .query_row(params![claim.chunk_id.0, claim.token], ChunkRef::from_row)
@@ -372,7 +373,7 @@ fn claimed(tx: &Connection, claim: &Claim) -> Result<ChunkRef> {
 }
 
 fn apply(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     chunk: &ChunkRef,
     outcome: Outcome,
@@ -429,7 +430,7 @@ fn apply(
 /// decision would — delivered (and on to its next chunk, or finalized), retried, or a
 /// dead letter. Another ambiguous outcome leaves it held.
 fn settle_held(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     chunk: &ChunkRef,
     outcome: Outcome,
@@ -494,7 +495,7 @@ fn settle_held(
 /// Sends a chunk whose delivery was set aside again from its lane, as a requeue would:
 /// `retry` with `attempts`, due no earlier than `earliest` once its lane lets it.
 fn rejoin_lane(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     chunk: &ChunkRef,
     attempts: u32,
@@ -527,7 +528,7 @@ pub const MAX_REFUNDED_RATE_LIMITS: u32 = 20;
 /// for its first [`MAX_REFUNDED_RATE_LIMITS`], the same after that — or, when that
 /// leaves it out of budget, `Err` with the dead letter's error.
 fn charge_rate_limit(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     chunk: &ChunkRef,
     error: &str,
@@ -565,7 +566,7 @@ pub(crate) fn out_of_budget(rules: &Stored, chunk: &ChunkRef, now: i64) -> Optio
 }
 
 fn retry_or_fail(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     chunk: &ChunkRef,
     error: &str,
@@ -596,7 +597,7 @@ fn retry_or_fail(
 /// Puts a chunk back in the claimable set (or keeps it there) with the given status,
 /// attempt count and due time.
 pub(crate) fn reschedule(
-    tx: &Connection,
+    tx: &Tx<'_>,
     chunk: &ChunkRef,
     status: ChunkStatus,
     attempts: u32,
@@ -624,7 +625,7 @@ pub(crate) fn reschedule(
 /// lane (an ack) or was held aside (resolving an `uncertain` chunk), in which case it
 /// queues up in its lane again. The result says whether the delivery was finalized.
 pub(crate) fn deliver_chunk(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     chunk: &ChunkRef,
     platform_message_id: Option<&str>,
@@ -682,7 +683,7 @@ pub(crate) fn deliver_chunk(
 /// Fails a chunk for good and its delivery with it (a dead letter); the lane moves on
 /// according to the [`LaneFailurePolicy`](crate::LaneFailurePolicy).
 pub(crate) fn fail_chunk(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     chunk: &ChunkRef,
     error: &str,
@@ -696,7 +697,7 @@ pub(crate) fn fail_chunk(
 /// `outbound_deliveries.corrupt` for health and the tool, and its lane moves on. Works
 /// from the row ids alone, since the rest of the row may be what is unreadable.
 pub(crate) fn set_aside_corrupt(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     chunk: i64,
     delivery: i64,
@@ -731,7 +732,7 @@ pub(crate) fn set_aside_corrupt(
 
 /// Holds a chunk that may have been sent as `uncertain` until someone decides.
 pub(crate) fn hold_uncertain(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     chunk: &ChunkRef,
     error: &str,
@@ -744,7 +745,7 @@ pub(crate) fn hold_uncertain(
 /// claim's token: the worker that held it may still be alive and report its outcome
 /// ([`Outbox::record`] accepts it until someone else decides).
 pub(crate) fn hold_abandoned(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     chunk: &ChunkRef,
     error: &str,
@@ -763,7 +764,7 @@ pub(crate) fn hold_abandoned(
 /// Puts a chunk whose lease ran out on a channel that may replay back to `retry`, due
 /// at `due`, keeping the claim's token until it is claimed again (see
 /// [`hold_abandoned`]).
-pub(crate) fn retry_abandoned(tx: &Connection, chunk: &ChunkRef, due: i64) -> Result<()> {
+pub(crate) fn retry_abandoned(tx: &Tx<'_>, chunk: &ChunkRef, due: i64) -> Result<()> {
     tx.prepare_cached(
         "UPDATE outbound_delivery_chunks SET status = 'retry', due_at = ?2 WHERE id = ?1",
     )?
@@ -773,7 +774,7 @@ pub(crate) fn retry_abandoned(tx: &Connection, chunk: &ChunkRef, due: i64) -> Re
 
 /// Takes a chunk and its delivery out of the lane as `failed` or `uncertain`.
 fn set_aside(
-    tx: &Connection,
+    tx: &Tx<'_>,
     rules: &Stored,
     chunk: &ChunkRef,
     status: ChunkStatus,
@@ -785,7 +786,7 @@ fn set_aside(
 }
 
 fn set_held(
-    tx: &Connection,
+    tx: &Tx<'_>,
     chunk: &ChunkRef,
     status: ChunkStatus,
     error: &str,
@@ -801,12 +802,7 @@ fn set_held(
 }
 
 /// The delivery of a chunk set aside takes the chunk's status (`failed`, `uncertain`).
-fn set_delivery_held(
-    tx: &Connection,
-    chunk: &ChunkRef,
-    status: ChunkStatus,
-    now: i64,
-) -> Result<()> {
+fn set_delivery_held(tx: &Tx<'_>, chunk: &ChunkRef, status: ChunkStatus, now: i64) -> Result<()> {
     let finished = (status == ChunkStatus::Failed).then_some(now);
     tx.prepare_cached(
         "UPDATE outbound_deliveries SET status = ?2, updated_at = ?3, finished_at = ?4

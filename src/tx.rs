@@ -1,0 +1,123 @@
+//! The connection a unit of work runs on, holding each statement it has used until
+//! the work is done.
+//!
+//! rusqlite's statement cache looks a statement up by its SQL text: it trims, hashes
+//! and compares the text and copies it into a fresh allocation on every
+//! `prepare_cached`, and hashes it again when the statement goes back. A batch of 64
+//! acks runs about ten statements per ack, mostly the same ten, and that bookkeeping
+//! was about a tenth of its time. [`Tx`] takes each statement from rusqlite's cache
+//! once and keeps it for the rest of the work, found again by the address of its text.
+
+use std::cell::RefCell;
+use std::ops::{Deref, DerefMut};
+
+use rusqlite::{CachedStatement, Connection, Statement};
+
+/// A connection, usually inside a transaction, with the statements used on it so far.
+/// Dereferences to the [`Connection`]; its own
+/// [`prepare_cached`](Self::prepare_cached) finds a statement used before without
+/// going through rusqlite's cache. Drop it before committing: every statement it holds
+/// then goes back to that cache.
+pub(crate) struct Tx<'c> {
+    conn: &'c Connection,
+    held: RefCell<Vec<Held<'c>>>,
+}
+
+/// A statement kept by a [`Tx`], by its SQL text; `None` while it is in use.
+struct Held<'c> {
+    sql: *const u8,
+    len: usize,
+    stmt: Option<CachedStatement<'c>>,
+}
+
+impl<'c> Tx<'c> {
+    pub(crate) fn new(conn: &'c Connection) -> Self {
+        Tx {
+            conn,
+            held: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// The statement for `sql`: the one this `Tx` used before for the same text, or
+    /// one from the connection's cache. Only texts compiled into the crate are kept:
+    /// a `'static` text is never freed, so its address and length name it for good.
+    /// Statements stay as rusqlite's `prepare_cached` leaves them: reset after use, and
+    /// rebound by every caller.
+    pub(crate) fn prepare_cached<'t>(
+        &'t self,
+        sql: &'static str,
+    ) -> rusqlite::Result<Stmt<'t, 'c>> {
+        let key = (sql.as_ptr(), sql.len());
+        let kept = self
+            .held
+            .borrow_mut()
+            .iter_mut()
+            .find(|h| (h.sql, h.len) == key)
+            .and_then(|h| h.stmt.take());
+        let stmt = match kept {
+            Some(stmt) => stmt,
+            None => self.conn.prepare_cached(sql)?,
+        };
+        Ok(Stmt {
+            tx: self,
+            key,
+            stmt: Some(stmt),
+        })
+    }
+
+    fn put_back(&self, (sql, len): (*const u8, usize), stmt: CachedStatement<'c>) {
+        let mut held = self.held.borrow_mut();
+        match held.iter_mut().find(|h| (h.sql, h.len) == (sql, len)) {
+            // A second use of the same text while the first was out (nested use):
+            // the first one back keeps the slot, the other returns to rusqlite's cache.
+            Some(h) if h.stmt.is_some() => drop(stmt),
+            Some(h) => h.stmt = Some(stmt),
+            None => held.push(Held {
+                sql,
+                len,
+                stmt: Some(stmt),
+            }),
+        }
+    }
+}
+
+impl<'c> Deref for Tx<'c> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        self.conn
+    }
+}
+
+/// A statement in use, lent by a [`Tx`]; it goes back to the `Tx` when dropped.
+pub(crate) struct Stmt<'t, 'c> {
+    tx: &'t Tx<'c>,
+    key: (*const u8, usize),
+    stmt: Option<CachedStatement<'c>>,
+}
+
+impl<'c> Deref for Stmt<'_, 'c> {
+    type Target = Statement<'c>;
+
+    fn deref(&self) -> &Statement<'c> {
+        self.stmt
+            .as_ref()
+            .expect("a lent statement is held until dropped")
+    }
+}
+
+impl DerefMut for Stmt<'_, '_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.stmt
+            .as_mut()
+            .expect("a lent statement is held until dropped")
+    }
+}
+
+impl Drop for Stmt<'_, '_> {
+    fn drop(&mut self) {
+        if let Some(stmt) = self.stmt.take() {
+            self.tx.put_back(self.key, stmt);
+        }
+    }
+}
