@@ -121,3 +121,64 @@ impl Drop for Stmt<'_, '_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rusqlite::{Connection, StatementStatus};
+
+    use super::Tx;
+
+    const ONE: &str = "SELECT ?1 + 1";
+    const TWO: &str = "SELECT ?1 + 2";
+
+    /// How many times the statement object has been run: a statement used again is the
+    /// same object, one prepared anew starts at 0.
+    fn runs(stmt: &rusqlite::Statement<'_>) -> i32 {
+        stmt.get_status(StatementStatus::Run)
+    }
+
+    fn value(tx: &Tx<'_>, sql: &'static str, x: i64) -> (i64, i32) {
+        let mut stmt = tx.prepare_cached(sql).unwrap();
+        let before = runs(&stmt);
+        (stmt.query_row([x], |r| r.get(0)).unwrap(), before)
+    }
+
+    #[test]
+    fn a_statement_is_kept_for_the_rest_of_the_work_and_then_given_back() {
+        let conn = Connection::open_in_memory().unwrap();
+        let tx = Tx::new(&conn);
+        assert_eq!(value(&tx, ONE, 1), (2, 0));
+        assert_eq!(value(&tx, TWO, 1), (3, 0));
+        assert_eq!(value(&tx, ONE, 5), (6, 1), "the same statement again");
+        assert_eq!(value(&tx, TWO, 5), (7, 1));
+        // While the Tx keeps it, the connection's cache does not have it.
+        assert_eq!(runs(&conn.prepare_cached(ONE).unwrap()), 0);
+        drop(tx);
+        // Given back: the one the Tx kept, run twice, is the connection's again.
+        let kept = conn.prepare_cached(TWO).unwrap();
+        assert_eq!(runs(&kept), 2);
+    }
+
+    #[test]
+    fn the_same_text_in_use_twice_at_once_gets_two_statements() {
+        let conn = Connection::open_in_memory().unwrap();
+        let tx = Tx::new(&conn);
+        assert_eq!(value(&tx, ONE, 0), (1, 0));
+        let mut outer = tx.prepare_cached(ONE).unwrap();
+        assert_eq!(runs(&outer), 1);
+        let mut rows = outer.query([10]).unwrap();
+        let row = rows.next().unwrap().unwrap();
+        // `outer` is mid-query: a nested use of the text gets a statement of its own.
+        let (inner, inner_runs) = value(&tx, ONE, 20);
+        assert_eq!(
+            (row.get::<_, i64>(0).unwrap(), inner, inner_runs),
+            (11, 21, 0)
+        );
+        drop(rows);
+        drop(outer);
+        // The first one back (the nested one, run once) keeps the slot; the other one
+        // went back to the connection's cache.
+        assert_eq!(value(&tx, ONE, 0), (1, 1));
+        assert_eq!(runs(&conn.prepare_cached(ONE).unwrap()), 2);
+    }
+}
