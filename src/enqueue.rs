@@ -417,23 +417,27 @@ impl Outbox {
             ));
         }
         // A savepoint makes our writes all-or-nothing even if the caller goes on to
-        // commit after we returned an error.
-        conn.execute_batch("SAVEPOINT chunked_outbox_enqueue")?;
+        // commit after we returned an error. Cached statements: `execute_batch` would
+        // compile each of them on every call.
+        let run = |sql: &str| -> Result<()> {
+            conn.prepare_cached(sql)?.execute([])?;
+            Ok(())
+        };
+        run("SAVEPOINT chunked_outbox_enqueue")?;
         match self
             .rules(conn)
             .and_then(|rules| insert(&Tx::new(conn), self, &rules, delivery))
         {
             Ok(enqueued) => {
-                conn.execute_batch("RELEASE chunked_outbox_enqueue")?;
+                run("RELEASE chunked_outbox_enqueue")?;
                 // Visible once the caller commits; a dispatcher's change watcher sees
                 // that commit, this only shortens the wait in the common case.
                 self.wake();
                 Ok(enqueued)
             }
             Err(e) => {
-                conn.execute_batch(
-                    "ROLLBACK TO chunked_outbox_enqueue; RELEASE chunked_outbox_enqueue",
-                )?;
+                run("ROLLBACK TO chunked_outbox_enqueue")?;
+                run("RELEASE chunked_outbox_enqueue")?;
                 Err(e)
             }
         }

@@ -426,7 +426,7 @@ impl Outbox {
 
     pub(crate) fn writer(&self) -> MutexGuard<'_, Connection> {
         // A panic while holding the lock cannot leave the connection inside a
-        // transaction: `Transaction` rolls back on drop. So the poison is harmless.
+        // transaction: a `Tx` that began one rolls it back on drop. So the poison is harmless.
         self.inner
             .writer
             .lock()
@@ -437,10 +437,10 @@ impl Outbox {
     /// stored rules as they stand in that transaction; commits if it returns `Ok`, rolls
     /// back otherwise.
     pub(crate) fn write<T>(&self, f: impl FnOnce(&Tx<'_>, &Stored) -> Result<T>) -> Result<T> {
-        let mut conn = self.writer();
-        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let conn = self.writer();
+        let tx = Tx::begin(&conn, "BEGIN IMMEDIATE")?;
         let rules = self.rules(&tx)?;
-        let value = f(&Tx::new(&tx), &rules)?;
+        let value = f(&tx, &rules)?;
         tx.commit()?;
         Ok(value)
     }
@@ -472,14 +472,12 @@ impl Outbox {
     pub(crate) fn read<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
         match &self.inner.readers {
             Some(pool) => {
-                let mut conn = pool.get()?;
-                let tx = conn.transaction()?;
-                f(&Tx::new(&tx))
+                let conn = pool.get()?;
+                f(&Tx::begin(&conn, "BEGIN")?)
             }
             None => {
-                let mut conn = self.writer();
-                let tx = conn.transaction()?;
-                f(&Tx::new(&tx))
+                let conn = self.writer();
+                f(&Tx::begin(&conn, "BEGIN")?)
             }
         }
     }
