@@ -707,3 +707,63 @@ fn an_applications_own_messages_table_is_left_as_it_was() -> Result<()> {
     assert_eq!(ours, "hello");
     Ok(())
 }
+
+/// The stored rows move with a change of the lane rules, made by another process: a
+/// switch to parallel lanes starts every reply queued behind another, a switch from
+/// Block to Skip lets a lane held by its dead letter move on, and a switch back to FIFO
+/// lets the replies under way finish while new ones queue.
+#[test]
+fn a_change_of_the_lane_rules_moves_the_replies_already_stored() -> Result<()> {
+    let db = TestDb::new(OutboxOptions::default().with_lane_failure(LaneFailurePolicy::Block));
+    let app = &db.outbox;
+    let doomed = enqueue(app, "held", &["x"]);
+    let behind = enqueue(app, "held", &["y"]);
+    let claim = claim_one(app);
+    app.record(
+        &claim,
+        Outcome::Permanent {
+            error: "chat not found".into(),
+        },
+    )?;
+    let first = enqueue(app, "busy", &["a"]);
+    let queued = [enqueue(app, "busy", &["b"]), enqueue(app, "busy", &["c"])];
+    let operator = tool(&db);
+    let mut policy = operator.policy()?;
+
+    policy.lane_failure = LaneFailurePolicy::Skip;
+    operator.set_policy(policy.clone())?;
+    let mut due: Vec<_> = claim_all(app).into_iter().map(|c| c.delivery_id).collect();
+    due.sort();
+    let mut expected = vec![first, behind];
+    expected.sort();
+    assert_eq!(
+        due, expected,
+        "the held lane moved on, the busy one did not"
+    );
+    assert_eq!(view(app, doomed).status, DeliveryStatus::Failed);
+    assert!(
+        queued
+            .iter()
+            .all(|q| view(app, *q).status == DeliveryStatus::Queued)
+    );
+
+    policy.lane_order = LaneOrder::Parallel;
+    operator.set_policy(policy.clone())?;
+    let mut due: Vec<_> = claim_all(app).into_iter().map(|c| c.delivery_id).collect();
+    due.sort();
+    let mut expected = queued.to_vec();
+    expected.sort();
+    assert_eq!(due, expected, "every queued reply started");
+
+    policy.lane_order = LaneOrder::Fifo;
+    operator.set_policy(policy)?;
+    let later = enqueue(app, "busy", &["d"]);
+    assert_eq!(view(app, later).status, DeliveryStatus::Queued);
+    assert!(
+        queued
+            .iter()
+            .all(|q| view(app, *q).status == DeliveryStatus::Pending),
+        "the replies under way go on"
+    );
+    Ok(())
+}
