@@ -563,10 +563,17 @@ fn find_by_key(tx: &Tx<'_>, channel: &str, key: &str) -> Result<Option<(i64, Del
 }
 
 fn same_content(tx: &Tx<'_>, rowid: i64, d: &NewDelivery) -> Result<bool> {
-    type Row = (String, String, Option<String>, String, Option<String>, bool);
-    let (channel, chat_id, sender, text, metadata, queued): Row = tx
+    type Row = (
+        String,
+        String,
+        Option<String>,
+        String,
+        Option<String>,
+        String,
+    );
+    let (channel, chat_id, sender, text, metadata, status): Row = tx
         .prepare_cached(
-            "SELECT channel, chat_id, sender, text, metadata, status = 'queued'
+            "SELECT channel, chat_id, sender, text, metadata, status
              FROM outbound_deliveries WHERE id = ?1",
         )?
         .query_row([rowid], |r| r.try_into())?;
@@ -578,6 +585,11 @@ fn same_content(tx: &Tx<'_>, rowid: i64, d: &NewDelivery) -> Result<bool> {
     {
         return Ok(false);
     }
+    if status == "cancelled" {
+        // Its chunks were removed; the key names it, whatever chunks it was given.
+        return Ok(true);
+    }
+    let queued = status == "queued";
     let mut stmt = tx.prepare_cached(concat!(
         "SELECT c.text FROM outbound_delivery_chunks c WHERE ",
         chunks_of_delivery!("c", "?1"),

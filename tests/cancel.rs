@@ -300,3 +300,33 @@ fn recovery_does_not_finalize_a_cancelled_reply() -> Result<()> {
     assert_eq!(ob.health()?.totals.finalized_total, 0);
     Ok(())
 }
+
+/// Found: enqueueing a cancelled reply again with its key (a retried request, a
+/// redelivered webhook) failed with `IdempotencyConflict`, because its chunks are gone;
+/// the key still names it, so the enqueue returns it and writes nothing.
+#[test]
+fn a_cancelled_reply_is_still_named_by_its_key() -> Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    let reply = || {
+        chunked_outbox::NewDelivery::chunked("telegram", "1", "a b", ["a", "b"])
+            .with_idempotency_key("update-7")
+    };
+    let first = ob.enqueue(&reply())?;
+    ob.cancel(first.id)?;
+    let again = ob.enqueue(&reply())?;
+    assert_eq!((again.id, again.created), (first.id, false));
+    assert_eq!(view(ob, first.id).status, DeliveryStatus::Cancelled);
+    assert!(claim_all(ob).is_empty(), "nothing to send");
+    let other = ob
+        .enqueue(
+            &chunked_outbox::NewDelivery::single("telegram", "1", "other")
+                .with_idempotency_key("update-7"),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(other, Error::IdempotencyConflict { existing, .. } if existing == first.id),
+        "{other:?}"
+    );
+    Ok(())
+}
