@@ -7,7 +7,7 @@ use crate::ids::{CHUNK_STRIDE, chunks_of_delivery};
 use crate::lane::{self, LaneHead};
 use crate::policy::{self, Stored};
 use crate::tx::Tx;
-use crate::{DeliveryId, Error, LaneOrder, Outbox, Result};
+use crate::{DeliveryId, DeliveryStatus, Error, LaneOrder, Outbox, Result};
 
 /// Longest accepted channel name, in bytes.
 pub const MAX_CHANNEL_BYTES: usize = 128;
@@ -419,14 +419,15 @@ impl Outbox {
         // A savepoint makes our writes all-or-nothing even if the caller goes on to
         // commit after we returned an error. Cached statements: `execute_batch` would
         // compile each of them on every call.
-        let run = |sql: &str| -> Result<()> {
-            conn.prepare_cached(sql)?.execute([])?;
+        let tx = Tx::new(conn);
+        let run = |sql: &'static str| -> Result<()> {
+            tx.prepare_cached(sql)?.execute([])?;
             Ok(())
         };
         run("SAVEPOINT chunked_outbox_enqueue")?;
         match self
             .rules(conn)
-            .and_then(|rules| insert(&Tx::new(conn), self, &rules, delivery))
+            .and_then(|rules| insert(&tx, self, &rules, delivery))
         {
             Ok(enqueued) => {
                 run("RELEASE chunked_outbox_enqueue")?;
@@ -569,7 +570,7 @@ fn same_content(tx: &Tx<'_>, rowid: i64, d: &NewDelivery) -> Result<bool> {
         Option<String>,
         String,
         Option<String>,
-        String,
+        DeliveryStatus,
     );
     let (channel, chat_id, sender, text, metadata, status): Row = tx
         .prepare_cached(
@@ -585,11 +586,10 @@ fn same_content(tx: &Tx<'_>, rowid: i64, d: &NewDelivery) -> Result<bool> {
     {
         return Ok(false);
     }
-    if status == "cancelled" {
+    if status == DeliveryStatus::Cancelled {
         // Its chunks were removed; the key names it, whatever chunks it was given.
         return Ok(true);
     }
-    let queued = status == "queued";
     let mut stmt = tx.prepare_cached(concat!(
         "SELECT c.text FROM outbound_delivery_chunks c WHERE ",
         chunks_of_delivery!("c", "?1"),
@@ -598,7 +598,7 @@ fn same_content(tx: &Tx<'_>, rowid: i64, d: &NewDelivery) -> Result<bool> {
     let mut chunks = stmt
         .query_map([rowid], |r| r.get::<_, Option<String>>(0))?
         .collect::<rusqlite::Result<Vec<_>>>()?;
-    if chunks.is_empty() && queued {
+    if chunks.is_empty() && status == DeliveryStatus::Queued {
         // One chunk of the whole text, its row not stored yet (`stored_at_activation`).
         chunks.push(None);
     }

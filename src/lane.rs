@@ -102,20 +102,25 @@ pub(crate) const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
 
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
 pub(crate) fn head(tx: &Tx<'_>, rules: &Policy, channel: &str, chat_id: &str) -> Result<LaneHead> {
-    let first: Option<(bool, Waiting)> = tx
+    // `None`: nothing active or queued; `Some(None)`: a delivery is active.
+    let first: Option<Option<Waiting>> = tx
         .prepare_cached(HEAD_SQL)?
         .query_row(params![channel, chat_id], |r| {
-            let waiting = Waiting {
-                id: r.get(1)?,
-                head_index: r.get::<_, Option<i64>>(2)?.unwrap_or(0),
-                not_before: r.get(3)?,
-            };
-            Ok((r.get(0)?, waiting))
+            let queued: bool = r.get(0)?;
+            queued
+                .then(|| {
+                    Ok(Waiting {
+                        id: r.get(1)?,
+                        head_index: r.get(2)?,
+                        not_before: r.get(3)?,
+                    })
+                })
+                .transpose()
         })
         .optional()?;
     let next = match first {
-        Some((false, _active)) => return Ok(LaneHead::Busy),
-        Some((true, queued)) => Some(queued),
+        Some(None) => return Ok(LaneHead::Busy),
+        Some(queued) => queued,
         None => None,
     };
     if rules.lane_failure == LaneFailurePolicy::Block {

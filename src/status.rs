@@ -114,6 +114,23 @@ impl DeliveryStatus {
 mod tests {
     use super::*;
 
+    /// `lane::HEAD_SQL` reads an active or queued delivery as the one range
+    /// `'partial'..='queued'` of the status text: that range holds exactly the statuses
+    /// in flight, and no other.
+    #[test]
+    fn the_statuses_in_flight_are_one_range_of_the_text_order() {
+        let in_range: Vec<_> = DeliveryStatus::ALL
+            .iter()
+            .filter(|s| ("partial"..="queued").contains(&s.as_str()))
+            .collect();
+        let in_flight: Vec<_> = DeliveryStatus::ALL
+            .iter()
+            .filter(|s| s.is_in_flight())
+            .collect();
+        assert_eq!(in_range, in_flight);
+        assert_eq!(in_flight.len(), 3);
+    }
+
     #[test]
     fn statuses_round_trip_through_text() {
         for s in ChunkStatus::ALL {
