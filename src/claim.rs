@@ -419,6 +419,11 @@ fn channel_rows(tx: &Tx<'_>, channels: Option<&[&str]>) -> Result<Vec<ChannelRow
     match channels {
         None => read(None),
         Some(names) => {
+            // A name given twice is one channel: read twice, its due chunks would be
+            // candidates twice, and the same chunk claimed twice in one claim.
+            let mut names = names.to_vec();
+            names.sort_unstable();
+            names.dedup();
             let mut rows = Vec::with_capacity(names.len());
             for name in names {
                 rows.extend(read(Some(name))?);

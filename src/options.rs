@@ -237,10 +237,15 @@ impl RetryPolicy {
         Ok(())
     }
 
-    /// The policy as the file stores it: delays in whole milliseconds.
+    /// The policy as the file stores it: delays and the maximum age in whole
+    /// milliseconds, rounded up, so what is stored is never shorter than what was
+    /// validated (a maximum age of 500 µs is kept as 1 ms, not as a zero every reader
+    /// would refuse).
     pub(crate) fn stored_form(&self) -> Self {
-        let ms =
-            |d: &Duration| Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let ms = |d: &Duration| {
+            let whole = d.as_nanos().div_ceil(1_000_000);
+            Duration::from_millis(u64::try_from(whole).unwrap_or(u64::MAX))
+        };
         let backoff = match &self.backoff {
             Backoff::Schedule(steps) => Backoff::Schedule(steps.iter().map(ms).collect()),
             Backoff::Exponential { base, factor, cap } => Backoff::Exponential {
@@ -359,7 +364,9 @@ impl OutboxOptions {
     ///
     /// [`Error::InvalidInput`] for a lease under 1 ms (a claim that protects nothing:
     /// two claimers would get the same chunk), an invalid retry policy (see
-    /// [`RetryPolicy::validate`]), or a zero background checkpoint interval.
+    /// [`RetryPolicy::validate`]), default channel rules with a retry policy of their
+    /// own (give the file-wide one with [`with_retry`](Self::with_retry)), or a zero
+    /// background checkpoint interval.
     pub fn validate(&self) -> Result<()> {
         if duration_ms(self.lease) < 1 {
             return Err(Error::invalid(
@@ -373,11 +380,10 @@ impl OutboxOptions {
         if let Some(retry) = &self.retry {
             retry.validate()?;
         }
-        for policy in self
-            .default_channel
-            .iter()
-            .chain(self.channels.iter().map(|(_, p)| p))
-        {
+        if let Some(rules) = &self.default_channel {
+            crate::policy::check_default_channel(rules)?;
+        }
+        for (_, policy) in &self.channels {
             policy.validate()?;
         }
         if self.checkpoint_every.is_some_and(|every| every.is_zero()) {
@@ -426,7 +432,9 @@ impl OutboxOptions {
         self
     }
 
-    /// Stored rule: the rules of channels without rules of their own.
+    /// Stored rule: the rules of channels without rules of their own. Their retry
+    /// policy is the file-wide one ([`with_retry`](Self::with_retry)): rules given here
+    /// with a retry policy of their own are refused at open.
     pub fn with_default_channel(mut self, policy: ChannelPolicy) -> Self {
         self.default_channel = Some(policy);
         self

@@ -201,7 +201,7 @@ impl Outbox {
     /// changed then).
     pub fn set_policy(&self, policy: Policy) -> Result<()> {
         policy.retry.validate()?;
-        policy.default_channel.validate()?;
+        policy::check_default_channel(&policy.default_channel)?;
         self.write_and_wake(|tx, before| {
             let (had, was) = (&before.policy, before.declared);
             let changed = policy::FileRules {

@@ -118,6 +118,22 @@ impl ChannelPolicy {
     }
 }
 
+/// Refuses default channel rules that carry a retry policy of their own: the file-wide
+/// retry policy ([`Policy::retry`], [`OutboxOptions::with_retry`](crate::OutboxOptions::with_retry))
+/// is the one for channels without rules of their own, and the file keeps no second one.
+pub(crate) fn check_default_channel(rules: &ChannelPolicy) -> Result<()> {
+    rules.validate()?;
+    if rules.retry.is_some() {
+        return Err(Error::invalid(
+            "default channel rules",
+            "they carry a retry policy, which the file does not keep for the default channel: \
+             give it as the file-wide retry policy (OutboxOptions::with_retry, Policy::retry), \
+             which every channel without rules of its own follows",
+        ));
+    }
+    Ok(())
+}
+
 /// The rules stored in an outbox file (see [`Outbox::policy`](crate::Outbox::policy)).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[non_exhaustive]
@@ -288,7 +304,7 @@ pub(crate) fn load(conn: &Connection) -> Result<Stored> {
 /// version; the others keep what is stored.
 pub(crate) fn store_file_rules(conn: &Connection, policy: &Policy, which: FileRules) -> Result<()> {
     policy.retry.validate()?;
-    policy.default_channel.validate()?;
+    check_default_channel(&policy.default_channel)?;
     let d = &policy.default_channel;
     conn.execute(
         "UPDATE outbound_policy
@@ -468,7 +484,10 @@ fn to_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// The stored text of a retry policy: its [stored form](RetryPolicy::stored_form), so
+/// the file holds exactly what a reader compares against.
 pub(crate) fn retry_to_json(retry: &RetryPolicy) -> String {
+    let retry = &retry.stored_form();
     let (schedule_ms, exponential) = match &retry.backoff {
         Backoff::Schedule(steps) => (Some(steps.iter().copied().map(to_ms).collect()), None),
         Backoff::Exponential { base, factor, cap } => (
