@@ -371,11 +371,13 @@ struct ChannelRow {
 }
 
 impl ChannelRow {
-    /// The earliest time, ms (rounded up), the channel's rate lets a send start.
+    /// The earliest time, ms (rounded up), the channel's schedule lets a send start: its
+    /// rate's next slot, or the end of a rate limit of the whole channel
+    /// ([`lane::pause_channel`]).
     fn rate_slot(&self) -> i64 {
         match self.next_send_at_us {
-            Some(at) if self.interval_us > 0 => at.saturating_add(999).div_euclid(1000),
-            _ => i64::MIN,
+            Some(at) => at.saturating_add(999).div_euclid(1000),
+            None => i64::MIN,
         }
     }
 

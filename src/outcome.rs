@@ -52,6 +52,18 @@ pub enum Outcome {
         /// What the platform said.
         error: String,
     },
+    /// As [`RateLimited`](Self::RateLimited), for a limit of the whole channel (the
+    /// bot's or the app's, not one chat's: Discord's `"global": true`, Slack's per-method
+    /// limits, Matrix's per-user limit): besides the chat, **every chat of the channel**
+    /// waits until `retry_after` has passed, through the channel's stored schedule, so
+    /// every process on the file holds off. Sending on to other chats would only earn
+    /// more rate limits (and, on Discord, count toward a ban).
+    ChannelRateLimited {
+        /// How long the platform asked the whole channel to wait.
+        retry_after: Duration,
+        /// What the platform said.
+        error: String,
+    },
     /// The send may or may not have reached the platform (timeout after the request was
     /// written). Follows the channel's [`ReplayPolicy`].
     Ambiguous {
@@ -383,6 +395,7 @@ fn apply(
     if chunk.status == ChunkStatus::Uncertain {
         return settle_held(tx, rules, chunk, outcome, now, tally);
     }
+    let whole_channel = matches!(outcome, Outcome::ChannelRateLimited { .. });
     match outcome {
         Outcome::Delivered {
             platform_message_id,
@@ -407,7 +420,8 @@ fn apply(
             fail_chunk(tx, rules, chunk, &error, now)?;
             Ok(Recorded::settled(ChunkStatus::Failed))
         }
-        Outcome::RateLimited { retry_after, error } => {
+        Outcome::RateLimited { retry_after, error }
+        | Outcome::ChannelRateLimited { retry_after, error } => {
             let attempts = match charge_rate_limit(tx, rules, chunk, &error, now)? {
                 Ok(attempts) => attempts,
                 Err(failure) => {
@@ -416,6 +430,9 @@ fn apply(
                 }
             };
             let asked = now.saturating_add(duration_ms(cap_retry_after(retry_after)));
+            if whole_channel {
+                lane::pause_channel(tx, &chunk.channel, asked)?;
+            }
             let paused_until = lane::pause(tx, &chunk.channel, &chunk.chat_id, asked)?;
             // Through the lane, like every due time: a longer pause of the chat holds.
             let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, paused_until)?;
@@ -437,6 +454,7 @@ fn settle_held(
     now: i64,
     tally: &mut Tally,
 ) -> Result<Recorded> {
+    let whole_channel = matches!(outcome, Outcome::ChannelRateLimited { .. });
     // A dead letter: its delivery is out of the lane already, so the lane moves on.
     let fail = |error: &str| -> Result<Recorded> {
         set_held(tx, chunk, ChunkStatus::Failed, error, now)?;
@@ -474,12 +492,16 @@ fn settle_held(
             );
             (backoff, chunk.attempts, error)
         }
-        Outcome::RateLimited { retry_after, error } => {
+        Outcome::RateLimited { retry_after, error }
+        | Outcome::ChannelRateLimited { retry_after, error } => {
             let attempts = match charge_rate_limit(tx, rules, chunk, &error, now)? {
                 Ok(attempts) => attempts,
                 Err(failure) => return fail(&failure),
             };
             let until = now.saturating_add(duration_ms(cap_retry_after(retry_after)));
+            if whole_channel {
+                lane::pause_channel(tx, &chunk.channel, until)?;
+            }
             lane::pause(tx, &chunk.channel, &chunk.chat_id, until)?;
             (until, attempts, error)
         }

@@ -6,7 +6,7 @@
 //! |---|---|---|---|
 //! | `outbox_enqueued_total` | counter | `channel` | deliveries stored by `enqueue` and `enqueue_batch` (not re-enqueues of a caller key; `enqueue_in` commits in the caller's transaction, so it is not counted) |
 //! | `outbox_sends_total` | counter | `channel` | sends started by a dispatcher |
-//! | `outbox_outcomes_total` | counter | `channel`, `outcome` | outcomes recorded: `delivered`, `transient`, `permanent`, `rate_limited`, `ambiguous` |
+//! | `outbox_outcomes_total` | counter | `channel`, `outcome` | outcomes recorded: `delivered`, `transient`, `permanent`, `rate_limited`, `channel_rate_limited`, `ambiguous` |
 //! | `outbox_finalized_total` | counter | `channel` | replies finalized (every chunk delivered, history written) |
 //! | `outbox_retries_total` | counter | `channel` | chunks put back for a retry |
 //! | `outbox_uncertain_total` | counter | `channel` | chunks held as possibly sent |

@@ -120,3 +120,66 @@ fn a_retry_policy_in_the_default_channel_rules_is_refused() -> chunked_outbox::R
     assert_eq!(outbox.policy()?.retry_for("any").max_attempts, 5);
     Ok(())
 }
+
+/// Item 15: a rate limit of the whole channel (Discord's global one) holds every chat
+/// of the channel, for every handle on the file, until it ends; the attempt is given
+/// back. Other channels go on.
+#[test]
+fn a_channel_wide_rate_limit_holds_every_chat_of_the_channel() -> chunked_outbox::Result<()> {
+    use chunked_outbox::Outcome;
+    use chunked_outbox::platforms::{HttpReply, discord};
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    for chat in ["a", "b"] {
+        ob.enqueue(&NewDelivery::single("discord", chat, "x"))?;
+    }
+    ob.enqueue(&NewDelivery::single("slack", "c", "y"))?;
+    let first = ob.claim_channels(&["discord"], 1)?.remove(0);
+    let global = discord::outcome(&HttpReply::new(
+        429,
+        r#"{"message": "You are being rate limited.", "retry_after": 30, "global": true}"#,
+    ));
+    assert!(matches!(global, Outcome::ChannelRateLimited { .. }));
+    ob.record(&first, global)?;
+    let other = db.reopen(OutboxOptions::default());
+    assert!(
+        other.claim_channels(&["discord"], 10)?.is_empty(),
+        "no chat of the channel may send during the pause"
+    );
+    assert_eq!(other.claim_channels(&["slack"], 10)?.len(), 1);
+    assert_eq!(
+        other
+            .next_due(Some(&["discord"]))?
+            .map(|t| t.timestamp_millis()),
+        Some(db.now_ms() + 30_000)
+    );
+    db.advance(Duration::from_secs(30));
+    let after = other.claim_channels(&["discord"], 10)?;
+    assert_eq!(after.len(), 2, "both chats go on once it ends");
+    let again = after.iter().find(|c| c.chat_id == first.chat_id).unwrap();
+    assert_eq!(again.attempt, 1, "the attempt was given back");
+    Ok(())
+}
+
+/// Item 15: a limit of one chat (Discord without `global`) pauses that chat only.
+#[test]
+fn a_chat_rate_limit_pauses_the_chat_only() -> chunked_outbox::Result<()> {
+    use chunked_outbox::platforms::{HttpReply, discord};
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    for chat in ["a", "b"] {
+        ob.enqueue(&NewDelivery::single("discord", chat, "x"))?;
+    }
+    let first = ob.claim(1)?.remove(0);
+    ob.record(
+        &first,
+        discord::outcome(&HttpReply::new(
+            429,
+            r#"{"message": "You are being rate limited.", "retry_after": 30, "global": false}"#,
+        )),
+    )?;
+    let rest = ob.claim(10)?;
+    assert_eq!(rest.len(), 1);
+    assert_ne!(rest[0].chat_id, first.chat_id);
+    Ok(())
+}

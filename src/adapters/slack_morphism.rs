@@ -37,9 +37,9 @@
 //! | slack-morphism result | outcome |
 //! |---|---|
 //! | `Ok(response)` | `Delivered`, the message `ts` as platform id |
-//! | `RateLimitError` | `RateLimited` for its `retry_after` (1 s when none) |
+//! | `RateLimitError` | `ChannelRateLimited` (Slack limits the app, see [`platforms`](crate::platforms)) for its `retry_after` (1 s when none) |
 //! | `ApiError` (`code`) | as [`platforms::slack::error_outcome`](crate::platforms::slack::error_outcome): `internal_error`, `fatal_error` → `Ambiguous`; `service_unavailable`, `request_timeout` … → `Transient`; every other code → `Permanent` |
-//! | `HttpError` 429 / 4xx / 5xx | `RateLimited` (1 s) / `Permanent` / `Ambiguous` |
+//! | `HttpError` 429 / 4xx / 5xx | `ChannelRateLimited` (1 s) / `Permanent` / `Ambiguous` |
 //! | `HttpProtocolError` that never connected | `Transient` |
 //! | `HttpProtocolError` otherwise, `EndOfStream`, the adapter's timeout | `Ambiguous` |
 //! | `ProtocolError` (an answer that cannot be read), any other | `Ambiguous` |
@@ -150,7 +150,7 @@ pub fn outcome(result: Result<SlackApiChatPostMessageResponse, SlackClientError>
     };
     let text = error.to_string();
     match error {
-        SlackClientError::RateLimitError(e) => Outcome::RateLimited {
+        SlackClientError::RateLimitError(e) => Outcome::ChannelRateLimited {
             retry_after: e.retry_after.unwrap_or(Duration::from_secs(1)),
             error: text,
         },
@@ -159,7 +159,7 @@ pub fn outcome(result: Result<SlackApiChatPostMessageResponse, SlackClientError>
             other => other,
         },
         SlackClientError::HttpError(e) => match e.status_code.as_u16() {
-            429 => Outcome::RateLimited {
+            429 => Outcome::ChannelRateLimited {
                 retry_after: Duration::from_secs(1),
                 error: text,
             },
@@ -202,7 +202,10 @@ mod tests {
 
     #[test]
     fn api_codes_map_like_the_core_mapping() {
-        assert!(matches!(api("ratelimited"), Outcome::RateLimited { .. }));
+        assert!(matches!(
+            api("ratelimited"),
+            Outcome::ChannelRateLimited { .. }
+        ));
         assert!(matches!(api("internal_error"), Outcome::Ambiguous { .. }));
         assert!(matches!(
             api("service_unavailable"),
@@ -220,7 +223,7 @@ mod tests {
                 http::StatusCode::from_u16(status).unwrap(),
             ))))
         };
-        assert!(matches!(http(429), Outcome::RateLimited { .. }));
+        assert!(matches!(http(429), Outcome::ChannelRateLimited { .. }));
         assert!(matches!(http(403), Outcome::Permanent { .. }));
         assert!(matches!(http(502), Outcome::Ambiguous { .. }));
     }

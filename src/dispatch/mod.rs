@@ -741,6 +741,7 @@ fn outcome_kind(outcome: &Outcome) -> &'static str {
         Outcome::Transient { .. } => "transient",
         Outcome::Permanent { .. } => "permanent",
         Outcome::RateLimited { .. } => "rate_limited",
+        Outcome::ChannelRateLimited { .. } => "channel_rate_limited",
         Outcome::Ambiguous { .. } => "ambiguous",
     }
 }

@@ -7,13 +7,14 @@
 
 use serde_json::Value;
 
-use super::{HttpReply, delivered, rate_limited, seconds};
+use super::{HttpReply, Scope, delivered, rate_limited, seconds};
 use crate::Outcome;
 
 /// Maps Discord's answer to a message create.
 ///
 /// 2xx is `Delivered` with the message's `id`; 429 is `RateLimited` for `retry_after`
-/// (float seconds; the error names a `global` limit); every other 4xx is `Permanent`
+/// (float seconds), or `ChannelRateLimited` when the body says `"global": true` (the
+/// bot's limit: every chat waits); every other 4xx is `Permanent`
 /// with its JSON `code` (10003 unknown channel, 50001 missing access, 50007 cannot send
 /// to this user, 50013 missing permissions, 50035 invalid form body — a nonce or
 /// content too long); 502 and 503 are `Transient` (no gateway took the request); other
@@ -38,12 +39,17 @@ pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
     };
     match reply.status {
         429 => {
-            let error = if body["global"] == Value::Bool(true) {
-                format!("{error}; global rate limit")
+            let waits = [seconds(&body["retry_after"]), reply.header_wait()];
+            if body["global"] == Value::Bool(true) {
+                // The bot's limit across every route: the whole channel waits.
+                rate_limited(
+                    &waits,
+                    format!("{error}; global rate limit"),
+                    Scope::Channel,
+                )
             } else {
-                error
-            };
-            rate_limited(&[seconds(&body["retry_after"]), reply.header_wait()], error)
+                rate_limited(&waits, error, Scope::Chat)
+            }
         }
         400..=499 => Outcome::Permanent { error },
         502 | 503 => Outcome::Transient { error },
@@ -80,7 +86,7 @@ mod tests {
             429,
             r#"{"message": "You are being rate limited.", "retry_after": 1.5, "global": true}"#,
         ) {
-            Outcome::RateLimited { retry_after, error } => {
+            Outcome::ChannelRateLimited { retry_after, error } => {
                 assert_eq!(retry_after, Duration::from_millis(1500));
                 assert!(error.contains("global"), "{error}");
             }

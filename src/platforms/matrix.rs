@@ -7,13 +7,14 @@
 
 use serde_json::Value;
 
-use super::{HttpReply, delivered, rate_limited, seconds};
+use super::{HttpReply, Scope, delivered, rate_limited, seconds};
 use crate::Outcome;
 
 /// Maps the homeserver's answer to a send.
 ///
 /// 2xx is `Delivered` with the `event_id`; `M_LIMIT_EXCEEDED` (or 429) is
-/// `RateLimited` for `retry_after_ms` (or `Retry-After`); every other 4xx
+/// `ChannelRateLimited` (a homeserver limits the bot's account, whatever the room) for
+/// `retry_after_ms` (or `Retry-After`); every other 4xx
 /// (`M_FORBIDDEN`, `M_UNKNOWN_TOKEN`, `M_NOT_FOUND`, `M_TOO_LARGE` …) is `Permanent`; 5xx
 /// is `Ambiguous` (a replay with the same transaction id is safe); a 2xx without an
 /// `event_id` is `Ambiguous`.
@@ -25,7 +26,7 @@ use crate::Outcome;
 /// let slow_down = HttpReply::new(429,
 ///     r#"{"errcode": "M_LIMIT_EXCEEDED", "error": "Too many requests", "retry_after_ms": 2000}"#);
 /// assert!(matches!(matrix::outcome(&slow_down),
-///     Outcome::RateLimited { retry_after, .. } if retry_after.as_millis() == 2000));
+///     Outcome::ChannelRateLimited { retry_after, .. } if retry_after.as_millis() == 2000));
 /// ```
 pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
     let body = reply.json();
@@ -45,6 +46,7 @@ pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
                 reply.header_wait(),
             ],
             error,
+            Scope::Channel,
         );
     }
     match reply.status {
@@ -72,12 +74,12 @@ mod tests {
         );
         assert!(matches!(
             map(429, r#"{"errcode": "M_LIMIT_EXCEEDED", "error": "Too many requests", "retry_after_ms": 2000}"#),
-            Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs(2)
+            Outcome::ChannelRateLimited { retry_after, .. } if retry_after == Duration::from_secs(2)
         ));
         let header =
             HttpReply::new(429, r#"{"errcode": "M_LIMIT_EXCEEDED"}"#).with_retry_after("5");
         assert!(matches!(outcome(&header),
-            Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs(5)));
+            Outcome::ChannelRateLimited { retry_after, .. } if retry_after == Duration::from_secs(5)));
         for (status, code) in [
             (403, "M_FORBIDDEN"),
             (401, "M_UNKNOWN_TOKEN"),

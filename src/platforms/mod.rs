@@ -13,12 +13,21 @@
 //! | answer | Telegram | Discord | Slack |
 //! |---|---|---|---|
 //! | success | `ok: true` → `Delivered` (`result.message_id`) | 2xx → `Delivered` (`id`) | `ok: true` → `Delivered` (`ts`) |
-//! | rate limit | 429 → `RateLimited` (`parameters.retry_after`, s) | 429 → `RateLimited` (`retry_after`, float s; `global` named) | HTTP 429 or `ratelimited` → `RateLimited` (`Retry-After`, s) |
+//! | rate limit | 429 → `RateLimited` (`parameters.retry_after`, s) | 429 → `RateLimited` (`retry_after`, float s); with `"global": true` → `ChannelRateLimited` | HTTP 429 or `ratelimited` → `ChannelRateLimited` (`Retry-After`, s) |
 //! | chat moved | `parameters.migrate_to_chat_id` → `Permanent` ([`telegram::migrated_to`]) | — | — |
 //! | refused | other 4xx (blocked, kicked, chat not found, bad token, parse error) → `Permanent` | other 4xx (JSON `code`: 10003, 50001, 50007, 50013, 50035 …) → `Permanent` | any other `error` (`channel_not_found`, `invalid_auth`, `account_inactive`, `msg_too_long` …) → `Permanent` |
 //! | server error | 500, 502, 504 → `Ambiguous`; 503 → `Transient` | 500, 504 → `Ambiguous`; 502, 503 → `Transient` | HTTP 5xx and `internal_error`, `fatal_error` → `Ambiguous`; `service_unavailable`, `request_timeout` → `Transient` |
 //! | unreadable success | 2xx body without the fields → `Ambiguous` | same | same |
 //! | no answer | [`no_reply`]: not sent → `Transient`; maybe sent (timeout or reset after the request was written) → `Ambiguous` | same | same |
+//!
+//! A rate limit has a scope. `RateLimited` pauses the one chat; `ChannelRateLimited`
+//! holds every chat of the channel, in every process, until the wait is over: Discord's
+//! global limit, Slack's limits (per method and workspace, so per app), and Matrix's
+//! `M_LIMIT_EXCEEDED` (a homeserver limits the bot's account across rooms). Telegram's
+//! answer does not say whether a flood wait is the chat's or the bot's; it is read as
+//! the chat's, and the bot-wide 30 messages/s is kept by the channel's rate
+//! ([`ChannelPolicy::with_rate_per_second`](crate::ChannelPolicy::with_rate_per_second))
+//! so that it is not hit.
 //!
 //! A rate limit's wait is capped at [`MAX_RETRY_AFTER`](crate::limits::MAX_RETRY_AFTER); with
 //! none given it is 1 s. `Ambiguous` follows the channel's
@@ -135,14 +144,25 @@ fn seconds(value: &Value) -> Option<Duration> {
     ))
 }
 
-/// The rate-limited outcome with the first wait given, else 1 s.
-fn rate_limited(waits: &[Option<Duration>], error: String) -> Outcome {
-    Outcome::RateLimited {
-        retry_after: waits
-            .iter()
-            .find_map(|w| *w)
-            .unwrap_or(Duration::from_secs(1)),
-        error,
+/// Whom a platform's rate limit holds back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scope {
+    /// One chat ([`Outcome::RateLimited`]).
+    Chat,
+    /// Every chat of the channel: the bot's or app's own limit
+    /// ([`Outcome::ChannelRateLimited`]).
+    Channel,
+}
+
+/// The rate-limited outcome of `scope`, with the first wait given, else 1 s.
+fn rate_limited(waits: &[Option<Duration>], error: String, scope: Scope) -> Outcome {
+    let retry_after = waits
+        .iter()
+        .find_map(|w| *w)
+        .unwrap_or(Duration::from_secs(1));
+    match scope {
+        Scope::Chat => Outcome::RateLimited { retry_after, error },
+        Scope::Channel => Outcome::ChannelRateLimited { retry_after, error },
     }
 }
 

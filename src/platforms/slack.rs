@@ -5,7 +5,7 @@
 //! uncertain chunk can be settled by asking, then
 //! [`resolve_uncertain`](crate::Outbox::resolve_uncertain).
 
-use super::{HttpReply, delivered, rate_limited};
+use super::{HttpReply, Scope, delivered, rate_limited};
 use crate::Outcome;
 
 /// Errors after which Slack may have acted on the request ("it's possible some aspect
@@ -23,7 +23,8 @@ const TRANSIENT: &[&str] = &[
 /// Maps Slack's answer to a `chat.postMessage`.
 ///
 /// `ok: true` is `Delivered` with the message's `ts`; HTTP 429 or `ratelimited` is
-/// `RateLimited` for the `Retry-After` header's seconds; `internal_error`,
+/// `ChannelRateLimited` (Slack's limits are per method and workspace, so the app's) for
+/// the `Retry-After` header's seconds; `internal_error`,
 /// `fatal_error` and HTTP 5xx are `Ambiguous`; `service_unavailable`,
 /// `request_timeout`, `team_added_to_org` and `accesslimited` are `Transient`; every
 /// other `error` (`channel_not_found`, `not_in_channel`, `is_archived`,
@@ -47,7 +48,8 @@ pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
         } else {
             code.to_owned()
         };
-        return rate_limited(&[reply.header_wait()], error);
+        // Slack limits each method per app and workspace: every chat waits.
+        return rate_limited(&[reply.header_wait()], error, Scope::Channel);
     }
     if reply.status >= 500 {
         return Outcome::Ambiguous {
@@ -78,7 +80,7 @@ pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
 pub fn error_outcome(code: &str) -> Outcome {
     let error = code.to_owned();
     if code == "ratelimited" {
-        rate_limited(&[], error)
+        rate_limited(&[], error, Scope::Channel)
     } else if AMBIGUOUS.contains(&code) {
         Outcome::Ambiguous { error }
     } else if TRANSIENT.contains(&code) {
@@ -111,13 +113,13 @@ mod tests {
         let limited =
             HttpReply::new(429, r#"{"ok": false, "error": "ratelimited"}"#).with_retry_after("30");
         assert!(matches!(outcome(&limited),
-            Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs(30)));
+            Outcome::ChannelRateLimited { retry_after, .. } if retry_after == Duration::from_secs(30)));
         // Either sign alone is a rate limit.
         assert!(matches!(
             map(200, r#"{"ok": false, "error": "ratelimited"}"#),
-            Outcome::RateLimited { .. }
+            Outcome::ChannelRateLimited { .. }
         ));
-        assert!(matches!(map(429, ""), Outcome::RateLimited { .. }));
+        assert!(matches!(map(429, ""), Outcome::ChannelRateLimited { .. }));
         for code in [
             "channel_not_found",
             "not_in_channel",

@@ -6,12 +6,14 @@
 
 use serde_json::Value;
 
-use super::{HttpReply, delivered, rate_limited, seconds};
+use super::{HttpReply, Scope, delivered, rate_limited, seconds};
 use crate::Outcome;
 
 /// Maps the Bot API's answer to a send.
 ///
-/// `ok: true` is `Delivered` with `result.message_id`; 429 is `RateLimited` for
+/// `ok: true` is `Delivered` with `result.message_id` — or, for the methods that send
+/// several messages (`sendMediaGroup`, `forwardMessages`, `copyMessages`), with the
+/// `message_id` of each element of the `result` array, joined by commas; 429 is `RateLimited` for
 /// `parameters.retry_after` seconds; a chat that moved
 /// (`parameters.migrate_to_chat_id`, see [`migrated_to`]) and every other 4xx are
 /// `Permanent`; 500, 502 and 504 are `Ambiguous` (the request reached Telegram, which may
@@ -33,6 +35,11 @@ pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
         // `true` is the result of methods that return no message.
         if body["result"] == Value::Bool(true) {
             return Outcome::delivered(None);
+        }
+        // `sendMediaGroup` answers an array of messages, `forwardMessages` and
+        // `copyMessages` one of message ids: every one has its `message_id`.
+        if let Value::Array(messages) = &body["result"] {
+            return delivered_all(reply, messages);
         }
         return delivered(reply, &body["result"]["message_id"], "result.message_id");
     }
@@ -57,10 +64,32 @@ pub fn outcome(reply: &HttpReply<'_>) -> Outcome {
                 reply.header_wait(),
             ],
             error,
+            // The answer does not name the scope; see the module docs of `platforms`.
+            Scope::Chat,
         ),
         400..=499 => Outcome::Permanent { error },
         503 => Outcome::Transient { error },
         _ => Outcome::Ambiguous { error },
+    }
+}
+
+/// A successful answer of several messages: `Delivered` with their ids joined by
+/// commas, in the platform's order; `Ambiguous` when the array is empty or an element
+/// has no id (the send happened or not, and the answer does not say which messages
+/// it made).
+fn delivered_all(reply: &HttpReply<'_>, messages: &[Value]) -> Outcome {
+    let ids: Option<Vec<String>> = messages
+        .iter()
+        .map(|m| match &m["message_id"] {
+            Value::Number(n) => Some(n.to_string()),
+            _ => None,
+        })
+        .collect();
+    match ids {
+        Some(ids) if !ids.is_empty() => Outcome::delivered(Some(ids.join(","))),
+        _ => Outcome::Ambiguous {
+            error: reply.describe("success without result[].message_id"),
+        },
     }
 }
 
@@ -78,6 +107,33 @@ mod tests {
 
     fn map(status: u16, body: &str) -> Outcome {
         outcome(&HttpReply::new(status, body))
+    }
+
+    /// `sendMediaGroup` answers an array of messages, `copyMessages` one of message
+    /// ids: a success, with every id kept in order. An empty array, or an element
+    /// without an id, says nothing of what was sent.
+    #[test]
+    fn answers_of_several_messages_are_deliveries_with_every_id() {
+        assert_eq!(
+            map(
+                200,
+                r#"{"ok":true,"result":[{"message_id":11,"chat":{"id":42,"type":"private"},"date":1700000000,"photo":[]},{"message_id":12,"chat":{"id":42,"type":"private"},"date":1700000000,"photo":[]}]}"#
+            ),
+            Outcome::delivered(Some("11,12".into()))
+        );
+        assert_eq!(
+            map(200, r#"{"ok":true,"result":[{"message_id":7}]}"#),
+            Outcome::delivered(Some("7".into()))
+        );
+        for body in [
+            r#"{"ok":true,"result":[]}"#,
+            r#"{"ok":true,"result":[{"message_id":7},{"chat":{}}]}"#,
+        ] {
+            assert!(
+                matches!(map(200, body), Outcome::Ambiguous { .. }),
+                "{body}"
+            );
+        }
     }
 
     /// Sample answers as the Bot API documentation and real bots show them.
