@@ -368,17 +368,20 @@ struct ChannelRow {
     /// its next send on the channel's schedule, µs.
     interval_us: i64,
     next_send_at_us: Option<i64>,
+    /// The end of a rate limit of the whole channel, ms.
+    paused_until: Option<i64>,
 }
 
 impl ChannelRow {
-    /// The earliest time, ms (rounded up), the channel's schedule lets a send start: its
-    /// rate's next slot, or the end of a rate limit of the whole channel
-    /// ([`lane::pause_channel`]).
+    /// The earliest time, ms (rounded up), the channel lets a send start: its rate's
+    /// next slot, or the end of a rate limit of the whole channel
+    /// ([`lane::pause_channel`]), whichever is later.
     fn rate_slot(&self) -> i64 {
-        match self.next_send_at_us {
-            Some(at) => at.saturating_add(999).div_euclid(1000),
-            None => i64::MIN,
-        }
+        let slot = match self.next_send_at_us {
+            Some(at) if self.interval_us > 0 => at.saturating_add(999).div_euclid(1000),
+            _ => i64::MIN,
+        };
+        slot.max(self.paused_until.unwrap_or(i64::MIN))
     }
 
     /// The slot after one taken at `now` (ms): one interval after the slot the send
@@ -403,7 +406,7 @@ impl ChannelRow {
 fn channel_rows(tx: &Tx<'_>, channels: Option<&[&str]>) -> Result<Vec<ChannelRow>> {
     let mut stmt = tx.prepare_cached(
         "SELECT ch.id, ch.name, coalesce(ch.channel_interval_us, p.channel_interval_us, 0),
-                ch.next_send_at_us
+                ch.next_send_at_us, ch.paused_until
          FROM outbound_channels ch, outbound_policy p
          WHERE p.id = 1 AND (?1 IS NULL OR ch.name = ?1)",
     )?;
@@ -414,6 +417,7 @@ fn channel_rows(tx: &Tx<'_>, channels: Option<&[&str]>) -> Result<Vec<ChannelRow
                 name: r.get(1)?,
                 interval_us: r.get(2)?,
                 next_send_at_us: r.get(3)?,
+                paused_until: r.get(4)?,
             })
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)

@@ -68,14 +68,14 @@ pub(crate) fn validate_statement(conn: &Connection, sql: &str) -> Result<()> {
             crate::schema::sqlite_message(&e)
         )),
     })?;
-    if stmt.column_count() > 0 {
-        return Err(invalid(
-            "it returns rows (RETURNING, or a query); give a statement that only writes".into(),
-        ));
-    }
     if stmt.readonly() {
         return Err(invalid(
             "it does not write anything; give an INSERT (or another statement that writes)".into(),
+        ));
+    }
+    if stmt.column_count() > 0 {
+        return Err(invalid(
+            "it returns rows (RETURNING); give a statement that only writes".into(),
         ));
     }
     for i in 1..=stmt.parameter_count() {

@@ -283,14 +283,14 @@ pub(crate) fn pause(tx: &Tx<'_>, channel: &str, chat_id: &str, until: i64) -> Re
 }
 
 /// Holds every send of `channel` until `until` (ms), whoever claims: the channel's
-/// stored schedule (`outbound_channels.next_send_at_us`, which the claim reads before
-/// it reads any chunk of the channel) moves to `until` unless it is later already.
+/// stored pause (`outbound_channels.paused_until`, which the claim reads before it
+/// reads any chunk of the channel) moves to `until` unless it ends later already.
 pub(crate) fn pause_channel(tx: &Tx<'_>, channel: &str, until: i64) -> Result<()> {
     tx.prepare_cached(
         "UPDATE outbound_channels
-         SET next_send_at_us = max(coalesce(next_send_at_us, ?2), ?2) WHERE name = ?1",
+         SET paused_until = max(coalesce(paused_until, ?2), ?2) WHERE name = ?1",
     )?
-    .execute(params![channel, until.saturating_mul(1000)])?;
+    .execute(params![channel, until])?;
     Ok(())
 }
 

@@ -15,15 +15,55 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../migrations/0004_cancel_and_rate_limit_budget.sql"),
     include_str!("../migrations/0005_status_checks_and_microsecond_rates.sql"),
     include_str!("../migrations/0006_chunk_rows_at_activation.sql"),
+    include_str!("../migrations/0007_unfinalized_and_sent_before.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:
-/// version 3 renames the history table of a file written by version 1 or 2.
+/// version 3 renames the history table of a file written by version 1 or 2; the
+/// versions that rebuild a table (4, 5, 7) re-create the application's own indexes and
+/// triggers on it, which their SQL kept in `temp.outbox_kept_schema`.
 fn hook(version: usize) -> Option<(Hook, &'static str)> {
-    (version == 3).then_some((
-        rename_history as Hook,
-        "ALTER TABLE messages RENAME TO outbound_messages",
-    ))
+    match version {
+        3 => Some((
+            rename_history as Hook,
+            "ALTER TABLE messages RENAME TO outbound_messages",
+        )),
+        4 | 5 | 7 => Some((
+            restore_application_schema as Hook,
+            "re-create the application's indexes and triggers (temp.outbox_kept_schema)",
+        )),
+        _ => None,
+    }
+}
+
+/// Re-creates the application's indexes and triggers that a table rebuild dropped, from
+/// the copy its migration kept, and empties that copy. One that no longer applies
+/// fails the upgrade, which then names it: an object of the application's is never
+/// dropped silently.
+fn restore_application_schema(tx: &Connection) -> rusqlite::Result<()> {
+    let kept: Vec<(String, String)> = tx
+        .prepare("SELECT name, sql FROM temp.outbox_kept_schema ORDER BY rowid")?
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+        .collect::<rusqlite::Result<_>>()?;
+    for (name, sql) in kept {
+        let exists: bool = tx.query_row(
+            "SELECT EXISTS (SELECT 1 FROM main.sqlite_master WHERE name = ?1)",
+            [&name],
+            |r| r.get(0),
+        )?;
+        if !exists {
+            tx.execute_batch(&sql).map_err(|e| {
+                rusqlite::Error::SqliteFailure(
+                    rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_ERROR),
+                    Some(format!(
+                        "the application's {name} on an outbox table cannot be re-created after the table was rebuilt: {}",
+                        sqlite_message(&e)
+                    )),
+                )
+            })?;
+        }
+    }
+    tx.execute_batch("DROP TABLE temp.outbox_kept_schema")
 }
 
 /// Rust that a migration runs after its SQL.
@@ -487,7 +527,7 @@ mod tests {
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 6);
+        assert_eq!(SCHEMA_VERSION, 7);
     }
 
     fn schema_of(conn: &Connection) -> Vec<String> {
@@ -512,7 +552,7 @@ mod tests {
             assert!(!statements.is_empty());
             for statement in statements {
                 assert!(
-                    !statement.to_uppercase().contains("TRIGGER"),
+                    !statement.to_uppercase().contains("CREATE TRIGGER"),
                     "the splitter does not cut trigger bodies: {statement}"
                 );
                 split.execute_batch(statement).unwrap();

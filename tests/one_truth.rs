@@ -767,3 +767,55 @@ fn a_change_of_the_lane_rules_moves_the_replies_already_stored() -> Result<()> {
     );
     Ok(())
 }
+
+/// Item 7 of the review: the migrations that rebuild the outbox's tables (4, 5, 7) keep
+/// the application's own indexes and triggers on them. A version-1 file with an index
+/// and a trigger of the application's on each table upgrades with both in place, and
+/// the trigger still fires.
+#[test]
+fn an_upgrade_keeps_the_applications_indexes_and_triggers_on_the_outbox_tables() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v1.db");
+    let v1 = rusqlite::Connection::open(&path)?;
+    v1.execute_batch(V1_SCHEMA)?;
+    v1.execute_batch(
+        "PRAGMA user_version = 1;
+         CREATE TABLE app_audit (what TEXT);
+         CREATE INDEX app_by_sender ON outbound_deliveries (sender);
+         CREATE INDEX app_chunks_by_error ON outbound_delivery_chunks (last_error);
+         CREATE TRIGGER app_audit_delivery AFTER UPDATE OF status ON outbound_deliveries
+         BEGIN INSERT INTO app_audit VALUES ('delivery ' || new.status); END;
+         CREATE TRIGGER app_audit_chunk AFTER UPDATE OF status ON outbound_delivery_chunks
+         BEGIN INSERT INTO app_audit VALUES ('chunk ' || new.status); END;",
+    )?;
+    drop(v1);
+    let outbox = Outbox::open(&path, OutboxOptions::default())?;
+    let raw = common::raw(&path);
+    let objects: Vec<String> = raw
+        .prepare("SELECT name FROM sqlite_master WHERE name LIKE 'app_%' ORDER BY name")?
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    assert_eq!(
+        objects,
+        [
+            "app_audit",
+            "app_audit_chunk",
+            "app_audit_delivery",
+            "app_by_sender",
+            "app_chunks_by_error"
+        ]
+    );
+    outbox.enqueue(&NewDelivery::single("telegram", "1", "x"))?;
+    let claim = outbox.claim(1)?.remove(0);
+    outbox.ack(&claim, None)?;
+    let audit: Vec<String> = raw
+        .prepare("SELECT what FROM app_audit")?
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    assert!(audit.contains(&"chunk delivered".to_owned()), "{audit:?}");
+    assert!(
+        audit.contains(&"delivery delivered".to_owned()),
+        "{audit:?}"
+    );
+    Ok(())
+}

@@ -773,7 +773,7 @@ mod tests {
         ));
         assert!(matches!(
             slack.outcome(&slack.rate_limited()),
-            Outcome::RateLimited { retry_after, .. } if retry_after == Duration::from_secs(1)
+            Outcome::ChannelRateLimited { retry_after, .. } if retry_after == Duration::from_secs(1)
         ));
     }
 }
