@@ -389,6 +389,13 @@ impl Outbox {
     /// [`rusqlite::Transaction`], which dereferences to a connection. Start it with
     /// `BEGIN IMMEDIATE` to avoid lock upgrades failing under contention.
     ///
+    /// **Call [`wake`](Self::wake) after your commit.** The reply exists only from
+    /// your commit on, and this crate cannot see that commit on your connection (a
+    /// commit hook would replace one the application may have set). Without the call a
+    /// dispatcher of this process still finds the reply, at its next
+    /// [poll](crate::DispatcherBuilder::poll_interval) (50 ms by default); a dispatcher
+    /// of another process notices the commit the same way.
+    ///
     /// ```
     /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
     /// # let dir = tempfile::tempdir().unwrap();
@@ -401,6 +408,7 @@ impl Outbox {
     /// tx.execute("INSERT INTO replies_sent VALUES (1)", [])?;
     /// outbox.enqueue_in(&tx, &NewDelivery::single("telegram", "42", "hi"))?;
     /// tx.commit()?; // the reply and the application's own row land together
+    /// outbox.wake(); // this process's dispatchers look for it now
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     ///
@@ -426,14 +434,14 @@ impl Outbox {
         };
         run("SAVEPOINT chunked_outbox_enqueue")?;
         match self
-            .rules(conn)
+            .rules_uncached(conn)
             .and_then(|rules| insert(&tx, self, &rules, delivery))
         {
             Ok(enqueued) => {
                 run("RELEASE chunked_outbox_enqueue")?;
-                // Visible once the caller commits; a dispatcher's change watcher sees
-                // that commit, this only shortens the wait in the common case.
-                self.wake();
+                // Not visible before the caller commits: waking dispatchers now would
+                // have them look for it too early. The caller wakes them after its
+                // commit (see above); otherwise a poll finds it.
                 Ok(enqueued)
             }
             Err(e) => {

@@ -184,7 +184,9 @@ impl Outbox {
     ///
     /// "Started" means a chunk was claimed for a send that may have reached the
     /// platform: it is `sending`, delivered, `uncertain`, or has used a send attempt
-    /// (a send that was given back unstarted, or refused by a rate limit, has not).
+    /// (a send that was given back unstarted, or refused by a rate limit, has not) —
+    /// in its current attempt budget or in one before an operator's requeue or
+    /// [`Resolution::Resend`] gave it a fresh one.
     /// **A started reply is not cut short**: the chat may already show its first part,
     /// and stopping there would leave a fragment that the history never records. Such a
     /// cancel is refused with [`Error::CancelTooLate`] and changes nothing; let the reply
@@ -231,7 +233,7 @@ impl Outbox {
                 .prepare_cached(concat!(
                     "SELECT id, chunk_index, status, attempts FROM outbound_delivery_chunks AS c WHERE ",
                     chunks_of_delivery!("c", "?1"),
-                    " AND (status NOT IN ('pending', 'retry') OR attempts > 0)
+                    " AND (status NOT IN ('pending', 'retry') OR attempts > 0 OR sent_before)
                      ORDER BY id LIMIT 1"
                 ))?
                 .query_row([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
@@ -293,7 +295,8 @@ fn requeue(
     )?;
     tx.prepare_cached(
         "UPDATE outbound_delivery_chunks
-         SET status = 'retry', attempts = 0, rate_limits = 0, due_at = NULL, claim_token = NULL
+         SET status = 'retry', attempts = 0, rate_limits = 0, due_at = NULL, claim_token = NULL,
+             sent_before = (sent_before OR attempts > 0)
          WHERE id = ?1",
     )?
     .execute([chunk.id])?;

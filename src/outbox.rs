@@ -445,6 +445,25 @@ impl Outbox {
         Ok(value)
     }
 
+    /// The stored rules as the caller's own transaction sees them (`enqueue_in`): the
+    /// handle's copy when it is of the same version, else read here and **not** kept.
+    /// That transaction may yet roll back (a channel it registered, a version it
+    /// bumped, would then never have existed), so nothing read inside it may enter the
+    /// copy every clone of this handle shares.
+    pub(crate) fn rules_uncached(&self, conn: &Connection) -> Result<Arc<Stored>> {
+        let version = policy::version(conn)?;
+        let cached = self
+            .inner
+            .stored
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if cached.version == version {
+            return Ok(cached);
+        }
+        Ok(Arc::new(policy::load(conn)?))
+    }
+
     /// The stored rules, read again if another handle (or process) changed them since
     /// this handle last read them: one single-row read per transaction otherwise.
     pub(crate) fn rules(&self, conn: &Connection) -> Result<Arc<Stored>> {

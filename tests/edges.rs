@@ -183,3 +183,106 @@ fn a_chat_rate_limit_pauses_the_chat_only() -> chunked_outbox::Result<()> {
     assert_ne!(rest[0].chat_id, first.chat_id);
     Ok(())
 }
+
+/// Item 2: rules read inside the application's transaction never enter the handle's
+/// shared copy. A channel registered by an `enqueue_in` that was rolled back never
+/// existed: once another process brings the file to the same version with another
+/// channel under that number, this handle still stamps each reply with its own
+/// channel's number.
+#[test]
+fn a_rolled_back_enqueue_in_leaves_no_rules_behind() -> chunked_outbox::Result<()> {
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    enqueue(ob, "1", &["warm"]); // the handle's copy of the rules is current
+    let mut app = db.raw();
+    let tx = app.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    // The first registers the channel (a new version of the rules, in this
+    // transaction only); the second reads the rules at that version.
+    ob.enqueue_in(&tx, &NewDelivery::single("matrix", "!room", "never"))?;
+    ob.enqueue_in(&tx, &NewDelivery::single("matrix", "!other", "never"))?;
+    tx.rollback()?;
+    let other = db.reopen(OutboxOptions::default());
+    other.enqueue(&NewDelivery::single("slack", "C1", "s"))?;
+    ob.enqueue(&NewDelivery::single("matrix", "!room", "m"))?;
+    let matrix = other.claim_channels(&["matrix"], 10)?;
+    assert_eq!(matrix.len(), 1, "the Matrix reply is Matrix's");
+    assert_eq!(matrix[0].text, "m");
+    let slack = other.claim_channels(&["slack"], 10)?;
+    assert_eq!(
+        slack.iter().map(|c| c.text.as_str()).collect::<Vec<_>>(),
+        ["s"]
+    );
+    Ok(())
+}
+
+/// Item 2: a change of the lane rules by another process is seen by a handle whose
+/// `enqueue_in` was rolled back, even when that brings the file to the version the
+/// rolled-back transaction had.
+#[test]
+fn a_rule_change_is_seen_after_a_rolled_back_enqueue_in() -> chunked_outbox::Result<()> {
+    use chunked_outbox::{DeliveryStatus, LaneOrder};
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    enqueue(ob, "1", &["warm"]);
+    let mut app = db.raw();
+    let tx = app.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    // The first registers the channel (a new version of the rules, in this
+    // transaction only); the second reads the rules at that version.
+    ob.enqueue_in(&tx, &NewDelivery::single("matrix", "!room", "never"))?;
+    ob.enqueue_in(&tx, &NewDelivery::single("matrix", "!other", "never"))?;
+    tx.rollback()?;
+    let other = db.reopen(OutboxOptions::default());
+    let mut policy = other.policy()?;
+    policy.lane_order = LaneOrder::Parallel;
+    other.set_policy(policy)?;
+    let second = enqueue(ob, "1", &["second"]);
+    assert_eq!(
+        view(ob, second).status,
+        DeliveryStatus::Pending,
+        "parallel lanes: the second reply of the chat starts at once"
+    );
+    Ok(())
+}
+
+/// Item 3: a reply whose first chunk may have reached the chat cannot be cancelled,
+/// even after an operator's resend or requeue gave the chunk a fresh attempt budget.
+#[test]
+fn a_possibly_sent_reply_is_not_cancelled_after_a_resend_or_requeue() -> chunked_outbox::Result<()>
+{
+    use chunked_outbox::{Outcome, Resolution};
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    let held = enqueue(ob, "1", &["a", "b"]);
+    let claim = claim_one(ob);
+    ob.record(
+        &claim,
+        Outcome::Ambiguous {
+            error: "timeout".into(),
+        },
+    )?;
+    ob.resolve_uncertain(claim.chunk_id, Resolution::Resend)?;
+    assert!(
+        matches!(ob.cancel(held), Err(Error::CancelTooLate { .. })),
+        "the resent chunk may be in the chat already"
+    );
+    let dead = enqueue(ob, "2", &["c", "d"]);
+    let mut claims = claim_all(ob);
+    let at = claims.iter().position(|c| c.chat_id == "2").unwrap();
+    let claim = claims.remove(at);
+    for unsent in claims {
+        ob.release(&unsent)?; // refunds the attempt; the earlier send still counts
+    }
+    assert!(matches!(ob.cancel(held), Err(Error::CancelTooLate { .. })));
+    ob.record(
+        &claim,
+        Outcome::Ambiguous {
+            error: "timeout".into(),
+        },
+    )?;
+    ob.requeue_delivery(dead)?;
+    assert!(matches!(ob.cancel(dead), Err(Error::CancelTooLate { .. })));
+    // A reply that never left is still cancelled.
+    let fresh = enqueue(ob, "3", &["e"]);
+    ob.cancel(fresh)?;
+    Ok(())
+}

@@ -57,7 +57,10 @@ impl<A: ?Sized> DispatcherBuilder<A> {
 
     /// The longest an idle worker sleeps before checking for commits from other
     /// processes (and so the bound on how late it notices them). Enqueues in this
-    /// process wake workers at once. Default 50 ms.
+    /// process wake workers at once — except [`Outbox::enqueue_in`](crate::Outbox::enqueue_in),
+    /// whose reply exists only once the application commits its own transaction: call
+    /// [`Outbox::wake`](crate::Outbox::wake) after that commit, or the reply waits for
+    /// this interval. Default 50 ms.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.settings.poll_interval = interval;
         self
