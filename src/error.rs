@@ -105,6 +105,22 @@ pub enum Error {
         attempts: u32,
     },
 
+    /// The application's finalization statement
+    /// ([`Outbox::set_finalization`](crate::Outbox::set_finalization)) refused a reply
+    /// whose chunks all reached the chat: a constraint, trigger or type of the
+    /// application's table. The reply stays
+    /// [`Unfinalized`](crate::DeliveryStatus::Unfinalized); fix the table (or the
+    /// statement), then finalize it again.
+    #[error(
+        "the application's finalization statement refused delivery {delivery}: {message}; every chunk reached the chat, and the reply stays unfinalized until the statement takes it"
+    )]
+    FinalizationRefused {
+        /// The reply.
+        delivery: DeliveryId,
+        /// What the statement met, in SQLite's words.
+        message: String,
+    },
+
     /// The database was written by a newer version of this crate. Upgrade the crate;
     /// nothing was changed in the file.
     #[error(

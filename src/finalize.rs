@@ -137,6 +137,13 @@ pub(crate) const HISTORY_SQL: &str = "INSERT INTO outbound_messages
 /// `outbound_messages.delivery_id` is UNIQUE and written first, so a second
 /// finalization fails before it reaches the application's table, whatever that
 /// table's own constraints.
+///
+/// When the application's statement refuses the reply (its table already holds the
+/// id, a CHECK or trigger of its own refuses the row), that reply alone is set aside:
+/// nothing of its finalization is written, it becomes `unfinalized` with the
+/// statement's message, its lane moves on, and the caller's transaction goes on with
+/// whatever else it records; the result is that message. Only errors of the database
+/// itself (busy, full, I/O) fail the transaction.
 pub(crate) fn finalize(
     tx: &Tx<'_>,
     rules: &Stored,
@@ -144,7 +151,49 @@ pub(crate) fn finalize(
     (channel, chat_id): (&str, &str),
     (created_at, now): (i64, i64),
     tally: &mut Tally,
-) -> Result<()> {
+) -> Result<Option<String>> {
+    match &rules.finalize_sql {
+        None => write_history(tx, delivery, now)?,
+        Some(sql) => {
+            tx.prepare_cached("SAVEPOINT chunked_outbox_finalize")?
+                .execute([])?;
+            let written = write_history(tx, delivery, now)
+                .and_then(|()| run_statement(tx, sql, delivery, now));
+            match written {
+                Ok(()) => {
+                    tx.prepare_cached("RELEASE chunked_outbox_finalize")?
+                        .execute([])?;
+                }
+                // A trigger's RAISE(ROLLBACK) ended the whole transaction: nothing is
+                // left to contain the error in.
+                Err(e) if tx.is_autocommit() => return Err(e),
+                Err(e) => {
+                    tx.prepare_cached("ROLLBACK TO chunked_outbox_finalize")?
+                        .execute([])?;
+                    tx.prepare_cached("RELEASE chunked_outbox_finalize")?
+                        .execute([])?;
+                    let message = refusal(e)?;
+                    set_unfinalized(tx, rules, delivery, (channel, chat_id), now, &message)?;
+                    return Ok(Some(message));
+                }
+            }
+        }
+    }
+    tx.prepare_cached(
+        "UPDATE outbound_deliveries
+         SET status = 'delivered', delivered_count = chunk_count, updated_at = ?2, finished_at = ?2,
+             finalize_error = NULL
+         WHERE id = ?1",
+    )?
+    .execute(params![delivery, now])?;
+    tally.add(channel, now, (now - created_at).max(0));
+    lane::advance(tx, &rules.policy, channel, chat_id, now)?;
+    Ok(None)
+}
+
+/// Writes delivery `delivery`'s row into `outbound_messages`, whose UNIQUE key refuses a
+/// second one.
+fn write_history(tx: &Tx<'_>, delivery: i64, now: i64) -> Result<()> {
     let written = tx
         .prepare_cached(HISTORY_SQL)?
         .execute(params![delivery, now])?;
@@ -154,16 +203,57 @@ pub(crate) fn finalize(
             format!("row {delivery} to finalize is not stored"),
         ));
     }
-    if let Some(sql) = &rules.finalize_sql {
-        run_statement(tx, sql, delivery, now)?;
+    Ok(())
+}
+
+/// The message of an error that the application's statement met with the application's
+/// own schema (a constraint, a trigger, a missing table, a value of the wrong type), or
+/// the error itself when the database failed (busy, full, I/O), which the whole
+/// transaction must fail with.
+fn refusal(e: Error) -> Result<String> {
+    use rusqlite::ErrorCode as C;
+    match e {
+        Error::Sqlite(inner)
+            if matches!(
+                inner.sqlite_error_code(),
+                Some(
+                    C::ConstraintViolation
+                        | C::TypeMismatch
+                        | C::TooBig
+                        | C::Unknown
+                        | C::AuthorizationForStatementDenied
+                )
+            ) =>
+        {
+            Ok(crate::schema::sqlite_message(&inner))
+        }
+        Error::InvalidInput { what, reason } => Ok(format!("{what}: {reason}")),
+        other => Err(other),
     }
+}
+
+/// Sets a fully delivered reply aside as `unfinalized` with the statement's message; its
+/// lane moves on (every chunk reached the chat).
+fn set_unfinalized(
+    tx: &Tx<'_>,
+    rules: &Stored,
+    delivery: i64,
+    (channel, chat_id): (&str, &str),
+    now: i64,
+    message: &str,
+) -> Result<()> {
+    tracing::warn!(
+        delivery,
+        error = message,
+        "the application's finalization statement refused a reply; it stays unfinalized"
+    );
     tx.prepare_cached(
         "UPDATE outbound_deliveries
-         SET status = 'delivered', delivered_count = chunk_count, updated_at = ?2, finished_at = ?2
+         SET status = 'unfinalized', delivered_count = chunk_count, updated_at = ?2,
+             finalize_error = ?3
          WHERE id = ?1",
     )?
-    .execute(params![delivery, now])?;
-    tally.add(channel, now, (now - created_at).max(0));
+    .execute(params![delivery, now, message])?;
     lane::advance(tx, &rules.policy, channel, chat_id, now)
 }
 
@@ -247,7 +337,9 @@ pub(crate) const SWEEP_SQL: &str = concat!(
 
 /// Finalizes unfinished deliveries whose chunks are all delivered: what a crash in a
 /// path that recorded chunk acks separately from finalization (an older outbox, a
-/// manual repair) leaves behind. Reads only unfinished deliveries, never history.
+/// manual repair) leaves behind, and `unfinalized` replies, whose statement refused
+/// them before (one refused again stays so). Reads only unfinished deliveries, never
+/// history. Returns how many it finalized.
 pub(crate) fn sweep(tx: &Tx<'_>, rules: &Stored, now: i64) -> Result<u64> {
     type Done = (i64, String, String, i64);
     let done: Vec<Done> = tx
@@ -255,10 +347,13 @@ pub(crate) fn sweep(tx: &Tx<'_>, rules: &Stored, now: i64) -> Result<u64> {
         .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
         .collect::<rusqlite::Result<_>>()?;
     let mut tally = Tally::default();
+    let mut finalized = 0;
     for (delivery, channel, chat_id, created_at) in &done {
         let times = (*created_at, now);
-        finalize(tx, rules, *delivery, (channel, chat_id), times, &mut tally)?;
+        if finalize(tx, rules, *delivery, (channel, chat_id), times, &mut tally)?.is_none() {
+            finalized += 1;
+        }
     }
     tally.write(tx)?;
-    Ok(done.len() as u64)
+    Ok(finalized)
 }

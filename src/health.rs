@@ -37,6 +37,10 @@ pub struct ChannelHealth {
     /// Deliveries cancelled before anything of them was sent, still stored (until
     /// purged).
     pub cancelled_deliveries: u64,
+    /// Replies every chunk of which reached its chat, but which the application's
+    /// finalization statement refused (`outbox list --status unfinalized` shows why);
+    /// they are finalized again by `recover` once the application fixed its table.
+    pub unfinalized_deliveries: u64,
     /// Chunks not yet sent (due, waiting for their turn, or queued in their lane). The
     /// unsent rest of a dead letter is not counted: nothing will send it unless it is
     /// requeued.
@@ -59,8 +63,8 @@ pub struct ChannelHealth {
     /// drained?", which [`pending_chunks`](Self::pending_chunks) is not (the replies
     /// queued behind an `uncertain` one stay pending).
     pub moving_chunks: u64,
-    /// "Is anything waiting for a human?" Uncertain chunks plus dead letters nobody
-    /// acknowledged. 0 when nothing needs a decision.
+    /// "Is anything waiting for a human?" Uncertain chunks, dead letters nobody
+    /// acknowledged, and unfinalized replies. 0 when nothing needs a decision.
     pub awaiting_decision: u64,
     /// Enqueue time of the oldest delivery still in flight.
     pub oldest_unfinished_at: Option<DateTime<Utc>>,
@@ -171,6 +175,11 @@ const FAMILIES: &[Family] = &[
         "outbox_uncertain_deliveries",
         "Deliveries holding a chunk that may have been sent.",
         |h, _| Some(h.uncertain_deliveries as f64),
+    ),
+    (
+        "outbox_unfinalized_deliveries",
+        "Replies delivered in full whose finalization the application's statement refused.",
+        |h, _| Some(h.unfinalized_deliveries as f64),
     ),
     (
         "outbox_failed_deliveries",
@@ -400,6 +409,7 @@ fn snapshot(tx: &Tx<'_>, now: i64) -> Result<Health> {
                 }
             }
             DeliveryStatus::Cancelled => h.cancelled_deliveries += n,
+            DeliveryStatus::Unfinalized => h.unfinalized_deliveries += n,
             // Counted from the maintained per-channel counters above (delivered rows
             // are not in the index this query reads).
             DeliveryStatus::Delivered => {}
@@ -445,7 +455,8 @@ fn snapshot(tx: &Tx<'_>, now: i64) -> Result<Health> {
     }
 
     for h in channels.values_mut() {
-        h.awaiting_decision = h.uncertain_chunks + h.unacknowledged_dead_letters;
+        h.awaiting_decision =
+            h.uncertain_chunks + h.unacknowledged_dead_letters + h.unfinalized_deliveries;
     }
     let mut totals = ChannelHealth::default();
     for h in channels.values() {
@@ -465,6 +476,7 @@ impl ChannelHealth {
         self.pending_deliveries += o.pending_deliveries;
         self.partial_deliveries += o.partial_deliveries;
         self.uncertain_deliveries += o.uncertain_deliveries;
+        self.unfinalized_deliveries += o.unfinalized_deliveries;
         self.failed_deliveries += o.failed_deliveries;
         self.unacknowledged_dead_letters += o.unacknowledged_dead_letters;
         self.corrupt_deliveries += o.corrupt_deliveries;

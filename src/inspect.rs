@@ -47,6 +47,9 @@ pub struct DeliveryView {
     pub finished_at: Option<DateTime<Utc>>,
     /// When an operator acknowledged it as a dead letter.
     pub acknowledged_at: Option<DateTime<Utc>>,
+    /// For an [`Unfinalized`](DeliveryStatus::Unfinalized) reply: what the application's
+    /// finalization statement met.
+    pub finalize_error: Option<String>,
     /// Its chunks in order (empty in [`Outbox::list`] results, and for a cancelled
     /// delivery, whose chunks are removed).
     pub chunks: Vec<ChunkView>,
@@ -287,7 +290,7 @@ pub struct CorruptRow {
 const DELIVERY_SELECT: &str =
     "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
         chunk_count, delivered_count, created_at, updated_at, finished_at, acknowledged_at,
-        metadata, not_before
+        metadata, not_before, finalize_error
  FROM outbound_deliveries";
 
 fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
@@ -313,6 +316,7 @@ fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
             acknowledged_at: r.get::<_, Option<i64>>(13)?.map(to_datetime),
             metadata: r.get(14)?,
             not_before: r.get::<_, Option<i64>>(15)?.map(to_datetime),
+            finalize_error: r.get(16)?,
             chunks: Vec::new(),
         },
     ))

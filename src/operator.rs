@@ -133,12 +133,44 @@ impl Outbox {
                 }
                 Resolution::Resend => {
                     requeue(tx, rules, &chunk, "resolve", now)?;
-                    Ok(Recorded {
-                        status: ChunkStatus::Retry,
-                        next_attempt_at: None,
-                        finalized: false,
-                    })
+                    Ok(Recorded::settled(ChunkStatus::Retry))
                 }
+            }
+        })
+    }
+
+    /// Finalizes again a reply that the application's finalization statement refused
+    /// ([`DeliveryStatus::Unfinalized`]): every chunk reached the chat, and once the
+    /// application fixed its table the reply is written to the history as if its last
+    /// ack had just been recorded. [`recover`](Self::recover) does this for every such
+    /// reply.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::DeliveryNotFound`]; [`Error::DeliveryState`] if the reply is not
+    /// unfinalized; [`Error::FinalizationRefused`] if the statement refuses it again
+    /// (nothing changes then).
+    pub fn finalize_again(&self, delivery: DeliveryId) -> Result<()> {
+        self.write_and_wake(|tx, rules| {
+            let (status, channel, chat_id) = delivery_row(self, tx, delivery)?;
+            if status != DeliveryStatus::Unfinalized {
+                return Err(Error::DeliveryState {
+                    delivery,
+                    status,
+                    action: "finalize",
+                    expected: "unfinalized",
+                });
+            }
+            let id = self.delivery_rowid(delivery);
+            let created_at: i64 = tx
+                .prepare_cached("SELECT created_at FROM outbound_deliveries WHERE id = ?1")?
+                .query_row([id], |r| r.get(0))?;
+            let now = self.options().now_ms();
+            let mut tally = Tally::default();
+            let lane = (channel.as_str(), chat_id.as_str());
+            match crate::finalize::finalize(tx, rules, id, lane, (created_at, now), &mut tally)? {
+                None => tally.write(tx),
+                Some(message) => Err(Error::FinalizationRefused { delivery, message }),
             }
         })
     }
@@ -220,7 +252,8 @@ impl Outbox {
                 DeliveryStatus::Partial
                 | DeliveryStatus::Uncertain
                 | DeliveryStatus::Failed
-                | DeliveryStatus::Delivered => {
+                | DeliveryStatus::Delivered
+                | DeliveryStatus::Unfinalized => {
                     return Err(Error::DeliveryState {
                         delivery,
                         status,

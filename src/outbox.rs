@@ -263,9 +263,16 @@ impl Outbox {
     ///
     /// Values are bound by name, never interpolated; the names are
     /// [`FINALIZE_PARAMETERS`](crate::FINALIZE_PARAMETERS). The statement is checked
-    /// against the file's schema when it is set. If it fails when it runs (say, a
-    /// constraint of the application's), the ack fails with it and nothing is written;
-    /// the chunk keeps its claim until its lease ends.
+    /// against the file's schema when it is set. If the application's table refuses a
+    /// reply when it runs (a constraint, a trigger, a row with that id already), that
+    /// reply alone is set aside: its chunks stay delivered, nothing of its finalization
+    /// is written, it becomes [`Unfinalized`](crate::DeliveryStatus::Unfinalized) with
+    /// the statement's message ([`Recorded::finalize_error`](crate::Recorded::finalize_error),
+    /// health, `outbox show`), its chat moves on, and every other outcome of the same
+    /// transaction is recorded. [`recover`](Self::recover) or
+    /// [`finalize_again`](Self::finalize_again) finalizes it once the table takes it.
+    /// (A trigger that raises `ROLLBACK` ends the whole transaction, so nothing of the
+    /// ack is recorded; raise `ABORT` to refuse one row.)
     ///
     /// ```
     /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};

@@ -96,7 +96,7 @@ impl Outcome {
 }
 
 /// The state a chunk was left in by [`Outbox::record`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct Recorded {
     /// The chunk's new status.
@@ -106,14 +106,20 @@ pub struct Recorded {
     /// True when this ack delivered the delivery's last chunk and the delivery was
     /// written to `outbound_messages` in the same transaction.
     pub finalized: bool,
+    /// When this ack delivered the last chunk but the application's finalization
+    /// statement refused the reply: what the statement met. The reply is then
+    /// [`Unfinalized`](crate::DeliveryStatus::Unfinalized) (its chunks stay delivered),
+    /// and the rest of the transaction was recorded as usual.
+    pub finalize_error: Option<String>,
 }
 
 impl Recorded {
-    fn settled(status: ChunkStatus) -> Self {
+    pub(crate) fn settled(status: ChunkStatus) -> Self {
         Recorded {
             status,
             next_attempt_at: None,
             finalized: false,
+            finalize_error: None,
         }
     }
 
@@ -122,6 +128,7 @@ impl Recorded {
             status,
             next_attempt_at: Some(to_datetime(at)),
             finalized: false,
+            finalize_error: None,
         }
     }
 }
@@ -507,11 +514,7 @@ fn settle_held(
         }
     };
     rejoin_lane(tx, rules, chunk, attempts, earliest, Some(&error))?;
-    Ok(Recorded {
-        status: ChunkStatus::Retry,
-        next_attempt_at: None,
-        finalized: false,
-    })
+    Ok(Recorded::settled(ChunkStatus::Retry))
 }
 
 /// Sends a chunk whose delivery was set aside again from its lane, as a requeue would:
@@ -665,9 +668,10 @@ pub(crate) fn deliver_chunk(
     if chunk.index + 1 >= chunk.total {
         let lane = (chunk.channel.as_str(), chunk.chat_id.as_str());
         let times = (chunk.created_at, now);
-        finalize::finalize(tx, rules, chunk.delivery, lane, times, tally)?;
+        let refused = finalize::finalize(tx, rules, chunk.delivery, lane, times, tally)?;
         return Ok(Recorded {
-            finalized: true,
+            finalized: refused.is_none(),
+            finalize_error: refused,
             ..Recorded::settled(ChunkStatus::Delivered)
         });
     }

@@ -97,6 +97,13 @@ status_enum! {
         /// Withdrawn before any of its chunks started (see
         /// [`Outbox::cancel`](crate::Outbox::cancel)); nothing of it was sent.
         Cancelled = "cancelled",
+        /// Every chunk reached its chat, but the application's finalization statement
+        /// refused the reply (a constraint or trigger of the application's table); the
+        /// view's `finalize_error` says why. It is finalized again by
+        /// [`Outbox::recover`](crate::Outbox::recover) and
+        /// [`Outbox::finalize_again`](crate::Outbox::finalize_again) once the
+        /// application fixed its table.
+        Unfinalized = "unfinalized",
     }
 }
 

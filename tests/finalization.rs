@@ -164,11 +164,11 @@ fn every_process_runs_the_stored_statement() -> Result<()> {
     Ok(())
 }
 
-/// A statement the application's table refuses when it runs fails the ack whole:
-/// nothing is written, the claim stays valid, and once the statement is fixed (here:
-/// removed) the same ack goes through.
+/// A statement the application's table refuses when it runs leaves the ack standing:
+/// the chunk is delivered, nothing of the finalization is written, the reply is
+/// `unfinalized`; once the statement is fixed (here: removed) recovery finalizes it.
 #[test]
-fn a_refused_insert_fails_the_ack_and_changes_nothing() -> Result<()> {
+fn a_refused_insert_leaves_the_reply_unfinalized_until_the_statement_takes_it() -> Result<()> {
     let db = TestDb::default();
     db.raw()
         .execute_batch("CREATE TABLE app (content TEXT CHECK (length(content) < 3))")?;
@@ -176,14 +176,142 @@ fn a_refused_insert_fails_the_ack_and_changes_nothing() -> Result<()> {
     outbox.set_finalization(Some("INSERT INTO app VALUES (:content)"))?;
     let id = enqueue(outbox, "c", &["too long"]);
     let claim = claim_one(outbox);
-    assert!(outbox.ack(&claim, None).is_err());
+    let recorded = outbox.ack(&claim, None)?;
+    assert!(!recorded.finalized);
+    assert!(recorded.finalize_error.unwrap().contains("CHECK"));
     let v = view(outbox, id);
-    assert_eq!(v.chunks[0].status, ChunkStatus::Sending);
-    let ours: i64 = db
-        .raw()
-        .query_row("SELECT count(*) FROM outbound_messages", [], |r| r.get(0))?;
-    assert_eq!(ours, 0);
+    assert_eq!(v.chunks[0].status, ChunkStatus::Delivered);
+    assert_eq!(v.status, chunked_outbox::DeliveryStatus::Unfinalized);
+    let ours = || -> Result<i64> {
+        Ok(db
+            .raw()
+            .query_row("SELECT count(*) FROM outbound_messages", [], |r| r.get(0))?)
+    };
+    assert_eq!(ours()?, 0);
+    assert!(matches!(
+        outbox.ack(&claim, None),
+        Err(Error::StaleClaim { .. })
+    ));
     outbox.set_finalization(None)?;
-    assert!(outbox.ack(&claim, None)?.finalized);
+    assert_eq!(outbox.recover(RecoverScope::ExpiredLeases)?.finalized, 1);
+    assert_eq!(ours()?, 1);
+    Ok(())
+}
+
+/// Item 1 of the review: a reply the application's statement refuses (here a trigger
+/// of the application's) is set aside alone. Every other outcome recorded with it in
+/// one transaction stands; its own chunks stay delivered; it is `unfinalized` with the
+/// statement's message, counted in health, its lane moves on; once the application
+/// fixes its table, recovery finalizes it, exactly once.
+#[test]
+fn a_reply_the_statement_refuses_is_set_aside_alone() -> Result<()> {
+    use chunked_outbox::DeliveryStatus;
+    let db = app_db();
+    db.raw()
+        .execute_batch(
+            "CREATE TABLE app_refused (chat_id TEXT);
+             CREATE TRIGGER app_refuses BEFORE INSERT ON messages
+             WHEN new.chat_id IN (SELECT chat_id FROM app_refused)
+             BEGIN SELECT RAISE(ABORT, 'chat is archived'); END;
+             INSERT INTO app_refused VALUES ('66');",
+        )
+        .unwrap();
+    let ob = &db.outbox;
+    let refused = enqueue(ob, "66", &["a"]);
+    let next_in_lane = enqueue(ob, "66", &["b"]);
+    let fine = enqueue(ob, "77", &["c"]);
+    let second = enqueue(ob, "77", &["d", "e"]);
+    let claims = claim_all(ob);
+    assert_eq!(claims.len(), 2);
+    let results = ob.record_batch(
+        claims
+            .iter()
+            .map(|c| (c, Outcome::delivered(Some("p".into())))),
+    )?;
+    let recorded: Vec<_> = results.into_iter().collect::<Result<_>>()?;
+    let of = |chat: &str| &recorded[claims.iter().position(|c| c.chat_id == chat).unwrap()];
+    assert!(of("77").finalized);
+    let refusal = of("66").finalize_error.clone().expect("refused");
+    assert!(refusal.contains("chat is archived"), "{refusal}");
+    assert!(!of("66").finalized);
+    assert_eq!(of("66").status, ChunkStatus::Delivered);
+
+    let v = view(ob, refused);
+    assert_eq!(v.status, DeliveryStatus::Unfinalized);
+    assert_eq!(v.delivered_count, 1);
+    assert_eq!(v.chunks[0].status, ChunkStatus::Delivered);
+    assert!(v.finalize_error.unwrap().contains("chat is archived"));
+    assert_eq!(view(ob, fine).status, DeliveryStatus::Delivered);
+    assert!(app_rows(&db, refused).is_empty(), "nothing of it written");
+    assert!(messages_for(&db.raw(), refused)?.is_empty());
+    let h = ob.health()?;
+    assert_eq!(h.totals.unfinalized_deliveries, 1);
+    assert_eq!(h.totals.awaiting_decision, 1);
+    // Both lanes moved on: the next reply of each chat is sent.
+    let next: Vec<_> = claim_all(ob).into_iter().map(|c| c.delivery_id).collect();
+    assert!(
+        next.contains(&next_in_lane) && next.contains(&second),
+        "{next:?}"
+    );
+
+    // Refused again while the table still refuses: a typed error, nothing changes.
+    assert!(matches!(
+        ob.finalize_again(refused),
+        Err(Error::FinalizationRefused { delivery, .. }) if delivery == refused
+    ));
+    assert_eq!(ob.recover(RecoverScope::ExpiredLeases)?.finalized, 0);
+    assert_eq!(view(ob, refused).status, DeliveryStatus::Unfinalized);
+    // The application fixes its table: recovery finalizes it, once.
+    db.raw().execute_batch("DELETE FROM app_refused").unwrap();
+    assert_eq!(ob.recover(RecoverScope::ExpiredLeases)?.finalized, 1);
+    assert_eq!(view(ob, refused).status, DeliveryStatus::Delivered);
+    assert_eq!(view(ob, refused).finalize_error, None);
+    assert_eq!(app_rows(&db, refused).len(), 1);
+    assert_eq!(messages_for(&db.raw(), refused)?.len(), 1);
+    assert_eq!(ob.recover(RecoverScope::ExpiredLeases)?.finalized, 0);
+    assert_eq!(ob.health()?.totals.unfinalized_deliveries, 0);
+    Ok(())
+}
+
+/// Item 1: a reply whose id the application's table holds already (a primary key
+/// conflict) is resolved as delivered by the operator without failing: it lands
+/// `unfinalized`, and `finalize_again` writes it once the row is gone.
+#[test]
+fn resolving_a_reply_the_statement_refuses_leaves_it_unfinalized() -> Result<()> {
+    use chunked_outbox::DeliveryStatus;
+    let db = app_db();
+    let ob = &db.outbox;
+    let id = enqueue(ob, "77", &["a"]);
+    db.raw()
+        .execute(
+            "INSERT INTO messages VALUES (?1, 77, 'x', 'taken', 1, 't')",
+            [id.to_string()],
+        )
+        .unwrap();
+    let claim = claim_one(ob);
+    ob.record(
+        &claim,
+        Outcome::Ambiguous {
+            error: "timeout".into(),
+        },
+    )?;
+    let recorded = ob.resolve_uncertain(
+        claim.chunk_id,
+        Resolution::Delivered {
+            platform_message_id: None,
+        },
+    )?;
+    assert!(recorded.finalize_error.unwrap().contains("UNIQUE"));
+    assert_eq!(view(ob, id).status, DeliveryStatus::Unfinalized);
+    assert!(matches!(
+        ob.finalize_again(enqueue(ob, "78", &["b"])),
+        Err(Error::DeliveryState { .. })
+    ));
+    db.raw()
+        .execute("DELETE FROM messages WHERE id = ?1", [id.to_string()])
+        .unwrap();
+    ob.finalize_again(id)?;
+    assert_eq!(view(ob, id).status, DeliveryStatus::Delivered);
+    assert_eq!(app_rows(&db, id).len(), 1);
     Ok(())
 }

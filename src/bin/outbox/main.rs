@@ -197,11 +197,13 @@ enum StatusArg {
     Failed,
     Delivered,
     Cancelled,
+    Unfinalized,
 }
 
 impl From<StatusArg> for DeliveryStatus {
     fn from(s: StatusArg) -> Self {
         match s {
+            StatusArg::Unfinalized => DeliveryStatus::Unfinalized,
             StatusArg::Queued => DeliveryStatus::Queued,
             StatusArg::Pending => DeliveryStatus::Pending,
             StatusArg::Partial => DeliveryStatus::Partial,

@@ -137,8 +137,11 @@ pub fn health(h: &Health) -> String {
     );
     let _ = writeln!(
         out,
-        "moving chunks      {}   awaiting a decision  {}   cancelled  {}",
-        h.totals.moving_chunks, h.totals.awaiting_decision, h.totals.cancelled_deliveries
+        "moving chunks      {}   awaiting a decision  {}   cancelled  {}   unfinalized  {}",
+        h.totals.moving_chunks,
+        h.totals.awaiting_decision,
+        h.totals.cancelled_deliveries,
+        h.totals.unfinalized_deliveries
     );
     let _ = writeln!(out, "snapshot at        {}", time(Some(h.generated_at)));
     out
@@ -199,6 +202,13 @@ pub fn show(d: &DeliveryView) -> String {
     }
     if let Some(metadata) = &d.metadata {
         let _ = writeln!(out, "metadata  {}", clean(metadata));
+    }
+    if let Some(error) = &d.finalize_error {
+        let _ = writeln!(
+            out,
+            "not finalized: the application's statement refused it: {}\n          (every chunk reached the chat; `outbox recover` finalizes it once the table takes it)",
+            clean(error)
+        );
     }
     if d.status == DeliveryStatus::Cancelled {
         let _ = writeln!(
