@@ -5,7 +5,7 @@ use rusqlite::params;
 use serde::Serialize;
 
 use crate::clock::{duration_ms, to_datetime};
-use crate::outcome::{self, ChunkRef, Outcome, Recorded};
+use crate::outcome::{self, ChunkRef, DeadLetter, Outcome, Recorded};
 use crate::policy::Stored;
 use crate::status::ChunkStatus;
 use crate::tx::Tx;
@@ -169,6 +169,18 @@ pub enum RecoverScope {
     AllSending,
 }
 
+/// What one record-and-claim step of a dispatcher did.
+pub(crate) struct Step {
+    /// The result of each outcome, in order.
+    pub recorded: Vec<Result<Recorded>>,
+    /// The chunks claimed.
+    pub claims: Vec<Claim>,
+    /// Every delivery the step made a dead letter: by an outcome, or by the claim (a
+    /// chunk out of attempts or age, an expired lease on its last attempt, a row that
+    /// cannot be read).
+    pub dead_letters: Vec<DeadLetter>,
+}
+
 /// How the chunk of an expired lease is settled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Expired {
@@ -231,7 +243,7 @@ impl Outbox {
         outcomes: &[(Claim, Outcome)],
         channels: &[&str],
         limit: usize,
-    ) -> Result<(Vec<Result<Recorded>>, Vec<Claim>)> {
+    ) -> Result<Step> {
         // `limit` is a dispatcher's validated batch size (or 0), so within range.
         let step = |tx: &Tx<'_>, rules: &Stored| {
             let now = self.options().now_ms();
@@ -242,7 +254,12 @@ impl Outbox {
             } else {
                 Vec::new()
             };
-            Ok((recorded, claims))
+            let dead_letters = DeadLetter::taken(tx)?;
+            Ok(Step {
+                recorded,
+                claims,
+                dead_letters,
+            })
         };
         if outcomes.is_empty() {
             self.write(step)

@@ -304,6 +304,43 @@ fn trimmed(outcome: Outcome) -> Outcome {
     }
 }
 
+/// A delivery that became a dead letter in a transaction, as the dispatcher reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DeadLetter {
+    pub delivery_id: crate::DeliveryId,
+    pub channel: String,
+    pub chat_id: String,
+    pub error: String,
+}
+
+impl DeadLetter {
+    /// The dead letters the work on `tx` made so far. A row whose uid cannot be read
+    /// (one set aside as corrupt) cannot be named to the application and is left out;
+    /// health counts it.
+    pub(crate) fn taken(tx: &Tx<'_>) -> Result<Vec<DeadLetter>> {
+        let mut out = Vec::new();
+        for (delivery, error) in tx.take_dead_letters() {
+            let row: Option<(String, String, String)> = tx
+                .prepare_cached(
+                    "SELECT uid, channel, chat_id FROM outbound_deliveries WHERE id = ?1",
+                )?
+                .query_row([delivery], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                .optional()?;
+            if let Some((uid, channel, chat_id)) = row
+                && let Ok(delivery_id) = uid.parse()
+            {
+                out.push(DeadLetter {
+                    delivery_id,
+                    channel,
+                    chat_id,
+                    error,
+                });
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// A chunk with the delivery facts its transitions need.
 #[derive(Debug, Clone)]
 pub(crate) struct ChunkRef {
@@ -732,6 +769,7 @@ pub(crate) fn set_aside_corrupt(
 ) -> Result<()> {
     let reason = truncate_error(reason);
     tracing::warn!(chunk, delivery, reason, "setting aside an unreadable row");
+    tx.note_dead_letter(delivery, reason);
     tx.prepare_cached(
         "UPDATE outbound_delivery_chunks
          SET status = 'failed', due_at = NULL, claim_token = NULL, last_error = ?2
@@ -824,6 +862,9 @@ fn set_held(
          WHERE id = ?1",
     )?
     .execute(params![chunk.id, status.as_str(), truncate_error(error)])?;
+    if status == ChunkStatus::Failed {
+        tx.note_dead_letter(chunk.delivery, truncate_error(error));
+    }
     set_delivery_held(tx, chunk, status, now)
 }
 

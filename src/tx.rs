@@ -25,6 +25,10 @@ pub(crate) struct Tx<'c> {
     /// Whether this `Tx` began the transaction it runs in, and so ends it: rolled back
     /// when dropped without [`commit`](Self::commit).
     owns_transaction: bool,
+    /// The deliveries this work made dead letters, with the chunk's error: whoever
+    /// made them (an outcome, a claim that found a chunk out of attempts or age, an
+    /// expired lease, a row set aside as unreadable), the dispatcher reports each once.
+    dead_letters: RefCell<Vec<(i64, String)>>,
 }
 
 /// A statement kept by a [`Tx`], by its SQL text; `None` while it is in use.
@@ -41,6 +45,7 @@ impl<'c> Tx<'c> {
             conn,
             held: RefCell::new(Vec::new()),
             owns_transaction: false,
+            dead_letters: RefCell::new(Vec::new()),
         }
     }
 
@@ -55,7 +60,20 @@ impl<'c> Tx<'c> {
             conn,
             held: RefCell::new(Vec::new()),
             owns_transaction: true,
+            dead_letters: RefCell::new(Vec::new()),
         })
+    }
+
+    /// Notes that this work made delivery row `delivery` a dead letter, for `error`.
+    pub(crate) fn note_dead_letter(&self, delivery: i64, error: &str) {
+        self.dead_letters
+            .borrow_mut()
+            .push((delivery, error.to_owned()));
+    }
+
+    /// The dead letters this work made so far (see [`note_dead_letter`](Self::note_dead_letter)).
+    pub(crate) fn take_dead_letters(&self) -> Vec<(i64, String)> {
+        std::mem::take(&mut self.dead_letters.borrow_mut())
     }
 
     /// Commits the transaction this `Tx` began; if the commit fails, the transaction

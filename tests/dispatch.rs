@@ -516,7 +516,44 @@ fn events_report_each_finalized_reply_and_each_dead_letter_once<F: Flavour>() ->
     Ok(())
 }
 
+/// Item 5 of the review: the dead letters a dispatcher's own claim makes reach
+/// `on_event` once each too: a reply older than the maximum age, and a chunk whose
+/// lease ran out on its last attempt (the poison chunk that crashed its worker).
+fn events_report_the_dead_letters_the_claim_makes<F: Flavour>() -> Result<()> {
+    let retry = chunked_outbox::RetryPolicy::default()
+        .with_max_attempts(1)
+        .with_max_age(Some(Duration::from_secs(60)));
+    let db = TestDb::new(OutboxOptions::default().with_retry(retry));
+    let poison = enqueue(&db.outbox, "poison", &["x"]);
+    let crashed = db.outbox.claim(1)?.remove(0); // its worker dies mid-send
+    assert_eq!(crashed.delivery_id, poison);
+    let old = enqueue(&db.outbox, "old", &["y"]);
+    db.advance(Duration::from_secs(61)); // past the lease, and "old" is 61 s old
+    let events = Events::default();
+    let d = F::build_reporting(
+        db.outbox.clone(),
+        vec![("telegram", Platform::always_ok(&db))],
+        Some(events.clone()),
+    );
+    assert_eq!(d.run_once(), 0, "nothing left to send");
+    let events = events.lock().unwrap().clone();
+    let dead = |id, what: &str| {
+        events
+            .iter()
+            .filter(|e| {
+                matches!(e, DispatchEvent::DeadLetter { delivery_id, error, .. }
+                    if *delivery_id == id && error.contains(what))
+            })
+            .count()
+    };
+    assert_eq!(dead(poison, "lease expired"), 1, "{events:?}");
+    assert_eq!(dead(old, "maximum age"), 1, "{events:?}");
+    assert_eq!(events.len(), 2, "{events:?}");
+    Ok(())
+}
+
 both_flavours!(
+    events_report_the_dead_letters_the_claim_makes,
     events_report_each_finalized_reply_and_each_dead_letter_once,
     stats_count_every_send_and_outcome,
     lane_order_under_random_transient_failures,

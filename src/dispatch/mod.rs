@@ -432,11 +432,19 @@ impl Core {
         let give_up = Instant::now() + self.outbox.options().lease;
         loop {
             match self.outbox.record_and_claim(done, &channels, limit) {
-                Ok((results, claims)) => {
-                    self.count_recorded(run, done, results);
+                Ok(step) => {
+                    self.count_recorded(run, done, step.recorded);
                     done.clear();
-                    run.hold(&claims);
-                    return Ok(claims);
+                    for dead in step.dead_letters {
+                        self.emit(DispatchEvent::DeadLetter {
+                            delivery_id: dead.delivery_id,
+                            channel: dead.channel,
+                            chat_id: dead.chat_id,
+                            error: dead.error,
+                        });
+                    }
+                    run.hold(&step.claims);
+                    return Ok(step.claims);
                 }
                 Err(e) if done.is_empty() => return Err(e),
                 Err(e) if limit > 0 => {
@@ -588,8 +596,8 @@ impl Core {
             }
             ChunkStatus::Pending | ChunkStatus::Sending => {}
         }
-        if recorded.finalized || recorded.status == ChunkStatus::Failed {
-            self.report(claim, recorded);
+        if recorded.finalized {
+            self.report_finalized(claim);
         }
         let next = recorded.next_attempt_at.map(|t| t.to_rfc3339());
         match recorded.status {
@@ -608,11 +616,11 @@ impl Core {
     }
 
     /// Tells the application's event sink, if it has one, that `claim`'s reply was
-    /// finalized or became a dead letter.
-    fn report(&self, claim: &Claim, recorded: &Recorded) {
-        let Some(sink) = &self.events else {
+    /// finalized, with the platform's message id of each chunk.
+    fn report_finalized(&self, claim: &Claim) {
+        if self.events.is_none() {
             return;
-        };
+        }
         let view = match self.outbox.delivery(claim.delivery_id) {
             Ok(Some(view)) => view,
             Ok(None) => return, // purged meanwhile
@@ -621,33 +629,27 @@ impl Core {
                 return;
             }
         };
-        let event = if recorded.finalized {
-            DispatchEvent::Finalized {
-                delivery_id: claim.delivery_id,
-                channel: view.channel,
-                chat_id: view.chat_id,
-                platform_message_ids: view
-                    .chunks
-                    .into_iter()
-                    .map(|c| c.platform_message_id)
-                    .collect(),
-            }
-        } else {
-            let error = view
+        self.emit(DispatchEvent::Finalized {
+            delivery_id: claim.delivery_id,
+            channel: view.channel,
+            chat_id: view.chat_id,
+            platform_message_ids: view
                 .chunks
-                .get(claim.index as usize)
-                .and_then(|c| c.last_error.clone())
-                .unwrap_or_default();
-            DispatchEvent::DeadLetter {
-                delivery_id: claim.delivery_id,
-                channel: view.channel,
-                chat_id: view.chat_id,
-                error,
-            }
+                .into_iter()
+                .map(|c| c.platform_message_id)
+                .collect(),
+        });
+    }
+
+    /// Hands `event` to the application's event sink, if it has one; a panic there is
+    /// logged, not passed on.
+    fn emit(&self, event: DispatchEvent) {
+        let Some(sink) = &self.events else {
+            return;
         };
         let delivered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink(&event)));
         if delivered.is_err() {
-            warn!(chunk = %claim.idempotency_key, "the event handler panicked; the event is lost");
+            warn!(?event, "the event handler panicked; the event is lost");
         }
     }
 
