@@ -131,6 +131,13 @@ pub(crate) const HISTORY_SQL: &str = "INSERT INTO outbound_messages
      SELECT uid, channel, chat_id, sender, text, chunk_count, created_at, ?2
      FROM outbound_deliveries WHERE id = ?1";
 
+/// [`HISTORY_SQL`] with the first character of the text cut off: the planted fault
+/// `wrong_finalizations`.
+const HISTORY_SQL_CUT: &str = "INSERT INTO outbound_messages
+         (delivery_id, channel, chat_id, sender, content, chunk_count, created_at, delivered_at)
+     SELECT uid, channel, chat_id, sender, substr(text, 2), chunk_count, created_at, ?2
+     FROM outbound_deliveries WHERE id = ?1";
+
 /// Writes a fully delivered delivery to `outbound_messages` — and runs the application's
 /// finalization statement, if the file stores one — and marks it delivered, in the
 /// caller's transaction (the one that recorded its last ack).
@@ -194,9 +201,15 @@ pub(crate) fn finalize(
 /// Writes delivery `delivery`'s row into `outbound_messages`, whose UNIQUE key refuses a
 /// second one.
 fn write_history(tx: &Tx<'_>, delivery: i64, now: i64) -> Result<()> {
-    let written = tx
-        .prepare_cached(HISTORY_SQL)?
-        .execute(params![delivery, now])?;
+    if crate::sabotage::planted("missing_finalizations") {
+        return Ok(());
+    }
+    let sql = if crate::sabotage::planted("wrong_finalizations") {
+        HISTORY_SQL_CUT
+    } else {
+        HISTORY_SQL
+    };
+    let written = tx.prepare_cached(sql)?.execute(params![delivery, now])?;
     if written != 1 {
         return Err(Error::invalid(
             "delivery",

@@ -94,6 +94,15 @@ pub(crate) const HEAD_SQL: &str = "SELECT status = 'queued', id,
        AND status <> 'delivered'
      ORDER BY status, id LIMIT 1";
 
+/// [`HEAD_SQL`] with the newest queued reply first: the planted fault `out_of_order`.
+const HEAD_SQL_NEWEST_FIRST: &str = "SELECT status = 'queued', id,
+            CASE WHEN status = 'queued' THEN delivered_count END,
+            CASE WHEN status = 'queued' THEN not_before END
+     FROM outbound_deliveries
+     WHERE channel = ?1 AND chat_id = ?2 AND status >= 'partial' AND status <= 'queued'
+       AND status <> 'delivered'
+     ORDER BY status, id DESC LIMIT 1";
+
 /// The oldest delivery holding lane (`?1`, `?2`) under [`LaneFailurePolicy::Block`]:
 /// an uncertain one, or a dead letter nobody acknowledged.
 pub(crate) const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
@@ -103,8 +112,13 @@ pub(crate) const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
 pub(crate) fn head(tx: &Tx<'_>, rules: &Policy, channel: &str, chat_id: &str) -> Result<LaneHead> {
     // `None`: nothing active or queued; `Some(None)`: a delivery is active.
+    let sql = if crate::sabotage::planted("out_of_order") {
+        HEAD_SQL_NEWEST_FIRST
+    } else {
+        HEAD_SQL
+    };
     let first: Option<Option<Waiting>> = tx
-        .prepare_cached(HEAD_SQL)?
+        .prepare_cached(sql)?
         .query_row(params![channel, chat_id], |r| {
             let queued: bool = r.get(0)?;
             queued

@@ -150,6 +150,8 @@ mod outcome;
 pub mod platforms;
 mod policy;
 mod retention;
+#[doc(hidden)]
+pub mod sabotage;
 mod schema;
 mod split;
 mod status;

@@ -131,6 +131,9 @@ impl Outbox {
                     tally.write(tx)?;
                     Ok(recorded)
                 }
+                Resolution::Resend if crate::sabotage::planted("uncertain_left") => {
+                    Ok(Recorded::settled(ChunkStatus::Retry))
+                }
                 Resolution::Resend => {
                     requeue(tx, rules, &chunk, "resolve", now)?;
                     Ok(Recorded::settled(ChunkStatus::Retry))

@@ -452,7 +452,13 @@ fn apply(
             true,
             tally,
         ),
+        Outcome::Transient { .. } if crate::sabotage::planted("lost") => {
+            deliver_chunk(tx, rules, chunk, None, now, true, tally)
+        }
         Outcome::Transient { error } => retry_or_fail(tx, rules, chunk, &error, now),
+        Outcome::Ambiguous { error } if crate::sabotage::planted("unexplained_duplicates") => {
+            retry_or_fail(tx, rules, chunk, &error, now)
+        }
         Outcome::Ambiguous { error } => match rules.policy.channel(&chunk.channel).replay {
             ReplayPolicy::Replay => retry_or_fail(tx, rules, chunk, &error, now),
             ReplayPolicy::Hold => {

@@ -270,6 +270,8 @@ impl Dispatcher {
         loop {
             let limit = if run.stopping() {
                 0
+            } else if crate::sabotage::planted("max_uncertain_per_kill") {
+                core.settings.batch * 4
             } else {
                 core.settings.batch
             };

@@ -336,7 +336,13 @@ impl ChannelAdapter for SimPlatform {
             chat: &claim.chat_id,
             text: &claim.text,
             // The full key is 38 characters; Discord takes at most 25.
-            nonce: (self.api == Api::Discord).then(|| claim.compact_key()),
+            nonce: (self.api == Api::Discord).then(|| {
+                if chunked_outbox::sabotage::planted("unexpected_dead_letters") {
+                    claim.idempotency_key.clone()
+                } else {
+                    claim.compact_key()
+                }
+            }),
             key: &claim.idempotency_key,
         };
         self.outcome(&self.post(&request))

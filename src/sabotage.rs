@@ -1,0 +1,36 @@
+//! Planted faults, one per verdict of the torture and the demo, for the check that each
+//! verdict can fail (`tests/sabotage.rs`, run by CI). Compiled only with the feature
+//! `sabotage`; even then each fault is off unless the environment variable
+//! `OUTBOX_SABOTAGE` names it. A fault sits in the code it breaks, so a refactoring
+//! that moves that code moves the fault with it, and the check keeps meaning what it
+//! says.
+
+/// The faults, by the verdict that must catch each.
+#[cfg(feature = "sabotage")]
+pub const FAULTS: &[&str] = &[
+    "lost",
+    "out_of_order",
+    "unexplained_duplicates",
+    "missing_finalizations",
+    "wrong_finalizations",
+    "max_uncertain_per_kill",
+    "uncertain_left",
+    "unexpected_dead_letters",
+];
+
+/// Whether the fault `name` (one of [`FAULTS`]) is planted in this process.
+#[cfg(feature = "sabotage")]
+pub fn planted(name: &str) -> bool {
+    static CHOSEN: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    CHOSEN
+        .get_or_init(|| std::env::var("OUTBOX_SABOTAGE").ok())
+        .as_deref()
+        == Some(name)
+}
+
+/// Without the feature no fault exists.
+#[cfg(not(feature = "sabotage"))]
+#[inline(always)]
+pub fn planted(_name: &str) -> bool {
+    false
+}

@@ -1,0 +1,119 @@
+//! Every verdict of the torture and the demo can fail: each planted fault (feature
+//! `sabotage`, chosen by `OUTBOX_SABOTAGE`; see `src/sabotage.rs`) breaks one promise in
+//! the code that keeps it, and a short torture and a small demo of the real `outbox`
+//! tool must each report it in their verdict and exit non-zero. A fault that goes
+//! unnoticed fails this test, so a verifier cannot rot unseen.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+/// Runs `outbox <args>` with `fault` planted; the exit code and the last line (the
+/// verdict, JSON).
+fn run(fault: &str, args: &[&str]) -> (Option<i32>, Value) {
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args(args)
+        .env_remove("OUTBOX_DB")
+        .env("OUTBOX_SABOTAGE", fault)
+        .output()
+        .expect("run the outbox tool");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    let verdict = serde_json::from_str(last).unwrap_or_else(|e| {
+        panic!(
+            "{fault}: no verdict ({e}): {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.code(), verdict)
+}
+
+/// The verdict field that names `fault` in a harness's verdict (the demo spells two of
+/// them its own way).
+fn field(fault: &str, harness: &str) -> &'static str {
+    match (fault, harness) {
+        ("unexplained_duplicates", "demo") => "duplicates_unexplained",
+        ("uncertain_left", "demo") => "uncertain",
+        _ => chunked_outbox::sabotage::FAULTS
+            .iter()
+            .find(|f| **f == fault)
+            .expect("a known fault"),
+    }
+}
+
+/// Whether `verdict` reports `fault`.
+fn caught(fault: &str, harness: &str, verdict: &Value) -> bool {
+    let n = |name: &str| verdict[name].as_u64();
+    if fault == "max_uncertain_per_kill" {
+        return n("max_uncertain_per_kill") > n("max_sends_in_flight");
+    }
+    n(field(fault, harness)).is_some_and(|v| v > 0)
+}
+
+fn check(fault: &str) {
+    let harnesses: [(&str, &[&str]); 2] = [
+        (
+            "torture",
+            &[
+                "torture",
+                "--kills",
+                "30",
+                "--seed",
+                "5",
+                "--settle-timeout",
+                "20s",
+            ],
+        ),
+        (
+            "demo",
+            &[
+                "demo",
+                "--json",
+                "--replies",
+                "600",
+                "--chats",
+                "60",
+                "--crashes",
+                "2",
+                "--seed",
+                "3",
+                "--settle-timeout",
+                "20s",
+            ],
+        ),
+    ];
+    for (harness, args) in harnesses {
+        let (code, verdict) = run(fault, args);
+        assert!(
+            caught(fault, harness, &verdict),
+            "{harness} missed the planted fault {fault}: {verdict}"
+        );
+        assert!(
+            code.is_some_and(|c| c != 0),
+            "{harness} reported {fault} but exited {code:?}: {verdict}"
+        );
+    }
+}
+
+macro_rules! faults {
+    ($($fault:ident),* $(,)?) => {
+        $(#[test] fn $fault() { check(stringify!($fault)) })*
+
+        /// Every planted fault has its test above.
+        #[test]
+        fn every_fault_is_checked() {
+            assert_eq!(chunked_outbox::sabotage::FAULTS, [$(stringify!($fault)),*]);
+        }
+    };
+}
+
+faults!(
+    lost,
+    out_of_order,
+    unexplained_duplicates,
+    missing_finalizations,
+    wrong_finalizations,
+    max_uncertain_per_kill,
+    uncertain_left,
+    unexpected_dead_letters,
+);
