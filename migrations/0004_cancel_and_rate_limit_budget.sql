@@ -6,17 +6,6 @@
 -- indexes (SQLite's documented procedure for other kinds of table schema changes; no
 -- view or foreign key refers to the table).
 
--- The application's own indexes and triggers on the tables rebuilt below are kept in a
--- temporary table, and re-created after it (SQLite's documented procedure for a table
--- change: DROP TABLE drops every index and trigger of the table, the application's too).
-CREATE TEMP TABLE IF NOT EXISTS outbox_kept_schema (name TEXT PRIMARY KEY, sql TEXT NOT NULL);
-INSERT OR IGNORE INTO temp.outbox_kept_schema (name, sql)
-SELECT name, sql FROM main.sqlite_master
-WHERE (type = 'index' OR type = 'trigger') AND sql IS NOT NULL
-  AND (tbl_name = 'outbound_deliveries' OR tbl_name = 'outbound_delivery_chunks')
-  AND name <> 'outbound_deliveries_idempotency' AND name <> 'outbound_deliveries_open'
-  AND name <> 'outbound_delivery_chunks_due';
-
 CREATE TABLE outbound_deliveries_v4 (
     id              INTEGER PRIMARY KEY,
     -- Public id (UUID v7: creation time, random bits, and the row id scrambled with this

@@ -6,17 +6,7 @@
 --
 -- SQLite cannot change a CHECK in place, so outbound_deliveries is rebuilt with the same
 -- rows and indexes, as in versions 4 and 5; the application's own indexes and triggers
--- on it are re-created after it.
-
--- The application's own indexes and triggers on the table rebuilt below are kept in a
--- temporary table, and re-created after it (SQLite's documented procedure for a table
--- change: DROP TABLE drops every index and trigger of the table, the application's too).
-CREATE TEMP TABLE IF NOT EXISTS outbox_kept_schema (name TEXT PRIMARY KEY, sql TEXT NOT NULL);
-INSERT OR IGNORE INTO temp.outbox_kept_schema (name, sql)
-SELECT name, sql FROM main.sqlite_master
-WHERE (type = 'index' OR type = 'trigger') AND sql IS NOT NULL
-  AND tbl_name = 'outbound_deliveries'
-  AND name <> 'outbound_deliveries_idempotency' AND name <> 'outbound_deliveries_open';
+-- on it are kept aside before and re-created after (`keep_application_schema!` in `src/schema.rs`).
 
 CREATE TABLE outbound_deliveries_v7 (
     id              INTEGER PRIMARY KEY,

@@ -125,18 +125,27 @@ fn run_statement(tx: &Tx<'_>, sql: &str, delivery: i64, now: i64) -> Result<()> 
     Ok(())
 }
 
+/// The statement that copies delivery `?1` into the crate's history, delivered at
+/// `?2`, with `$content` as the content.
+macro_rules! history_sql {
+    ($content:literal) => {
+        concat!(
+            "INSERT INTO outbound_messages
+                 (delivery_id, channel, chat_id, sender, content, chunk_count, created_at, delivered_at)
+             SELECT uid, channel, chat_id, sender, ",
+            $content,
+            ", chunk_count, created_at, ?2
+             FROM outbound_deliveries WHERE id = ?1"
+        )
+    };
+}
+
 /// Copies delivery `?1` into the crate's history, delivered at `?2`.
-pub(crate) const HISTORY_SQL: &str = "INSERT INTO outbound_messages
-         (delivery_id, channel, chat_id, sender, content, chunk_count, created_at, delivered_at)
-     SELECT uid, channel, chat_id, sender, text, chunk_count, created_at, ?2
-     FROM outbound_deliveries WHERE id = ?1";
+pub(crate) const HISTORY_SQL: &str = history_sql!("text");
 
 /// [`HISTORY_SQL`] with the first character of the text cut off: the planted fault
 /// `wrong_finalizations`.
-const HISTORY_SQL_CUT: &str = "INSERT INTO outbound_messages
-         (delivery_id, channel, chat_id, sender, content, chunk_count, created_at, delivered_at)
-     SELECT uid, channel, chat_id, sender, substr(text, 2), chunk_count, created_at, ?2
-     FROM outbound_deliveries WHERE id = ?1";
+const HISTORY_SQL_CUT: &str = history_sql!("substr(text, 2)");
 
 /// Writes a fully delivered delivery to `outbound_messages` — and runs the application's
 /// finalization statement, if the file stores one — and marks it delivered, in the

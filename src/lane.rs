@@ -78,30 +78,35 @@ macro_rules! lane_due {
     };
 }
 
+/// The lane head's statement, its queued deliveries in the order `$order` of their ids.
+macro_rules! head_sql {
+    ($order:literal) => {
+        concat!(
+            "SELECT status = 'queued', id,
+                    CASE WHEN status = 'queued' THEN delivered_count END,
+                    CASE WHEN status = 'queued' THEN not_before END
+             FROM outbound_deliveries
+             WHERE channel = ?1 AND chat_id = ?2 AND status >= 'partial' AND status <= 'queued'
+               AND status <> 'delivered'
+             ORDER BY status, ",
+            $order,
+            " LIMIT 1"
+        )
+    };
+}
+
 /// The first of lane (`?1`, `?2`)'s deliveries that are active (`partial`, `pending`)
 /// or `queued`, in that order, then oldest first: one seek on the index of unfinished
 /// deliveries, whatever the length of the queue. Those three statuses are next to each
 /// other in the index, and no other status the schema allows sorts between them
 /// (`cancelled` < `delivered` < `failed` < `partial` < `pending` < `queued` <
-/// `uncertain`), so an active delivery, if any, comes before every queued one. For a
+/// `uncertain` < `unfinalized`), so an active delivery, if any, comes before every queued one. For a
 /// queued one it also gives what [`activate`] needs from its row; SQLite reads the row
 /// itself only then (a deferred seek), so a busy lane costs the index seek alone.
-pub(crate) const HEAD_SQL: &str = "SELECT status = 'queued', id,
-            CASE WHEN status = 'queued' THEN delivered_count END,
-            CASE WHEN status = 'queued' THEN not_before END
-     FROM outbound_deliveries
-     WHERE channel = ?1 AND chat_id = ?2 AND status >= 'partial' AND status <= 'queued'
-       AND status <> 'delivered'
-     ORDER BY status, id LIMIT 1";
+pub(crate) const HEAD_SQL: &str = head_sql!("id");
 
 /// [`HEAD_SQL`] with the newest queued reply first: the planted fault `out_of_order`.
-const HEAD_SQL_NEWEST_FIRST: &str = "SELECT status = 'queued', id,
-            CASE WHEN status = 'queued' THEN delivered_count END,
-            CASE WHEN status = 'queued' THEN not_before END
-     FROM outbound_deliveries
-     WHERE channel = ?1 AND chat_id = ?2 AND status >= 'partial' AND status <= 'queued'
-       AND status <> 'delivered'
-     ORDER BY status, id DESC LIMIT 1";
+const HEAD_SQL_NEWEST_FIRST: &str = head_sql!("id DESC");
 
 /// The oldest delivery holding lane (`?1`, `?2`) under [`LaneFailurePolicy::Block`]:
 /// an uncertain one, or a dead letter nobody acknowledged.

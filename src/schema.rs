@@ -7,21 +7,49 @@ use rusqlite_migration::{HookError, M, Migrations};
 
 use crate::{Error, OutboxOptions, Result};
 
-/// Every migration, in order. `migrations/NNNN_name.sql` is embedded in the binary.
+/// What a migration that rebuilds `outbound_deliveries` or `outbound_delivery_chunks`
+/// runs first: DROP TABLE drops every index and trigger of the table, the application's
+/// too, so those of the application are kept aside in a temporary table, to be
+/// re-created by `restore_application_schema` (SQLite's documented procedure for a
+/// table change). A macro, so `concat!` can put it before the migration's own SQL.
+macro_rules! keep_application_schema {
+    () => {
+        "CREATE TEMP TABLE IF NOT EXISTS outbox_kept_schema (name TEXT PRIMARY KEY, sql TEXT NOT NULL);
+INSERT OR IGNORE INTO temp.outbox_kept_schema (name, sql)
+SELECT name, sql FROM main.sqlite_master
+WHERE (type = 'index' OR type = 'trigger') AND sql IS NOT NULL
+  AND (tbl_name = 'outbound_deliveries' OR tbl_name = 'outbound_delivery_chunks')
+  AND name <> 'outbound_deliveries_idempotency' AND name <> 'outbound_deliveries_open'
+  AND name <> 'outbound_delivery_chunks_due';
+"
+    };
+}
+
+/// Every migration, in order. `migrations/NNNN_name.sql` is embedded in the binary; the
+/// ones that rebuild a table keep the application's objects on it first.
 const MIGRATIONS: &[&str] = &[
     include_str!("../migrations/0001_initial.sql"),
     include_str!("../migrations/0002_stored_policy.sql"),
     include_str!("../migrations/0003_history_table_name.sql"),
-    include_str!("../migrations/0004_cancel_and_rate_limit_budget.sql"),
-    include_str!("../migrations/0005_status_checks_and_microsecond_rates.sql"),
+    concat!(
+        keep_application_schema!(),
+        include_str!("../migrations/0004_cancel_and_rate_limit_budget.sql")
+    ),
+    concat!(
+        keep_application_schema!(),
+        include_str!("../migrations/0005_status_checks_and_microsecond_rates.sql")
+    ),
     include_str!("../migrations/0006_chunk_rows_at_activation.sql"),
-    include_str!("../migrations/0007_unfinalized_and_sent_before.sql"),
+    concat!(
+        keep_application_schema!(),
+        include_str!("../migrations/0007_unfinalized_and_sent_before.sql")
+    ),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:
 /// version 3 renames the history table of a file written by version 1 or 2; the
 /// versions that rebuild a table (4, 5, 7) re-create the application's own indexes and
-/// triggers on it, which their SQL kept in `temp.outbox_kept_schema`.
+/// triggers on it, which `keep_application_schema!` kept in `temp.outbox_kept_schema`.
 fn hook(version: usize) -> Option<(Hook, &'static str)> {
     match version {
         3 => Some((

@@ -184,6 +184,22 @@ fn a_chat_rate_limit_pauses_the_chat_only() -> chunked_outbox::Result<()> {
     Ok(())
 }
 
+/// Has `db`'s handle, its copy of the rules current, register a channel inside the
+/// application's transaction, which then rolls back; returns another handle on the
+/// file, as another process would have.
+fn roll_back_a_registration(db: &TestDb) -> chunked_outbox::Result<Outbox> {
+    let ob = &db.outbox;
+    enqueue(ob, "1", &["warm"]);
+    let mut app = db.raw();
+    let tx = app.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    // The first registers the channel (a new version of the rules, in this
+    // transaction only); the second reads the rules at that version.
+    ob.enqueue_in(&tx, &NewDelivery::single("matrix", "!room", "never"))?;
+    ob.enqueue_in(&tx, &NewDelivery::single("matrix", "!other", "never"))?;
+    tx.rollback()?;
+    Ok(db.reopen(OutboxOptions::default()))
+}
+
 /// Item 2: rules read inside the application's transaction never enter the handle's
 /// shared copy. A channel registered by an `enqueue_in` that was rolled back never
 /// existed: once another process brings the file to the same version with another
@@ -193,15 +209,7 @@ fn a_chat_rate_limit_pauses_the_chat_only() -> chunked_outbox::Result<()> {
 fn a_rolled_back_enqueue_in_leaves_no_rules_behind() -> chunked_outbox::Result<()> {
     let db = TestDb::default();
     let ob = &db.outbox;
-    enqueue(ob, "1", &["warm"]); // the handle's copy of the rules is current
-    let mut app = db.raw();
-    let tx = app.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-    // The first registers the channel (a new version of the rules, in this
-    // transaction only); the second reads the rules at that version.
-    ob.enqueue_in(&tx, &NewDelivery::single("matrix", "!room", "never"))?;
-    ob.enqueue_in(&tx, &NewDelivery::single("matrix", "!other", "never"))?;
-    tx.rollback()?;
-    let other = db.reopen(OutboxOptions::default());
+    let other = roll_back_a_registration(&db)?;
     other.enqueue(&NewDelivery::single("slack", "C1", "s"))?;
     ob.enqueue(&NewDelivery::single("matrix", "!room", "m"))?;
     let matrix = other.claim_channels(&["matrix"], 10)?;
@@ -223,15 +231,7 @@ fn a_rule_change_is_seen_after_a_rolled_back_enqueue_in() -> chunked_outbox::Res
     use chunked_outbox::{DeliveryStatus, LaneOrder};
     let db = TestDb::default();
     let ob = &db.outbox;
-    enqueue(ob, "1", &["warm"]);
-    let mut app = db.raw();
-    let tx = app.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-    // The first registers the channel (a new version of the rules, in this
-    // transaction only); the second reads the rules at that version.
-    ob.enqueue_in(&tx, &NewDelivery::single("matrix", "!room", "never"))?;
-    ob.enqueue_in(&tx, &NewDelivery::single("matrix", "!other", "never"))?;
-    tx.rollback()?;
-    let other = db.reopen(OutboxOptions::default());
+    let other = roll_back_a_registration(&db)?;
     let mut policy = other.policy()?;
     policy.lane_order = LaneOrder::Parallel;
     other.set_policy(policy)?;

@@ -567,17 +567,24 @@ fn opening_and_dropping_outboxes_leaves_no_threads_behind() -> Result<()> {
 /// The schema version 1 wrote, as it shipped (the migration file has moved on since).
 const V1_SCHEMA: &str = include_str!("fixtures/v1_schema.sql");
 
+/// Writes a version-1 file at `path` and runs `sql` on it.
+fn v1_file(path: &std::path::Path, sql: &str) -> Result<()> {
+    let v1 = rusqlite::Connection::open(path)?;
+    v1.execute_batch(V1_SCHEMA)?;
+    v1.execute_batch("PRAGMA user_version = 1")?;
+    v1.execute_batch(sql)?;
+    Ok(())
+}
+
 /// A file written by version 1 upgrades to version 2 with its rows, and with the
 /// rules every process followed then (or the ones given at open).
 #[test]
 fn a_version_one_file_is_upgraded_with_its_rows() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("v1.db");
-    let v1 = rusqlite::Connection::open(&path)?;
-    v1.execute_batch(V1_SCHEMA)?;
-    v1.execute_batch(
-        "PRAGMA user_version = 1;
-         INSERT INTO outbound_deliveries (id, uid, channel, chat_id, status, chunk_count,
+    v1_file(
+        &path,
+        "INSERT INTO outbound_deliveries (id, uid, channel, chat_id, status, chunk_count,
                 created_at, updated_at, text)
          VALUES (1, '0199d6a2-0c0c-7000-8000-000000000001', 'telegram', '42', 'pending', 2,
                  1000, 1000, 'a b'),
@@ -592,7 +599,6 @@ fn a_version_one_file_is_upgraded_with_its_rows() -> Result<()> {
          VALUES ('0199d6a2-0c0c-7000-8000-00000000000f', 'telegram', '7', 'old reply', 1,
                  500, 600);",
     )?;
-    drop(v1);
     let outbox = Outbox::open(
         &path,
         OutboxOptions::default().with_lane_failure(LaneFailurePolicy::Block),
@@ -776,11 +782,9 @@ fn a_change_of_the_lane_rules_moves_the_replies_already_stored() -> Result<()> {
 fn an_upgrade_keeps_the_applications_indexes_and_triggers_on_the_outbox_tables() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("v1.db");
-    let v1 = rusqlite::Connection::open(&path)?;
-    v1.execute_batch(V1_SCHEMA)?;
-    v1.execute_batch(
-        "PRAGMA user_version = 1;
-         CREATE TABLE app_audit (what TEXT);
+    v1_file(
+        &path,
+        "CREATE TABLE app_audit (what TEXT);
          CREATE INDEX app_by_sender ON outbound_deliveries (sender);
          CREATE INDEX app_chunks_by_error ON outbound_delivery_chunks (last_error);
          CREATE TRIGGER app_audit_delivery AFTER UPDATE OF status ON outbound_deliveries
@@ -788,7 +792,6 @@ fn an_upgrade_keeps_the_applications_indexes_and_triggers_on_the_outbox_tables()
          CREATE TRIGGER app_audit_chunk AFTER UPDATE OF status ON outbound_delivery_chunks
          BEGIN INSERT INTO app_audit VALUES ('chunk ' || new.status); END;",
     )?;
-    drop(v1);
     let outbox = Outbox::open(&path, OutboxOptions::default())?;
     let raw = common::raw(&path);
     let objects: Vec<String> = raw
