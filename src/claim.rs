@@ -54,6 +54,9 @@ pub struct Claim {
     /// ([`NewDelivery::with_metadata`](crate::NewDelivery::with_metadata)).
     pub metadata: Option<String>,
     pub(crate) token: i64,
+    /// Whether the chunk's previous send ended by its lease running out: it may be what
+    /// crashed that process, so it is sent alone (see [`Isolation`]).
+    pub(crate) suspect: bool,
 }
 
 /// The message text and metadata are shown by length only, and the fencing token not at
@@ -124,6 +127,7 @@ impl Claim {
             lease_until: Utc::now() + chrono::Duration::minutes(1),
             metadata: None,
             token: 0,
+            suspect: false,
         }
     }
 
@@ -179,6 +183,25 @@ pub(crate) struct Step {
     /// chunk out of attempts or age, an expired lease on its last attempt, a row that
     /// cannot be read).
     pub dead_letters: Vec<DeadLetter>,
+    /// Whether the claim stopped at a suspect chunk it could not send alone: the
+    /// claimer should wait for its sends in flight to be recorded, then claim again.
+    pub held_back: bool,
+}
+
+/// How a claim treats a *suspect*: a chunk whose previous send ended by its lease
+/// running out (reclaimed from `sending`, or put back to `retry` by recovery with its
+/// claim's token). It may be what crashed that process, and every chunk in flight with
+/// it when the crash came was charged an attempt: sent beside other chunks again, it
+/// would charge them at every crash until an innocent reply ran out of attempts. So a
+/// suspect is sent alone, and a crash while it is alone charges only itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isolation {
+    /// Nothing else of the claimer is in flight: a suspect is claimed only as the whole
+    /// of a claim (first in due order; a claim stops before a later one).
+    Alone,
+    /// The claimer has sends in flight: a claim stops at the first suspect in due order
+    /// and claims nothing more, so the claimer drains and then takes the suspect alone.
+    Busy,
 }
 
 /// How the chunk of an expired lease is settled.
@@ -201,6 +224,12 @@ impl Outbox {
     /// Only the head chunk of a delivery is ever claimable, and with
     /// [`LaneOrder::Fifo`](crate::LaneOrder::Fifo) only the active delivery of a lane.
     /// Concurrent claimers never receive the same chunk.
+    ///
+    /// A chunk whose previous claim's lease ran out (its process may have crashed on
+    /// it) is handed out alone: a claim returns it by itself when it comes first in due
+    /// order, and stops before it otherwise. Sent alone, a chunk that crashes its
+    /// process charges only itself; a dispatcher also sends nothing else while one is
+    /// in flight.
     ///
     /// A claim is a send in flight: if the claimer dies before recording an outcome,
     /// each claimed chunk counts as possibly sent once its lease runs out (`uncertain`
@@ -232,7 +261,11 @@ impl Outbox {
 
     fn claim_where(&self, channels: Option<&[&str]>, limit: usize) -> Result<Vec<Claim>> {
         check_limit(limit)?;
-        self.write(|tx, rules| claim_in(tx, self, rules, channels, limit, self.options().now_ms()))
+        self.write(|tx, rules| {
+            let now = self.options().now_ms();
+            let (claims, _) = claim_in(tx, self, rules, channels, limit, Isolation::Alone, now)?;
+            Ok(claims)
+        })
     }
 
     /// Records the outcomes of a dispatcher's finished sends and claims its next ones in
@@ -243,22 +276,24 @@ impl Outbox {
         outcomes: &[(Claim, Outcome)],
         channels: &[&str],
         limit: usize,
+        isolation: Isolation,
     ) -> Result<Step> {
         // `limit` is a dispatcher's validated batch size (or 0), so within range.
         let step = |tx: &Tx<'_>, rules: &Stored| {
             let now = self.options().now_ms();
             let recorded =
                 outcome::record_in(tx, rules, outcomes.iter().map(|(c, o)| (c, o.clone())), now)?;
-            let claims = if limit > 0 {
-                claim_in(tx, self, rules, Some(channels), limit, now)?
+            let (claims, held_back) = if limit > 0 {
+                claim_in(tx, self, rules, Some(channels), limit, isolation, now)?
             } else {
-                Vec::new()
+                (Vec::new(), false)
             };
             let dead_letters = DeadLetter::taken(tx)?;
             Ok(Step {
                 recorded,
                 claims,
                 dead_letters,
+                held_back,
             })
         };
         if outcomes.is_empty() {
@@ -469,8 +504,9 @@ fn claim_in(
     rules: &Stored,
     channels: Option<&[&str]>,
     limit: usize,
+    isolation: Isolation,
     now: i64,
-) -> Result<Vec<Claim>> {
+) -> Result<(Vec<Claim>, bool)> {
     let lease_until = now.saturating_add(duration_ms(outbox.options().lease));
     let mut candidates = Vec::new();
     let mut paced = Vec::new();
@@ -489,6 +525,7 @@ fn claim_in(
     candidates.sort_by_key(|c| c.due_at);
     let mut claims = Vec::with_capacity(limit.min(candidates.len()));
     let mut slots_taken = Vec::new();
+    let mut held_back = false;
     for candidate in candidates {
         if claims.len() == limit {
             break;
@@ -534,6 +571,12 @@ fn claim_in(
                 continue;
             }
         }
+        let suspect = c.suspect;
+        if suspect && (isolation == Isolation::Busy || !claims.is_empty()) {
+            // Alone, or not now: what is in flight first, then this chunk by itself.
+            held_back = true;
+            break;
+        }
         let token = outbox.next_token();
         tx.prepare_cached(
             "UPDATE outbound_delivery_chunks
@@ -559,13 +602,17 @@ fn claim_in(
             lease_until: to_datetime(lease_until),
             metadata: c.metadata,
             token,
+            suspect,
         });
+        if suspect {
+            break;
+        }
     }
     for (channel, next) in slots_taken {
         tx.prepare_cached("UPDATE outbound_channels SET next_send_at_us = ?2 WHERE id = ?1")?
             .execute(params![channel, next])?;
     }
-    Ok(claims)
+    Ok((claims, held_back))
 }
 
 /// A claimable (or lease-expired) chunk read by the claim query: its row, or why the
@@ -580,6 +627,9 @@ struct Candidate {
 
 struct Readable {
     chunk: ChunkRef,
+    /// A due chunk that still carries a claim's token is one whose lease ran out
+    /// (`sending`, reclaimed here; or `retry`, put back by recovery): a suspect.
+    suspect: bool,
     uid: DeliveryId,
     text: String,
     metadata: Option<String>,
@@ -593,7 +643,7 @@ struct Readable {
 pub(crate) const CLAIM_SQL: &str =
     "SELECT c.id, c.delivery_id, c.due_at, c.chunk_index, c.status, c.attempts,
             d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text),
-            d.metadata
+            d.metadata, c.claim_token IS NOT NULL
      FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
      WHERE c.channel_id = ?1 AND c.due_at IS NOT NULL AND c.due_at <= ?2
      ORDER BY c.due_at";
@@ -640,6 +690,7 @@ fn due_chunks(
                 _ => Some(text(11)?),
             };
             Ok(Readable {
+                suspect: r.get(12).map_err(|e| e.to_string())?,
                 chunk,
                 uid,
                 text: text(10)?,

@@ -10,7 +10,7 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use chunked_outbox::{
-    ChannelPolicy, ChunkStatus, DeliveryStatus, Error, NewDelivery, OutboxOptions, Outcome,
+    ChannelPolicy, ChunkStatus, Claim, DeliveryStatus, Error, NewDelivery, OutboxOptions, Outcome,
     RecoverScope, Result,
 };
 use common::*;
@@ -226,10 +226,9 @@ fn an_expired_lease_in_a_paused_lane_waits_for_the_pause() -> Result<()> {
     assert!(claim_all(ob).is_empty(), "the lane is paused for 60 s");
     db.advance(Duration::from_secs(49));
     let mut due: Vec<_> = claim_all(ob).iter().map(|c| c.delivery_id).collect();
-    due.sort();
-    let mut want = vec![slow, limited];
-    want.sort();
-    assert_eq!(due, want);
+    assert_eq!(due, [slow], "the chunk whose lease ran out is sent alone");
+    due.extend(claim_all(ob).iter().map(|c| c.delivery_id));
+    assert_eq!(due, [slow, limited]);
     Ok(())
 }
 
@@ -750,5 +749,51 @@ fn a_test_claim_cannot_settle_anything() -> Result<()> {
         debug.contains("<5 bytes>") && !debug.contains("token"),
         "{debug}"
     );
+    Ok(())
+}
+
+/// Item 8 of the review: a chunk whose lease ran out may be what crashed its process,
+/// so a claim hands it out alone (first in due order), stops before one that comes
+/// after other chunks, and the chunk is an ordinary one again once an outcome of it
+/// was recorded.
+#[test]
+fn a_chunk_whose_lease_ran_out_is_claimed_alone() -> Result<()> {
+    let db = TestDb::new(replayable(OutboxOptions::default()));
+    let ob = &db.outbox;
+    let first = enqueue(ob, "a", &["x"]);
+    let second = enqueue(ob, "b", &["y"]);
+    let abandoned = claim_all(ob); // the process dies with both in flight
+    assert_eq!(abandoned.len(), 2);
+    let third = enqueue(ob, "c", &["z"]);
+    db.advance(Duration::from_secs(61));
+    let ids = |claims: &[Claim]| claims.iter().map(|c| c.delivery_id).collect::<Vec<_>>();
+    let due_first = claim_all(ob);
+    assert_eq!(ids(&due_first), [third], "the claim stops before a suspect");
+    ob.record(&due_first[0], Outcome::delivered(None))?;
+    let alone = claim_all(ob);
+    assert_eq!(ids(&alone), [first], "a suspect goes alone");
+    let next = claim_all(ob);
+    assert_eq!(ids(&next), [second], "and so does the next one");
+    // Recovery puts such a chunk back to retry; it is still a suspect.
+    ob.record(
+        &alone[0],
+        Outcome::Transient {
+            error: "503".into(),
+        },
+    )?;
+    ob.recover(RecoverScope::AllSending)?;
+    db.advance(Duration::from_secs(30));
+    let after = claim_all(ob);
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_eq!(after[0].chat_id, "b", "the recovered suspect, alone");
+    // Its outcome recorded, nothing is suspect: the rest goes together.
+    ob.record(
+        &after[0],
+        Outcome::Transient {
+            error: "503".into(),
+        },
+    )?;
+    db.advance(Duration::from_secs(3600)); // past both backoffs
+    assert_eq!(claim_all(ob).len(), 2);
     Ok(())
 }

@@ -310,6 +310,7 @@ both_flavours!(
     a_dispatcher_can_be_started_again_after_shutdown,
     a_wake_after_the_callers_commit_reaches_a_sleeping_dispatcher,
     crash_mid_send_leaves_only_that_send_uncertain,
+    an_innocent_reply_in_flight_beside_a_poison_one_is_delivered,
     a_shutdown_that_outlasts_its_timeout_reports_the_stuck_send,
     a_worker_ended_by_a_panic_is_reported_at_shutdown,
 );
@@ -792,6 +793,7 @@ fn spawn_child(env: &[(&str, &str)]) -> std::process::Child {
 /// * `hang`: delivers its first send, marks the second as started and hangs in it;
 /// * `poison`: recovers what a killed predecessor left, then dispatches until nothing
 ///   is due; sending to chat `poison` aborts the process, like a crash in the adapter.
+/// * `beside`: as `poison`, with two workers and other sends that take 200 ms.
 #[test]
 #[ignore = "run as a child process by the crash tests"]
 fn child_process() {
@@ -821,14 +823,25 @@ fn child_process() {
         })
     } else {
         outbox.recover(RecoverScope::AllSending).unwrap();
-        Scripted::new(|claim| {
+        // `beside`: the other replies take 200 ms, so one is in flight when the poison
+        // send starts on the other worker.
+        let slow = mode == "beside";
+        Scripted::new(move |claim| {
             if claim.chat_id == "poison" {
                 std::process::abort();
+            }
+            if slow {
+                std::thread::sleep(Duration::from_millis(200));
             }
             Outcome::delivered(None)
         })
     };
-    let running = Running::start(flavour, &outbox, "telegram", adapter, Tuning::one_worker());
+    let tuning = if mode == "beside" {
+        Tuning::default() // two workers, one send each
+    } else {
+        Tuning::one_worker()
+    };
+    let running = Running::start(flavour, &outbox, "telegram", adapter, tuning);
     wait_until("nothing left to send", || {
         let t = outbox.health().unwrap().totals;
         t.pending_chunks + t.retry_chunks + t.sending_chunks == 0
@@ -841,7 +854,7 @@ fn child_process() {
 /// out), in `hang` mode it holds (so a possibly-sent chunk is held `uncertain`).
 fn child_options(mode: &str) -> OutboxOptions {
     let options = fast_retries(3);
-    if mode == "poison" {
+    if mode == "poison" || mode == "beside" {
         options.with_channel("telegram", ChannelPolicy::replayable())
     } else {
         options
@@ -937,6 +950,50 @@ fn a_poison_chunk_that_kills_its_process_fails_alone() -> Result<()> {
             "an innocent reply is charged only its own send"
         );
     }
+    Ok(())
+}
+
+/// Item 8 of the review: with two workers, an innocent reply in flight when a poison
+/// send crashed the process was re-claimed beside the poison after every restart and
+/// charged at every crash, until it was a dead letter although it never crashed
+/// anything. A chunk whose lease ran out is now sent alone: the innocent reply is
+/// delivered, and only the poison chunk, in flight at every crash, runs out.
+fn an_innocent_reply_in_flight_beside_a_poison_one_is_delivered(flavour: Flavour) -> Result<()> {
+    let (_dir, path) = file_db();
+    let outbox = Outbox::open(&path, child_options("beside"))?;
+    let innocent = outbox
+        .enqueue(&NewDelivery::single("telegram", "chat-0", "innocent"))?
+        .id;
+    let poison = outbox
+        .enqueue(&NewDelivery::single(
+            "telegram",
+            "poison",
+            "kills the adapter",
+        ))?
+        .id;
+    let mut crashes = 0;
+    for _ in 0..10 {
+        let status = spawn_child(&[
+            (CHILD_DB, path.to_str().unwrap()),
+            (CHILD_FLAVOUR, flavour_name(flavour)),
+            (CHILD_MODE, "beside"),
+        ])
+        .wait()
+        .unwrap();
+        if status.success() {
+            break;
+        }
+        crashes += 1;
+    }
+    let v = outbox.delivery(innocent)?.unwrap();
+    assert_eq!(v.status, DeliveryStatus::Delivered, "{v:?}");
+    assert!(v.chunks[0].attempts <= 2, "{v:?}");
+    let v = outbox.delivery(poison)?.unwrap();
+    assert_eq!(
+        (v.status, v.chunks[0].attempts),
+        (DeliveryStatus::Failed, 3)
+    );
+    assert_eq!(crashes, 3, "one crash per attempt of the poison chunk");
     Ok(())
 }
 

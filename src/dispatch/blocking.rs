@@ -289,7 +289,7 @@ impl Dispatcher {
             // Idle: sleep until something of ours is due, an enqueue in this process,
             // or a commit by another connection (seen by the watcher at each poll).
             // Only those make it worth reading the next due time again.
-            let mut next_due = core.next_due();
+            let mut next_due = core.next_due_in(run);
             while let Some(wait) = core.sleep_for(next_due) {
                 if run.stopping() {
                     break;
@@ -297,7 +297,7 @@ impl Dispatcher {
                 let now = notifier.wait(seen, wait);
                 if now != seen || watcher.changed().unwrap_or(true) {
                     seen = now;
-                    next_due = core.next_due();
+                    next_due = core.next_due_in(run);
                 }
             }
         }

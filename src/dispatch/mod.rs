@@ -23,7 +23,7 @@ mod blocking;
 pub(crate) mod tokio;
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tracing::{Span, debug, info, info_span, warn};
 
+use crate::claim::Isolation;
 use crate::clock::duration_ms;
 use crate::telemetry;
 use crate::{ChunkId, ChunkStatus, Claim, DeliveryId, Error, Outbox, Outcome, Recorded, Result};
@@ -255,6 +256,15 @@ pub(crate) struct Run {
     /// Claims this run holds (in flight, or waiting for their outcome to be recorded),
     /// with their token and lease expiry (outbox clock, ms), for the keeper to renew.
     held: Mutex<HashMap<ChunkId, (i64, i64)>>,
+    /// The held claims that are suspects (see `claim::Isolation`): while one is in
+    /// flight, nothing else of this process is claimed.
+    suspects: Mutex<HashSet<ChunkId>>,
+    /// Whether the last claim stopped at a suspect because other sends were in
+    /// flight: the workers then wait until those are recorded, not for a due time.
+    held_back: AtomicBool,
+    /// One worker at a time decides what it may claim and holds what it claimed, so
+    /// two workers cannot each put a suspect (or a suspect and another send) in flight.
+    claim_turn: Mutex<()>,
     /// Workers still running; the keeper stops once none is left.
     live: AtomicUsize,
     /// Wakes the keeper when the last worker ends.
@@ -272,8 +282,12 @@ impl Run {
 
     fn hold(&self, claims: &[Claim]) {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let mut suspects = self.suspects.lock().unwrap_or_else(|e| e.into_inner());
         for c in claims {
             held.insert(c.chunk_id, (c.token, c.lease_until.timestamp_millis()));
+            if c.suspect {
+                suspects.insert(c.chunk_id);
+            }
         }
     }
 
@@ -282,6 +296,43 @@ impl Run {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&chunk);
+        self.suspects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&chunk);
+    }
+
+    /// Whether claims other than those of `done` (about to be recorded) are in flight,
+    /// and whether one of those is a suspect.
+    fn in_flight_besides(&self, done: &[(Claim, Outcome)]) -> (bool, bool) {
+        let recording = |chunk: &ChunkId| done.iter().any(|(c, _)| c.chunk_id == *chunk);
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let suspects = self.suspects.lock().unwrap_or_else(|e| e.into_inner());
+        (
+            held.keys().any(|c| !recording(c)),
+            suspects.iter().any(|c| !recording(c)),
+        )
+    }
+
+    /// Whether an idle worker must wait for this run's sends in flight to be recorded
+    /// before it claims again: a suspect is in flight, or the last claim stopped at one
+    /// while other sends were. Read afresh at every look, so a recorded outcome (which
+    /// wakes the idle workers) ends the wait.
+    pub(crate) fn gated(&self) -> bool {
+        if !self
+            .suspects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+        {
+            return true;
+        }
+        self.held_back.load(Ordering::SeqCst)
+            && !self
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
     }
 
     /// The lease expiry this run knows for a claim it holds (renewals included).
@@ -423,16 +474,30 @@ impl Core {
         done: &mut Vec<(Claim, Outcome)>,
         limit: usize,
     ) -> Result<Vec<Claim>> {
+        let _turn = run.claim_turn.lock().unwrap_or_else(|e| e.into_inner());
+        let (busy, suspect_in_flight) = run.in_flight_besides(done);
+        // While a suspect is in flight, this process sends nothing beside it.
+        let mut limit = if suspect_in_flight { 0 } else { limit };
         if done.is_empty() && limit == 0 {
             return Ok(Vec::new());
         }
+        let isolation = if busy {
+            Isolation::Busy
+        } else {
+            Isolation::Alone
+        };
         let channels = self.channel_names();
-        let mut limit = limit;
         let mut pause = Duration::from_millis(2);
         let give_up = Instant::now() + self.outbox.options().lease;
         loop {
-            match self.outbox.record_and_claim(done, &channels, limit) {
+            match self
+                .outbox
+                .record_and_claim(done, &channels, limit, isolation)
+            {
                 Ok(step) => {
+                    if limit > 0 {
+                        run.held_back.store(step.held_back, Ordering::SeqCst);
+                    }
                     self.count_recorded(run, done, step.recorded);
                     done.clear();
                     for dead in step.dead_letters {
@@ -469,6 +534,16 @@ impl Core {
                 }
             }
         }
+    }
+
+    /// When an idle worker of `run` should look again (ms, outbox clock): when the next
+    /// chunk of our channels is due, or — while the run must first see its sends in
+    /// flight recorded ([`Run::gated`]) — `None`, a wait for a wake-up or the poll.
+    pub(crate) fn next_due_in(&self, run: &Run) -> Option<i64> {
+        if run.gated() {
+            return None;
+        }
+        self.next_due()
     }
 
     /// When the next chunk of our channels is due (ms, outbox clock), if any.

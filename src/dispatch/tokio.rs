@@ -381,7 +381,8 @@ impl AsyncDispatcher {
                 done = self.send_all(admitted).await;
                 continue;
             }
-            let mut next_due = self.blocking(|s| s.core.next_due()).await;
+            let gate = run.clone();
+            let mut next_due = self.blocking(move |s| s.core.next_due_in(&gate)).await;
             while let Some(wait) = core.sleep_for(next_due) {
                 if run.stopping() {
                     break;
@@ -407,7 +408,8 @@ impl AsyncDispatcher {
                 }
                 if changed {
                     seen = notifier.generation();
-                    next_due = self.blocking(|s| s.core.next_due()).await;
+                    let gate = run.clone();
+                    next_due = self.blocking(move |s| s.core.next_due_in(&gate)).await;
                 }
             }
         }
