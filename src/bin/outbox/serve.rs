@@ -1,10 +1,35 @@
 //! `outbox serve`: the health snapshot over HTTP, for scrapers and load balancers.
+//!
+//! Meant to be reachable on a network, so no client can hold it up: each connection is
+//! a task of its own (a client that pipelines requests and never reads its answers
+//! stalls only its own connection), a request's head must arrive whole within the
+//! header timeout and fit in a bounded buffer (a header line that never ends, or a
+//! request sent a byte a minute, is cut off), a connection lives at most
+//! [`CONNECTION_LIFETIME`], and at most [`MAX_CONNECTIONS`] are open at once (more are
+//! closed at once), so memory stays bounded whatever arrives.
 
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
 use chunked_outbox::Outbox;
 use chunked_outbox::monitoring::Endpoint;
 use clap::Args;
+use http_body_util::Full;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
 
 use crate::{CliResult, Thresholds};
+
+/// Connections open at once; one more is closed as soon as it is accepted.
+const MAX_CONNECTIONS: usize = 256;
+/// The longest a connection stays open, however busy (a scraper reconnects).
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+/// The most a request's head may take in memory (hyper's smallest read buffer); a
+/// longer one is answered 431 and the connection closed.
+const MAX_HEAD_BYTES: usize = 8 * 1024;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -12,6 +37,10 @@ pub struct ServeArgs {
     /// first line printed names it).
     #[arg(long, value_name = "ADDR")]
     listen: String,
+    /// How long a client may take to send a request's head; a connection that has not
+    /// sent one whole by then is closed (such as 10s, 500ms).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    header_timeout: Duration,
     #[command(flatten)]
     thresholds: Thresholds,
 }
@@ -19,24 +48,72 @@ pub struct ServeArgs {
 /// Answers requests until the process is stopped. Each answer reads a fresh snapshot,
 /// so it shows what every process on the file has done.
 pub fn serve(outbox: &Outbox, args: &ServeArgs) -> CliResult<u8> {
-    let server = tiny_http::Server::http(&args.listen)
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("outbox-serve")
+        .enable_all()
+        .build()?;
+    let endpoint = Arc::new(Endpoint::new(outbox.clone(), args.thresholds.to_library()));
+    runtime.block_on(accept(endpoint, args))
+}
+
+async fn accept(endpoint: Arc<Endpoint>, args: &ServeArgs) -> CliResult<u8> {
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
-    let addr = server
-        .server_addr()
-        .to_ip()
-        .ok_or("the server has no IP address")?;
+    let addr = listener.local_addr()?;
     println!("serving http://{addr}/metrics, /healthz and /health.json");
     std::io::Write::flush(&mut std::io::stdout())?;
-    let endpoint = Endpoint::new(outbox.clone(), args.thresholds.to_library());
-    for request in server.incoming_requests() {
-        let answer = endpoint.respond(request.url());
-        let header = tiny_http::Header::from_bytes("Content-Type", answer.content_type)
-            .expect("a valid header");
-        let response = tiny_http::Response::from_string(answer.body)
-            .with_status_code(answer.status)
-            .with_header(header);
-        // A client that went away is its own business.
-        let _ = request.respond(response);
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            // Out of file descriptors, a connection reset before it was taken, ...:
+            // the next one may do, and a tight loop would not help.
+            Err(e) => {
+                eprintln!("outbox serve: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            continue; // dropped: closed at once
+        };
+        let endpoint = endpoint.clone();
+        let header_timeout = args.header_timeout;
+        tokio::spawn(async move {
+            let _slot = slot;
+            let service = service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+                let endpoint = endpoint.clone();
+                let target = request
+                    .uri()
+                    .path_and_query()
+                    .map_or("/", |p| p.as_str())
+                    .to_owned();
+                async move { Ok::<_, Infallible>(answer(endpoint, target).await) }
+            });
+            let connection = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .max_buf_size(MAX_HEAD_BYTES)
+                .serve_connection(TokioIo::new(stream), service);
+            // A client that went away, or outstayed its time, is its own business.
+            let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
+        });
     }
-    Ok(0)
+}
+
+/// The endpoint's answer to `target`, read on the blocking pool (a snapshot is a
+/// database read).
+async fn answer(endpoint: Arc<Endpoint>, target: String) -> hyper::Response<Full<Bytes>> {
+    let (status, content_type, body) =
+        match tokio::task::spawn_blocking(move || endpoint.respond(&target)).await {
+            Ok(answer) => (answer.status, answer.content_type, answer.body),
+            Err(e) => (500, "text/plain; charset=utf-8", format!("fail: {e}\n")),
+        };
+    hyper::Response::builder()
+        .status(status)
+        .header(hyper::header::CONTENT_TYPE, content_type)
+        .body(Full::new(Bytes::from(body)))
+        .unwrap_or_else(|_| hyper::Response::new(Full::new(Bytes::from_static(b"fail\n"))))
 }
