@@ -379,3 +379,54 @@ pub(crate) fn sweep(tx: &Tx<'_>, rules: &Stored, now: i64) -> Result<u64> {
     tally.write(tx)?;
     Ok(finalized)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sqlite(code: std::ffi::c_int, message: &str) -> Error {
+        Error::Sqlite(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(code),
+            Some(message.into()),
+        ))
+    }
+
+    /// What the application's schema refuses sets the reply aside with SQLite's
+    /// message; a failure of the database itself (I/O, corruption, an interrupt) fails
+    /// the transaction, to be retried, rather than turning a sound reply unfinalized.
+    #[test]
+    fn only_the_applications_refusals_are_contained() {
+        use rusqlite::ffi;
+        for code in [
+            ffi::SQLITE_CONSTRAINT,
+            ffi::SQLITE_MISMATCH,
+            ffi::SQLITE_TOOBIG,
+            ffi::SQLITE_ERROR,
+            ffi::SQLITE_AUTH,
+        ] {
+            assert_eq!(refusal(sqlite(code, "refused")).unwrap(), "refused");
+        }
+        assert!(
+            refusal(Error::invalid(
+                "finalization statement",
+                "unknown parameter :x"
+            ))
+            .unwrap()
+            .contains(":x")
+        );
+        for code in [
+            ffi::SQLITE_IOERR,
+            ffi::SQLITE_CORRUPT,
+            ffi::SQLITE_INTERRUPT,
+            ffi::SQLITE_NOMEM,
+            ffi::SQLITE_CANTOPEN,
+        ] {
+            assert!(matches!(
+                refusal(sqlite(code, "broken")),
+                Err(Error::Sqlite(_))
+            ));
+        }
+        assert!(matches!(refusal(Error::Busy), Err(Error::Busy)));
+        assert!(matches!(refusal(Error::DiskFull), Err(Error::DiskFull)));
+    }
+}

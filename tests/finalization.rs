@@ -315,3 +315,27 @@ fn resolving_a_reply_the_statement_refuses_leaves_it_unfinalized() -> Result<()>
     assert_eq!(app_rows(&db, id).len(), 1);
     Ok(())
 }
+
+/// A trigger of the application's that raises `ROLLBACK` ends the whole transaction of
+/// the ack: nothing of it is recorded, and the error is the trigger's, not a failure of
+/// the outbox's own clean-up.
+#[test]
+fn a_trigger_that_rolls_back_fails_the_ack_with_its_own_message() -> Result<()> {
+    let db = app_db();
+    db.raw()
+        .execute_batch(
+            "CREATE TRIGGER app_rolls_back BEFORE INSERT ON messages
+             BEGIN SELECT RAISE(ROLLBACK, 'history is read-only today'); END;",
+        )
+        .unwrap();
+    let ob = &db.outbox;
+    let id = enqueue(ob, "77", &["a"]);
+    let claim = claim_one(ob);
+    let err = ob.ack(&claim, None).unwrap_err();
+    assert!(
+        err.to_string().contains("history is read-only today"),
+        "{err}"
+    );
+    assert_eq!(view(ob, id).chunks[0].status, ChunkStatus::Sending);
+    Ok(())
+}
