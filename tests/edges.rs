@@ -286,3 +286,31 @@ fn a_possibly_sent_reply_is_not_cancelled_after_a_resend_or_requeue() -> chunked
     ob.cancel(fresh)?;
     Ok(())
 }
+
+/// Item 2: `enqueue_in` follows the rules as the file stores them when the handle's
+/// copy is behind: another process switched the lanes to parallel, and both replies to
+/// one chat enqueued in the application's transaction start at once.
+#[test]
+fn enqueue_in_follows_rules_changed_by_another_process() -> chunked_outbox::Result<()> {
+    use chunked_outbox::{DeliveryStatus, LaneOrder};
+    let db = TestDb::default();
+    let ob = &db.outbox;
+    enqueue(ob, "warm", &["x"]); // the handle's copy: FIFO
+    let other = db.reopen(OutboxOptions::default());
+    let mut policy = other.policy()?;
+    policy.lane_order = LaneOrder::Parallel;
+    other.set_policy(policy)?;
+    let mut app = db.raw();
+    let tx = app.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let first = ob
+        .enqueue_in(&tx, &NewDelivery::single("telegram", "1", "a"))?
+        .id;
+    let second = ob
+        .enqueue_in(&tx, &NewDelivery::single("telegram", "1", "b"))?
+        .id;
+    tx.commit()?;
+    for id in [first, second] {
+        assert_eq!(view(ob, id).status, DeliveryStatus::Pending);
+    }
+    Ok(())
+}
