@@ -858,6 +858,91 @@ mod tests {
         (shared, clock)
     }
 
+    /// Item 8 of the review: after a crash, the chunks whose leases ran out (suspects)
+    /// go out one at a time, each alone in the process. A worker claims one; another
+    /// worker claims nothing while it is in flight, and waits for its outcome (the run
+    /// is gated, so its next look is not at a due time); the outcome recorded, the next
+    /// suspect goes, alone.
+    #[test]
+    fn suspects_go_out_one_at_a_time_and_alone() {
+        let (shared, clock) = setup(3);
+        let core = &shared.core;
+        let outbox = &core.outbox;
+        outbox
+            .set_channel_policy("t", Some(crate::ChannelPolicy::replayable()))
+            .unwrap();
+        let crashed = Run::default();
+        assert_eq!(core.step(&crashed, &mut Vec::new(), 3).unwrap().len(), 3);
+        clock.advance(Duration::from_secs(41)); // the process died; its leases ran out
+
+        let run = Run::default();
+        assert!(!run.gated());
+        let first = core.step(&run, &mut Vec::new(), 3).unwrap();
+        assert_eq!(first.len(), 1, "a suspect goes alone");
+        assert!(first[0].suspect);
+        assert!(run.gated(), "nothing beside a suspect in flight");
+        assert_eq!(
+            core.next_due_in(&run),
+            None,
+            "wait for the outcome, not a due time"
+        );
+        assert!(core.next_due().is_some(), "the other suspects are due");
+        assert!(
+            core.step(&run, &mut Vec::new(), 3).unwrap().is_empty(),
+            "another worker claims nothing meanwhile"
+        );
+        let mut done = vec![(first[0].clone(), Outcome::delivered(None))];
+        let second = core.step(&run, &mut done, 3).unwrap();
+        assert_eq!(
+            second.len(),
+            1,
+            "its outcome recorded, the next suspect goes"
+        );
+        assert_ne!(second[0].chunk_id, first[0].chunk_id);
+
+        let mut done = vec![(second[0].clone(), Outcome::delivered(None))];
+        let third = core.step(&run, &mut done, 3).unwrap();
+        assert_eq!(third.len(), 1, "and the last, alone too");
+        let mut done = vec![(third[0].clone(), Outcome::delivered(None))];
+        assert!(core.step(&run, &mut done, 3).unwrap().is_empty());
+        assert!(!run.gated());
+        assert_eq!(outbox.health().unwrap().totals.finalized_total, 3);
+    }
+
+    /// What a run has in flight besides the claims being recorded, and whether it is
+    /// gated: a suspect in flight gates it; an ordinary claim in flight gates it only
+    /// after a claim stopped at a suspect.
+    #[test]
+    fn a_run_knows_what_is_in_flight_besides_what_it_records() {
+        let claim = |n: i64, suspect: bool| {
+            let mut c = Claim::for_testing("t", n.to_string(), "x");
+            c.chunk_id = ChunkId(n);
+            c.suspect = suspect;
+            c
+        };
+        let (ordinary, suspect) = (claim(1, false), claim(2, true));
+        let run = Run::default();
+        assert_eq!(run.in_flight_besides(&[]), (false, false));
+        assert!(!run.gated());
+        run.hold(&[ordinary.clone(), suspect.clone()]);
+        let done = |c: &Claim| vec![(c.clone(), Outcome::delivered(None))];
+        assert_eq!(run.in_flight_besides(&[]), (true, true));
+        assert_eq!(run.in_flight_besides(&done(&ordinary)), (true, true));
+        assert_eq!(run.in_flight_besides(&done(&suspect)), (true, false));
+        let both = [done(&ordinary), done(&suspect)].concat();
+        assert_eq!(run.in_flight_besides(&both), (false, false));
+        assert!(run.gated(), "a suspect is in flight");
+        run.let_go(suspect.chunk_id);
+        assert!(!run.gated(), "an ordinary claim alone does not gate");
+        run.held_back.store(true, Ordering::SeqCst);
+        assert!(
+            run.gated(),
+            "a claim stopped at a suspect while it was in flight"
+        );
+        run.let_go(ordinary.chunk_id);
+        assert!(!run.gated(), "nothing in flight: claim again");
+    }
+
     /// As [`setup`], on a file (so another connection can lock it or change its
     /// schema), with a lease of `lease` and a busy timeout of 1 ms.
     fn on_file(
