@@ -909,6 +909,44 @@ mod tests {
         assert_eq!(outbox.health().unwrap().totals.finalized_total, 3);
     }
 
+    /// A suspect that comes after an ordinary chunk in flight waits for that chunk's
+    /// outcome: the other worker's claim stops at it, claims nothing, and the run is
+    /// gated until the chunk in flight is recorded; then the suspect goes alone.
+    #[test]
+    fn a_suspect_waits_for_the_sends_in_flight() {
+        let (shared, clock) = setup(1);
+        let core = &shared.core;
+        let outbox = &core.outbox;
+        outbox
+            .set_channel_policy("t", Some(crate::ChannelPolicy::replayable()))
+            .unwrap();
+        assert_eq!(
+            core.step(&Run::default(), &mut Vec::new(), 1)
+                .unwrap()
+                .len(),
+            1
+        );
+        outbox
+            .enqueue(&NewDelivery::single("t", "fresh", "y"))
+            .unwrap();
+        clock.advance(Duration::from_secs(41)); // the first claim's process died
+
+        let run = Run::default();
+        let ordinary = core.step(&run, &mut Vec::new(), 1).unwrap();
+        assert_eq!(ordinary.len(), 1);
+        assert!(!ordinary[0].suspect, "the fresh reply was due first");
+        assert!(!run.gated());
+        assert!(
+            core.step(&run, &mut Vec::new(), 1).unwrap().is_empty(),
+            "the suspect is next: not beside a send in flight"
+        );
+        assert!(run.gated(), "wait for the send in flight");
+        let mut done = vec![(ordinary[0].clone(), Outcome::delivered(None))];
+        let suspect = core.step(&run, &mut done, 1).unwrap();
+        assert_eq!(suspect.len(), 1);
+        assert!(suspect[0].suspect);
+    }
+
     /// What a run has in flight besides the claims being recorded, and whether it is
     /// gated: a suspect in flight gates it; an ordinary claim in flight gates it only
     /// after a claim stopped at a suspect.
