@@ -314,3 +314,45 @@ fn enqueue_in_follows_rules_changed_by_another_process() -> chunked_outbox::Resu
     }
     Ok(())
 }
+
+/// Item 1: "awaiting a decision" adds up every kind of reply that waits for a human:
+/// an uncertain chunk, a dead letter nobody acknowledged, an unfinalized reply.
+#[test]
+fn awaiting_a_decision_counts_each_kind_once() -> chunked_outbox::Result<()> {
+    use chunked_outbox::Outcome;
+    let db = TestDb::default();
+    db.raw()
+        .execute_batch("CREATE TABLE app (content TEXT CHECK (content <> 'no'))")?;
+    let ob = &db.outbox;
+    ob.set_finalization(Some("INSERT INTO app VALUES (:content)"))?;
+    for chat in ["unsure", "gone", "refused"] {
+        ob.enqueue(&NewDelivery::single(
+            "telegram",
+            chat,
+            if chat == "refused" { "no" } else { "x" },
+        ))?;
+    }
+    for claim in claim_all(ob) {
+        let outcome = match claim.chat_id.as_str() {
+            "unsure" => Outcome::Ambiguous {
+                error: "timeout".into(),
+            },
+            "gone" => Outcome::Permanent {
+                error: "chat not found".into(),
+            },
+            _ => Outcome::delivered(None),
+        };
+        ob.record(&claim, outcome)?;
+    }
+    let t = ob.health()?.totals;
+    assert_eq!(
+        (
+            t.uncertain_chunks,
+            t.unacknowledged_dead_letters,
+            t.unfinalized_deliveries
+        ),
+        (1, 1, 1)
+    );
+    assert_eq!(t.awaiting_decision, 3);
+    Ok(())
+}
