@@ -1,17 +1,16 @@
 //! Claiming due chunks under a lease, and recovering expired leases.
 
 use chrono::{DateTime, Utc};
-use rusqlite::params;
 use serde::Serialize;
 
 use crate::clock::{duration_ms, to_datetime};
-use crate::outcome::{self, ChunkRef, DeadLetter, Outcome, Recorded};
-use crate::policy::Stored;
+use crate::error::{Error, Result};
+use crate::ids::{ChunkId, DeliveryId, chunk_idempotency_key};
+use crate::outbox::Outbox;
+use crate::rules::Stored;
+use crate::state::{self, Expired};
 use crate::status::ChunkStatus;
-use crate::tx::Tx;
-use crate::{
-    ChunkId, DeliveryId, Error, Outbox, ReplayPolicy, Result, chunk_idempotency_key, lane,
-};
+use crate::store::{ChannelRow, ClaimStore, LaneRef, StoreTx};
 
 /// Most chunks one [`Outbox::claim`] may hand out: one claim transaction holds the
 /// database's write lock, so it must stay short.
@@ -173,21 +172,6 @@ pub enum RecoverScope {
     AllSending,
 }
 
-/// What one record-and-claim step of a dispatcher did.
-pub(crate) struct Step {
-    /// The result of each outcome, in order.
-    pub recorded: Vec<Result<Recorded>>,
-    /// The chunks claimed.
-    pub claims: Vec<Claim>,
-    /// Every delivery the step made a dead letter: by an outcome, or by the claim (a
-    /// chunk out of attempts or age, an expired lease on its last attempt, a row that
-    /// cannot be read).
-    pub dead_letters: Vec<DeadLetter>,
-    /// Whether the claim stopped at a suspect chunk it could not send alone: the
-    /// claimer should wait for its sends in flight to be recorded, then claim again.
-    pub held_back: bool,
-}
-
 /// How a claim treats a *suspect*: a chunk whose previous send ended by its lease
 /// running out (reclaimed from `sending`, or put back to `retry` by recovery with its
 /// claim's token). It may be what crashed that process, and every chunk in flight with
@@ -202,14 +186,6 @@ pub(crate) enum Isolation {
     /// The claimer has sends in flight: a claim stops at the first suspect in due order
     /// and claims nothing more, so the claimer drains and then takes the suspect alone.
     Busy,
-}
-
-/// How the chunk of an expired lease is settled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Expired {
-    Replayable,
-    Held,
-    Exhausted,
 }
 
 impl Outbox {
@@ -268,56 +244,16 @@ impl Outbox {
         })
     }
 
-    /// Records the outcomes of a dispatcher's finished sends and claims its next ones in
-    /// one transaction, so a known outcome is durable before the next send starts and
-    /// one commit serves both. `limit` 0 only records.
-    pub(crate) fn record_and_claim(
-        &self,
-        outcomes: &[(Claim, Outcome)],
-        channels: &[&str],
-        limit: usize,
-        isolation: Isolation,
-    ) -> Result<Step> {
-        // `limit` is a dispatcher's validated batch size (or 0), so within range.
-        let step = |tx: &Tx<'_>, rules: &Stored| {
-            let now = self.options().now_ms();
-            let recorded =
-                outcome::record_in(tx, rules, outcomes.iter().map(|(c, o)| (c, o.clone())), now)?;
-            let (claims, held_back) = if limit > 0 {
-                claim_in(tx, self, rules, Some(channels), limit, isolation, now)?
-            } else {
-                (Vec::new(), false)
-            };
-            let dead_letters = DeadLetter::taken(tx)?;
-            Ok(Step {
-                recorded,
-                claims,
-                dead_letters,
-                held_back,
-            })
-        };
-        if outcomes.is_empty() {
-            self.write(step)
-        } else {
-            self.write_and_wake(step)
-        }
-    }
-
     /// Extends the leases of claims this process still holds to a full lease from now;
     /// per claim, the new expiry, or `None` if the claim no longer owns its chunk.
     pub(crate) fn renew_leases(&self, claims: &[(ChunkId, i64)]) -> Result<Vec<Option<i64>>> {
         let options = self.options();
         self.write(|tx, _| {
             let until = options.now_ms().saturating_add(duration_ms(options.lease));
-            let mut stmt = tx.prepare_cached(
-                "UPDATE outbound_delivery_chunks SET due_at = ?3
-                 WHERE id = ?1 AND claim_token = ?2 AND status = 'sending'",
-            )?;
+            // One conditional write per claim: no read to act on, so no lock.
             claims
                 .iter()
-                .map(|(chunk, token)| {
-                    Ok((stmt.execute(params![chunk.0, token, until])? == 1).then_some(until))
-                })
+                .map(|(chunk, token)| Ok(tx.renew_lease(chunk.0, *token, until)?.then_some(until)))
                 .collect()
         })
     }
@@ -334,10 +270,7 @@ impl Outbox {
         let due = self.read(|tx| {
             let mut earliest: Option<i64> = None;
             for channel in channel_rows(tx, channels)? {
-                let due: Option<i64> = tx
-                    .prepare_cached(NEXT_DUE_SQL)?
-                    .query_row([channel.id], |r| r.get(0))?;
-                if let Some(due) = due {
+                if let Some(due) = tx.next_due(channel.id)? {
                     let due = due.max(channel.rate_slot());
                     earliest = Some(earliest.map_or(due, |e| e.min(due)));
                 }
@@ -384,11 +317,20 @@ impl Outbox {
             };
             let mut report = RecoveryReport::default();
             for channel in channel_rows(tx, None)? {
-                for chunk in sending_chunks(tx, channel.id, limit)? {
-                    match expire(tx, rules, &chunk, now)? {
+                let listed = tx.expired_sending(channel.id, limit)?;
+                if listed.is_empty() {
+                    continue;
+                }
+                let mut lanes: Vec<LaneRef<'_>> = listed.iter().map(|c| c.lane()).collect();
+                tx.lock_lanes(&mut lanes)?;
+                // Read again under the lanes: a claim may have taken one meanwhile.
+                for chunk in tx.expired_sending(channel.id, limit)? {
+                    if !lanes.contains(&chunk.lane()) {
+                        continue;
+                    }
+                    match state::expire(tx, rules, &chunk, now)? {
                         Expired::Replayable => {
-                            let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, now)?;
-                            outcome::retry_abandoned(tx, &chunk, due)?;
+                            state::retry_abandoned(tx, &chunk, now)?;
                             report.retried += 1;
                         }
                         Expired::Held => report.held_uncertain += 1,
@@ -412,22 +354,11 @@ fn check_limit(limit: usize) -> Result<()> {
     Ok(())
 }
 
-/// A channel as the claim needs it: its number, and its channel-wide rate.
-struct ChannelRow {
-    id: i64,
-    name: String,
-    /// The channel's interval between sends, µs (0: no rate limit), and the start of
-    /// its next send on the channel's schedule, µs.
-    interval_us: i64,
-    next_send_at_us: Option<i64>,
-    /// The end of a rate limit of the whole channel, ms.
-    paused_until: Option<i64>,
-}
-
 impl ChannelRow {
     /// The earliest time, ms (rounded up), the channel lets a send start: its rate's
     /// next slot, or the end of a rate limit of the whole channel
-    /// ([`lane::pause_channel`]), whichever is later.
+    /// ([`LaneStore::pause_channel`](crate::store::LaneStore::pause_channel)),
+    /// whichever is later.
     fn rate_slot(&self) -> i64 {
         let slot = match self.next_send_at_us {
             Some(at) if self.interval_us > 0 => at.saturating_add(999).div_euclid(1000),
@@ -455,27 +386,9 @@ impl ChannelRow {
 /// The channel rows of `channels` (every channel, for `None`), with the interval their
 /// stored rules (or the default's) give. Channels the file has never seen have no
 /// chunks and are left out.
-fn channel_rows(tx: &Tx<'_>, channels: Option<&[&str]>) -> Result<Vec<ChannelRow>> {
-    let mut stmt = tx.prepare_cached(
-        "SELECT ch.id, ch.name, coalesce(ch.channel_interval_us, p.channel_interval_us, 0),
-                ch.next_send_at_us, ch.paused_until
-         FROM outbound_channels ch, outbound_policy p
-         WHERE p.id = 1 AND (?1 IS NULL OR ch.name = ?1)",
-    )?;
-    let mut read = |name: Option<&str>| -> Result<Vec<ChannelRow>> {
-        let rows = stmt.query_map([name], |r| {
-            Ok(ChannelRow {
-                id: r.get(0)?,
-                name: r.get(1)?,
-                interval_us: r.get(2)?,
-                next_send_at_us: r.get(3)?,
-                paused_until: r.get(4)?,
-            })
-        })?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
-    };
+fn channel_rows(tx: &dyn StoreTx, channels: Option<&[&str]>) -> Result<Vec<ChannelRow>> {
     match channels {
-        None => read(None),
+        None => tx.channels(None),
         Some(names) => {
             // A name given twice is one channel: read twice, its due chunks would be
             // candidates twice, and the same chunk claimed twice in one claim.
@@ -484,7 +397,7 @@ fn channel_rows(tx: &Tx<'_>, channels: Option<&[&str]>) -> Result<Vec<ChannelRow
             names.dedup();
             let mut rows = Vec::with_capacity(names.len());
             for name in names {
-                rows.extend(read(Some(name))?);
+                rows.extend(tx.channels(Some(name))?);
             }
             Ok(rows)
         }
@@ -496,10 +409,11 @@ fn channel_rows(tx: &Tx<'_>, channels: Option<&[&str]>) -> Result<Vec<ChannelRow
 /// Each channel's due chunks are a range of the claim index of its own; the oldest due
 /// of all of them go first. A channel whose rate has no slot yet is not read at all; a
 /// channel with a rate gives at most one chunk, and takes its next slot. A chunk whose
-/// lane interval has not passed since the lane's last send is pushed back to when it
-/// has; a row that cannot be read is set aside as corrupt.
-fn claim_in(
-    tx: &Tx<'_>,
+/// lane another transaction holds is left for the next claim (claims never wait); one
+/// whose lane interval has not passed since the lane's last send is pushed back to when
+/// it has; a row that cannot be read is set aside as corrupt.
+pub(crate) fn claim_in(
+    tx: &dyn StoreTx,
     outbox: &Outbox,
     rules: &Stored,
     channels: Option<&[&str]>,
@@ -511,16 +425,27 @@ fn claim_in(
     let mut candidates = Vec::new();
     let mut paced = Vec::new();
     for channel in channel_rows(tx, channels)? {
+        let paced_channel = channel.interval_us > 0;
+        // A paced channel's slot is read, decided on and written: held until the claim
+        // commits, or skipped if another claim holds it.
+        let channel = if paced_channel {
+            match tx.lock_channel_slot(channel)? {
+                Some(channel) => channel,
+                None => continue,
+            }
+        } else {
+            channel
+        };
         if channel.rate_slot() > now {
             continue;
         }
-        let take = if channel.interval_us > 0 {
+        let take = if paced_channel {
             paced.push((channel.id, channel.slot_after(now)));
             1
         } else {
             limit
         };
-        candidates.extend(due_chunks(tx, channel.id, &channel.name, now, take)?);
+        candidates.extend(tx.due_chunks(&channel, now, take)?);
     }
     candidates.sort_by_key(|c| c.due_at);
     let mut claims = Vec::with_capacity(limit.min(candidates.len()));
@@ -533,7 +458,7 @@ fn claim_in(
         let c = match candidate.row {
             Ok(c) => c,
             Err(reason) => {
-                outcome::set_aside_corrupt(
+                state::set_aside_corrupt(
                     tx,
                     rules,
                     candidate.chunk,
@@ -544,16 +469,19 @@ fn claim_in(
                 continue;
             }
         };
+        if !tx.try_lock_lane(c.chunk.lane())? {
+            continue;
+        }
         if c.chunk.status == ChunkStatus::Sending
-            && expire(tx, rules, &c.chunk, now)? != Expired::Replayable
+            && state::expire(tx, rules, &c.chunk, now)? != Expired::Replayable
         {
             continue;
         }
-        if let Some(reason) = outcome::out_of_budget(rules, &c.chunk, now) {
-            outcome::fail_chunk(tx, rules, &c.chunk, &reason, now)?;
+        if let Some(reason) = state::out_of_budget(rules, &c.chunk, now) {
+            state::fail(tx, rules, &c.chunk, &reason, now)?;
             continue;
         }
-        // A due time set by `lane::due_time` already waits out pauses and intervals as
+        // A due time set through the lane already waits out pauses and intervals as
         // they stood; a lease expiry did not, and under a lane interval another
         // delivery of the chat (parallel lanes) may have started a send since.
         let reclaimed = c.chunk.status == ChunkStatus::Sending;
@@ -564,10 +492,9 @@ fn claim_in(
                 .lane_interval
                 .is_zero()
         {
-            let lane_free = lane::due_time(tx, &c.chunk.channel, &c.chunk.chat_id, now)?;
+            let lane_free = tx.lane_due_time(c.chunk.lane(), now)?;
             if lane_free > now {
-                tx.prepare_cached("UPDATE outbound_delivery_chunks SET due_at = ?2 WHERE id = ?1")?
-                    .execute(params![c.chunk.id, lane_free])?;
+                tx.set_due(c.chunk.id, lane_free)?;
                 continue;
             }
         }
@@ -578,14 +505,8 @@ fn claim_in(
             break;
         }
         let token = outbox.next_token();
-        tx.prepare_cached(
-            "UPDATE outbound_delivery_chunks
-             SET status = 'sending', attempts = attempts + 1, due_at = ?2,
-                 claim_token = ?3
-             WHERE id = ?1",
-        )?
-        .execute(params![c.chunk.id, lease_until, token])?;
-        lane::note_send(tx, rules, &c.chunk.channel, &c.chunk.chat_id, now)?;
+        tx.mark_sending(c.chunk.id, lease_until, token)?;
+        crate::lane::note_send(tx, rules, c.chunk.lane(), now)?;
         if let Some(slot) = paced.iter().find(|(id, _)| *id == candidate.channel_id) {
             slots_taken.push(*slot);
         }
@@ -609,144 +530,9 @@ fn claim_in(
         }
     }
     for (channel, next) in slots_taken {
-        tx.prepare_cached("UPDATE outbound_channels SET next_send_at_us = ?2 WHERE id = ?1")?
-            .execute(params![channel, next])?;
+        tx.set_channel_slot(channel, next)?;
     }
     Ok((claims, held_back))
-}
-
-/// A claimable (or lease-expired) chunk read by the claim query: its row, or why the
-/// row cannot be read.
-struct Candidate {
-    chunk: i64,
-    delivery: i64,
-    channel_id: i64,
-    due_at: i64,
-    row: std::result::Result<Readable, String>,
-}
-
-struct Readable {
-    chunk: ChunkRef,
-    /// A due chunk that still carries a claim's token is one whose lease ran out
-    /// (`sending`, reclaimed here; or `retry`, put back by recovery): a suspect.
-    suspect: bool,
-    uid: DeliveryId,
-    text: String,
-    metadata: Option<String>,
-}
-
-/// The claim query for one channel: a range search on the claim index, in its order,
-/// so its cost is what it returns, never another channel's backlog or any history.
-/// `?1` is the channel, `?2` now. The caller stops reading at its limit: a bound
-/// `LIMIT ?` would have SQLite compile the statement again each time it is bound (the
-/// limit's value takes part in the plan), a full parse and plan in every claim.
-pub(crate) const CLAIM_SQL: &str =
-    "SELECT c.id, c.delivery_id, c.due_at, c.chunk_index, c.status, c.attempts,
-            d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text),
-            d.metadata, c.claim_token IS NOT NULL
-     FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
-     WHERE c.channel_id = ?1 AND c.due_at IS NOT NULL AND c.due_at <= ?2
-     ORDER BY c.due_at";
-
-/// The earliest due time of one channel (`?1`): the first entry of its claim index.
-pub(crate) const NEXT_DUE_SQL: &str = "SELECT min(due_at) FROM outbound_delivery_chunks
-     WHERE channel_id = ?1 AND due_at IS NOT NULL";
-
-fn due_chunks(
-    tx: &Tx<'_>,
-    channel_id: i64,
-    channel: &str,
-    now: i64,
-    limit: usize,
-) -> Result<Vec<Candidate>> {
-    let mut stmt = tx.prepare_cached(CLAIM_SQL)?;
-    let rows = stmt.query_map(params![channel_id, now], |r| {
-        let readable = || -> std::result::Result<Readable, String> {
-            let text = |i: usize| -> std::result::Result<String, String> {
-                let value = r.get_ref(i).map_err(|e| e.to_string())?;
-                match value {
-                    rusqlite::types::ValueRef::Text(bytes) => String::from_utf8(bytes.to_vec())
-                        .map_err(|_| format!("column {i} is not UTF-8")),
-                    other => Err(format!("column {i} is {:?}, not text", other.data_type())),
-                }
-            };
-            let uid = text(9)?;
-            let uid: DeliveryId = uid
-                .parse()
-                .map_err(|_| format!("its delivery uid {uid:?} is not a UUID"))?;
-            let chunk = ChunkRef {
-                id: r.get(0).map_err(|e| e.to_string())?,
-                delivery: r.get(1).map_err(|e| e.to_string())?,
-                index: r.get(3).map_err(|e| e.to_string())?,
-                status: r.get(4).map_err(|e| e.to_string())?,
-                attempts: r.get(5).map_err(|e| e.to_string())?,
-                channel: channel.to_owned(),
-                chat_id: text(6)?,
-                created_at: r.get(7).map_err(|e| e.to_string())?,
-                total: r.get(8).map_err(|e| e.to_string())?,
-            };
-            let metadata = match r.get_ref(11).map_err(|e| e.to_string())? {
-                rusqlite::types::ValueRef::Null => None,
-                _ => Some(text(11)?),
-            };
-            Ok(Readable {
-                suspect: r.get(12).map_err(|e| e.to_string())?,
-                chunk,
-                uid,
-                text: text(10)?,
-                metadata,
-            })
-        };
-        Ok(Candidate {
-            chunk: r.get(0)?,
-            delivery: r.get(1)?,
-            channel_id,
-            due_at: r.get(2)?,
-            row: readable(),
-        })
-    })?;
-    Ok(rows.take(limit).collect::<rusqlite::Result<_>>()?)
-}
-
-/// `sending` chunks of one channel (`?1`) whose lease ends at or before `?2`: a range of
-/// that channel's part of the claim index.
-pub(crate) const EXPIRED_SQL: &str = outcome::chunk_ref_where!(
-    "c.channel_id = ?1 AND c.due_at IS NOT NULL AND c.due_at <= ?2 AND c.status = 'sending'"
-);
-
-/// `sending` chunks of one channel whose lease ends at or before `until`.
-fn sending_chunks(tx: &Tx<'_>, channel_id: i64, until: i64) -> Result<Vec<ChunkRef>> {
-    let mut stmt = tx.prepare_cached(EXPIRED_SQL)?;
-    let rows = stmt.query_map(params![channel_id, until], ChunkRef::from_row)?;
-    Ok(rows.collect::<rusqlite::Result<_>>()?)
-}
-
-/// Settles a chunk whose lease expired while `sending`. A replayable chunk is left for
-/// the caller to claim or reschedule; a held one becomes `uncertain`; one with no
-/// attempts left fails.
-fn expire(tx: &Tx<'_>, rules: &Stored, chunk: &ChunkRef, now: i64) -> Result<Expired> {
-    let max_attempts = rules.policy.retry_for(&chunk.channel).max_attempts;
-    if chunk.attempts >= max_attempts {
-        let reason = format!(
-            "lease expired without an outcome on attempt {} of {max_attempts}; the worker may crash on this chunk",
-            chunk.attempts
-        );
-        outcome::fail_chunk(tx, rules, chunk, &reason, now)?;
-        return Ok(Expired::Exhausted);
-    }
-    match rules.policy.channel(&chunk.channel).replay {
-        ReplayPolicy::Replay => Ok(Expired::Replayable),
-        ReplayPolicy::Hold => {
-            outcome::hold_abandoned(
-                tx,
-                rules,
-                chunk,
-                "lease expired while sending; the chunk may have reached the platform",
-                now,
-            )?;
-            Ok(Expired::Held)
-        }
-    }
 }
 
 #[cfg(test)]
@@ -774,7 +560,9 @@ mod tests {
         }
         assert_eq!(chats, (0..10).collect::<Vec<_>>());
         let conn = ob.writer();
-        let stmt = conn.prepare_cached(super::CLAIM_SQL).unwrap();
+        let stmt = conn
+            .prepare_cached(crate::store::sqlite::claims::CLAIM_SQL)
+            .unwrap();
         assert_eq!(stmt.get_status(rusqlite::StatementStatus::RePrepare), 0);
         assert!(stmt.get_status(rusqlite::StatementStatus::Run) >= 4);
     }

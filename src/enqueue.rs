@@ -1,13 +1,17 @@
 //! Accepting deliveries: validation, idempotency, and the insert.
 
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::Connection;
 use serde::Serialize;
 
-use crate::ids::{CHUNK_STRIDE, chunks_of_delivery};
+use crate::error::{Error, Result};
+use crate::ids::{CHUNK_STRIDE, DeliveryId};
 use crate::lane::{self, LaneHead};
-use crate::policy::{self, Stored};
-use crate::tx::Tx;
-use crate::{DeliveryId, DeliveryStatus, Error, LaneOrder, Outbox, Result};
+use crate::outbox::Outbox;
+use crate::rules::LaneOrder;
+use crate::rules::Stored;
+use crate::status::DeliveryStatus;
+use crate::store::sqlite::tx::Tx;
+use crate::store::{LaneRef, NewRow, StoreTx};
 
 /// Longest accepted channel name, in bytes.
 pub const MAX_CHANNEL_BYTES: usize = 128;
@@ -37,14 +41,14 @@ pub const MAX_ENQUEUE_BATCH: usize = 10_000;
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewDelivery {
-    channel: String,
-    chat_id: String,
-    text: String,
-    chunks: Vec<String>,
-    idempotency_key: Option<String>,
-    sender: Option<String>,
-    metadata: Option<String>,
-    not_before: Option<i64>,
+    pub(crate) channel: String,
+    pub(crate) chat_id: String,
+    pub(crate) text: String,
+    pub(crate) chunks: Vec<String>,
+    pub(crate) idempotency_key: Option<String>,
+    pub(crate) sender: Option<String>,
+    pub(crate) metadata: Option<String>,
+    pub(crate) not_before: Option<i64>,
 }
 
 impl NewDelivery {
@@ -284,7 +288,10 @@ impl Outbox {
     /// content. Nothing is written in either case.
     pub fn enqueue(&self, delivery: &NewDelivery) -> Result<Enqueued> {
         delivery.validate()?;
-        let enqueued = self.write_and_wake(|tx, rules| insert(tx, self, rules, delivery))?;
+        let enqueued = self.write_and_wake(|tx, rules| {
+            lock_for(tx, &[delivery])?;
+            insert(tx, self, rules, delivery)
+        })?;
         if enqueued.created {
             crate::telemetry::enqueued(&delivery.channel);
         }
@@ -343,6 +350,7 @@ impl Outbox {
             return Ok(Vec::new());
         }
         let stored = self.write_and_wake(|tx, rules| {
+            lock_for(tx, &deliveries)?;
             deliveries
                 .iter()
                 .map(|d| insert(tx, self, rules, d))
@@ -424,40 +432,57 @@ impl Outbox {
                 "enqueue_in needs an open transaction on the caller's connection",
             ));
         }
-        // A savepoint makes our writes all-or-nothing even if the caller goes on to
-        // commit after we returned an error. Cached statements: `execute_batch` would
-        // compile each of them on every call.
+        // A nested transaction makes our writes all-or-nothing even if the caller goes
+        // on to commit after we returned an error.
         let tx = Tx::new(conn);
-        let run = |sql: &'static str| -> Result<()> {
-            tx.prepare_cached(sql)?.execute([])?;
-            Ok(())
-        };
-        run("SAVEPOINT chunked_outbox_enqueue")?;
-        match self
-            .rules_uncached(conn)
-            .and_then(|rules| insert(&tx, self, &rules, delivery))
-        {
+        let tx: &dyn StoreTx = &tx;
+        tx.begin_nested()?;
+        match self.rules_uncached(tx).and_then(|rules| {
+            lock_for(tx, &[delivery])?;
+            insert(tx, self, &rules, delivery)
+        }) {
             Ok(enqueued) => {
-                run("RELEASE chunked_outbox_enqueue")?;
+                tx.end_nested(true)?;
                 // Not visible before the caller commits: waking dispatchers now would
                 // have them look for it too early. The caller wakes them after its
                 // commit (see above); otherwise a poll finds it.
                 Ok(enqueued)
             }
             Err(e) => {
-                run("ROLLBACK TO chunked_outbox_enqueue")?;
-                run("RELEASE chunked_outbox_enqueue")?;
+                tx.end_nested(false)?;
                 Err(e)
             }
         }
     }
 }
 
-fn insert(tx: &Tx<'_>, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> Result<Enqueued> {
+/// Locks what enqueueing `deliveries` reads and then writes by what it read: their
+/// caller keys (is the key free?) and their lanes (which delivery is the head?), each
+/// kind in sorted order.
+fn lock_for(tx: &dyn StoreTx, deliveries: &[&NewDelivery]) -> Result<()> {
+    let mut keys: Vec<(&str, &str)> = deliveries
+        .iter()
+        .filter_map(|d| Some((d.channel.as_str(), d.idempotency_key.as_deref()?)))
+        .collect();
+    keys.sort_unstable();
+    keys.dedup();
+    for (channel, key) in keys {
+        tx.lock_key(channel, key)?;
+    }
+    let mut lanes: Vec<LaneRef<'_>> = deliveries
+        .iter()
+        .map(|d| LaneRef::new(&d.channel, &d.chat_id))
+        .collect();
+    tx.lock_lanes(&mut lanes)
+}
+
+/// Stores one delivery; its caller holds its key and lane ([`lock_for`]).
+fn insert(tx: &dyn StoreTx, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> Result<Enqueued> {
     if let Some(key) = &d.idempotency_key
-        && let Some((rowid, existing)) = find_by_key(tx, &d.channel, key)?
+        && let Some((row, uid)) = tx.find_by_key(&d.channel, key)?
     {
-        return if same_content(tx, rowid, d)? {
+        let existing: DeliveryId = uid.parse()?;
+        return if same_content(tx, row, d)? {
             Ok(Enqueued {
                 id: existing,
                 created: false,
@@ -471,148 +496,81 @@ fn insert(tx: &Tx<'_>, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> Resu
     }
 
     let now = outbox.options().now_ms();
-    let channel_id = policy::channel_id(tx, rules, &d.channel)?;
-    // The next row id, chosen here (under the write lock) so the uid can be derived
-    // from it: the uid needs no index of its own.
-    let rowid: i64 = tx
-        .prepare_cached("SELECT coalesce(max(id), 0) + 1 FROM outbound_deliveries")?
-        .query_row([], |r| r.get(0))?;
-    let first_chunk = rowid.checked_mul(CHUNK_STRIDE).ok_or(Error::invalid(
-        "delivery",
-        "the database has used up its row ids; purge it or start a new file",
-    ))?;
-    let id = outbox.new_delivery_id(rowid, now);
+    let channel_id = match rules.channel_ids.get(&d.channel) {
+        Some(id) => *id,
+        None => tx.channel_number(&d.channel)?,
+    };
+    // The row is chosen here, under the lane's lock, so the uid can be derived from it
+    // (the uid needs no index of its own) and it is the delivery's lane position.
+    let row = tx.next_delivery_row()?;
+    if row.checked_mul(CHUNK_STRIDE).is_none() {
+        return Err(Error::invalid(
+            "delivery",
+            "the database has used up its row ids; purge it or start a new file",
+        ));
+    }
+    let id = outbox.new_delivery_id(row, now);
+    let lane = LaneRef::new(&d.channel, &d.chat_id);
     let active = match rules.policy.lane_order {
         LaneOrder::Parallel => true,
-        LaneOrder::Fifo => match lane::head(tx, &rules.policy, &d.channel, &d.chat_id)? {
+        LaneOrder::Fifo => match lane::head(tx, &rules.policy, lane)? {
             LaneHead::Idle => true,
             LaneHead::Busy => false,
             // A queued delivery with nothing in front of it: start that one first.
             LaneHead::Next(waiting) => {
-                lane::activate(tx, &waiting, &d.channel, &d.chat_id, now)?;
+                lane::activate(tx, &waiting, lane, now)?;
                 false
             }
         },
     };
-    tx.prepare_cached(
-        "INSERT INTO outbound_deliveries
-             (id, uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
-              created_at, updated_at, text, metadata, not_before)
-         VALUES (?10, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, ?9, ?11, ?12)",
-    )?
-    .execute(params![
-        id.to_string(),
-        d.channel,
-        d.chat_id,
-        d.sender,
-        d.idempotency_key,
-        if active { "pending" } else { "queued" },
-        d.chunks.len() as i64,
-        now,
-        d.text,
-        rowid,
-        d.metadata,
-        d.not_before,
-    ])?;
     // The head chunk of an active delivery is inserted already due, so it enters the
     // claim index once instead of being inserted and then updated.
     let head_due = if active {
         let earliest = now.max(d.not_before.unwrap_or(i64::MIN));
-        Some(lane::due_time(tx, &d.channel, &d.chat_id, earliest)?)
+        Some(tx.lane_due_time(lane, earliest)?)
     } else {
         None
     };
-    if !active && stored_at_activation(d) {
-        return Ok(Enqueued { id, created: true });
-    }
-    let mut chunk = tx.prepare_cached(
-        "INSERT INTO outbound_delivery_chunks
-             (id, delivery_id, chunk_index, status, due_at, text, channel_id)
-         VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6)",
-    )?;
-    for (index, text) in d.chunks.iter().enumerate() {
-        // A chunk that is the whole text points at the delivery's copy (NULL).
-        let text = (*text != d.text).then_some(text);
-        let index = index as i64;
-        let due = if index == 0 { head_due } else { None };
-        chunk.execute(params![
-            first_chunk + index,
-            rowid,
-            index,
-            due,
-            text,
-            channel_id
-        ])?;
-    }
+    tx.insert_delivery(&NewRow {
+        row,
+        uid: &id.to_string(),
+        delivery: d,
+        channel_id,
+        active,
+        now,
+        head_due,
+        chunk_rows: active || !stored_at_activation(d),
+    })?;
     Ok(Enqueued { id, created: true })
 }
 
 /// Whether a queued delivery's chunk row waits for its activation: a reply sent as one
 /// chunk holding its whole text has nothing to store in that row but its state, which
-/// is `pending` with nothing due until the lane reaches it. [`lane::activate`] inserts
+/// is `pending` with nothing due until the lane reaches it. [`lane::activate`] stores
 /// the row then, so a reply enqueued behind another writes two b-tree pages instead of
 /// three — most of an enqueue's cost is its commit's page writes.
 fn stored_at_activation(d: &NewDelivery) -> bool {
     matches!(d.chunks.as_slice(), [only] if *only == d.text)
 }
 
-/// The delivery with caller key `?2` on channel `?1`.
-pub(crate) const KEY_LOOKUP_SQL: &str =
-    "SELECT id, uid FROM outbound_deliveries WHERE channel = ?1 AND idempotency_key = ?2";
-
-fn find_by_key(tx: &Tx<'_>, channel: &str, key: &str) -> Result<Option<(i64, DeliveryId)>> {
-    let row = tx
-        .prepare_cached(KEY_LOOKUP_SQL)?
-        .query_row([channel, key], |r| {
-            Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
-        })
-        .optional()?;
-    row.map(|(rowid, uid)| Ok((rowid, uid.parse()?)))
-        .transpose()
-}
-
-fn same_content(tx: &Tx<'_>, rowid: i64, d: &NewDelivery) -> Result<bool> {
-    type Row = (
-        String,
-        String,
-        Option<String>,
-        String,
-        Option<String>,
-        DeliveryStatus,
-    );
-    let (channel, chat_id, sender, text, metadata, status): Row = tx
-        .prepare_cached(
-            "SELECT channel, chat_id, sender, text, metadata, status
-             FROM outbound_deliveries WHERE id = ?1",
-        )?
-        .query_row([rowid], |r| r.try_into())?;
-    if channel != d.channel
-        || chat_id != d.chat_id
-        || sender != d.sender
-        || text != d.text
-        || metadata != d.metadata
+fn same_content(tx: &dyn StoreTx, row: i64, d: &NewDelivery) -> Result<bool> {
+    let stored = tx.stored_content(row)?;
+    if stored.channel != d.channel
+        || stored.chat_id != d.chat_id
+        || stored.sender != d.sender
+        || stored.text != d.text
+        || stored.metadata != d.metadata
     {
         return Ok(false);
     }
-    if status == DeliveryStatus::Cancelled {
+    if stored.status == DeliveryStatus::Cancelled {
         // Its chunks were removed; the key names it, whatever chunks it was given.
         return Ok(true);
     }
-    let mut stmt = tx.prepare_cached(concat!(
-        "SELECT c.text FROM outbound_delivery_chunks c WHERE ",
-        chunks_of_delivery!("c", "?1"),
-        " ORDER BY c.id"
-    ))?;
-    let mut chunks = stmt
-        .query_map([rowid], |r| r.get::<_, Option<String>>(0))?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
-    if chunks.is_empty() && status == DeliveryStatus::Queued {
-        // One chunk of the whole text, its row not stored yet (`stored_at_activation`).
-        chunks.push(None);
-    }
-    Ok(chunks.len() == d.chunks.len()
-        && chunks
+    Ok(stored.chunks.len() == d.chunks.len()
+        && stored
+            .chunks
             .iter()
             .zip(&d.chunks)
-            .all(|(stored, new)| stored.as_ref().unwrap_or(&text) == new))
+            .all(|(chunk, new)| chunk.as_ref().unwrap_or(&stored.text) == new))
 }

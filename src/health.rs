@@ -9,9 +9,9 @@ use serde::Serialize;
 use crate::Outbox;
 use crate::Result;
 use crate::clock::to_datetime;
-use crate::ids::chunks_of_delivery;
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::tx::Tx;
+use crate::store::sqlite::chunks::chunks_of_delivery;
+use crate::store::sqlite::tx::Tx;
 
 /// Counts for one channel.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]

@@ -94,28 +94,6 @@ impl From<Uuid> for DeliveryId {
 /// the chunk table's primary key orders chunks by delivery and index (see the schema).
 pub(crate) const CHUNK_STRIDE: i64 = 16_384;
 
-/// SQL condition: chunk row `c` belongs to delivery row `d` (a range of the chunk
-/// table's primary key).
-macro_rules! chunks_of_delivery {
-    ($c:literal, $d:literal) => {
-        concat!(
-            $c,
-            ".id BETWEEN ",
-            $d,
-            " * 16384 AND ",
-            $d,
-            " * 16384 + 16383"
-        )
-    };
-}
-pub(crate) use chunks_of_delivery;
-
-/// Deletes the chunks of delivery `?1` (a purge, a cancel).
-pub(crate) const DELETE_CHUNKS_SQL: &str = concat!(
-    "DELETE FROM outbound_delivery_chunks AS c WHERE ",
-    chunks_of_delivery!("c", "?1")
-);
-
 /// The id of one chunk within this database.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -352,14 +330,5 @@ mod tests {
     fn a_uid_carries_its_creation_time() {
         let id = DeliveryId::for_row(7, 99, 1_767_225_600_123);
         assert_eq!(id.created_ms(), 1_767_225_600_123);
-    }
-
-    #[test]
-    fn the_sql_range_uses_the_chunk_stride() {
-        assert_eq!(CHUNK_STRIDE, 16_384);
-        assert_eq!(
-            chunks_of_delivery!("c", "d.id"),
-            "c.id BETWEEN d.id * 16384 AND d.id * 16384 + 16383"
-        );
     }
 }

@@ -5,9 +5,10 @@ use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter, typ
 use serde::Serialize;
 
 use crate::clock::to_datetime;
-use crate::ids::{CHUNK_STRIDE, chunks_of_delivery};
+use crate::ids::CHUNK_STRIDE;
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::tx::Tx;
+use crate::store::sqlite::chunks::chunks_of_delivery;
+use crate::store::sqlite::tx::Tx;
 use crate::{ChunkId, ClaimantId, DeliveryId, Error, Outbox, Result, chunk_idempotency_key};
 
 /// Most rows one [`Outbox::list`] returns.

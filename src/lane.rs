@@ -8,18 +8,19 @@
 //!   chunks have no `due_at` until the one before them is delivered;
 //! * with [`LaneOrder::Fifo`] a lane `(channel, chat_id)` has at most one active
 //!   delivery (`pending`/`partial`); the others are `queued` and wait for
-//!   [`advance`] to activate the oldest one;
+//!   [`advance`] to activate the first one in lane order;
 //! * a lane paused by a rate limit hands out nothing due before the pause ends, nor
 //!   anything before its channel's lane interval has passed since its last send
-//!   started, whoever sent it (`outbound_lanes`).
-
-use rusqlite::{OptionalExtension, params};
+//!   started, whoever sent it.
+//!
+//! Every function here reads a lane and writes it by what it read: its caller holds
+//! the lane ([`Locks::lock_lanes`](crate::store::Locks::lock_lanes)).
 
 use crate::clock::duration_ms;
-use crate::ids::CHUNK_STRIDE;
-use crate::policy::Stored;
-use crate::tx::Tx;
-use crate::{LaneFailurePolicy, LaneOrder, Policy, Result};
+use crate::error::Result;
+use crate::rules::{LaneFailurePolicy, LaneOrder};
+use crate::rules::{Policy, Stored};
+use crate::store::{HeadRow, LaneRef, StoreTx, Waiting};
 
 /// Where a lane stands for scheduling purposes.
 pub(crate) enum LaneHead {
@@ -31,124 +32,19 @@ pub(crate) enum LaneHead {
     Idle,
 }
 
-/// A delivery to make active: its row id, the index of its head chunk (chunks before
-/// it were delivered before it was set aside), and the time it may start, if delayed.
-pub(crate) struct Waiting {
-    pub id: i64,
-    head_index: i64,
-    not_before: Option<i64>,
-}
-
-impl Waiting {
-    /// Reads delivery `id` as [`activate`] needs it.
-    pub(crate) fn load(tx: &Tx<'_>, id: i64) -> Result<Waiting> {
-        Ok(tx
-            .prepare_cached(
-                "SELECT delivered_count, not_before FROM outbound_deliveries WHERE id = ?1",
-            )?
-            .query_row([id], |r| {
-                Ok(Waiting {
-                    id,
-                    head_index: r.get(0)?,
-                    not_before: r.get(1)?,
-                })
-            })?)
-    }
-}
-
-/// The due time of [`due_time`] as an SQL expression of its parameters: `earliest`, or
-/// the end of lane (`channel`, `chat`)'s pause or interval if later.
-macro_rules! lane_due {
-    ($earliest:literal, $channel:literal, $chat:literal) => {
-        concat!(
-            "coalesce((SELECT max(",
-            $earliest,
-            ", coalesce(paused_until, ",
-            $earliest,
-            "), coalesce(next_send_at, ",
-            $earliest,
-            ")) FROM outbound_lanes WHERE channel = ",
-            $channel,
-            " AND chat_id = ",
-            $chat,
-            "), ",
-            $earliest,
-            ")"
-        )
-    };
-}
-
-/// The lane head's statement, its queued deliveries in the order `$order` of their ids.
-macro_rules! head_sql {
-    ($order:literal) => {
-        concat!(
-            "SELECT status = 'queued', id,
-                    CASE WHEN status = 'queued' THEN delivered_count END,
-                    CASE WHEN status = 'queued' THEN not_before END
-             FROM outbound_deliveries
-             WHERE channel = ?1 AND chat_id = ?2 AND status >= 'partial' AND status <= 'queued'
-               AND status <> 'delivered'
-             ORDER BY status, ",
-            $order,
-            " LIMIT 1"
-        )
-    };
-}
-
-/// The first of lane (`?1`, `?2`)'s deliveries that are active (`partial`, `pending`)
-/// or `queued`, in that order, then oldest first: one seek on the index of unfinished
-/// deliveries, whatever the length of the queue. Those three statuses are next to each
-/// other in the index, and no other status the schema allows sorts between them
-/// (`cancelled` < `delivered` < `failed` < `partial` < `pending` < `queued` <
-/// `uncertain` < `unfinalized`), so an active delivery, if any, comes before every queued one. For a
-/// queued one it also gives what [`activate`] needs from its row; SQLite reads the row
-/// itself only then (a deferred seek), so a busy lane costs the index seek alone.
-pub(crate) const HEAD_SQL: &str = head_sql!("id");
-
-/// [`HEAD_SQL`] with the newest queued reply first: the planted fault `out_of_order`.
-const HEAD_SQL_NEWEST_FIRST: &str = head_sql!("id DESC");
-
-/// The oldest delivery holding lane (`?1`, `?2`) under [`LaneFailurePolicy::Block`]:
-/// an uncertain one, or a dead letter nobody acknowledged.
-pub(crate) const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
-     WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered'
-       AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL))";
-
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
-pub(crate) fn head(tx: &Tx<'_>, rules: &Policy, channel: &str, chat_id: &str) -> Result<LaneHead> {
-    // `None`: nothing active or queued; `Some(None)`: a delivery is active.
-    let sql = if crate::sabotage::planted("out_of_order") {
-        HEAD_SQL_NEWEST_FIRST
-    } else {
-        HEAD_SQL
-    };
-    let first: Option<Option<Waiting>> = tx
-        .prepare_cached(sql)?
-        .query_row(params![channel, chat_id], |r| {
-            let queued: bool = r.get(0)?;
-            queued
-                .then(|| {
-                    Ok(Waiting {
-                        id: r.get(1)?,
-                        head_index: r.get(2)?,
-                        not_before: r.get(3)?,
-                    })
-                })
-                .transpose()
-        })
-        .optional()?;
-    let next = match first {
-        Some(None) => return Ok(LaneHead::Busy),
-        Some(queued) => queued,
+pub(crate) fn head(tx: &dyn StoreTx, rules: &Policy, lane: LaneRef<'_>) -> Result<LaneHead> {
+    let next = match tx.lane_head(lane)? {
+        Some(HeadRow::Active) => return Ok(LaneHead::Busy),
+        Some(HeadRow::Queued(waiting)) => Some(waiting),
         None => None,
     };
-    if rules.lane_failure == LaneFailurePolicy::Block {
-        let held: Option<i64> = tx
-            .prepare_cached(HELD_SQL)?
-            .query_row(params![channel, chat_id], |r| r.get(0))?;
-        if held.is_some_and(|h| next.as_ref().is_none_or(|n| h < n.id)) {
-            return Ok(LaneHead::Busy);
-        }
+    if rules.lane_failure == LaneFailurePolicy::Block
+        && tx
+            .lane_held(lane)?
+            .is_some_and(|held| next.as_ref().is_none_or(|n| held < n.position))
+    {
+        return Ok(LaneHead::Busy);
     }
     Ok(next.map_or(LaneHead::Idle, LaneHead::Next))
 }
@@ -157,210 +53,74 @@ pub(crate) fn head(tx: &Tx<'_>, rules: &Policy, channel: &str, chat_id: &str) ->
 /// head chunk due no earlier than `earliest`. Does nothing for parallel lanes, whose
 /// deliveries are active from the start.
 pub(crate) fn advance(
-    tx: &Tx<'_>,
+    tx: &dyn StoreTx,
     rules: &Policy,
-    channel: &str,
-    chat_id: &str,
+    lane: LaneRef<'_>,
     earliest: i64,
 ) -> Result<()> {
     if rules.lane_order == LaneOrder::Parallel {
         return Ok(());
     }
-    if let LaneHead::Next(waiting) = head(tx, rules, channel, chat_id)? {
-        activate(tx, &waiting, channel, chat_id, earliest)?;
+    if let LaneHead::Next(waiting) = head(tx, rules, lane)? {
+        activate(tx, &waiting, lane, earliest)?;
     }
     Ok(())
 }
 
-/// Marks a delivery active and makes its head chunk due.
+/// Marks a delivery active and makes its head chunk due; a delayed reply starts no
+/// earlier than asked (once started, it goes on as usual).
 pub(crate) fn activate(
-    tx: &Tx<'_>,
+    tx: &dyn StoreTx,
     waiting: &Waiting,
-    channel: &str,
-    chat_id: &str,
+    lane: LaneRef<'_>,
     earliest: i64,
 ) -> Result<()> {
-    let &Waiting {
-        id: delivery,
-        head_index,
-        not_before,
-    } = waiting;
-    tx.prepare_cached(
-        "UPDATE outbound_deliveries SET status = CASE WHEN ?2 > 0 THEN 'partial' ELSE 'pending' END
-         WHERE id = ?1",
-    )?
-    .execute(params![delivery, head_index])?;
-    // A delayed reply starts no earlier than asked; once started, it goes on as usual.
-    let earliest = match not_before {
-        Some(at) if head_index == 0 => earliest.max(at),
+    let earliest = match waiting.not_before {
+        Some(at) if waiting.head_index == 0 => earliest.max(at),
         _ => earliest,
     };
-    // The head chunk has a row, whose due time is set, except at the first activation
-    // of a reply sent as one chunk of its whole text: that row is stored now (see
-    // `enqueue::stored_at_activation`).
-    tx.prepare_cached(concat!(
-        "INSERT INTO outbound_delivery_chunks (id, delivery_id, chunk_index, status, due_at, channel_id)
-         VALUES (?1, ?5, ?6, 'pending', ",
-        lane_due!("?2", "?3", "?4"),
-        ", (SELECT id FROM outbound_channels WHERE name = ?3))
-         ON CONFLICT (id) DO UPDATE SET due_at = excluded.due_at"
-    ))?
-    .execute(params![
-        delivery * CHUNK_STRIDE + head_index,
-        earliest,
-        channel,
-        chat_id,
-        delivery,
-        head_index
-    ])?;
-    Ok(())
-}
-
-/// Gives chunk `index` of `delivery` a due time: `earliest`, or the end of the lane's
-/// rate-limit pause if that is later.
-pub(crate) fn make_due(
-    tx: &Tx<'_>,
-    delivery: i64,
-    index: i64,
-    channel: &str,
-    chat_id: &str,
-    earliest: i64,
-) -> Result<()> {
-    // `due_time` and the write in one statement.
-    tx.prepare_cached(concat!(
-        "UPDATE outbound_delivery_chunks SET due_at = ",
-        lane_due!("?2", "?3", "?4"),
-        " WHERE id = ?1"
-    ))?
-    .execute(params![
-        delivery * CHUNK_STRIDE + index,
-        earliest,
-        channel,
-        chat_id
-    ])?;
-    Ok(())
-}
-
-/// `earliest`, or later if the lane says so: the end of its rate-limit pause, or the
-/// time its channel's lane interval allows the next send. Every due time handed to a
-/// chunk (other than a claim's lease expiry) goes through here, so no send of a paused
-/// or paced lane starts early.
-pub(crate) fn due_time(tx: &Tx<'_>, channel: &str, chat_id: &str, earliest: i64) -> Result<i64> {
-    Ok(tx
-        .prepare_cached(concat!("SELECT ", lane_due!("?3", "?1", "?2")))?
-        .query_row(params![channel, chat_id, earliest], |r| r.get(0))?)
+    tx.activate(waiting, lane, earliest)
 }
 
 /// Notes that a send of the lane starts `now`: under a lane interval, no other send of
 /// the lane may start before `now + interval`, whichever process makes it. Nothing is
 /// written for channels without one.
 pub(crate) fn note_send(
-    tx: &Tx<'_>,
+    tx: &dyn StoreTx,
     rules: &Stored,
-    channel: &str,
-    chat_id: &str,
+    lane: LaneRef<'_>,
     now: i64,
 ) -> Result<()> {
-    let interval = duration_ms(rules.policy.channel(channel).lane_interval);
+    let interval = duration_ms(rules.policy.channel(lane.channel).lane_interval);
     if interval == 0 {
         return Ok(());
     }
-    tx.prepare_cached(
-        "INSERT INTO outbound_lanes (channel, chat_id, next_send_at) VALUES (?1, ?2, ?3)
-         ON CONFLICT (channel, chat_id) DO UPDATE
-         SET next_send_at = max(coalesce(next_send_at, ?3), ?3)",
-    )?
-    .execute(params![channel, chat_id, now.saturating_add(interval)])?;
-    Ok(())
-}
-
-/// Pushes the lane's due chunks back to `?3`. Only head chunks are ever due: chunk
-/// `delivered_count` of an unfinished delivery, whose id is
-/// `id * CHUNK_STRIDE + delivered_count`, so this is one key lookup per unfinished
-/// delivery of the lane.
-pub(crate) const PAUSE_DUE_SQL: &str = "UPDATE outbound_delivery_chunks SET due_at = ?3
-     WHERE due_at < ?3 AND status IN ('pending', 'retry') AND id IN (
-         SELECT id * 16384 + delivered_count FROM outbound_deliveries
-         WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered')";
-
-/// Pauses a lane until `until` (or longer, if it is paused longer already): records
-/// the pause for chunks that become due later, and pushes back the chunks of the lane
-/// that are already due — to the end of the pause as stored, not only to `until`.
-/// Returns that end.
-pub(crate) fn pause(tx: &Tx<'_>, channel: &str, chat_id: &str, until: i64) -> Result<i64> {
-    let paused_until: i64 = tx
-        .prepare_cached(
-            "INSERT INTO outbound_lanes (channel, chat_id, paused_until) VALUES (?1, ?2, ?3)
-             ON CONFLICT (channel, chat_id) DO UPDATE
-             SET paused_until = max(coalesce(paused_until, ?3), ?3)
-             RETURNING paused_until",
-        )?
-        .query_row(params![channel, chat_id, until], |r| r.get(0))?;
-    tx.prepare_cached(PAUSE_DUE_SQL)?
-        .execute(params![channel, chat_id, paused_until])?;
-    Ok(paused_until)
-}
-
-/// Holds every send of `channel` until `until` (ms), whoever claims: the channel's
-/// stored pause (`outbound_channels.paused_until`, which the claim reads before it
-/// reads any chunk of the channel) moves to `until` unless it ends later already.
-pub(crate) fn pause_channel(tx: &Tx<'_>, channel: &str, until: i64) -> Result<()> {
-    tx.prepare_cached(
-        "UPDATE outbound_channels
-         SET paused_until = max(coalesce(paused_until, ?2), ?2) WHERE name = ?1",
-    )?
-    .execute(params![channel, until])?;
-    Ok(())
+    tx.note_lane_send(lane, now.saturating_add(interval))
 }
 
 /// Puts a delivery that was held aside (requeued, or resolved with chunks left) back
 /// into its lane: active at once for parallel lanes; queued behind whatever is active
 /// for FIFO lanes, and activated if the lane is free.
 pub(crate) fn rejoin(
-    tx: &Tx<'_>,
+    tx: &dyn StoreTx,
     rules: &Policy,
     delivery: i64,
-    channel: &str,
-    chat_id: &str,
+    lane: LaneRef<'_>,
     earliest: i64,
 ) -> Result<()> {
     if rules.lane_order == LaneOrder::Parallel {
-        return activate(
-            tx,
-            &Waiting::load(tx, delivery)?,
-            channel,
-            chat_id,
-            earliest,
-        );
+        return activate(tx, &tx.waiting(delivery)?, lane, earliest);
     }
-    tx.prepare_cached(
-        "UPDATE outbound_deliveries
-         SET status = 'queued', finished_at = NULL, acknowledged_at = NULL WHERE id = ?1",
-    )?
-    .execute([delivery])?;
-    advance(tx, rules, channel, chat_id, earliest)
+    tx.set_queued(delivery)?;
+    advance(tx, rules, lane, earliest)
 }
-
-/// The rows of `sql`, a query of `(delivery row id, channel, chat id)`.
-pub(crate) fn deliveries_with_lanes(
-    tx: &Tx<'_>,
-    sql: &'static str,
-) -> Result<Vec<(i64, String, String)>> {
-    let mut stmt = tx.prepare_cached(sql)?;
-    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
-    Ok(rows.collect::<rusqlite::Result<_>>()?)
-}
-
-/// Queued deliveries, oldest first, with their lanes.
-pub(crate) const QUEUED_ALL_SQL: &str = "SELECT id, channel, chat_id FROM outbound_deliveries
-     WHERE status = 'queued' AND status <> 'delivered' ORDER BY id";
 
 /// Moves stored rows with a change of the lane rules, so that no reply waits under a
 /// rule that no longer holds: under `Parallel` every queued delivery starts; under FIFO
 /// (with a changed failure policy) each lane with a queued delivery gets the head the
-/// new rules give it.
+/// new rules give it. Its caller holds the rules exclusively, so no lane changes under it.
 pub(crate) fn follow_rule_change(
-    tx: &Tx<'_>,
+    tx: &dyn StoreTx,
     before: &Policy,
     after: &Policy,
     now: i64,
@@ -368,13 +128,13 @@ pub(crate) fn follow_rule_change(
     if before.lane_order == after.lane_order && before.lane_failure == after.lane_failure {
         return Ok(());
     }
-    let queued = deliveries_with_lanes(tx, QUEUED_ALL_SQL)?;
     let mut lanes = std::collections::BTreeSet::new();
-    for (delivery, channel, chat_id) in queued {
+    for queued in tx.queued_deliveries()? {
+        let lane = LaneRef::new(&queued.channel, &queued.chat_id);
         if after.lane_order == LaneOrder::Parallel {
-            activate(tx, &Waiting::load(tx, delivery)?, &channel, &chat_id, now)?;
-        } else if lanes.insert((channel.clone(), chat_id.clone())) {
-            advance(tx, after, &channel, &chat_id, now)?;
+            activate(tx, &tx.waiting(queued.id)?, lane, now)?;
+        } else if lanes.insert((queued.channel.clone(), queued.chat_id.clone())) {
+            advance(tx, after, lane, now)?;
         }
     }
     Ok(())

@@ -130,7 +130,6 @@ struct ReadmeDoctests;
 
 #[cfg(any(feature = "teloxide", feature = "serenity", feature = "slack-morphism"))]
 pub mod adapters;
-mod checkpoint;
 mod claim;
 mod classify;
 mod clock;
@@ -148,15 +147,16 @@ mod options;
 mod outbox;
 mod outcome;
 pub mod platforms;
-mod policy;
 mod retention;
+mod rules;
 #[doc(hidden)]
 pub mod sabotage;
-mod schema;
 mod split;
+mod state;
 mod status;
+mod step;
+mod store;
 pub mod telemetry;
-mod tx;
 
 pub use claim::{Claim, RecoverScope, RecoveryReport};
 pub use classify::{ErrorClass, classify_error};
@@ -180,19 +180,20 @@ pub use ids::{
 };
 pub use inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
 pub use operator::Resolution;
-pub use options::{
-    Backoff, LaneFailurePolicy, LaneOrder, OutboxOptions, ReplayPolicy, RetryPolicy, Synchronous,
-};
+pub use options::{OutboxOptions, Synchronous};
 pub use outbox::Outbox;
-pub use outcome::{Outcome, Recorded};
-pub use policy::{ChannelPolicy, Policy};
+pub use outcome::Outcome;
 pub use retention::PurgeReport;
+pub use rules::{
+    Backoff, ChannelPolicy, LaneFailurePolicy, LaneOrder, Policy, ReplayPolicy, RetryPolicy,
+};
 /// The rusqlite this crate is built with: [`Outbox::enqueue_in`] takes its
 /// `Connection`, so an application names the same version through this re-export.
 pub use rusqlite;
-pub use schema::{SCHEMA_VERSION, StorageSettings};
 pub use split::{LengthUnit, Markup, Splitter};
+pub use state::Recorded;
 pub use status::{ChunkStatus, DeliveryStatus};
+pub use store::sqlite::schema::{SCHEMA_VERSION, StorageSettings};
 
 /// The bounds the outbox holds input and waits to. Input beyond one is refused with
 /// [`Error::InvalidInput`] before anything is written, except where an item says it is
@@ -205,5 +206,6 @@ pub mod limits {
         MAX_KEY_BYTES, MAX_METADATA_BYTES,
     };
     pub use crate::inspect::MAX_LIST_LIMIT;
-    pub use crate::outcome::{MAX_ERROR_BYTES, MAX_PLATFORM_ID_BYTES, MAX_REFUNDED_RATE_LIMITS};
+    pub use crate::outcome::MAX_PLATFORM_ID_BYTES;
+    pub use crate::state::{MAX_ERROR_BYTES, MAX_REFUNDED_RATE_LIMITS};
 }

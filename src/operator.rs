@@ -3,15 +3,14 @@
 
 use std::collections::BTreeSet;
 
-use rusqlite::{OptionalExtension, params};
-
-use crate::finalize::Tally;
-use crate::ids::{DELETE_CHUNKS_SQL, chunks_of_delivery};
-use crate::outcome::{ChunkRef, Recorded, chunk_ref_where, deliver_chunk};
-use crate::policy::Stored;
+use crate::error::{Error, Result};
+use crate::finalize::{self, Tally};
+use crate::ids::{ChunkId, DeliveryId};
+use crate::lane;
+use crate::outbox::Outbox;
+use crate::state::{self, Recorded, expect_status, requeue};
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::tx::Tx;
-use crate::{ChunkId, DeliveryId, Error, Outbox, Result, lane};
+use crate::store::{ChunkRef, LaneRef, StoreTx};
 
 /// How to settle a chunk held as `uncertain`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,7 +38,7 @@ impl Outbox {
     /// `failed` nor `uncertain`.
     pub fn requeue_chunk(&self, chunk: ChunkId) -> Result<()> {
         self.write_and_wake(|tx, rules| {
-            let chunk = ChunkRef::load(tx, chunk)?;
+            let chunk = locked_chunk(tx, chunk)?;
             requeue(tx, rules, &chunk, "requeue", self.options().now_ms())
         })
     }
@@ -67,6 +66,7 @@ impl Outbox {
     /// status) if nothing in it is failed or uncertain.
     pub fn requeue_delivery(&self, delivery: DeliveryId) -> Result<()> {
         self.write_and_wake(|tx, rules| {
+            lock_lane_of(self, tx, delivery)?;
             let chunk = held_or_head_chunk(self, tx, delivery)?;
             if !matches!(chunk.status, ChunkStatus::Failed | ChunkStatus::Uncertain) {
                 let status = delivery_row(self, tx, delivery)?.0;
@@ -85,14 +85,18 @@ impl Outbox {
     pub fn requeue_dead_letters(&self, channel: Option<&str>) -> Result<u64> {
         self.write_and_wake(|tx, rules| {
             let now = self.options().now_ms();
-            let mut stmt = tx.prepare_cached(DEAD_LETTER_CHUNKS_SQL)?;
-            let chunks = stmt
-                .query_map([channel], ChunkRef::from_row)?
-                .collect::<rusqlite::Result<Vec<_>>>()?;
-            for chunk in &chunks {
-                requeue(tx, rules, chunk, "requeue", now)?;
+            let listed = tx.dead_letter_chunks(channel)?;
+            let mut lanes: Vec<LaneRef<'_>> = listed.iter().map(|c| c.lane()).collect();
+            tx.lock_lanes(&mut lanes)?;
+            // Read again under the lanes: one may have been requeued meanwhile.
+            let mut requeued = 0;
+            for chunk in tx.dead_letter_chunks(channel)? {
+                if lanes.contains(&chunk.lane()) {
+                    requeue(tx, rules, &chunk, "requeue", now)?;
+                    requeued += 1;
+                }
             }
-            Ok(chunks.len() as u64)
+            Ok(requeued)
         })
     }
 
@@ -118,7 +122,7 @@ impl Outbox {
     /// `uncertain`.
     pub fn resolve_uncertain(&self, chunk: ChunkId, resolution: Resolution) -> Result<Recorded> {
         self.write_and_wake(|tx, rules| {
-            let chunk = ChunkRef::load(tx, chunk)?;
+            let chunk = locked_chunk(tx, chunk)?;
             expect_status(&chunk, &[ChunkStatus::Uncertain], "resolve", "uncertain")?;
             let now = self.options().now_ms();
             match resolution {
@@ -127,7 +131,7 @@ impl Outbox {
                 } => {
                     let mut tally = Tally::default();
                     let id = platform_message_id.as_deref();
-                    let recorded = deliver_chunk(tx, rules, &chunk, id, now, false, &mut tally)?;
+                    let recorded = state::deliver(tx, rules, &chunk, id, now, false, &mut tally)?;
                     tally.write(tx)?;
                     Ok(recorded)
                 }
@@ -155,7 +159,7 @@ impl Outbox {
     /// (nothing changes then).
     pub fn finalize_again(&self, delivery: DeliveryId) -> Result<()> {
         self.write_and_wake(|tx, rules| {
-            let (status, channel, chat_id) = delivery_row(self, tx, delivery)?;
+            let (status, channel, chat_id) = lock_lane_of(self, tx, delivery)?;
             if status != DeliveryStatus::Unfinalized {
                 return Err(Error::DeliveryState {
                     delivery,
@@ -165,13 +169,11 @@ impl Outbox {
                 });
             }
             let id = self.delivery_rowid(delivery);
-            let created_at: i64 = tx
-                .prepare_cached("SELECT created_at FROM outbound_deliveries WHERE id = ?1")?
-                .query_row([id], |r| r.get(0))?;
+            let created_at = tx.created_at(id)?;
             let now = self.options().now_ms();
             let mut tally = Tally::default();
-            let lane = (channel.as_str(), chat_id.as_str());
-            match crate::finalize::finalize(tx, rules, id, lane, (created_at, now), &mut tally)? {
+            let lane = LaneRef::new(&channel, &chat_id);
+            match finalize::finalize(tx, rules, id, lane, (created_at, now), &mut tally)? {
                 None => tally.write(tx),
                 Some(message) => Err(Error::FinalizationRefused { delivery, message }),
             }
@@ -190,20 +192,18 @@ impl Outbox {
     pub fn acknowledge_dead_letters(&self, channel: Option<&str>) -> Result<u64> {
         self.write_and_wake(|tx, rules| {
             let now = self.options().now_ms();
-            let mut stmt = tx.prepare_cached(
-                "UPDATE outbound_deliveries SET acknowledged_at = ?1
-                 WHERE status = 'failed' AND status <> 'delivered' AND acknowledged_at IS NULL
-                   AND (?2 IS NULL OR channel = ?2)
-                 RETURNING channel, chat_id",
-            )?;
-            let lanes = stmt
-                .query_map(params![now, channel], |r| {
-                    Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
-                })?
-                .collect::<rusqlite::Result<Vec<_>>>()?;
-            let count = lanes.len() as u64;
-            for (channel, chat_id) in lanes.into_iter().collect::<BTreeSet<_>>() {
-                lane::advance(tx, &rules.policy, &channel, &chat_id, now)?;
+            // One write that decides nothing; the lanes it frees are locked before their
+            // heads are read.
+            let acknowledged = tx.acknowledge_dead_letters(channel, now)?;
+            let count = acknowledged.len() as u64;
+            let lanes: BTreeSet<(String, String)> = acknowledged.into_iter().collect();
+            let mut refs: Vec<LaneRef<'_>> = lanes
+                .iter()
+                .map(|(c, chat)| LaneRef::new(c, chat))
+                .collect();
+            tx.lock_lanes(&mut refs)?;
+            for lane in refs {
+                lane::advance(tx, &rules.policy, lane, now)?;
             }
             Ok(count)
         })
@@ -248,7 +248,7 @@ impl Outbox {
     pub fn cancel(&self, delivery: DeliveryId) -> Result<()> {
         self.write_and_wake(|tx, rules| {
             let id = self.delivery_rowid(delivery);
-            let (status, channel, chat_id) = delivery_row(self, tx, delivery)?;
+            let (status, channel, chat_id) = lock_lane_of(self, tx, delivery)?;
             match status {
                 DeliveryStatus::Cancelled => return Ok(()),
                 DeliveryStatus::Queued | DeliveryStatus::Pending => {}
@@ -265,16 +265,7 @@ impl Outbox {
                     });
                 }
             }
-            let started: Option<(i64, u32, ChunkStatus, u32)> = tx
-                .prepare_cached(concat!(
-                    "SELECT id, chunk_index, status, attempts FROM outbound_delivery_chunks AS c WHERE ",
-                    chunks_of_delivery!("c", "?1"),
-                    " AND (status NOT IN ('pending', 'retry') OR attempts > 0 OR sent_before)
-                     ORDER BY id LIMIT 1"
-                ))?
-                .query_row([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
-                .optional()?;
-            if let Some((chunk, index, status, attempts)) = started {
+            if let Some((chunk, index, status, attempts)) = tx.first_started_chunk(id)? {
                 return Err(Error::CancelTooLate {
                     delivery,
                     chunk: ChunkId(chunk),
@@ -284,94 +275,39 @@ impl Outbox {
                 });
             }
             let now = self.options().now_ms();
-            tx.prepare_cached(DELETE_CHUNKS_SQL)?.execute([id])?;
-            tx.prepare_cached(
-                "UPDATE outbound_deliveries
-                 SET status = 'cancelled', updated_at = ?2, finished_at = ?2 WHERE id = ?1",
-            )?
-            .execute(params![id, now])?;
+            tx.delete_chunks(id)?;
+            tx.mark_cancelled(id, now)?;
             if status == DeliveryStatus::Pending {
-                lane::advance(tx, &rules.policy, &channel, &chat_id, now)?;
+                lane::advance(tx, &rules.policy, LaneRef::new(&channel, &chat_id), now)?;
             }
             Ok(())
         })
     }
 }
 
-fn expect_status(
-    chunk: &ChunkRef,
-    allowed: &[ChunkStatus],
-    action: &'static str,
-    expected: &'static str,
-) -> Result<()> {
-    if allowed.contains(&chunk.status) {
-        Ok(())
-    } else {
-        Err(Error::InvalidState {
-            chunk: ChunkId(chunk.id),
-            status: chunk.status,
-            action,
-            expected,
-        })
-    }
+/// Chunk `id` read under its lane's lock: read, locked, and read again, since the
+/// lane is known only from the row.
+fn locked_chunk(tx: &dyn StoreTx, id: ChunkId) -> Result<ChunkRef> {
+    let chunk = state::load_chunk(tx, id)?;
+    tx.lock_lanes(&mut [chunk.lane()])?;
+    state::load_chunk(tx, id)
 }
 
-fn requeue(
-    tx: &Tx<'_>,
-    rules: &Stored,
-    chunk: &ChunkRef,
-    action: &'static str,
-    now: i64,
-) -> Result<()> {
-    expect_status(
-        chunk,
-        &[ChunkStatus::Failed, ChunkStatus::Uncertain],
-        action,
-        "failed or uncertain",
-    )?;
-    tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks
-         SET status = 'retry', attempts = 0, rate_limits = 0, due_at = NULL, claim_token = NULL,
-             sent_before = (sent_before OR attempts > 0)
-         WHERE id = ?1",
-    )?
-    .execute([chunk.id])?;
-    lane::rejoin(
-        tx,
-        &rules.policy,
-        chunk.delivery,
-        &chunk.channel,
-        &chunk.chat_id,
-        now,
-    )
+/// A delivery's status and lane, by its public id, read again once its lane is locked.
+fn lock_lane_of(
+    outbox: &Outbox,
+    tx: &dyn StoreTx,
+    delivery: DeliveryId,
+) -> Result<(DeliveryStatus, String, String)> {
+    let (_, channel, chat_id) = delivery_row(outbox, tx, delivery)?;
+    tx.lock_lanes(&mut [LaneRef::new(&channel, &chat_id)])?;
+    delivery_row(outbox, tx, delivery)
 }
-
-/// The failed chunks of dead letters, oldest delivery first. Starts from the index of
-/// unfinished deliveries (a join led by the chunk table would read all of history).
-/// `?1` is a channel, or NULL for all.
-pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
-    "d.id IN (SELECT id FROM outbound_deliveries WHERE status = 'failed' AND status <> 'delivered'
-               AND corrupt IS NULL AND (?1 IS NULL OR channel = ?1))
-     AND c.status = 'failed'
-     ORDER BY d.id"
-);
 
 /// The failed or uncertain chunk of a delivery, or else its current head chunk (for the
 /// error message).
-fn held_or_head_chunk(outbox: &Outbox, tx: &Tx<'_>, delivery: DeliveryId) -> Result<ChunkRef> {
-    let chunk = tx
-        .prepare_cached(chunk_ref_where!(
-            "d.id = ?1 AND d.uid = ?2
-             ORDER BY c.status IN ('failed', 'uncertain') DESC,
-                      c.chunk_index = min(d.delivered_count, d.chunk_count - 1) DESC
-             LIMIT 1"
-        ))?
-        .query_row(
-            params![outbox.delivery_rowid(delivery), delivery.to_string()],
-            ChunkRef::from_row,
-        )
-        .optional()?;
-    match chunk {
+fn held_or_head_chunk(outbox: &Outbox, tx: &dyn StoreTx, delivery: DeliveryId) -> Result<ChunkRef> {
+    match tx.held_or_head_chunk(outbox.delivery_rowid(delivery), &delivery.to_string())? {
         Some(chunk) => Ok(chunk),
         // A cancelled delivery has no chunks left.
         None => Err(not_requeueable(
@@ -384,18 +320,11 @@ fn held_or_head_chunk(outbox: &Outbox, tx: &Tx<'_>, delivery: DeliveryId) -> Res
 /// A delivery's status, channel and chat, by its public id.
 fn delivery_row(
     outbox: &Outbox,
-    tx: &Tx<'_>,
+    tx: &dyn StoreTx,
     delivery: DeliveryId,
 ) -> Result<(DeliveryStatus, String, String)> {
-    tx.prepare_cached(
-        "SELECT status, channel, chat_id FROM outbound_deliveries WHERE id = ?1 AND uid = ?2",
-    )?
-    .query_row(
-        params![outbox.delivery_rowid(delivery), delivery.to_string()],
-        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-    )
-    .optional()?
-    .ok_or(Error::DeliveryNotFound(delivery))
+    tx.delivery_state(outbox.delivery_rowid(delivery), &delivery.to_string())?
+        .ok_or(Error::DeliveryNotFound(delivery))
 }
 
 /// Why a delivery in `status` cannot be requeued.

@@ -1,12 +1,11 @@
-//! The options struct and the policies it carries.
+//! The options of a handle: settings of this process, and the stored rules it declares.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Serialize;
-
 use crate::clock::{Clock, SystemClock, duration_ms};
-use crate::{ChannelPolicy, Error, Result};
+use crate::error::{Error, Result};
+use crate::rules::{ChannelPolicy, LaneFailurePolicy, LaneOrder, RetryPolicy};
 
 /// SQLite's `synchronous` setting for the database.
 ///
@@ -31,244 +30,6 @@ impl Synchronous {
             Synchronous::Normal => 1,
             Synchronous::Full => 2,
         }
-    }
-}
-
-/// What happens to a chunk whose send may have reached the platform: the adapter
-/// reported an ambiguous outcome, or the lease expired while it was `sending` (a crash or
-/// a hung worker).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-#[serde(rename_all = "lowercase")]
-#[non_exhaustive]
-pub enum ReplayPolicy {
-    /// Hold the chunk as `uncertain` until an operator or the application resolves it
-    /// (as delivered, or to be resent). No duplicate can reach the user; the chat waits.
-    /// The default, and the right choice for platforms without idempotent sends
-    /// (Telegram, Slack).
-    #[default]
-    Hold,
-    /// Send it again with the same idempotency key. Right for platforms that deduplicate
-    /// by key (Matrix `txnId`; Discord `nonce` with `enforce_nonce`, using
-    /// [`Claim::compact_key`](crate::Claim::compact_key)), or where the application chose
-    /// at-least-once delivery.
-    Replay,
-}
-
-/// How deliveries to the same chat `(channel, chat_id)` are ordered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-#[serde(rename_all = "lowercase")]
-#[non_exhaustive]
-pub enum LaneOrder {
-    /// One delivery in flight per lane: replies to a chat leave in enqueue order. The
-    /// default.
-    #[default]
-    Fifo,
-    /// Deliveries of a lane proceed independently (chunks within a delivery stay in
-    /// order). Higher throughput for one busy chat, but replies may interleave.
-    Parallel,
-}
-
-/// What a FIFO lane does when its head delivery fails for good (dead letter) or is held
-/// `uncertain`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-#[serde(rename_all = "lowercase")]
-#[non_exhaustive]
-pub enum LaneFailurePolicy {
-    /// The next delivery of the lane goes ahead; the failed one stays listed as a dead
-    /// letter. If it is later requeued, it waits until the lane is idle and may then
-    /// arrive after newer replies. The default: one bad reply does not silence a chat.
-    #[default]
-    Skip,
-    /// The lane waits until the failed delivery is requeued, resolved or acknowledged
-    /// ([`Outbox::acknowledge_dead_letters`](crate::Outbox::acknowledge_dead_letters)). Strict order, at the cost of a stalled chat.
-    Block,
-}
-
-/// How long to wait before retry number `n` after a transient failure.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(rename_all = "lowercase")]
-#[non_exhaustive]
-pub enum Backoff {
-    /// Fixed delays; the last one repeats.
-    Schedule(Vec<Duration>),
-    /// `base * factor^(n-1)`, capped at `cap`.
-    Exponential {
-        /// Delay before the first retry.
-        base: Duration,
-        /// Growth per retry.
-        factor: f64,
-        /// Upper bound.
-        cap: Duration,
-    },
-}
-
-impl Backoff {
-    /// Delay before the retry that follows failed attempt number `attempt` (1-based).
-    pub fn delay(&self, attempt: u32) -> Duration {
-        let n = attempt.max(1);
-        match self {
-            Backoff::Schedule(steps) => {
-                let i = (n as usize - 1).min(steps.len().saturating_sub(1));
-                steps.get(i).copied().unwrap_or(Duration::ZERO)
-            }
-            Backoff::Exponential { base, factor, cap } => {
-                let exp = factor.max(1.0).powi(n.saturating_sub(1).min(1024) as i32);
-                let secs = (base.as_secs_f64() * exp).min(cap.as_secs_f64());
-                Duration::try_from_secs_f64(secs).unwrap_or(*cap)
-            }
-        }
-    }
-}
-
-/// When and how often a chunk is retried.
-///
-/// The default is 5 s, 25 s, 2 min, 10 min, then 10 min; 5 attempts, then the chunk
-/// fails (dead letter); ±10 % jitter so that a recovered outage does not release every
-/// retry at the same instant; no maximum age. Change it with the `with_*` methods
-/// (the struct may gain fields, so it is not built by a literal outside this crate):
-///
-/// ```
-/// use std::time::Duration;
-/// use chunked_outbox::{Backoff, RetryPolicy};
-///
-/// let fast = RetryPolicy::default()
-///     .with_backoff(Backoff::Schedule(vec![Duration::from_millis(100)]))
-///     .with_max_attempts(8)
-///     .with_jitter(0.0);
-/// assert!(fast.validate().is_ok());
-/// ```
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[non_exhaustive]
-pub struct RetryPolicy {
-    /// Delay schedule.
-    pub backoff: Backoff,
-    /// Attempts (claims) a chunk gets before it fails. An attempt is counted when the
-    /// chunk is claimed, before any I/O, so a chunk that crashes the process every time
-    /// still runs out.
-    pub max_attempts: u32,
-    /// Relative jitter applied to each delay, in `0.0..=1.0` (0.1 = ±10 %).
-    /// [`validate`](Self::validate) refuses anything else, NaN included.
-    pub jitter: f64,
-    /// A chunk whose delivery is older than this is failed instead of retried.
-    pub max_age: Option<Duration>,
-}
-
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        RetryPolicy {
-            backoff: Backoff::Schedule(vec![
-                Duration::from_secs(5),
-                Duration::from_secs(25),
-                Duration::from_secs(120),
-                Duration::from_secs(600),
-            ]),
-            max_attempts: 5,
-            jitter: 0.1,
-            max_age: None,
-        }
-    }
-}
-
-impl RetryPolicy {
-    /// The same policy with this delay schedule.
-    pub fn with_backoff(self, backoff: Backoff) -> Self {
-        RetryPolicy { backoff, ..self }
-    }
-
-    /// The same policy with this many attempts per chunk.
-    pub fn with_max_attempts(self, max_attempts: u32) -> Self {
-        RetryPolicy {
-            max_attempts,
-            ..self
-        }
-    }
-
-    /// The same policy with this relative jitter (`0.0..=1.0`).
-    pub fn with_jitter(self, jitter: f64) -> Self {
-        RetryPolicy { jitter, ..self }
-    }
-
-    /// The same policy with this maximum age (`None`: none).
-    pub fn with_max_age(self, max_age: Option<Duration>) -> Self {
-        RetryPolicy { max_age, ..self }
-    }
-
-    /// Checks that the policy can be followed: at least one attempt, a non-empty
-    /// schedule, an exponential factor that is a finite number of at least 1, a jitter
-    /// in `0.0..=1.0`, and a maximum age above zero.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidInput`] naming the field and the value.
-    pub fn validate(&self) -> Result<()> {
-        if self.max_attempts == 0 {
-            return Err(Error::invalid(
-                "retry policy",
-                "max_attempts is 0; a chunk needs at least one attempt",
-            ));
-        }
-        match &self.backoff {
-            Backoff::Schedule(steps) if steps.is_empty() => {
-                return Err(Error::invalid(
-                    "retry policy",
-                    "the backoff schedule is empty; give at least one delay",
-                ));
-            }
-            Backoff::Exponential { factor, .. } if !(factor.is_finite() && *factor >= 1.0) => {
-                return Err(Error::invalid(
-                    "retry policy",
-                    format!("the exponential factor {factor} is not a finite number >= 1"),
-                ));
-            }
-            _ => {}
-        }
-        if !(0.0..=1.0).contains(&self.jitter) {
-            return Err(Error::invalid(
-                "retry policy",
-                format!("jitter {} is outside 0.0..=1.0", self.jitter),
-            ));
-        }
-        if self.max_age.is_some_and(|age| age.is_zero()) {
-            return Err(Error::invalid(
-                "retry policy",
-                "max_age is zero; every chunk would fail at once (use None for no limit)",
-            ));
-        }
-        Ok(())
-    }
-
-    /// The policy as the file stores it: delays and the maximum age in whole
-    /// milliseconds, rounded up, so what is stored is never shorter than what was
-    /// validated (a maximum age of 500 µs is kept as 1 ms, not as a zero every reader
-    /// would refuse).
-    pub(crate) fn stored_form(&self) -> Self {
-        let ms = |d: &Duration| {
-            let whole = d.as_nanos().div_ceil(1_000_000);
-            Duration::from_millis(u64::try_from(whole).unwrap_or(u64::MAX))
-        };
-        let backoff = match &self.backoff {
-            Backoff::Schedule(steps) => Backoff::Schedule(steps.iter().map(ms).collect()),
-            Backoff::Exponential { base, factor, cap } => Backoff::Exponential {
-                base: ms(base),
-                factor: *factor,
-                cap: ms(cap),
-            },
-        };
-        RetryPolicy {
-            backoff,
-            max_age: self.max_age.as_ref().map(ms),
-            ..self.clone()
-        }
-    }
-
-    /// Delay in milliseconds before the retry after attempt `attempt`, with jitter.
-    pub(crate) fn delay_ms(&self, attempt: u32) -> i64 {
-        let base = duration_ms(self.backoff.delay(attempt));
-        if self.jitter == 0.0 || base == 0 {
-            return base;
-        }
-        let factor = 1.0 + self.jitter * (fastrand::f64() * 2.0 - 1.0);
-        (base as f64 * factor).round() as i64
     }
 }
 
@@ -381,7 +142,7 @@ impl OutboxOptions {
             retry.validate()?;
         }
         if let Some(rules) = &self.default_channel {
-            crate::policy::check_default_channel(rules)?;
+            crate::rules::check_default_channel(rules)?;
         }
         for (_, policy) in &self.channels {
             policy.validate()?;
@@ -518,46 +279,5 @@ impl OutboxOptions {
 
     pub(crate) fn now_ms(&self) -> i64 {
         self.clock.now_ms()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn default_schedule_matches_the_documented_one() {
-        let b = RetryPolicy::default().backoff;
-        let secs: Vec<u64> = (1..=6).map(|n| b.delay(n).as_secs()).collect();
-        assert_eq!(secs, [5, 25, 120, 600, 600, 600]);
-    }
-
-    #[test]
-    fn exponential_backoff_grows_and_caps() {
-        let b = Backoff::Exponential {
-            base: Duration::from_secs(1),
-            factor: 2.0,
-            cap: Duration::from_secs(10),
-        };
-        let secs: Vec<u64> = (1..=6).map(|n| b.delay(n).as_secs()).collect();
-        assert_eq!(secs, [1, 2, 4, 8, 10, 10]);
-        assert_eq!(b.delay(u32::MAX), Duration::from_secs(10));
-    }
-
-    #[test]
-    fn jitter_stays_within_its_band_and_spreads_across_it() {
-        let policy = RetryPolicy::default();
-        let delays: Vec<i64> = (0..1000).map(|_| policy.delay_ms(1)).collect();
-        for d in &delays {
-            assert!((4_500..=5_500).contains(d), "{d}");
-        }
-        // Spread on both sides of the base delay, over most of the band.
-        let (min, max) = (delays.iter().min().unwrap(), delays.iter().max().unwrap());
-        assert!(*min < 4_600 && *max > 5_400, "{min}..{max}");
-        let exact = RetryPolicy {
-            jitter: 0.0,
-            ..RetryPolicy::default()
-        };
-        assert_eq!(exact.delay_ms(2), 25_000);
     }
 }

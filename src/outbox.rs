@@ -7,15 +7,18 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use r2d2_sqlite::SqliteConnectionManager;
-use rusqlite::{Connection, OpenFlags, Transaction, TransactionBehavior};
+use rusqlite::{Connection, OpenFlags};
 
-use crate::checkpoint::Checkpointer;
-use crate::policy::{self, Stored};
-use crate::schema::{self, StorageSettings};
-use crate::tx::Tx;
-use crate::{
-    ChannelPolicy, ClaimantId, DeliveryId, Error, OutboxOptions, Policy, Result, RetryPolicy,
-};
+use crate::error::{Error, Result};
+use crate::finalize;
+use crate::ids::{ClaimantId, DeliveryId};
+use crate::lane;
+use crate::options::OutboxOptions;
+use crate::rules::{self, ChannelPolicy, FileRules, Policy, RetryPolicy, Stored};
+use crate::store::sqlite::checkpoint::Checkpointer;
+use crate::store::sqlite::schema::{self, StorageSettings};
+use crate::store::sqlite::tx::Tx;
+use crate::store::{Locks, RuleStore, StoreTx};
 
 /// A durable outbox on one SQLite database. Cheap to clone; `Send + Sync`.
 ///
@@ -166,7 +169,7 @@ impl Outbox {
     ///
     /// Database errors.
     pub fn policy(&self) -> Result<Policy> {
-        self.read(|tx| Ok(policy::load(tx)?.policy))
+        self.read(|tx| Ok(tx.load_rules()?.policy))
     }
 
     /// Replaces the file-wide stored rules — lane order, lane failure policy, retry
@@ -201,10 +204,13 @@ impl Outbox {
     /// changed then).
     pub fn set_policy(&self, policy: Policy) -> Result<()> {
         policy.retry.validate()?;
-        policy::check_default_channel(&policy.default_channel)?;
-        self.write_and_wake(|tx, before| {
+        rules::check_default_channel(&policy.default_channel)?;
+        for rules in policy.channels.values() {
+            rules.validate()?;
+        }
+        self.change_rules(|tx, before| {
             let (had, was) = (&before.policy, before.declared);
-            let changed = policy::FileRules {
+            let changed = FileRules {
                 lane_order: was.lane_order || policy.lane_order != had.lane_order,
                 lane_failure: was.lane_failure || policy.lane_failure != had.lane_failure,
                 retry: was.retry || policy.retry.stored_form() != had.retry,
@@ -212,13 +218,13 @@ impl Outbox {
                     || policy.default_channel.stored_form() != had.default_channel,
             };
             if changed.any() {
-                policy::store_file_rules(tx, &policy, changed)?;
+                tx.store_file_rules(&policy, changed)?;
             }
             for (channel, rules) in &policy.channels {
-                policy::store_channel(tx, channel, Some(rules))?;
+                tx.store_channel_rules(channel, Some(rules))?;
             }
             let now = self.options().now_ms();
-            crate::lane::follow_rule_change(tx, &before.policy, &policy, now)
+            lane::follow_rule_change(tx, &before.policy, &policy, now)
         })
     }
 
@@ -234,7 +240,10 @@ impl Outbox {
         if channel.trim().is_empty() {
             return Err(Error::invalid("channel", "must not be empty or whitespace"));
         }
-        self.write_and_wake(|tx, _| policy::store_channel(tx, channel, rules.as_ref()))
+        if let Some(rules) = &rules {
+            rules.validate()?;
+        }
+        self.change_rules(|tx, _| tx.store_channel_rules(channel, rules.as_ref()))
     }
 
     /// The application's statement that finalization runs, if the file stores one (see
@@ -244,13 +253,7 @@ impl Outbox {
     ///
     /// Database errors.
     pub fn finalization(&self) -> Result<Option<String>> {
-        self.read(|tx| {
-            Ok(tx.query_row(
-                "SELECT finalize_sql FROM outbound_policy WHERE id = 1",
-                [],
-                |r| r.get(0),
-            )?)
-        })
+        self.read(|tx| tx.finalization_statement())
     }
 
     /// Stores the statement that writes a finalized delivery into the application's
@@ -302,15 +305,11 @@ impl Outbox {
     /// schema, holds more than one statement, writes nothing, or uses a parameter that
     /// is positional or not one of the names (nothing is stored then); database errors.
     pub fn set_finalization(&self, sql: Option<&str>) -> Result<()> {
-        self.write(|tx, _| {
+        self.transact(true, |tx, _| {
             if let Some(sql) = sql {
-                crate::finalize::validate_statement(tx, sql)?;
+                finalize::validate_statement(tx, sql)?;
             }
-            tx.execute(
-                "UPDATE outbound_policy SET version = version + 1, finalize_sql = ?1 WHERE id = 1",
-                [sql],
-            )?;
-            Ok(())
+            tx.store_finalization_statement(sql)
         })
     }
 
@@ -385,7 +384,7 @@ impl Outbox {
         checkpointer: Option<Checkpointer>,
     ) -> Result<Outbox> {
         let id_salt = writer.query_row("SELECT id_salt FROM outbound_meta", [], |r| r.get(0))?;
-        let stored = policy::load(&writer)?;
+        let stored = Tx::new(&writer).load_rules()?;
         Ok(Outbox {
             inner: Arc::new(Inner {
                 writer: Mutex::new(writer),
@@ -443,9 +442,29 @@ impl Outbox {
     /// Runs `f` in one `BEGIN IMMEDIATE` transaction on the writer connection, with the
     /// stored rules as they stand in that transaction; commits if it returns `Ok`, rolls
     /// back otherwise.
-    pub(crate) fn write<T>(&self, f: impl FnOnce(&Tx<'_>, &Stored) -> Result<T>) -> Result<T> {
+    pub(crate) fn write<T>(&self, f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>) -> Result<T> {
+        self.transact(false, f)
+    }
+
+    /// As [`write`](Self::write) for a change of the stored rules: the rules held
+    /// exclusively, so no other write acts on the rules it replaces; then wakes this
+    /// process's dispatchers.
+    fn change_rules(&self, f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<()>) -> Result<()> {
+        self.transact(true, f)?;
+        self.wake();
+        Ok(())
+    }
+
+    /// One write transaction: the rules locked (shared, or exclusive for a change of
+    /// them) and read as they stand in it, `f`, then the commit.
+    fn transact<T>(
+        &self,
+        change_rules: bool,
+        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>,
+    ) -> Result<T> {
         let conn = self.writer();
         let tx = Tx::begin(&conn, "BEGIN IMMEDIATE")?;
+        tx.lock_rules(change_rules)?;
         let rules = self.rules(&tx)?;
         let value = f(&tx, &rules)?;
         tx.commit()?;
@@ -457,8 +476,8 @@ impl Outbox {
     /// That transaction may yet roll back (a channel it registered, a version it
     /// bumped, would then never have existed), so nothing read inside it may enter the
     /// copy every clone of this handle shares.
-    pub(crate) fn rules_uncached(&self, conn: &Connection) -> Result<Arc<Stored>> {
-        let version = policy::version(conn)?;
+    pub(crate) fn rules_uncached(&self, tx: &dyn StoreTx) -> Result<Arc<Stored>> {
+        let version = tx.rules_version()?;
         let cached = self
             .inner
             .stored
@@ -468,16 +487,16 @@ impl Outbox {
         if cached.version == version {
             return Ok(cached);
         }
-        Ok(Arc::new(policy::load(conn)?))
+        Ok(Arc::new(tx.load_rules()?))
     }
 
     /// The stored rules, read again if another handle (or process) changed them since
     /// this handle last read them: one single-row read per transaction otherwise.
-    pub(crate) fn rules(&self, conn: &Connection) -> Result<Arc<Stored>> {
-        let version = policy::version(conn)?;
+    fn rules(&self, tx: &dyn StoreTx) -> Result<Arc<Stored>> {
+        let version = tx.rules_version()?;
         let mut cached = self.inner.stored.lock().unwrap_or_else(|e| e.into_inner());
         if cached.version != version {
-            *cached = Arc::new(policy::load(conn)?);
+            *cached = Arc::new(tx.load_rules()?);
         }
         Ok(cached.clone())
     }
@@ -486,7 +505,7 @@ impl Outbox {
     /// writes that can make work due.
     pub(crate) fn write_and_wake<T>(
         &self,
-        f: impl FnOnce(&Tx<'_>, &Stored) -> Result<T>,
+        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>,
     ) -> Result<T> {
         let value = self.write(f)?;
         self.wake();
@@ -538,10 +557,10 @@ fn reader_pool(
 }
 
 /// Makes the stored rules agree with those `options` declares, in one `BEGIN
-/// IMMEDIATE` transaction (so processes opening one file at once see each other's
-/// declarations): a rule nobody declared yet is stored as given; a declared rule that
-/// differs is [`Error::PolicyConflict`] unless the options say to update. A channel
-/// with no rules of its own takes the rules given for it.
+/// IMMEDIATE` transaction holding the rules exclusively (so processes opening one file
+/// at once see each other's declarations): a rule nobody declared yet is stored as
+/// given; a declared rule that differs is [`Error::PolicyConflict`] unless the options
+/// say to update. A channel with no rules of its own takes the rules given for it.
 fn reconcile(conn: &Connection, options: &OutboxOptions) -> Result<()> {
     // Compared as the file would store them (whole milliseconds), or a rule given in
     // finer units would differ from itself once stored.
@@ -550,103 +569,110 @@ fn reconcile(conn: &Connection, options: &OutboxOptions) -> Result<()> {
         .default_channel
         .as_ref()
         .map(ChannelPolicy::stored_form);
-    let given_channels: Vec<(&String, ChannelPolicy)> = options
-        .channels
-        .iter()
-        .map(|(name, rules)| (name, rules.stored_form()))
-        .collect();
     let declares_file_rules = options.lane_order.is_some()
         || options.lane_failure.is_some()
         || retry.is_some()
         || default_channel.is_some();
-    if !declares_file_rules && given_channels.is_empty() {
+    if !declares_file_rules && options.channels.is_empty() {
         return Ok(());
     }
-    let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
+    let tx = Tx::begin(conn, "BEGIN IMMEDIATE")?;
+    tx.lock_rules(true)?;
     let Stored {
         policy: stored,
         declared,
         ..
-    } = policy::load(&tx)?;
+    } = tx.load_rules()?;
     let mut wanted = stored.clone();
-    let mut store = policy::FileRules::default();
-    // Whether a given rule is stored: `Ok(true)` to store it, `Ok(false)` if it is
-    // stored already, a conflict if another one is.
-    let take = |rule: &str, declared: bool, same: bool, have: String, given: String| {
-        if declared && same {
-            Ok(false)
-        } else if !declared || options.policy_update {
-            Ok(true)
-        } else {
-            Err(Error::PolicyConflict {
-                rule: rule.into(),
-                stored: have,
-                given,
-            })
-        }
-    };
-    if let Some(order) = options.lane_order {
-        store.lane_order = take(
+    let update = options.policy_update;
+    let store = FileRules {
+        lane_order: declare(
             "lane order",
+            options.lane_order,
             declared.lane_order,
-            order == stored.lane_order,
-            policy::lane_order_str(stored.lane_order).into(),
-            policy::lane_order_str(order).into(),
-        )?;
-        wanted.lane_order = order;
-    }
-    if let Some(rule) = options.lane_failure {
-        store.lane_failure = take(
+            &mut wanted.lane_order,
+            |o| rules::lane_order_str(*o).into(),
+            update,
+        )?,
+        lane_failure: declare(
             "lane failure policy",
+            options.lane_failure,
             declared.lane_failure,
-            rule == stored.lane_failure,
-            policy::lane_failure_str(stored.lane_failure).into(),
-            policy::lane_failure_str(rule).into(),
-        )?;
-        wanted.lane_failure = rule;
-    }
-    if let Some(retry) = retry {
-        store.retry = take(
+            &mut wanted.lane_failure,
+            |f| rules::lane_failure_str(*f).into(),
+            update,
+        )?,
+        retry: declare(
             "retry policy",
+            retry,
             declared.retry,
-            retry == stored.retry,
-            policy::retry_to_json(&stored.retry),
-            policy::retry_to_json(&retry),
-        )?;
-        wanted.retry = retry;
-    }
-    if let Some(rules) = default_channel {
-        store.default_channel = take(
+            &mut wanted.retry,
+            rules::retry_to_json,
+            update,
+        )?,
+        default_channel: declare(
             "default channel rules",
+            default_channel,
             declared.default_channel,
-            rules == stored.default_channel,
-            format!("{:?}", stored.default_channel),
-            format!("{rules:?}"),
-        )?;
-        wanted.default_channel = rules;
-    }
+            &mut wanted.default_channel,
+            |c| format!("{c:?}"),
+            update,
+        )?,
+    };
     let mut channels = Vec::new();
-    for (name, given) in &given_channels {
-        let have = stored.channels.get(*name);
-        if take(
+    for (name, given) in &options.channels {
+        let mut have = stored.channels.get(name).cloned();
+        let declared = have.is_some();
+        let given = Some(Some(given.stored_form()));
+        if declare(
             &format!("rules of channel {name:?}"),
-            have.is_some(),
-            have == Some(given),
-            format!("{have:?}"),
-            format!("{given:?}"),
+            given,
+            declared,
+            &mut have,
+            |c| c.as_ref().map(|c| format!("{c:?}")).unwrap_or_default(),
+            update,
         )? {
-            channels.push((*name, given));
+            channels.push((name, have));
         }
     }
     if store.any() {
-        policy::store_file_rules(&tx, &wanted, store)?;
-        crate::lane::follow_rule_change(&Tx::new(&tx), &stored, &wanted, options.now_ms())?;
+        tx.store_file_rules(&wanted, store)?;
+        lane::follow_rule_change(&tx, &stored, &wanted, options.now_ms())?;
     }
     for (name, rules) in channels {
-        policy::store_channel(&tx, name, Some(rules))?;
+        tx.store_channel_rules(name, rules.as_ref())?;
     }
     tx.commit()?;
     Ok(())
+}
+
+/// Declares one stored rule: `Ok(true)` to store `given` (nobody declared the rule, or
+/// the options update it), `Ok(false)` if nothing is given or the same is stored,
+/// [`Error::PolicyConflict`] if another is stored. `wanted` becomes `given`.
+fn declare<T: PartialEq>(
+    rule: &str,
+    given: Option<T>,
+    declared: bool,
+    wanted: &mut T,
+    show: impl Fn(&T) -> String,
+    update: bool,
+) -> Result<bool> {
+    let Some(given) = given else {
+        return Ok(false);
+    };
+    let store = if declared && given == *wanted {
+        false
+    } else if !declared || update {
+        true
+    } else {
+        return Err(Error::PolicyConflict {
+            rule: rule.into(),
+            stored: show(wanted),
+            given: show(&given),
+        });
+    };
+    *wanted = given;
+    Ok(store)
 }
 
 /// Creates `path` with mode 0600 if it does not exist, so that SQLite never creates it

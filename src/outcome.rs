@@ -1,22 +1,21 @@
-//! Recording what happened to a claimed chunk: every transition out of `sending`.
+//! Recording what happened to a claimed send: the outcome decides which transition of
+//! the state machine ([`crate::state`]) the chunk takes.
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-use rusqlite::{OptionalExtension, Row, params};
-use serde::Serialize;
-
+use crate::claim::Claim;
 use crate::classify::{ErrorClass, cap_retry_after, classify_error};
-use crate::clock::{duration_ms, to_datetime};
+use crate::clock::duration_ms;
+use crate::error::{Error, Result};
 use crate::finalize::Tally;
-use crate::ids::CHUNK_STRIDE;
-use crate::policy::Stored;
+use crate::lane;
+use crate::outbox::Outbox;
+use crate::rules::ReplayPolicy;
+use crate::rules::Stored;
+use crate::state::{self, Recorded, cut_at};
 use crate::status::ChunkStatus;
-use crate::tx::Tx;
-use crate::{ChunkId, Claim, Error, Outbox, ReplayPolicy, Result, finalize, lane};
+use crate::store::{ChunkRef, LaneRef, StoreTx};
 
-/// Longest error text kept with a chunk; longer texts are cut at a character boundary.
-pub const MAX_ERROR_BYTES: usize = 4096;
 /// Longest platform message id kept with an ack; a longer one is cut to this length.
 pub const MAX_PLATFORM_ID_BYTES: usize = 1024;
 
@@ -91,44 +90,6 @@ impl Outcome {
             },
             ErrorClass::Ambiguous => Outcome::Ambiguous { error },
             ErrorClass::Transient => Outcome::Transient { error },
-        }
-    }
-}
-
-/// The state a chunk was left in by [`Outbox::record`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub struct Recorded {
-    /// The chunk's new status.
-    pub status: ChunkStatus,
-    /// When it is due again (`retry`, or `pending` after a release).
-    pub next_attempt_at: Option<DateTime<Utc>>,
-    /// True when this ack delivered the delivery's last chunk and the delivery was
-    /// written to `outbound_messages` in the same transaction.
-    pub finalized: bool,
-    /// When this ack delivered the last chunk but the application's finalization
-    /// statement refused the reply: what the statement met. The reply is then
-    /// [`Unfinalized`](crate::DeliveryStatus::Unfinalized) (its chunks stay delivered),
-    /// and the rest of the transaction was recorded as usual.
-    pub finalize_error: Option<String>,
-}
-
-impl Recorded {
-    pub(crate) fn settled(status: ChunkStatus) -> Self {
-        Recorded {
-            status,
-            next_attempt_at: None,
-            finalized: false,
-            finalize_error: None,
-        }
-    }
-
-    fn due(status: ChunkStatus, at: i64) -> Self {
-        Recorded {
-            status,
-            next_attempt_at: Some(to_datetime(at)),
-            finalized: false,
-            finalize_error: None,
         }
     }
 }
@@ -241,36 +202,46 @@ impl Outbox {
     /// As [`record`](Self::record).
     pub fn release_after(&self, claim: &Claim, delay: Duration) -> Result<Recorded> {
         self.write_and_wake(|tx, rules| {
+            tx.lock_lanes(&mut [LaneRef::new(&claim.channel, &claim.chat_id)])?;
             let chunk = claimed(tx, claim)?;
             let now = self.options().now_ms();
             let earliest = now.saturating_add(duration_ms(delay));
             let attempts = chunk.attempts.saturating_sub(1);
             if chunk.status == ChunkStatus::Uncertain {
                 // Its lease ran out and it was held as possibly sent; it was not.
-                rejoin_lane(tx, rules, &chunk, attempts, earliest, None)?;
+                state::rejoin_lane(tx, rules, &chunk, attempts, earliest, None)?;
                 return Ok(Recorded::settled(ChunkStatus::Retry));
             }
-            let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, earliest)?;
+            let due = tx.lane_due_time(chunk.lane(), earliest)?;
             let status = if attempts == 0 {
                 ChunkStatus::Pending
             } else {
                 ChunkStatus::Retry
             };
-            reschedule(tx, &chunk, status, attempts, due, None)?;
+            state::reschedule(tx, &chunk, status, attempts, due, None)?;
             Ok(Recorded::due(status, due))
         })
     }
 }
 
 /// Records each outcome in the caller's transaction; a stale claim gets
-/// [`Error::StaleClaim`] in its slot and changes nothing.
-pub(crate) fn record_in(
-    tx: &Tx<'_>,
+/// [`Error::StaleClaim`] in its slot and changes nothing. The lanes of every claim are
+/// locked first, in order.
+pub(crate) fn record_in<C: std::borrow::Borrow<Claim>>(
+    tx: &dyn StoreTx,
     rules: &Stored,
-    outcomes: impl IntoIterator<Item = (impl std::borrow::Borrow<Claim>, Outcome)>,
+    outcomes: impl IntoIterator<Item = (C, Outcome)>,
     now: i64,
 ) -> Result<Vec<Result<Recorded>>> {
-    let mut results = Vec::new();
+    let outcomes: Vec<(C, Outcome)> = outcomes.into_iter().collect();
+    {
+        let mut lanes: Vec<LaneRef<'_>> = outcomes
+            .iter()
+            .map(|(c, _)| LaneRef::new(&c.borrow().channel, &c.borrow().chat_id))
+            .collect();
+        tx.lock_lanes(&mut lanes)?;
+    }
+    let mut results = Vec::with_capacity(outcomes.len());
     let mut tally = Tally::default();
     for (claim, outcome) in outcomes {
         match claimed(tx, claim.borrow()) {
@@ -304,132 +275,18 @@ fn trimmed(outcome: Outcome) -> Outcome {
     }
 }
 
-/// A delivery that became a dead letter in a transaction, as the dispatcher reports it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct DeadLetter {
-    pub delivery_id: crate::DeliveryId,
-    pub channel: String,
-    pub chat_id: String,
-    pub error: String,
-}
-
-impl DeadLetter {
-    /// The dead letters the work on `tx` made so far. A row whose uid cannot be read
-    /// (one set aside as corrupt) cannot be named to the application and is left out;
-    /// health counts it.
-    pub(crate) fn taken(tx: &Tx<'_>) -> Result<Vec<DeadLetter>> {
-        let mut out = Vec::new();
-        for (delivery, error) in tx.take_dead_letters() {
-            let row: Option<(String, String, String)> = tx
-                .prepare_cached(
-                    "SELECT uid, channel, chat_id FROM outbound_deliveries WHERE id = ?1",
-                )?
-                .query_row([delivery], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-                .optional()?;
-            if let Some((uid, channel, chat_id)) = row
-                && let Ok(delivery_id) = uid.parse()
-            {
-                out.push(DeadLetter {
-                    delivery_id,
-                    channel,
-                    chat_id,
-                    error,
-                });
-            }
-        }
-        Ok(out)
-    }
-}
-
-/// A chunk with the delivery facts its transitions need.
-#[derive(Debug, Clone)]
-pub(crate) struct ChunkRef {
-    pub id: i64,
-    pub delivery: i64,
-    pub index: i64,
-    pub status: ChunkStatus,
-    pub attempts: u32,
-    pub channel: String,
-    pub chat_id: String,
-    pub created_at: i64,
-    /// Chunks in the delivery.
-    pub total: i64,
-}
-
-/// The query that loads a [`ChunkRef`], followed by a literal condition: SQL built at
-/// compile time, so loading a chunk on the hot path formats nothing.
-macro_rules! chunk_ref_where {
-    ($condition:literal) => {
-        concat!(
-            "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
-                    d.channel, d.chat_id, d.created_at, d.chunk_count
-             FROM outbound_delivery_chunks c JOIN outbound_deliveries d
-                  ON d.id = c.delivery_id AND ",
-            $crate::ids::chunks_of_delivery!("c", "d.id"),
-            " WHERE ",
-            $condition
-        )
-    };
-}
-pub(crate) use chunk_ref_where;
-
-impl ChunkRef {
-    pub fn from_row(r: &Row<'_>) -> rusqlite::Result<Self> {
-        Ok(ChunkRef {
-            id: r.get(0)?,
-            delivery: r.get(1)?,
-            index: r.get(2)?,
-            status: r.get(3)?,
-            attempts: r.get(4)?,
-            channel: r.get(5)?,
-            chat_id: r.get(6)?,
-            created_at: r.get(7)?,
-            total: r.get(8)?,
+/// The chunk `claim` holds, if the claim still owns it: it carries the claim's token
+/// and is `sending` or — after its lease ran out and nobody else took it — `uncertain`
+/// or `retry`. Every other transition clears the token.
+fn claimed(tx: &dyn StoreTx, claim: &Claim) -> Result<ChunkRef> {
+    tx.claimed_chunk(claim.chunk_id.0, claim.token)?
+        .ok_or(Error::StaleClaim {
+            chunk: claim.chunk_id,
         })
-    }
-
-    /// Loads a chunk by id, including the one chunk of a queued delivery whose row is
-    /// stored when the delivery becomes active (see `enqueue::stored_at_activation`).
-    pub fn load(tx: &Tx<'_>, id: ChunkId) -> Result<ChunkRef> {
-        let mut chunk = tx
-            .prepare_cached(chunk_ref_where!("c.id = ?1"))?
-            .query_row([id.0], Self::from_row)
-            .optional()?;
-        if chunk.is_none() && id.0 % CHUNK_STRIDE == 0 {
-            chunk = tx
-                .prepare_cached(
-                    "SELECT ?1, id, 0, 'pending', 0, channel, chat_id, created_at, chunk_count
-                     FROM outbound_deliveries WHERE id = ?2 AND status = 'queued'",
-                )?
-                .query_row([id.0, id.0 / CHUNK_STRIDE], Self::from_row)
-                .optional()?;
-        }
-        chunk.ok_or(Error::ChunkNotFound(id))
-    }
-}
-
-/// The claimed chunk, if the claim still owns it: it carries the claim's token, either
-/// The chunk a claim holds (`?1` its id, `?2` its token). Comparisons joined by OR, as
-/// `status IN (...)` would build a temporary b-tree of the list on every ack.
-pub(crate) const CLAIMED_SQL: &str = chunk_ref_where!(
-    "c.id = ?1 AND c.claim_token = ?2
-     AND (c.status = 'sending' OR c.status = 'uncertain' OR c.status = 'retry')"
-);
-
-/// `sending` or — after its lease ran out and nobody else took it — `uncertain` or
-/// `retry`. Every other transition clears the token.
-fn claimed(tx: &Tx<'_>, claim: &Claim) -> Result<ChunkRef> {
-    let chunk = tx
-        .prepare_cached(CLAIMED_SQL)?
-        .query_row(params![claim.chunk_id.0, claim.token], ChunkRef::from_row)
-        .optional()?;
-    chunk.ok_or(Error::StaleClaim {
-        chunk: claim.chunk_id,
-    })
 }
 
 fn apply(
-    tx: &Tx<'_>,
+    tx: &dyn StoreTx,
     rules: &Stored,
     chunk: &ChunkRef,
     outcome: Outcome,
@@ -443,7 +300,7 @@ fn apply(
     match outcome {
         Outcome::Delivered {
             platform_message_id,
-        } => deliver_chunk(
+        } => state::deliver(
             tx,
             rules,
             chunk,
@@ -453,40 +310,40 @@ fn apply(
             tally,
         ),
         Outcome::Transient { .. } if crate::sabotage::planted("lost") => {
-            deliver_chunk(tx, rules, chunk, None, now, true, tally)
+            state::deliver(tx, rules, chunk, None, now, true, tally)
         }
-        Outcome::Transient { error } => retry_or_fail(tx, rules, chunk, &error, now),
+        Outcome::Transient { error } => state::retry_or_fail(tx, rules, chunk, &error, now),
         Outcome::Ambiguous { error } if crate::sabotage::planted("unexplained_duplicates") => {
-            retry_or_fail(tx, rules, chunk, &error, now)
+            state::retry_or_fail(tx, rules, chunk, &error, now)
         }
         Outcome::Ambiguous { error } => match rules.policy.channel(&chunk.channel).replay {
-            ReplayPolicy::Replay => retry_or_fail(tx, rules, chunk, &error, now),
+            ReplayPolicy::Replay => state::retry_or_fail(tx, rules, chunk, &error, now),
             ReplayPolicy::Hold => {
-                hold_uncertain(tx, rules, chunk, &error, now)?;
+                state::hold_uncertain(tx, rules, chunk, &error, now)?;
                 Ok(Recorded::settled(ChunkStatus::Uncertain))
             }
         },
         Outcome::Permanent { error } => {
-            fail_chunk(tx, rules, chunk, &error, now)?;
+            state::fail(tx, rules, chunk, &error, now)?;
             Ok(Recorded::settled(ChunkStatus::Failed))
         }
         Outcome::RateLimited { retry_after, error }
         | Outcome::ChannelRateLimited { retry_after, error } => {
-            let attempts = match charge_rate_limit(tx, rules, chunk, &error, now)? {
+            let attempts = match state::charge_rate_limit(tx, rules, chunk, &error, now)? {
                 Ok(attempts) => attempts,
                 Err(failure) => {
-                    fail_chunk(tx, rules, chunk, &failure, now)?;
+                    state::fail(tx, rules, chunk, &failure, now)?;
                     return Ok(Recorded::settled(ChunkStatus::Failed));
                 }
             };
             let asked = now.saturating_add(duration_ms(cap_retry_after(retry_after)));
             if whole_channel {
-                lane::pause_channel(tx, &chunk.channel, asked)?;
+                tx.pause_channel(&chunk.channel, asked)?;
             }
-            let paused_until = lane::pause(tx, &chunk.channel, &chunk.chat_id, asked)?;
+            let paused_until = tx.pause_lane(chunk.lane(), asked)?;
             // Through the lane, like every due time: a longer pause of the chat holds.
-            let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, paused_until)?;
-            reschedule(tx, chunk, ChunkStatus::Retry, attempts, due, Some(&error))?;
+            let due = tx.lane_due_time(chunk.lane(), paused_until)?;
+            state::reschedule(tx, chunk, ChunkStatus::Retry, attempts, due, Some(&error))?;
             Ok(Recorded::due(ChunkStatus::Retry, due))
         }
     }
@@ -497,7 +354,7 @@ fn apply(
 /// decision would — delivered (and on to its next chunk, or finalized), retried, or a
 /// dead letter. Another ambiguous outcome leaves it held.
 fn settle_held(
-    tx: &Tx<'_>,
+    tx: &dyn StoreTx,
     rules: &Stored,
     chunk: &ChunkRef,
     outcome: Outcome,
@@ -507,15 +364,15 @@ fn settle_held(
     let whole_channel = matches!(outcome, Outcome::ChannelRateLimited { .. });
     // A dead letter: its delivery is out of the lane already, so the lane moves on.
     let fail = |error: &str| -> Result<Recorded> {
-        set_held(tx, chunk, ChunkStatus::Failed, error, now)?;
-        lane::advance(tx, &rules.policy, &chunk.channel, &chunk.chat_id, now)?;
+        state::set_held(tx, chunk, ChunkStatus::Failed, error, now)?;
+        lane::advance(tx, &rules.policy, chunk.lane(), now)?;
         Ok(Recorded::settled(ChunkStatus::Failed))
     };
     let (earliest, attempts, error) = match outcome {
         Outcome::Delivered {
             platform_message_id,
         } => {
-            return deliver_chunk(
+            return state::deliver(
                 tx,
                 rules,
                 chunk,
@@ -527,11 +384,11 @@ fn settle_held(
         }
         Outcome::Permanent { error } => return fail(&error),
         Outcome::Ambiguous { error } => {
-            set_held(tx, chunk, ChunkStatus::Uncertain, &error, now)?;
+            state::set_held(tx, chunk, ChunkStatus::Uncertain, &error, now)?;
             return Ok(Recorded::settled(ChunkStatus::Uncertain));
         }
         Outcome::Transient { error } => {
-            if let Some(reason) = out_of_budget(rules, chunk, now) {
+            if let Some(reason) = state::out_of_budget(rules, chunk, now) {
                 return fail(&format!("{error} ({reason})"));
             }
             let backoff = now.saturating_add(
@@ -544,360 +401,18 @@ fn settle_held(
         }
         Outcome::RateLimited { retry_after, error }
         | Outcome::ChannelRateLimited { retry_after, error } => {
-            let attempts = match charge_rate_limit(tx, rules, chunk, &error, now)? {
+            let attempts = match state::charge_rate_limit(tx, rules, chunk, &error, now)? {
                 Ok(attempts) => attempts,
                 Err(failure) => return fail(&failure),
             };
             let until = now.saturating_add(duration_ms(cap_retry_after(retry_after)));
             if whole_channel {
-                lane::pause_channel(tx, &chunk.channel, until)?;
+                tx.pause_channel(&chunk.channel, until)?;
             }
-            lane::pause(tx, &chunk.channel, &chunk.chat_id, until)?;
+            tx.pause_lane(chunk.lane(), until)?;
             (until, attempts, error)
         }
     };
-    rejoin_lane(tx, rules, chunk, attempts, earliest, Some(&error))?;
+    state::rejoin_lane(tx, rules, chunk, attempts, earliest, Some(&error))?;
     Ok(Recorded::settled(ChunkStatus::Retry))
-}
-
-/// Sends a chunk whose delivery was set aside again from its lane, as a requeue would:
-/// `retry` with `attempts`, due no earlier than `earliest` once its lane lets it.
-fn rejoin_lane(
-    tx: &Tx<'_>,
-    rules: &Stored,
-    chunk: &ChunkRef,
-    attempts: u32,
-    earliest: i64,
-    error: Option<&str>,
-) -> Result<()> {
-    tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks
-         SET status = 'retry', attempts = ?2, due_at = NULL, claim_token = NULL,
-             last_error = coalesce(?3, last_error)
-         WHERE id = ?1",
-    )?
-    .execute(params![chunk.id, attempts, error.map(truncate_error)])?;
-    lane::rejoin(
-        tx,
-        &rules.policy,
-        chunk.delivery,
-        &chunk.channel,
-        &chunk.chat_id,
-        earliest,
-    )
-}
-
-/// Rate limits of one attempt budget whose attempt is given back. Past them, each rate
-/// limit uses an attempt: a chunk refused as "rate limited" forever (a permanent error
-/// misread, a platform that never lets up) still becomes a dead letter.
-pub const MAX_REFUNDED_RATE_LIMITS: u32 = 20;
-
-/// The attempts a chunk keeps after a rate limit: one fewer (the attempt given back)
-/// for its first [`MAX_REFUNDED_RATE_LIMITS`], the same after that — or, when that
-/// leaves it out of budget, `Err` with the dead letter's error.
-fn charge_rate_limit(
-    tx: &Tx<'_>,
-    rules: &Stored,
-    chunk: &ChunkRef,
-    error: &str,
-    now: i64,
-) -> Result<std::result::Result<u32, String>> {
-    let count: u32 = tx
-        .prepare_cached(
-            "UPDATE outbound_delivery_chunks SET rate_limits = rate_limits + 1
-             WHERE id = ?1 RETURNING rate_limits",
-        )?
-        .query_row([chunk.id], |r| r.get(0))?;
-    if count <= MAX_REFUNDED_RATE_LIMITS {
-        return Ok(Ok(chunk.attempts.saturating_sub(1)));
-    }
-    Ok(match out_of_budget(rules, chunk, now) {
-        Some(reason) => Err(format!(
-            "{error} (rate limited {count} times; past {MAX_REFUNDED_RATE_LIMITS} each one uses an attempt: {reason})"
-        )),
-        None => Ok(chunk.attempts),
-    })
-}
-
-/// Why a chunk may not be sent (again), if it may not.
-pub(crate) fn out_of_budget(rules: &Stored, chunk: &ChunkRef, now: i64) -> Option<String> {
-    let max = rules.policy.retry_for(&chunk.channel).max_attempts;
-    if chunk.attempts >= max {
-        return Some(format!(
-            "no attempts left ({} of {max} used)",
-            chunk.attempts
-        ));
-    }
-    let max_age = rules.policy.retry_for(&chunk.channel).max_age?;
-    (now.saturating_sub(chunk.created_at) > duration_ms(max_age))
-        .then(|| format!("delivery is older than the maximum age of {max_age:?}"))
-}
-
-fn retry_or_fail(
-    tx: &Tx<'_>,
-    rules: &Stored,
-    chunk: &ChunkRef,
-    error: &str,
-    now: i64,
-) -> Result<Recorded> {
-    if let Some(reason) = out_of_budget(rules, chunk, now) {
-        fail_chunk(tx, rules, chunk, &format!("{error} ({reason})"), now)?;
-        return Ok(Recorded::settled(ChunkStatus::Failed));
-    }
-    let backoff = now.saturating_add(
-        rules
-            .policy
-            .retry_for(&chunk.channel)
-            .delay_ms(chunk.attempts),
-    );
-    let due = lane::due_time(tx, &chunk.channel, &chunk.chat_id, backoff)?;
-    reschedule(
-        tx,
-        chunk,
-        ChunkStatus::Retry,
-        chunk.attempts,
-        due,
-        Some(error),
-    )?;
-    Ok(Recorded::due(ChunkStatus::Retry, due))
-}
-
-/// Puts a chunk back in the claimable set (or keeps it there) with the given status,
-/// attempt count and due time.
-pub(crate) fn reschedule(
-    tx: &Tx<'_>,
-    chunk: &ChunkRef,
-    status: ChunkStatus,
-    attempts: u32,
-    due: i64,
-    error: Option<&str>,
-) -> Result<()> {
-    tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks
-         SET status = ?2, attempts = ?3, due_at = ?4, claim_token = NULL,
-             last_error = coalesce(?5, last_error)
-         WHERE id = ?1",
-    )?
-    .execute(params![
-        chunk.id,
-        status.as_str(),
-        attempts,
-        due,
-        error.map(truncate_error)
-    ])?;
-    Ok(())
-}
-
-/// Marks a chunk delivered and moves its delivery on: the next chunk becomes due, or
-/// the delivery is finalized. `active` says whether the delivery currently holds its
-/// lane (an ack) or was held aside (resolving an `uncertain` chunk), in which case it
-/// queues up in its lane again. The result says whether the delivery was finalized.
-pub(crate) fn deliver_chunk(
-    tx: &Tx<'_>,
-    rules: &Stored,
-    chunk: &ChunkRef,
-    platform_message_id: Option<&str>,
-    now: i64,
-    active: bool,
-    tally: &mut Tally,
-) -> Result<Recorded> {
-    tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks
-         SET status = 'delivered', due_at = NULL, claim_token = NULL,
-             platform_message_id = ?2, delivered_at = ?3
-         WHERE id = ?1",
-    )?
-    .execute(params![chunk.id, platform_message_id, now])?;
-    if chunk.index + 1 >= chunk.total {
-        let lane = (chunk.channel.as_str(), chunk.chat_id.as_str());
-        let times = (chunk.created_at, now);
-        let refused = finalize::finalize(tx, rules, chunk.delivery, lane, times, tally)?;
-        return Ok(Recorded {
-            finalized: refused.is_none(),
-            finalize_error: refused,
-            ..Recorded::settled(ChunkStatus::Delivered)
-        });
-    }
-    // One write to the delivery row: the count, and for an active delivery its status.
-    tx.prepare_cached(
-        "UPDATE outbound_deliveries
-         SET delivered_count = delivered_count + 1, updated_at = ?2,
-             status = CASE WHEN ?3 THEN 'partial' ELSE status END
-         WHERE id = ?1",
-    )?
-    .execute(params![chunk.delivery, now, active])?;
-    if active {
-        let next = chunk.index + 1;
-        lane::make_due(
-            tx,
-            chunk.delivery,
-            next,
-            &chunk.channel,
-            &chunk.chat_id,
-            now,
-        )?;
-    } else {
-        lane::rejoin(
-            tx,
-            &rules.policy,
-            chunk.delivery,
-            &chunk.channel,
-            &chunk.chat_id,
-            now,
-        )?;
-    }
-    Ok(Recorded::settled(ChunkStatus::Delivered))
-}
-
-/// Fails a chunk for good and its delivery with it (a dead letter); the lane moves on
-/// according to the [`LaneFailurePolicy`](crate::LaneFailurePolicy).
-pub(crate) fn fail_chunk(
-    tx: &Tx<'_>,
-    rules: &Stored,
-    chunk: &ChunkRef,
-    error: &str,
-    now: i64,
-) -> Result<()> {
-    set_aside(tx, rules, chunk, ChunkStatus::Failed, error, now)
-}
-
-/// Sets aside a chunk whose row cannot be read (a delivery uid that does not parse,
-/// text that is not UTF-8): it and its delivery are failed, the reason is kept in
-/// `outbound_deliveries.corrupt` for health and the tool, and its lane moves on. Works
-/// from the row ids alone, since the rest of the row may be what is unreadable.
-pub(crate) fn set_aside_corrupt(
-    tx: &Tx<'_>,
-    rules: &Stored,
-    chunk: i64,
-    delivery: i64,
-    reason: &str,
-    now: i64,
-) -> Result<()> {
-    let reason = truncate_error(reason);
-    tracing::warn!(chunk, delivery, reason, "setting aside an unreadable row");
-    tx.note_dead_letter(delivery, reason);
-    tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks
-         SET status = 'failed', due_at = NULL, claim_token = NULL, last_error = ?2
-         WHERE id = ?1",
-    )?
-    .execute(params![chunk, reason])?;
-    let lane: Option<(Vec<u8>, Vec<u8>)> = tx
-        .prepare_cached(
-            "UPDATE outbound_deliveries
-             SET status = 'failed', updated_at = ?2, finished_at = ?2, corrupt = ?3
-             WHERE id = ?1 RETURNING CAST(channel AS BLOB), CAST(chat_id AS BLOB)",
-        )?
-        .query_row(params![delivery, now, reason], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })
-        .optional()?;
-    if let Some((channel, chat_id)) = lane
-        && let (Ok(channel), Ok(chat_id)) = (String::from_utf8(channel), String::from_utf8(chat_id))
-    {
-        lane::advance(tx, &rules.policy, &channel, &chat_id, now)?;
-    }
-    Ok(())
-}
-
-/// Holds a chunk that may have been sent as `uncertain` until someone decides.
-pub(crate) fn hold_uncertain(
-    tx: &Tx<'_>,
-    rules: &Stored,
-    chunk: &ChunkRef,
-    error: &str,
-    now: i64,
-) -> Result<()> {
-    set_aside(tx, rules, chunk, ChunkStatus::Uncertain, error, now)
-}
-
-/// Holds a chunk whose lease ran out while `sending` as `uncertain`, keeping the
-/// claim's token: the worker that held it may still be alive and report its outcome
-/// ([`Outbox::record`] accepts it until someone else decides).
-pub(crate) fn hold_abandoned(
-    tx: &Tx<'_>,
-    rules: &Stored,
-    chunk: &ChunkRef,
-    error: &str,
-    now: i64,
-) -> Result<()> {
-    tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks
-         SET status = 'uncertain', due_at = NULL, last_error = ?2
-         WHERE id = ?1",
-    )?
-    .execute(params![chunk.id, truncate_error(error)])?;
-    set_delivery_held(tx, chunk, ChunkStatus::Uncertain, now)?;
-    lane::advance(tx, &rules.policy, &chunk.channel, &chunk.chat_id, now)
-}
-
-/// Puts a chunk whose lease ran out on a channel that may replay back to `retry`, due
-/// at `due`, keeping the claim's token until it is claimed again (see
-/// [`hold_abandoned`]).
-pub(crate) fn retry_abandoned(tx: &Tx<'_>, chunk: &ChunkRef, due: i64) -> Result<()> {
-    tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks SET status = 'retry', due_at = ?2 WHERE id = ?1",
-    )?
-    .execute(params![chunk.id, due])?;
-    Ok(())
-}
-
-/// Takes a chunk and its delivery out of the lane as `failed` or `uncertain`.
-fn set_aside(
-    tx: &Tx<'_>,
-    rules: &Stored,
-    chunk: &ChunkRef,
-    status: ChunkStatus,
-    error: &str,
-    now: i64,
-) -> Result<()> {
-    set_held(tx, chunk, status, error, now)?;
-    lane::advance(tx, &rules.policy, &chunk.channel, &chunk.chat_id, now)
-}
-
-fn set_held(
-    tx: &Tx<'_>,
-    chunk: &ChunkRef,
-    status: ChunkStatus,
-    error: &str,
-    now: i64,
-) -> Result<()> {
-    tx.prepare_cached(
-        "UPDATE outbound_delivery_chunks
-         SET status = ?2, due_at = NULL, claim_token = NULL, last_error = ?3
-         WHERE id = ?1",
-    )?
-    .execute(params![chunk.id, status.as_str(), truncate_error(error)])?;
-    if status == ChunkStatus::Failed {
-        tx.note_dead_letter(chunk.delivery, truncate_error(error));
-    }
-    set_delivery_held(tx, chunk, status, now)
-}
-
-/// The delivery of a chunk set aside takes the chunk's status (`failed`, `uncertain`).
-fn set_delivery_held(tx: &Tx<'_>, chunk: &ChunkRef, status: ChunkStatus, now: i64) -> Result<()> {
-    let finished = (status == ChunkStatus::Failed).then_some(now);
-    tx.prepare_cached(
-        "UPDATE outbound_deliveries SET status = ?2, updated_at = ?3, finished_at = ?4
-         WHERE id = ?1",
-    )?
-    .execute(params![chunk.delivery, status.as_str(), now, finished])?;
-    Ok(())
-}
-
-fn truncate_error(error: &str) -> &str {
-    cut_at(error, MAX_ERROR_BYTES)
-}
-
-/// The longest prefix of `text` of at most `max` bytes that ends on a character
-/// boundary.
-fn cut_at(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
 }

@@ -3,25 +3,14 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use rusqlite::params;
 use serde::Serialize;
 
-use crate::ids::DELETE_CHUNKS_SQL;
-use crate::{Outbox, Result};
+use crate::error::{Error, Result};
+use crate::outbox::Outbox;
+use crate::store::RetentionStore;
 
 /// Deliveries purged per transaction, so a large purge never holds the write lock long.
 const PURGE_BATCH: i64 = 1000;
-
-/// The deliveries a purge may remove (`?2` the cutoff): finished before it — delivered,
-/// cancelled, or dead letters someone acknowledged — and never the newest one.
-macro_rules! purgeable {
-    () => {
-        "finished_at < ?2
-         AND (status IN ('delivered', 'cancelled')
-              OR (status = 'failed' AND acknowledged_at IS NOT NULL))
-         AND id < (SELECT max(id) FROM outbound_deliveries)"
-    };
-}
 
 /// What [`Outbox::purge`] removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -77,23 +66,8 @@ impl Outbox {
     /// Database errors.
     pub fn purge_preview(&self, finished_before: DateTime<Utc>) -> Result<PurgeReport> {
         let cutoff = finished_before.timestamp_millis();
-        self.read(|tx| {
-            let (deliveries, chunks): (i64, i64) = tx.query_row(
-                concat!(
-                    // A cancelled delivery's chunks are already gone.
-                    "SELECT count(*), coalesce(sum(CASE WHEN status = 'cancelled' THEN 0 ELSE chunk_count END), 0)
-                     FROM outbound_deliveries WHERE ",
-                    purgeable!()
-                ),
-                // The condition names the cutoff `?2`, as in the purge itself.
-                params![0, cutoff],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )?;
-            Ok(PurgeReport {
-                deliveries: deliveries.max(0) as u64,
-                chunks: chunks.max(0) as u64,
-            })
-        })
+        let (deliveries, chunks) = self.read(|tx| tx.purge_counts(cutoff))?;
+        Ok(PurgeReport { deliveries, chunks })
     }
 
     fn purge_batches(&self, finished_before: DateTime<Utc>) -> Result<PurgeReport> {
@@ -101,47 +75,27 @@ impl Outbox {
         let mut report = PurgeReport::default();
         let mut cursor = 0_i64;
         loop {
+            // Finished rows change no more (a requeue of an acknowledged dead letter
+            // aside, which the condition, checked again by the delete, excludes once
+            // done), so a batch is read and removed without a lane lock.
             let batch = self.write(|tx, _| {
-                let mut stmt = tx.prepare_cached(concat!(
-                    "SELECT id, channel, status = 'delivered' FROM outbound_deliveries WHERE ",
-                    purgeable!(),
-                    " AND id > ?1 ORDER BY id LIMIT ?3"
-                ))?;
-                let rows = stmt
-                    .query_map(params![cursor, cutoff, PURGE_BATCH], |r| {
-                        Ok((
-                            r.get::<_, i64>(0)?,
-                            r.get::<_, String>(1)?,
-                            r.get::<_, bool>(2)?,
-                        ))
-                    })?
-                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                let rows = tx.purgeable(cursor, cutoff, PURGE_BATCH)?;
                 let mut chunks = 0;
                 let mut per_channel: BTreeMap<&str, i64> = BTreeMap::new();
-                for (id, channel, delivered) in &rows {
-                    chunks += tx.prepare_cached(DELETE_CHUNKS_SQL)?.execute([id])? as u64;
-                    tx.prepare_cached("DELETE FROM outbound_deliveries WHERE id = ?1")?
-                        .execute([id])?;
-                    if *delivered {
-                        *per_channel.entry(channel).or_default() += 1;
+                for row in &rows {
+                    chunks += tx.delete_delivery(row.id)?;
+                    if row.delivered {
+                        *per_channel.entry(&row.channel).or_default() += 1;
                     }
                 }
                 for (channel, delivered) in per_channel {
-                    tx.prepare_cached(
-                        "UPDATE outbound_channel_stats SET delivered = delivered - ?2
-                         WHERE channel = ?1",
-                    )?
-                    .execute(params![channel, delivered])?;
+                    tx.forget_delivered(channel, delivered)?;
                 }
                 if rows.is_empty() {
                     // Lane rows whose pause and interval have both passed say nothing.
-                    tx.prepare_cached(
-                        "DELETE FROM outbound_lanes
-                         WHERE coalesce(paused_until, 0) < ?1 AND coalesce(next_send_at, 0) < ?1",
-                    )?
-                    .execute([self.options().now_ms()])?;
+                    tx.forget_idle_lanes(self.options().now_ms())?;
                 }
-                Ok((rows.last().map(|r| r.0), rows.len() as u64, chunks))
+                Ok((rows.last().map(|r| r.id), rows.len() as u64, chunks))
             })?;
             report.deliveries += batch.1;
             report.chunks += batch.2;
@@ -164,11 +118,10 @@ impl Outbox {
     /// checkpoints wait while it runs.)
     pub fn checkpoint(&self) -> Result<()> {
         let _background = self.pause_background_checkpoints();
-        let conn = self.writer();
-        let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
-        if busy != 0 {
-            return Err(crate::Error::Busy);
+        if crate::store::sqlite::checkpoint::truncate(&self.writer())? {
+            Ok(())
+        } else {
+            Err(Error::Busy)
         }
-        Ok(())
     }
 }

@@ -28,21 +28,21 @@ WHERE (type = 'index' OR type = 'trigger') AND sql IS NOT NULL
 /// Every migration, in order. `migrations/NNNN_name.sql` is embedded in the binary; the
 /// ones that rebuild a table keep the application's objects on it first.
 const MIGRATIONS: &[&str] = &[
-    include_str!("../migrations/0001_initial.sql"),
-    include_str!("../migrations/0002_stored_policy.sql"),
-    include_str!("../migrations/0003_history_table_name.sql"),
+    include_str!("migrations/0001_initial.sql"),
+    include_str!("migrations/0002_stored_policy.sql"),
+    include_str!("migrations/0003_history_table_name.sql"),
     concat!(
         keep_application_schema!(),
-        include_str!("../migrations/0004_cancel_and_rate_limit_budget.sql")
+        include_str!("migrations/0004_cancel_and_rate_limit_budget.sql")
     ),
     concat!(
         keep_application_schema!(),
-        include_str!("../migrations/0005_status_checks_and_microsecond_rates.sql")
+        include_str!("migrations/0005_status_checks_and_microsecond_rates.sql")
     ),
-    include_str!("../migrations/0006_chunk_rows_at_activation.sql"),
+    include_str!("migrations/0006_chunk_rows_at_activation.sql"),
     concat!(
         keep_application_schema!(),
-        include_str!("../migrations/0007_unfinalized_and_sent_before.sql")
+        include_str!("migrations/0007_unfinalized_and_sent_before.sql")
     ),
 ];
 
@@ -866,7 +866,7 @@ mod plan_tests {
     #[test]
     fn claim_is_an_ordered_range_search_on_one_channels_due_index() {
         let ob = populated();
-        let plan = explain(&ob, crate::claim::CLAIM_SQL, 2);
+        let plan = explain(&ob, crate::store::sqlite::claims::CLAIM_SQL, 2);
         assert!(
             plan.contains(
                 "SEARCH c USING INDEX outbound_delivery_chunks_due (channel_id=? AND due_at>? AND due_at<?)"
@@ -882,14 +882,14 @@ mod plan_tests {
         assert_no_full_scan(&plan, "c");
         assert_no_full_scan(&plan, "d");
 
-        let plan = explain(&ob, crate::claim::NEXT_DUE_SQL, 1);
+        let plan = explain(&ob, crate::store::sqlite::claims::NEXT_DUE_SQL, 1);
         assert!(
             plan.contains("outbound_delivery_chunks_due (channel_id=?"),
             "next due does not seek its channel:\n{plan}"
         );
         assert_no_full_scan(&plan, "outbound_delivery_chunks");
 
-        let plan = explain(&ob, crate::claim::EXPIRED_SQL, 2);
+        let plan = explain(&ob, crate::store::sqlite::claims::EXPIRED_SQL, 2);
         assert!(
             plan.contains("outbound_delivery_chunks_due (channel_id=? AND due_at"),
             "recovery does not range-search its channel:\n{plan}"
@@ -924,7 +924,7 @@ mod plan_tests {
     #[test]
     fn a_caller_key_lookup_is_an_index_search() {
         let ob = populated();
-        let plan = explain(&ob, crate::enqueue::KEY_LOOKUP_SQL, 2);
+        let plan = explain(&ob, crate::store::sqlite::deliveries::KEY_LOOKUP_SQL, 2);
         assert!(
             plan.contains("USING INDEX outbound_deliveries_idempotency"),
             "{plan}"
@@ -937,10 +937,13 @@ mod plan_tests {
     fn chunk_lookups_use_the_chunk_key_and_never_scan_history() {
         let ob = populated();
         for (sql, params) in [
-            (crate::operator::DEAD_LETTER_CHUNKS_SQL, 1),
-            (crate::lane::PAUSE_DUE_SQL, 3),
-            (crate::finalize::SWEEP_SQL, 0),
-            (crate::outcome::chunk_ref_where!("c.id = ?1"), 1),
+            (crate::store::sqlite::operator::DEAD_LETTER_CHUNKS_SQL, 1),
+            (crate::store::sqlite::lanes::PAUSE_DUE_SQL, 3),
+            (crate::store::sqlite::finalize::SWEEP_SQL, 0),
+            (
+                crate::store::sqlite::chunks::chunk_ref_where!("c.id = ?1"),
+                1,
+            ),
         ] {
             let plan = explain(&ob, sql, params);
             assert!(plan.contains("INTEGER PRIMARY KEY"), "{plan}");
@@ -954,13 +957,13 @@ mod plan_tests {
     #[test]
     fn lane_lookups_are_seeks_on_the_open_index() {
         let ob = populated();
-        let plan = explain(&ob, crate::lane::HEAD_SQL, 2);
+        let plan = explain(&ob, crate::store::sqlite::lanes::HEAD_SQL, 2);
         assert_eq!(
             plan,
             "SEARCH outbound_deliveries USING INDEX outbound_deliveries_open (channel=? AND chat_id=? AND status>? AND status<?)",
             "one range of the index, read in its order"
         );
-        let plan = explain(&ob, crate::lane::HELD_SQL, 2);
+        let plan = explain(&ob, crate::store::sqlite::lanes::HELD_SQL, 2);
         assert!(
             plan.contains("USING INDEX outbound_deliveries_open (channel=? AND chat_id=?"),
             "{plan}"
@@ -976,10 +979,10 @@ mod plan_tests {
         let ob = populated();
         let conn = ob.writer();
         for sql in [
-            crate::lane::HEAD_SQL,
-            crate::lane::HELD_SQL,
-            crate::outcome::CLAIMED_SQL,
-            crate::finalize::HISTORY_SQL,
+            crate::store::sqlite::lanes::HEAD_SQL,
+            crate::store::sqlite::lanes::HELD_SQL,
+            crate::store::sqlite::chunks::CLAIMED_SQL,
+            crate::store::sqlite::finalize::HISTORY_SQL,
             "UPDATE outbound_delivery_chunks SET status = 'sending', attempts = attempts + 1
              WHERE id = ?1",
             "UPDATE outbound_delivery_chunks SET status = 'delivered' WHERE id = ?1",

@@ -1,6 +1,7 @@
-//! The rules whose effects are stored, stored in the file (`outbound_policy`,
-//! `outbound_channels`): lane order, lane failure policy, the retry policy, and per
-//! channel the replay policy, lane interval, channel-wide rate and retry policy.
+//! The rules whose effects are stored, and their stored form: lane order, lane failure
+//! policy, the retry policy, and per channel the replay policy, lane interval,
+//! channel-wide rate and retry policy. Every rule type lives here; the options only
+//! declare them.
 //!
 //! Every process that opens the file — dispatchers, the `outbox` tool, a cron job —
 //! reads the same rules, so they all act on the same rows the same way. Each handle
@@ -10,11 +11,248 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use rusqlite::{Connection, OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 
-use crate::options::{Backoff, LaneFailurePolicy, LaneOrder, ReplayPolicy, RetryPolicy};
-use crate::{Error, Result};
+use crate::clock::duration_ms;
+use crate::error::{Error, Result};
+
+/// What happens to a chunk whose send may have reached the platform: the adapter
+/// reported an ambiguous outcome, or the lease expired while it was `sending` (a crash or
+/// a hung worker).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum ReplayPolicy {
+    /// Hold the chunk as `uncertain` until an operator or the application resolves it
+    /// (as delivered, or to be resent). No duplicate can reach the user; the chat waits.
+    /// The default, and the right choice for platforms without idempotent sends
+    /// (Telegram, Slack).
+    #[default]
+    Hold,
+    /// Send it again with the same idempotency key. Right for platforms that deduplicate
+    /// by key (Matrix `txnId`; Discord `nonce` with `enforce_nonce`, using
+    /// [`Claim::compact_key`](crate::Claim::compact_key)), or where the application chose
+    /// at-least-once delivery.
+    Replay,
+}
+
+/// How deliveries to the same chat `(channel, chat_id)` are ordered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum LaneOrder {
+    /// One delivery in flight per lane: replies to a chat leave in enqueue order. The
+    /// default.
+    #[default]
+    Fifo,
+    /// Deliveries of a lane proceed independently (chunks within a delivery stay in
+    /// order). Higher throughput for one busy chat, but replies may interleave.
+    Parallel,
+}
+
+/// What a FIFO lane does when its head delivery fails for good (dead letter) or is held
+/// `uncertain`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum LaneFailurePolicy {
+    /// The next delivery of the lane goes ahead; the failed one stays listed as a dead
+    /// letter. If it is later requeued, it waits until the lane is idle and may then
+    /// arrive after newer replies. The default: one bad reply does not silence a chat.
+    #[default]
+    Skip,
+    /// The lane waits until the failed delivery is requeued, resolved or acknowledged
+    /// ([`Outbox::acknowledge_dead_letters`](crate::Outbox::acknowledge_dead_letters)). Strict order, at the cost of a stalled chat.
+    Block,
+}
+
+/// How long to wait before retry number `n` after a transient failure.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum Backoff {
+    /// Fixed delays; the last one repeats.
+    Schedule(Vec<Duration>),
+    /// `base * factor^(n-1)`, capped at `cap`.
+    Exponential {
+        /// Delay before the first retry.
+        base: Duration,
+        /// Growth per retry.
+        factor: f64,
+        /// Upper bound.
+        cap: Duration,
+    },
+}
+
+impl Backoff {
+    /// Delay before the retry that follows failed attempt number `attempt` (1-based).
+    pub fn delay(&self, attempt: u32) -> Duration {
+        let n = attempt.max(1);
+        match self {
+            Backoff::Schedule(steps) => {
+                let i = (n as usize - 1).min(steps.len().saturating_sub(1));
+                steps.get(i).copied().unwrap_or(Duration::ZERO)
+            }
+            Backoff::Exponential { base, factor, cap } => {
+                let exp = factor.max(1.0).powi(n.saturating_sub(1).min(1024) as i32);
+                let secs = (base.as_secs_f64() * exp).min(cap.as_secs_f64());
+                Duration::try_from_secs_f64(secs).unwrap_or(*cap)
+            }
+        }
+    }
+}
+
+/// When and how often a chunk is retried.
+///
+/// The default is 5 s, 25 s, 2 min, 10 min, then 10 min; 5 attempts, then the chunk
+/// fails (dead letter); ±10 % jitter so that a recovered outage does not release every
+/// retry at the same instant; no maximum age. Change it with the `with_*` methods
+/// (the struct may gain fields, so it is not built by a literal outside this crate):
+///
+/// ```
+/// use std::time::Duration;
+/// use chunked_outbox::{Backoff, RetryPolicy};
+///
+/// let fast = RetryPolicy::default()
+///     .with_backoff(Backoff::Schedule(vec![Duration::from_millis(100)]))
+///     .with_max_attempts(8)
+///     .with_jitter(0.0);
+/// assert!(fast.validate().is_ok());
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct RetryPolicy {
+    /// Delay schedule.
+    pub backoff: Backoff,
+    /// Attempts (claims) a chunk gets before it fails. An attempt is counted when the
+    /// chunk is claimed, before any I/O, so a chunk that crashes the process every time
+    /// still runs out.
+    pub max_attempts: u32,
+    /// Relative jitter applied to each delay, in `0.0..=1.0` (0.1 = ±10 %).
+    /// [`validate`](Self::validate) refuses anything else, NaN included.
+    pub jitter: f64,
+    /// A chunk whose delivery is older than this is failed instead of retried.
+    pub max_age: Option<Duration>,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            backoff: Backoff::Schedule(vec![
+                Duration::from_secs(5),
+                Duration::from_secs(25),
+                Duration::from_secs(120),
+                Duration::from_secs(600),
+            ]),
+            max_attempts: 5,
+            jitter: 0.1,
+            max_age: None,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The same policy with this delay schedule.
+    pub fn with_backoff(self, backoff: Backoff) -> Self {
+        RetryPolicy { backoff, ..self }
+    }
+
+    /// The same policy with this many attempts per chunk.
+    pub fn with_max_attempts(self, max_attempts: u32) -> Self {
+        RetryPolicy {
+            max_attempts,
+            ..self
+        }
+    }
+
+    /// The same policy with this relative jitter (`0.0..=1.0`).
+    pub fn with_jitter(self, jitter: f64) -> Self {
+        RetryPolicy { jitter, ..self }
+    }
+
+    /// The same policy with this maximum age (`None`: none).
+    pub fn with_max_age(self, max_age: Option<Duration>) -> Self {
+        RetryPolicy { max_age, ..self }
+    }
+
+    /// Checks that the policy can be followed: at least one attempt, a non-empty
+    /// schedule, an exponential factor that is a finite number of at least 1, a jitter
+    /// in `0.0..=1.0`, and a maximum age above zero.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] naming the field and the value.
+    pub fn validate(&self) -> Result<()> {
+        if self.max_attempts == 0 {
+            return Err(Error::invalid(
+                "retry policy",
+                "max_attempts is 0; a chunk needs at least one attempt",
+            ));
+        }
+        match &self.backoff {
+            Backoff::Schedule(steps) if steps.is_empty() => {
+                return Err(Error::invalid(
+                    "retry policy",
+                    "the backoff schedule is empty; give at least one delay",
+                ));
+            }
+            Backoff::Exponential { factor, .. } if !(factor.is_finite() && *factor >= 1.0) => {
+                return Err(Error::invalid(
+                    "retry policy",
+                    format!("the exponential factor {factor} is not a finite number >= 1"),
+                ));
+            }
+            _ => {}
+        }
+        if !(0.0..=1.0).contains(&self.jitter) {
+            return Err(Error::invalid(
+                "retry policy",
+                format!("jitter {} is outside 0.0..=1.0", self.jitter),
+            ));
+        }
+        if self.max_age.is_some_and(|age| age.is_zero()) {
+            return Err(Error::invalid(
+                "retry policy",
+                "max_age is zero; every chunk would fail at once (use None for no limit)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The policy as the file stores it: delays and the maximum age in whole
+    /// milliseconds, rounded up, so what is stored is never shorter than what was
+    /// validated (a maximum age of 500 µs is kept as 1 ms, not as a zero every reader
+    /// would refuse).
+    pub(crate) fn stored_form(&self) -> Self {
+        let ms = |d: &Duration| {
+            let whole = d.as_nanos().div_ceil(1_000_000);
+            Duration::from_millis(u64::try_from(whole).unwrap_or(u64::MAX))
+        };
+        let backoff = match &self.backoff {
+            Backoff::Schedule(steps) => Backoff::Schedule(steps.iter().map(ms).collect()),
+            Backoff::Exponential { base, factor, cap } => Backoff::Exponential {
+                base: ms(base),
+                factor: *factor,
+                cap: ms(cap),
+            },
+        };
+        RetryPolicy {
+            backoff,
+            max_age: self.max_age.as_ref().map(ms),
+            ..self.clone()
+        }
+    }
+
+    /// Delay in milliseconds before the retry after attempt `attempt`, with jitter.
+    pub(crate) fn delay_ms(&self, attempt: u32) -> i64 {
+        let base = duration_ms(self.backoff.delay(attempt));
+        if self.jitter == 0.0 || base == 0 {
+            return base;
+        }
+        let factor = 1.0 + self.jitter * (fastrand::f64() * 2.0 - 1.0);
+        (base as f64 * factor).round() as i64
+    }
+}
 
 /// The rules of one channel.
 ///
@@ -202,187 +440,20 @@ impl FileRules {
     }
 }
 
-/// The stored version of the rules.
-pub(crate) fn version(conn: &Connection) -> Result<i64> {
-    Ok(conn
-        .prepare_cached("SELECT version FROM outbound_policy WHERE id = 1")?
-        .query_row([], |r| r.get(0))?)
-}
-
-/// Reads every stored rule; a file-wide rule nobody declared reads as its default.
-pub(crate) fn load(conn: &Connection) -> Result<Stored> {
-    type Row = (
-        i64,
-        Option<String>,
-        Option<String>,
-        Option<String>,
-        Option<String>,
-        Option<i64>,
-        Option<i64>,
-        Option<String>,
-    );
-    let (version, lane_order, lane_failure, retry, replay, lane_ms, channel_us, finalize_sql): Row =
-        conn.query_row(
-            "SELECT version, lane_order, lane_failure, retry, replay, lane_interval_ms,
-                    channel_interval_us, finalize_sql
-             FROM outbound_policy WHERE id = 1",
-            [],
-            |r| {
-                Ok((
-                    r.get(0)?,
-                    r.get(1)?,
-                    r.get(2)?,
-                    r.get(3)?,
-                    r.get(4)?,
-                    r.get(5)?,
-                    r.get(6)?,
-                    r.get(7)?,
-                ))
-            },
-        )?;
-    let declared = FileRules {
-        lane_order: lane_order.is_some(),
-        lane_failure: lane_failure.is_some(),
-        retry: retry.is_some(),
-        default_channel: replay.is_some(),
-    };
-    let defaults = Policy::default();
-    let default_channel = match replay {
-        Some(replay) => ChannelPolicy {
-            replay: parse_replay(&replay)?,
-            lane_interval: ms(lane_ms.unwrap_or(0)),
-            channel_interval: us(channel_us.unwrap_or(0)),
-            retry: None,
-        },
-        None => defaults.default_channel,
-    };
-    let mut policy = Policy {
-        lane_order: lane_order
-            .as_deref()
-            .map_or(Ok(defaults.lane_order), parse_lane_order)?,
-        lane_failure: lane_failure
-            .as_deref()
-            .map_or(Ok(defaults.lane_failure), parse_lane_failure)?,
-        retry: retry
-            .as_deref()
-            .map_or(Ok(defaults.retry), retry_from_json)?,
-        default_channel,
-        channels: BTreeMap::new(),
-    };
-    let mut channel_ids = HashMap::new();
-    let mut stmt = conn.prepare(
-        "SELECT id, name, replay, lane_interval_ms, channel_interval_us, retry
-         FROM outbound_channels",
-    )?;
-    let mut rows = stmt.query([])?;
-    while let Some(r) = rows.next()? {
-        let name: String = r.get(1)?;
-        channel_ids.insert(name.clone(), r.get(0)?);
-        if let Some(replay) = r.get::<_, Option<String>>(2)? {
-            let retry = r.get::<_, Option<String>>(5)?;
-            policy.channels.insert(
-                name,
-                ChannelPolicy {
-                    replay: parse_replay(&replay)?,
-                    lane_interval: ms(r.get::<_, Option<i64>>(3)?.unwrap_or(0)),
-                    channel_interval: us(r.get::<_, Option<i64>>(4)?.unwrap_or(0)),
-                    retry: retry.as_deref().map(retry_from_json).transpose()?,
-                },
-            );
-        }
-    }
-    Ok(Stored {
-        version,
-        policy,
-        finalize_sql,
-        declared,
-        channel_ids,
+/// A channel's rules from their stored columns: the replay policy's text, the lane
+/// interval in ms, the channel interval in µs, the retry policy's text.
+pub(crate) fn channel_from_columns(
+    replay: &str,
+    lane_ms: Option<i64>,
+    channel_us: Option<i64>,
+    retry: Option<&str>,
+) -> Result<ChannelPolicy> {
+    Ok(ChannelPolicy {
+        replay: parse_replay(replay)?,
+        lane_interval: ms(lane_ms.unwrap_or(0)),
+        channel_interval: us(channel_us.unwrap_or(0)),
+        retry: retry.map(retry_from_json).transpose()?,
     })
-}
-
-/// Stores (declares) the file-wide rules of `policy` that `which` names, bumping the
-/// version; the others keep what is stored.
-pub(crate) fn store_file_rules(conn: &Connection, policy: &Policy, which: FileRules) -> Result<()> {
-    policy.retry.validate()?;
-    check_default_channel(&policy.default_channel)?;
-    let d = &policy.default_channel;
-    conn.execute(
-        "UPDATE outbound_policy
-         SET version = version + 1,
-             lane_order = CASE WHEN ?1 THEN ?2 ELSE lane_order END,
-             lane_failure = CASE WHEN ?3 THEN ?4 ELSE lane_failure END,
-             retry = CASE WHEN ?5 THEN ?6 ELSE retry END,
-             replay = CASE WHEN ?7 THEN ?8 ELSE replay END,
-             lane_interval_ms = CASE WHEN ?7 THEN ?9 ELSE lane_interval_ms END,
-             channel_interval_us = CASE WHEN ?7 THEN ?10 ELSE channel_interval_us END
-         WHERE id = 1",
-        params![
-            which.lane_order,
-            lane_order_str(policy.lane_order),
-            which.lane_failure,
-            lane_failure_str(policy.lane_failure),
-            which.retry,
-            retry_to_json(&policy.retry),
-            which.default_channel,
-            replay_str(d.replay),
-            stored_ms(d.lane_interval),
-            stored_us(d.channel_interval),
-        ],
-    )?;
-    Ok(())
-}
-
-/// Gives `channel` rules of its own (`Some`) or lets it follow the default (`None`),
-/// bumping the version.
-pub(crate) fn store_channel(
-    conn: &Connection,
-    channel: &str,
-    rules: Option<&ChannelPolicy>,
-) -> Result<()> {
-    if let Some(rules) = rules {
-        rules.validate()?;
-    }
-    conn.execute(
-        "INSERT INTO outbound_channels (name, replay, lane_interval_ms, channel_interval_us, retry)
-         VALUES (?1, ?2, ?3, ?4, ?5)
-         ON CONFLICT (name) DO UPDATE SET replay = excluded.replay,
-             lane_interval_ms = excluded.lane_interval_ms,
-             channel_interval_us = excluded.channel_interval_us, retry = excluded.retry",
-        params![
-            channel,
-            rules.map(|r| replay_str(r.replay)),
-            rules.map(|r| stored_ms(r.lane_interval)),
-            rules.map(|r| stored_us(r.channel_interval)),
-            rules.and_then(|r| r.retry.as_ref()).map(retry_to_json),
-        ],
-    )?;
-    bump(conn)
-}
-
-/// The number of `channel`, registering it (with the default rules) on first sight.
-pub(crate) fn channel_id(conn: &Connection, stored: &Stored, channel: &str) -> Result<i64> {
-    if let Some(id) = stored.channel_ids.get(channel) {
-        return Ok(*id);
-    }
-    let existing: Option<i64> = conn
-        .prepare_cached("SELECT id FROM outbound_channels WHERE name = ?1")?
-        .query_row([channel], |r| r.get(0))
-        .optional()?;
-    if let Some(id) = existing {
-        return Ok(id);
-    }
-    conn.prepare_cached("INSERT INTO outbound_channels (name) VALUES (?1)")?
-        .execute([channel])?;
-    let id = conn.last_insert_rowid();
-    // Other handles learn the new channel's number at their next write.
-    bump(conn)?;
-    Ok(id)
-}
-
-fn bump(conn: &Connection) -> Result<()> {
-    conn.prepare_cached("UPDATE outbound_policy SET version = version + 1 WHERE id = 1")?
-        .execute([])?;
-    Ok(())
 }
 
 /// Whole milliseconds of `d`, rounded up.
@@ -391,12 +462,12 @@ fn ceil_ms(d: Duration) -> u64 {
 }
 
 /// An interval as a stored column: whole milliseconds, rounded up.
-fn stored_ms(d: Duration) -> i64 {
+pub(crate) fn stored_ms(d: Duration) -> i64 {
     i64::try_from(ceil_ms(d)).unwrap_or(i64::MAX)
 }
 
 /// A channel interval as a stored column: whole microseconds, rounded up.
-fn stored_us(d: Duration) -> i64 {
+pub(crate) fn stored_us(d: Duration) -> i64 {
     i64::try_from(d.as_nanos().div_ceil(1_000)).unwrap_or(i64::MAX)
 }
 
@@ -423,7 +494,7 @@ pub(crate) fn lane_order_str(order: LaneOrder) -> &'static str {
     }
 }
 
-fn parse_lane_order(s: &str) -> Result<LaneOrder> {
+pub(crate) fn parse_lane_order(s: &str) -> Result<LaneOrder> {
     match s {
         "fifo" => Ok(LaneOrder::Fifo),
         "parallel" => Ok(LaneOrder::Parallel),
@@ -438,7 +509,7 @@ pub(crate) fn lane_failure_str(policy: LaneFailurePolicy) -> &'static str {
     }
 }
 
-fn parse_lane_failure(s: &str) -> Result<LaneFailurePolicy> {
+pub(crate) fn parse_lane_failure(s: &str) -> Result<LaneFailurePolicy> {
     match s {
         "skip" => Ok(LaneFailurePolicy::Skip),
         "block" => Ok(LaneFailurePolicy::Block),
@@ -453,7 +524,7 @@ pub(crate) fn replay_str(replay: ReplayPolicy) -> &'static str {
     }
 }
 
-fn parse_replay(s: &str) -> Result<ReplayPolicy> {
+pub(crate) fn parse_replay(s: &str) -> Result<ReplayPolicy> {
     match s {
         "hold" => Ok(ReplayPolicy::Hold),
         "replay" => Ok(ReplayPolicy::Replay),
@@ -509,7 +580,7 @@ pub(crate) fn retry_to_json(retry: &RetryPolicy) -> String {
     serde_json::to_string(&json).unwrap_or_default()
 }
 
-fn retry_from_json(text: &str) -> Result<RetryPolicy> {
+pub(crate) fn retry_from_json(text: &str) -> Result<RetryPolicy> {
     let json: RetryJson =
         serde_json::from_str(text).map_err(|_| unreadable("retry policy", text))?;
     let backoff = match (json.schedule_ms, json.exponential) {
@@ -563,5 +634,41 @@ mod tests {
         ] {
             assert!(retry_from_json(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn default_schedule_matches_the_documented_one() {
+        let b = RetryPolicy::default().backoff;
+        let secs: Vec<u64> = (1..=6).map(|n| b.delay(n).as_secs()).collect();
+        assert_eq!(secs, [5, 25, 120, 600, 600, 600]);
+    }
+
+    #[test]
+    fn exponential_backoff_grows_and_caps() {
+        let b = Backoff::Exponential {
+            base: Duration::from_secs(1),
+            factor: 2.0,
+            cap: Duration::from_secs(10),
+        };
+        let secs: Vec<u64> = (1..=6).map(|n| b.delay(n).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 10, 10]);
+        assert_eq!(b.delay(u32::MAX), Duration::from_secs(10));
+    }
+
+    #[test]
+    fn jitter_stays_within_its_band_and_spreads_across_it() {
+        let policy = RetryPolicy::default();
+        let delays: Vec<i64> = (0..1000).map(|_| policy.delay_ms(1)).collect();
+        for d in &delays {
+            assert!((4_500..=5_500).contains(d), "{d}");
+        }
+        // Spread on both sides of the base delay, over most of the band.
+        let (min, max) = (delays.iter().min().unwrap(), delays.iter().max().unwrap());
+        assert!(*min < 4_600 && *max > 5_400, "{min}..{max}");
+        let exact = RetryPolicy {
+            jitter: 0.0,
+            ..RetryPolicy::default()
+        };
+        assert_eq!(exact.delay_ms(2), 25_000);
     }
 }

@@ -86,3 +86,10 @@ impl Drop for Checkpointer {
         }
     }
 }
+
+/// Copies the WAL back into the database file and truncates it, on `conn`; `false` if
+/// readers, or a checkpoint by another process, kept it from completing.
+pub(crate) fn truncate(conn: &rusqlite::Connection) -> Result<bool> {
+    let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
+    Ok(busy == 0)
+}

@@ -1,0 +1,449 @@
+//! The storage seam: the rules of the outbox (lanes, claims, outcomes, finalization,
+//! operator actions, retention) call these primitives of one store transaction; each
+//! backend keeps its own SQL, schema, migrations and plans behind them.
+//!
+//! Every primitive is intent-level ("the head of this lane", "mark this chunk
+//! delivered"), not a statement: a backend answers each one its own way, with its own
+//! keys and plans. The contract of each primitive — what it returns, what it changes,
+//! what it must keep — is written on it and checked primitive by primitive in
+//! `conformance`, for every store.
+//!
+//! **Locks are part of the rules.** Where a rule reads, decides and writes (the head of
+//! a lane, a channel's rate slot, a caller key, the rules themselves), it first calls a
+//! lock primitive of [`Locks`]. SQLite runs one writer at a time (`BEGIN IMMEDIATE`),
+//! so its locks are no-ops; a store with concurrent writers must make each of them
+//! exclude every other writer of the same lane, slot, key or rules until the
+//! transaction ends. ARCHITECTURE.md lists every such place ("check-then-act under the
+//! writer").
+//!
+//! The primitives are grouped by what they keep (one trait each), and [`StoreTx`] is
+//! all of them: the rules take `&dyn StoreTx`.
+
+use crate::error::{Error, Result};
+use crate::rules::{ChannelPolicy, FileRules, Policy, Stored};
+use crate::status::{ChunkStatus, DeliveryStatus};
+
+#[cfg(test)]
+mod conformance;
+pub(crate) mod sqlite;
+
+/// One lane: the deliveries of one chat on one channel, in order. Locks are taken in
+/// the order of this type (channel, then chat), so two transactions that lock several
+/// lanes never wait for each other in a circle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct LaneRef<'a> {
+    pub channel: &'a str,
+    pub chat_id: &'a str,
+}
+
+impl<'a> LaneRef<'a> {
+    pub(crate) fn new(channel: &'a str, chat_id: &'a str) -> Self {
+        LaneRef { channel, chat_id }
+    }
+}
+
+/// A delivery to make active: its row, its place in its lane, the index of its head
+/// chunk (chunks before it were delivered before it was set aside), and the time it may
+/// start, if delayed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Waiting {
+    pub id: i64,
+    /// Its place in its lane's order (see [`DeliveryStore::insert_delivery`]).
+    pub position: i64,
+    pub head_index: i64,
+    pub not_before: Option<i64>,
+}
+
+/// The first unfinished delivery of a lane in lane order, active ones before queued
+/// ones (see [`LaneStore::lane_head`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum HeadRow {
+    /// A delivery of the lane is active (`pending` or `partial`).
+    Active,
+    /// Nothing is active; this is the first queued delivery.
+    Queued(Waiting),
+}
+
+/// A chunk with the delivery facts its transitions need.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ChunkRef {
+    pub id: i64,
+    pub delivery: i64,
+    pub index: i64,
+    pub status: ChunkStatus,
+    pub attempts: u32,
+    pub channel: String,
+    pub chat_id: String,
+    pub created_at: i64,
+    /// Chunks in the delivery.
+    pub total: i64,
+}
+
+/// A delivery with its lane, as operator actions and sweeps find it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DeliveryLane {
+    pub id: i64,
+    pub channel: String,
+    pub chat_id: String,
+}
+
+/// A channel as the claim needs it: its number, and its channel-wide rate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ChannelRow {
+    pub id: i64,
+    pub name: String,
+    /// The channel's interval between sends, µs (0: no rate limit), and the start of
+    /// its next send on the channel's schedule, µs.
+    pub interval_us: i64,
+    pub next_send_at_us: Option<i64>,
+    /// The end of a rate limit of the whole channel, ms.
+    pub paused_until: Option<i64>,
+}
+
+/// A claimable (or lease-expired) chunk read by the claim: its row, or why the row
+/// cannot be read.
+#[derive(Debug)]
+pub(crate) struct Candidate {
+    pub chunk: i64,
+    pub delivery: i64,
+    pub channel_id: i64,
+    pub due_at: i64,
+    pub row: std::result::Result<Readable, String>,
+}
+
+/// The readable row of a [`Candidate`].
+#[derive(Debug)]
+pub(crate) struct Readable {
+    pub chunk: ChunkRef,
+    /// A due chunk that still carries a claim's token is one whose lease ran out
+    /// (`sending`, reclaimed by this claim; or `retry`, put back by recovery): a suspect.
+    pub suspect: bool,
+    pub uid: crate::ids::DeliveryId,
+    pub text: String,
+    pub metadata: Option<String>,
+}
+
+/// What an enqueue with a caller key compares with the delivery the key names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StoredContent {
+    pub channel: String,
+    pub chat_id: String,
+    pub sender: Option<String>,
+    pub text: String,
+    pub metadata: Option<String>,
+    pub status: DeliveryStatus,
+    /// Each chunk's own text, in order; `None` for a chunk that is the whole text.
+    pub chunks: Vec<Option<String>>,
+}
+
+/// A delivery to store (see [`DeliveryStore::insert_delivery`]).
+pub(crate) struct NewRow<'a> {
+    pub row: i64,
+    pub uid: &'a str,
+    pub delivery: &'a crate::enqueue::NewDelivery,
+    pub channel_id: i64,
+    pub active: bool,
+    pub now: i64,
+    /// The due time of the head chunk of an active delivery.
+    pub head_due: Option<i64>,
+    /// Whether its chunk rows are stored now; a queued reply sent as one chunk of its
+    /// whole text has its row stored at activation.
+    pub chunk_rows: bool,
+}
+
+/// The shape of the application's finalization statement, as the store's database
+/// prepares it (see [`FinalizeStore::describe_statement`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StatementShape {
+    /// The statement changes nothing.
+    pub read_only: bool,
+    /// It returns rows.
+    pub returns_rows: bool,
+    /// Each parameter's name with its sigil (`:name`), `None` for a positional one.
+    pub parameters: Vec<Option<String>>,
+}
+
+/// The finalized replies of one channel in one transaction, for the channel's counters.
+pub(crate) struct ChannelTally<'a> {
+    pub channel: &'a str,
+    pub latest: i64,
+    pub count: i64,
+    pub latency_sum_ms: i64,
+    /// Replies finalized within 1 s, 5 s, 30 s, 120 s, 600 s, 3600 s of their enqueue.
+    pub latency_le: [i64; 6],
+}
+
+/// A delivery a purge may remove.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Purgeable {
+    pub id: i64,
+    pub channel: String,
+    pub delivered: bool,
+}
+
+/// The locks of the rules (see the module's documentation). Each one holds until the
+/// transaction ends.
+pub(crate) trait Locks {
+    /// The stored rules: shared by every write (the rules it read stay the rules it
+    /// acts on), exclusive for a change of them.
+    fn lock_rules(&self, exclusive: bool) -> Result<()>;
+    /// These lanes, waiting for them, in sorted order.
+    fn lock_lanes(&self, lanes: &mut [LaneRef<'_>]) -> Result<()>;
+    /// One lane if no other transaction holds it; `false` (and nothing locked) if one
+    /// does. Claims never wait.
+    fn try_lock_lane(&self, lane: LaneRef<'_>) -> Result<bool>;
+    /// A caller key of a channel, so two enqueues with one key cannot both store it.
+    fn lock_key(&self, channel: &str, key: &str) -> Result<()>;
+    /// The rate slot of a paced channel: the row as it stands under the lock, or `None`
+    /// if another claim holds it (skipped, never waited for).
+    fn lock_channel_slot(&self, row: ChannelRow) -> Result<Option<ChannelRow>>;
+}
+
+/// The stored rules and channel numbers.
+pub(crate) trait RuleStore {
+    /// The version of the stored rules; every change of a rule or channel raises it.
+    fn rules_version(&self) -> Result<i64>;
+    /// Every stored rule; a file-wide rule nobody declared reads as its default.
+    fn load_rules(&self) -> Result<Stored>;
+    /// Stores the file-wide rules of `policy` that `which` names (the others keep what
+    /// is stored), raising the version.
+    fn store_file_rules(&self, policy: &Policy, which: FileRules) -> Result<()>;
+    /// Gives `channel` rules of its own, or the default (`None`), raising the version.
+    fn store_channel_rules(&self, channel: &str, rules: Option<&ChannelPolicy>) -> Result<()>;
+    /// The number of `channel`, registering it on first sight (raising the version).
+    /// One name has one number, whoever registers it first.
+    fn channel_number(&self, channel: &str) -> Result<i64>;
+    /// The application's finalization statement, if one is stored.
+    fn finalization_statement(&self) -> Result<Option<String>>;
+    /// Stores (or clears) the application's finalization statement, raising the version.
+    fn store_finalization_statement(&self, sql: Option<&str>) -> Result<()>;
+}
+
+/// Lanes: heads, due times, pauses.
+pub(crate) trait LaneStore {
+    /// Delivery `delivery` as an activation needs it.
+    fn waiting(&self, delivery: i64) -> Result<Waiting>;
+    /// The lane's first unfinished delivery: an active one if any, else its first
+    /// queued one in lane order (see `sabotage::planted("out_of_order")`); `None` if
+    /// nothing is active or queued.
+    fn lane_head(&self, lane: LaneRef<'_>) -> Result<Option<HeadRow>>;
+    /// The lane position of the first delivery holding the lane under
+    /// [`LaneFailurePolicy::Block`](crate::rules::LaneFailurePolicy::Block): an
+    /// uncertain one, or a dead letter nobody acknowledged.
+    fn lane_held(&self, lane: LaneRef<'_>) -> Result<Option<i64>>;
+    /// Makes `waiting` active (`partial` when chunks of it were delivered, else
+    /// `pending`) and its head chunk due at [`lane_due_time`](Self::lane_due_time) of
+    /// `earliest` — storing that chunk's row if it has none (a queued reply sent as one
+    /// chunk of its whole text).
+    fn activate(&self, waiting: &Waiting, lane: LaneRef<'_>, earliest: i64) -> Result<()>;
+    /// Makes chunk `index` of `delivery` due at [`lane_due_time`](Self::lane_due_time)
+    /// of `earliest`.
+    fn make_due(&self, delivery: i64, index: i64, lane: LaneRef<'_>, earliest: i64) -> Result<()>;
+    /// `earliest`, or the end of the lane's rate-limit pause or of its lane interval
+    /// since its last send, whichever is latest.
+    fn lane_due_time(&self, lane: LaneRef<'_>, earliest: i64) -> Result<i64>;
+    /// No send of the lane starts before `next_at` (never moves it earlier).
+    fn note_lane_send(&self, lane: LaneRef<'_>, next_at: i64) -> Result<()>;
+    /// Pauses the lane until `until`, or longer if it is paused longer already, and
+    /// pushes its chunks due before the end of the pause to that end. Returns the end.
+    fn pause_lane(&self, lane: LaneRef<'_>, until: i64) -> Result<i64>;
+    /// No send of `channel` starts before `until` (never moves it earlier).
+    fn pause_channel(&self, channel: &str, until: i64) -> Result<()>;
+    /// Puts a held delivery back in its lane as `queued` (clearing its finish and
+    /// acknowledgement).
+    fn set_queued(&self, delivery: i64) -> Result<()>;
+    /// Every queued delivery, in lane order within each lane.
+    fn queued_deliveries(&self) -> Result<Vec<DeliveryLane>>;
+}
+
+/// Chunk rows and the delivery rows they move.
+pub(crate) trait ChunkStore {
+    /// Chunk `id`, including the one chunk of a queued reply whose row is stored at its
+    /// activation (read as `pending`, no attempts).
+    fn load_chunk(&self, id: i64) -> Result<Option<ChunkRef>>;
+    /// Chunk `id` if it still carries `token` and is `sending`, `uncertain` or `retry`.
+    fn claimed_chunk(&self, id: i64, token: i64) -> Result<Option<ChunkRef>>;
+    /// Sets status, attempts and due time, clears the token, and keeps `error` (if
+    /// given) as the last error.
+    fn reschedule(
+        &self,
+        chunk: i64,
+        status: ChunkStatus,
+        attempts: u32,
+        due: i64,
+        error: Option<&str>,
+    ) -> Result<()>;
+    /// `retry` with `attempts`, nothing due (its lane decides), no token; keeps `error`
+    /// if given.
+    fn set_retry_unscheduled(&self, chunk: i64, attempts: u32, error: Option<&str>) -> Result<()>;
+    /// A fresh attempt budget (an operator's requeue): `retry`, no attempts or rate
+    /// limits, nothing due, no token; remembers that an earlier budget sent it.
+    fn reset_budget(&self, chunk: i64) -> Result<()>;
+    /// Counts one more rate limit of the chunk's budget; returns the count.
+    fn count_rate_limit(&self, chunk: i64) -> Result<u32>;
+    /// `delivered`, nothing due, no token, with the platform's id and the time.
+    fn mark_delivered(&self, chunk: i64, platform_message_id: Option<&str>, now: i64)
+    -> Result<()>;
+    /// One more chunk of the delivery delivered; an `active` delivery becomes `partial`.
+    fn count_delivered(&self, delivery: i64, now: i64, active: bool) -> Result<()>;
+    /// `status`, nothing due, `error` as the last error; the token kept if
+    /// `keep_token` (a lease that ran out: its worker may still report), else cleared.
+    fn set_chunk_aside(
+        &self,
+        chunk: i64,
+        status: ChunkStatus,
+        error: &str,
+        keep_token: bool,
+    ) -> Result<()>;
+    /// `retry` due at `due`, keeping the token.
+    fn retry_keeping_token(&self, chunk: i64, due: i64) -> Result<()>;
+    /// The delivery takes the status of a chunk set aside; a failed one is finished now.
+    fn set_delivery_aside(&self, delivery: i64, status: ChunkStatus, now: i64) -> Result<()>;
+    /// Sets aside an unreadable chunk and its delivery as failed with `reason` kept as
+    /// the delivery's corruption; returns the delivery's lane if it can be read.
+    fn set_corrupt(
+        &self,
+        chunk: i64,
+        delivery: i64,
+        reason: &str,
+        now: i64,
+    ) -> Result<Option<(String, String)>>;
+    /// The uid, channel and chat of a delivery, if stored.
+    fn delivery_names(&self, delivery: i64) -> Result<Option<(String, String, String)>>;
+}
+
+/// Claims: channels, due chunks, leases.
+pub(crate) trait ClaimStore {
+    /// The channel named `name` (every channel, for `None`), with the interval its
+    /// stored rules (or the default's) give.
+    fn channels(&self, name: Option<&str>) -> Result<Vec<ChannelRow>>;
+    /// The next send of channel `id` starts no earlier than `next_us` (µs).
+    fn set_channel_slot(&self, id: i64, next_us: i64) -> Result<()>;
+    /// Up to `limit` chunks of channel `row` due at `now` or earlier (leases that ran
+    /// out included), in due order.
+    fn due_chunks(&self, row: &ChannelRow, now: i64, limit: usize) -> Result<Vec<Candidate>>;
+    /// The earliest due time of channel `id`.
+    fn next_due(&self, id: i64) -> Result<Option<i64>>;
+    /// `sending` under `token` until `lease_until`, one more attempt counted.
+    fn mark_sending(&self, chunk: i64, lease_until: i64, token: i64) -> Result<()>;
+    /// Due at `due` (a chunk whose lane is not free yet).
+    fn set_due(&self, chunk: i64, due: i64) -> Result<()>;
+    /// Extends the lease of a chunk still `sending` under `token`; whether it was.
+    fn renew_lease(&self, chunk: i64, token: i64, until: i64) -> Result<bool>;
+    /// `sending` chunks of channel `id` whose lease ends at or before `until`.
+    fn expired_sending(&self, id: i64, until: i64) -> Result<Vec<ChunkRef>>;
+}
+
+/// Deliveries: caller keys and new rows.
+pub(crate) trait DeliveryStore {
+    /// The row and uid of the delivery with caller key `key` on `channel`.
+    fn find_by_key(&self, channel: &str, key: &str) -> Result<Option<(i64, String)>>;
+    /// What an enqueue with its key compares (the chunk of a queued reply stored at
+    /// activation is supplied).
+    fn stored_content(&self, delivery: i64) -> Result<StoredContent>;
+    /// The row number the next delivery gets. Never one a delivery had before, and in
+    /// the order of commits among the deliveries of one lane (the transaction holds
+    /// the lane), so that it is the lane position too.
+    fn next_delivery_row(&self) -> Result<i64>;
+    /// Stores a delivery (`pending` if active, else `queued`) and, if `chunk_rows`, its
+    /// chunks, the head chunk of an active one due at `head_due`.
+    fn insert_delivery(&self, row: &NewRow<'_>) -> Result<()>;
+}
+
+/// Finalization and the history.
+pub(crate) trait FinalizeStore {
+    /// Copies delivery `delivery` into the crate's history, finalized at `now`; the
+    /// history's unique key refuses a second copy.
+    fn write_history(&self, delivery: i64, now: i64) -> Result<()>;
+    /// How the store's database reads an application's statement, or the database's
+    /// message if it does not prepare.
+    fn describe_statement(&self, sql: &str) -> Result<std::result::Result<StatementShape, String>>;
+    /// Runs the application's statement for `delivery`, finalized at `now`: parameter
+    /// `i` bound to the value of [`FINALIZE_PARAMETERS`](crate::finalize::FINALIZE_PARAMETERS)`[at[i]]`.
+    fn run_statement(&self, sql: &str, delivery: i64, now: i64) -> Result<()>;
+    /// The message of an error in which the application's schema refused its statement
+    /// (a constraint, a trigger, a missing table, a type), or the error itself when the
+    /// database failed.
+    fn refusal(&self, error: Error) -> Result<String>;
+    /// `delivered`, every chunk counted, finished now, no finalization error.
+    fn mark_finalized(&self, delivery: i64, now: i64) -> Result<()>;
+    /// `unfinalized` with the statement's message, every chunk counted.
+    fn mark_unfinalized(&self, delivery: i64, now: i64, message: &str) -> Result<()>;
+    /// Adds finalized replies to a channel's counters.
+    fn add_channel_stats(&self, tally: &ChannelTally<'_>) -> Result<()>;
+    /// Unfinished deliveries that have chunks, all of them delivered, with their
+    /// enqueue time.
+    fn finished_unfinalized(&self) -> Result<Vec<(DeliveryLane, i64)>>;
+    /// The enqueue time of delivery `delivery`.
+    fn created_at(&self, delivery: i64) -> Result<i64>;
+}
+
+/// Operator actions.
+pub(crate) trait OperatorStore {
+    /// The failed chunks of dead letters (not set aside as corrupt), oldest delivery
+    /// first; of one channel, or of all for `None`.
+    fn dead_letter_chunks(&self, channel: Option<&str>) -> Result<Vec<ChunkRef>>;
+    /// Acknowledges every unacknowledged dead letter (of one channel, or all); returns
+    /// their lanes.
+    fn acknowledge_dead_letters(
+        &self,
+        channel: Option<&str>,
+        now: i64,
+    ) -> Result<Vec<(String, String)>>;
+    /// The first chunk of `delivery` a send of which may have started: not `pending` or
+    /// `retry`, or charged an attempt, now or in an earlier budget.
+    fn first_started_chunk(&self, delivery: i64) -> Result<Option<(i64, u32, ChunkStatus, u32)>>;
+    /// Removes the chunks of `delivery`; returns how many.
+    fn delete_chunks(&self, delivery: i64) -> Result<u64>;
+    /// `cancelled`, finished now.
+    fn mark_cancelled(&self, delivery: i64, now: i64) -> Result<()>;
+    /// The failed or uncertain chunk of delivery row `delivery` with uid `uid`, or else
+    /// its head chunk.
+    fn held_or_head_chunk(&self, delivery: i64, uid: &str) -> Result<Option<ChunkRef>>;
+    /// Status and lane of delivery row `delivery` with uid `uid`.
+    fn delivery_state(
+        &self,
+        delivery: i64,
+        uid: &str,
+    ) -> Result<Option<(DeliveryStatus, String, String)>>;
+}
+
+/// Retention.
+pub(crate) trait RetentionStore {
+    /// Up to `max` deliveries after row `after`, in row order, finished before `cutoff`
+    /// — delivered, cancelled, or acknowledged dead letters — never the newest row.
+    fn purgeable(&self, after: i64, cutoff: i64, max: i64) -> Result<Vec<Purgeable>>;
+    /// Removes a delivery row and its chunks; returns the chunks removed.
+    fn delete_delivery(&self, delivery: i64) -> Result<u64>;
+    /// Lowers a channel's count of stored finalized replies.
+    fn forget_delivered(&self, channel: &str, count: i64) -> Result<()>;
+    /// Removes lane rows whose pause and interval both ended before `now`.
+    fn forget_idle_lanes(&self, now: i64) -> Result<()>;
+    /// How many deliveries and chunks a purge with `cutoff` would remove now.
+    fn purge_counts(&self, cutoff: i64) -> Result<(u64, u64)>;
+}
+
+/// One transaction of a store: every primitive, and the dead letters its work made.
+pub(crate) trait StoreTx:
+    Locks
+    + RuleStore
+    + LaneStore
+    + ChunkStore
+    + ClaimStore
+    + DeliveryStore
+    + FinalizeStore
+    + OperatorStore
+    + RetentionStore
+{
+    /// Opens a nested transaction (a savepoint).
+    fn begin_nested(&self) -> Result<()>;
+    /// Ends the nested transaction, keeping its writes or undoing them.
+    fn end_nested(&self, keep: bool) -> Result<()>;
+    /// Whether the transaction is still open: an error may have ended it (a trigger's
+    /// `RAISE(ROLLBACK)`), leaving nothing to undo to.
+    fn in_transaction(&self) -> bool;
+    /// Notes that this work made delivery row `delivery` a dead letter, for `error`.
+    fn note_dead_letter(&self, delivery: i64, error: &str);
+    /// The dead letters noted so far, taken.
+    fn take_dead_letters(&self) -> Vec<(i64, String)>;
+}

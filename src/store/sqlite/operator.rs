@@ -1,0 +1,98 @@
+//! Operator actions on SQLite.
+
+use rusqlite::{OptionalExtension, params};
+
+use super::chunks::{DELETE_CHUNKS_SQL, chunk_ref, chunk_ref_where, chunks_of_delivery};
+use super::tx::Tx;
+use crate::error::Result;
+use crate::status::{ChunkStatus, DeliveryStatus};
+use crate::store::{ChunkRef, OperatorStore};
+
+/// The failed chunks of dead letters, oldest delivery first. Starts from the index of
+/// unfinished deliveries (a join led by the chunk table would read all of history).
+/// `?1` is a channel, or NULL for all.
+pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
+    "d.id IN (SELECT id FROM outbound_deliveries WHERE status = 'failed' AND status <> 'delivered'
+               AND corrupt IS NULL AND (?1 IS NULL OR channel = ?1))
+     AND c.status = 'failed'
+     ORDER BY d.id"
+);
+
+impl OperatorStore for Tx<'_> {
+    fn dead_letter_chunks(&self, channel: Option<&str>) -> Result<Vec<ChunkRef>> {
+        let mut stmt = self.prepare_cached(DEAD_LETTER_CHUNKS_SQL)?;
+        let rows = stmt.query_map([channel], chunk_ref)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    fn acknowledge_dead_letters(
+        &self,
+        channel: Option<&str>,
+        now: i64,
+    ) -> Result<Vec<(String, String)>> {
+        let mut stmt = self.prepare_cached(
+            "UPDATE outbound_deliveries SET acknowledged_at = ?1
+             WHERE status = 'failed' AND status <> 'delivered' AND acknowledged_at IS NULL
+               AND (?2 IS NULL OR channel = ?2)
+             RETURNING channel, chat_id",
+        )?;
+        let rows = stmt.query_map(params![now, channel], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    fn first_started_chunk(&self, delivery: i64) -> Result<Option<(i64, u32, ChunkStatus, u32)>> {
+        Ok(self
+            .prepare_cached(concat!(
+                "SELECT id, chunk_index, status, attempts FROM outbound_delivery_chunks AS c WHERE ",
+                chunks_of_delivery!("c", "?1"),
+                " AND (status NOT IN ('pending', 'retry') OR attempts > 0 OR sent_before)
+                 ORDER BY id LIMIT 1"
+            ))?
+            .query_row([delivery], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+            })
+            .optional()?)
+    }
+
+    fn delete_chunks(&self, delivery: i64) -> Result<u64> {
+        Ok(self
+            .prepare_cached(DELETE_CHUNKS_SQL)?
+            .execute([delivery])? as u64)
+    }
+
+    fn mark_cancelled(&self, delivery: i64, now: i64) -> Result<()> {
+        self.prepare_cached(
+            "UPDATE outbound_deliveries
+             SET status = 'cancelled', updated_at = ?2, finished_at = ?2 WHERE id = ?1",
+        )?
+        .execute(params![delivery, now])?;
+        Ok(())
+    }
+
+    fn held_or_head_chunk(&self, delivery: i64, uid: &str) -> Result<Option<ChunkRef>> {
+        Ok(self
+            .prepare_cached(chunk_ref_where!(
+                "d.id = ?1 AND d.uid = ?2
+                 ORDER BY c.status IN ('failed', 'uncertain') DESC,
+                          c.chunk_index = min(d.delivered_count, d.chunk_count - 1) DESC
+                 LIMIT 1"
+            ))?
+            .query_row(params![delivery, uid], chunk_ref)
+            .optional()?)
+    }
+
+    fn delivery_state(
+        &self,
+        delivery: i64,
+        uid: &str,
+    ) -> Result<Option<(DeliveryStatus, String, String)>> {
+        Ok(self
+            .prepare_cached(
+                "SELECT status, channel, chat_id FROM outbound_deliveries WHERE id = ?1 AND uid = ?2",
+            )?
+            .query_row(params![delivery, uid], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })
+            .optional()?)
+    }
+}
