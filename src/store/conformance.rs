@@ -1,1 +1,526 @@
-//! placeholder
+//! The contract of each store primitive, checked primitive by primitive on every store.
+//!
+//! Each contract is a function of a fresh outbox on the store under test (and the
+//! manual clock it runs on): it seeds rows through the public API or through other
+//! primitives, calls the primitive in a write transaction of the store, and checks what
+//! the primitive returned and what it left. [`conformance!`] makes one test of each
+//! contract for a store; a new store adds one line at the bottom.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::claim::Claim;
+use crate::clock::ManualClock;
+use crate::enqueue::NewDelivery;
+use crate::ids::{CHUNK_STRIDE, DeliveryId};
+use crate::options::OutboxOptions;
+use crate::outbox::Outbox;
+use crate::outcome::Outcome;
+use crate::rules::{ChannelPolicy, FileRules, LaneOrder, Policy};
+use crate::status::{ChunkStatus, DeliveryStatus};
+use crate::store::{HeadRow, LaneRef, StoreTx};
+
+/// The time every contract starts at, ms.
+const T0: i64 = 1_767_225_600_000;
+
+/// A store under test: a fresh outbox on it, on a manual clock at [`T0`].
+type Fresh = fn(OutboxOptions) -> Outbox;
+
+fn options(clock: &ManualClock) -> OutboxOptions {
+    OutboxOptions::default()
+        .with_clock(Arc::new(clock.clone()))
+        .with_lease(Duration::from_secs(30))
+}
+
+/// Runs `f` in one write transaction of `ob`'s store.
+fn write<T>(ob: &Outbox, f: impl FnOnce(&dyn StoreTx) -> crate::Result<T>) -> T {
+    ob.write(|tx, _| f(tx)).unwrap()
+}
+
+fn lane<'a>(chat: &'a str) -> LaneRef<'a> {
+    LaneRef::new("t", chat)
+}
+
+fn row(ob: &Outbox, id: DeliveryId) -> i64 {
+    ob.delivery_rowid(id)
+}
+
+fn enqueue(ob: &Outbox, chat: &str, text: &str) -> DeliveryId {
+    ob.enqueue(&NewDelivery::single("t", chat, text))
+        .unwrap()
+        .id
+}
+
+fn claim_one(ob: &Outbox) -> Claim {
+    let mut claims = ob.claim(1).unwrap();
+    assert_eq!(claims.len(), 1, "one chunk due");
+    claims.remove(0)
+}
+
+/// Deliveries of one lane get increasing positions in the order they were stored; the
+/// head of a lane with an active delivery is that one; row numbers are never reused.
+pub(super) fn lane_positions_follow_insert_order(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let ids: Vec<DeliveryId> = (0..3)
+        .map(|i| enqueue(&ob, "a", &format!("m{i}")))
+        .collect();
+    let positions: Vec<i64> = ids
+        .iter()
+        .map(|id| write(&ob, |tx| tx.waiting(row(&ob, *id))).position)
+        .collect();
+    assert!(positions.windows(2).all(|p| p[0] < p[1]), "{positions:?}");
+    assert_eq!(
+        write(&ob, |tx| tx.lane_head(lane("a"))),
+        Some(HeadRow::Active)
+    );
+    assert_eq!(write(&ob, |tx| tx.lane_head(lane("nobody"))), None);
+    let next_row = write(&ob, |tx| tx.next_delivery_row());
+    assert!(
+        next_row > row(&ob, ids[2]),
+        "rows are never handed out twice"
+    );
+}
+
+/// With nothing active, the head is the first queued delivery in lane order, with what
+/// activation needs (its head index and delayed start).
+pub(super) fn the_head_is_the_first_queued_when_nothing_is_active(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    enqueue(&ob, "a", "first");
+    let later = T0 + 60_000;
+    let second = ob
+        .enqueue(
+            &NewDelivery::single("t", "a", "second").not_before(crate::clock::to_datetime(later)),
+        )
+        .unwrap()
+        .id;
+    enqueue(&ob, "a", "third");
+    let claim = claim_one(&ob);
+    // The ack makes the second active; read the head in the same transaction, before.
+    let head = write(&ob, |tx| {
+        tx.mark_delivered(claim.chunk_id.0, None, T0)?;
+        tx.mark_finalized(row(&ob, claim.delivery_id), T0)?;
+        tx.lane_head(lane("a"))
+    });
+    match head {
+        Some(HeadRow::Queued(w)) => {
+            assert_eq!(w.id, row(&ob, second));
+            assert_eq!(w.head_index, 0);
+            assert_eq!(w.not_before, Some(later));
+        }
+        other => panic!("expected the second queued, got {other:?}"),
+    }
+}
+
+/// A lane is held by an uncertain delivery or an unacknowledged dead letter, at its
+/// position; an acknowledged one holds nothing.
+pub(super) fn a_lane_is_held_by_uncertain_and_unacknowledged_dead_letters(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = enqueue(&ob, "a", "x");
+    assert_eq!(write(&ob, |tx| tx.lane_held(lane("a"))), None);
+    let claim = claim_one(&ob);
+    ob.record(&claim, Outcome::Permanent { error: "no".into() })
+        .unwrap();
+    let position = write(&ob, |tx| tx.waiting(row(&ob, id))).position;
+    assert_eq!(write(&ob, |tx| tx.lane_held(lane("a"))), Some(position));
+    assert_eq!(
+        write(&ob, |tx| tx.lane_held(lane("b"))),
+        None,
+        "lanes apart"
+    );
+    ob.acknowledge_dead_letters(None).unwrap();
+    assert_eq!(write(&ob, |tx| tx.lane_held(lane("a"))), None);
+    let id = enqueue(&ob, "a", "y");
+    let claim = claim_one(&ob);
+    ob.record(&claim, Outcome::Ambiguous { error: "?".into() })
+        .unwrap();
+    let position = write(&ob, |tx| tx.waiting(row(&ob, id))).position;
+    assert_eq!(write(&ob, |tx| tx.lane_held(lane("a"))), Some(position));
+}
+
+/// A lane's due time is the earliest asked for unless a pause or an interval ends
+/// later; neither ever moves earlier.
+pub(super) fn lane_due_times_wait_for_pauses_and_intervals(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    write(&ob, |tx| {
+        assert_eq!(tx.lane_due_time(lane("a"), T0)?, T0, "an unknown lane");
+        assert_eq!(tx.pause_lane(lane("a"), T0 + 500)?, T0 + 500);
+        assert_eq!(
+            tx.pause_lane(lane("a"), T0 + 100)?,
+            T0 + 500,
+            "never shorter"
+        );
+        assert_eq!(tx.lane_due_time(lane("a"), T0)?, T0 + 500);
+        assert_eq!(tx.lane_due_time(lane("a"), T0 + 900)?, T0 + 900);
+        assert_eq!(tx.lane_due_time(lane("b"), T0)?, T0, "lanes apart");
+        tx.note_lane_send(lane("b"), T0 + 700)?;
+        tx.note_lane_send(lane("b"), T0 + 300)?;
+        assert_eq!(tx.lane_due_time(lane("b"), T0)?, T0 + 700, "never earlier");
+        Ok(())
+    });
+}
+
+/// A pause pushes the lane's due chunks to its end, and leaves other lanes' alone.
+pub(super) fn a_pause_pushes_the_lanes_due_chunks(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    enqueue(&ob, "a", "x");
+    enqueue(&ob, "b", "y");
+    write(&ob, |tx| tx.pause_lane(lane("a"), T0 + 5_000));
+    let channel = write(&ob, |tx| tx.channel_number("t"));
+    let row = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    assert_eq!(row.id, channel);
+    let due = write(&ob, |tx| tx.due_chunks(&row, T0, 10));
+    assert_eq!(due.len(), 1, "only lane b is due now");
+    assert_eq!(write(&ob, |tx| tx.next_due(channel)), Some(T0));
+    let later = write(&ob, |tx| tx.due_chunks(&row, T0 + 5_000, 10));
+    assert_eq!(later.len(), 2);
+    assert_eq!(later[1].due_at, T0 + 5_000);
+}
+
+/// Due chunks come in due order, at most `limit`, none due later than asked.
+pub(super) fn due_chunks_come_in_due_order_up_to_the_limit(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    for (i, chat) in ["c", "a", "b"].iter().enumerate() {
+        clock.set(T0 + 10 * (3 - i as i64));
+        enqueue(&ob, chat, "x");
+    }
+    clock.set(T0 + 100);
+    let row = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    let due = write(&ob, |tx| tx.due_chunks(&row, T0 + 100, 10));
+    let times: Vec<i64> = due.iter().map(|c| c.due_at).collect();
+    assert_eq!(times, [T0 + 10, T0 + 20, T0 + 30]);
+    let chats: Vec<String> = due
+        .iter()
+        .map(|c| c.row.as_ref().unwrap().chunk.chat_id.clone())
+        .collect();
+    assert_eq!(chats, ["b", "a", "c"]);
+    assert_eq!(write(&ob, |tx| tx.due_chunks(&row, T0 + 100, 2)).len(), 2);
+    assert_eq!(write(&ob, |tx| tx.due_chunks(&row, T0 + 15, 10)).len(), 1);
+    assert_eq!(write(&ob, |tx| tx.next_due(row.id)), Some(T0 + 10));
+    assert!(write(&ob, |tx| tx.channels(Some("nobody"))).is_empty());
+}
+
+/// A claim's chunk is found by its token only: a stale token is refused.
+pub(super) fn a_stale_token_is_refused(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    enqueue(&ob, "a", "x");
+    let claim = claim_one(&ob);
+    let chunk = write(&ob, |tx| tx.claimed_chunk(claim.chunk_id.0, claim.token)).unwrap();
+    assert_eq!(chunk.status, ChunkStatus::Sending);
+    assert_eq!(chunk.attempts, 1, "the attempt counted at the claim");
+    assert_eq!(
+        write(&ob, |tx| tx
+            .claimed_chunk(claim.chunk_id.0, claim.token ^ 1)),
+        None
+    );
+    ob.record(&claim, Outcome::delivered(None)).unwrap();
+    assert_eq!(
+        write(&ob, |tx| tx.claimed_chunk(claim.chunk_id.0, claim.token)),
+        None,
+        "settled: the token is cleared"
+    );
+}
+
+/// Marking a chunk sending counts an attempt and sets its lease as its due time; a
+/// lease is renewed only under its own token while sending, and listed as expired
+/// once it ends.
+pub(super) fn leases_are_marked_renewed_and_expire(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    enqueue(&ob, "a", "x");
+    let row = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    let chunk = write(&ob, |tx| tx.due_chunks(&row, T0, 1)).remove(0).chunk;
+    write(&ob, |tx| tx.mark_sending(chunk, T0 + 1_000, 77));
+    let held = write(&ob, |tx| tx.claimed_chunk(chunk, 77)).unwrap();
+    assert_eq!((held.status, held.attempts), (ChunkStatus::Sending, 1));
+    assert_eq!(write(&ob, |tx| tx.next_due(row.id)), Some(T0 + 1_000));
+    assert!(write(&ob, |tx| tx.renew_lease(chunk, 77, T0 + 2_000)));
+    assert!(!write(&ob, |tx| tx.renew_lease(chunk, 78, T0 + 9_000)));
+    assert!(write(&ob, |tx| tx.expired_sending(row.id, T0 + 1_999)).is_empty());
+    let expired = write(&ob, |tx| tx.expired_sending(row.id, T0 + 2_000));
+    assert_eq!(expired.len(), 1);
+    assert_eq!(expired[0].id, chunk);
+    write(&ob, |tx| {
+        tx.set_chunk_aside(chunk, ChunkStatus::Uncertain, "lost", true)
+    });
+    assert!(
+        write(&ob, |tx| tx.claimed_chunk(chunk, 77)).is_some(),
+        "token kept"
+    );
+    assert!(
+        !write(&ob, |tx| tx.renew_lease(chunk, 77, T0 + 3_000)),
+        "not sending"
+    );
+}
+
+/// The one chunk of a queued reply sent as its whole text is read as pending, with no
+/// attempts, and compared as the whole text — whether or not its row is stored yet.
+pub(super) fn a_queued_replys_chunk_is_supplied(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    enqueue(&ob, "a", "first");
+    let queued = enqueue(&ob, "a", "second");
+    let id = row(&ob, queued) * CHUNK_STRIDE;
+    let chunk = write(&ob, |tx| tx.load_chunk(id)).expect("the queued chunk");
+    assert_eq!(
+        (chunk.status, chunk.attempts, chunk.index),
+        (ChunkStatus::Pending, 0, 0)
+    );
+    assert_eq!((chunk.delivery, chunk.total), (row(&ob, queued), 1));
+    let content = write(&ob, |tx| tx.stored_content(row(&ob, queued)));
+    assert_eq!(content.status, DeliveryStatus::Queued);
+    assert_eq!(content.chunks, [None]);
+    assert_eq!(write(&ob, |tx| tx.load_chunk(id + 1)), None);
+}
+
+/// A caller key names one delivery of its channel.
+pub(super) fn keys_are_found_per_channel(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = ob
+        .enqueue(&NewDelivery::single("t", "a", "x").with_idempotency_key("k"))
+        .unwrap()
+        .id;
+    let found = write(&ob, |tx| tx.find_by_key("t", "k")).unwrap();
+    assert_eq!(found, (row(&ob, id), id.to_string()));
+    assert_eq!(write(&ob, |tx| tx.find_by_key("u", "k")), None);
+    assert_eq!(write(&ob, |tx| tx.find_by_key("t", "j")), None);
+}
+
+/// A channel name has one number, and registering one raises the rules' version.
+pub(super) fn channel_numbers_are_stable(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let before = write(&ob, |tx| tx.rules_version());
+    let a = write(&ob, |tx| tx.channel_number("a"));
+    let after = write(&ob, |tx| tx.rules_version());
+    assert!(after > before, "other handles learn the number");
+    assert_eq!(write(&ob, |tx| tx.channel_number("a")), a);
+    assert_ne!(write(&ob, |tx| tx.channel_number("b")), a);
+    assert_eq!(write(&ob, |tx| tx.load_rules()).channel_ids["a"], a);
+}
+
+/// Stored rules read back as stored, each change raising the version; a rule not
+/// named keeps what is stored.
+pub(super) fn rules_read_back_as_stored(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let v0 = write(&ob, |tx| tx.rules_version());
+    let policy = Policy {
+        lane_order: LaneOrder::Parallel,
+        ..Policy::default()
+    };
+    let which = FileRules {
+        lane_order: true,
+        ..FileRules::default()
+    };
+    write(&ob, |tx| tx.store_file_rules(&policy, which));
+    let stored = write(&ob, |tx| tx.load_rules());
+    assert!(stored.version > v0);
+    assert_eq!(stored.policy.lane_order, LaneOrder::Parallel);
+    assert!(stored.declared.lane_order && !stored.declared.retry);
+    let rules = ChannelPolicy::replayable().with_lane_interval(Duration::from_millis(1500));
+    write(&ob, |tx| tx.store_channel_rules("m", Some(&rules)));
+    let stored2 = write(&ob, |tx| tx.load_rules());
+    assert!(stored2.version > stored.version);
+    assert_eq!(stored2.policy.channels["m"], rules);
+    write(&ob, |tx| tx.store_channel_rules("m", None));
+    assert!(
+        !write(&ob, |tx| tx.load_rules())
+            .policy
+            .channels
+            .contains_key("m")
+    );
+    write(&ob, |tx| {
+        tx.store_finalization_statement(Some("INSERT INTO x VALUES (1)"))
+    });
+    assert_eq!(
+        write(&ob, |tx| tx.finalization_statement()).as_deref(),
+        Some("INSERT INTO x VALUES (1)")
+    );
+}
+
+/// Rate limits are counted per chunk; a fresh budget clears them and the attempts, and
+/// remembers that an earlier budget sent the chunk.
+pub(super) fn budgets_count_and_reset(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = enqueue(&ob, "a", "x");
+    let claim = claim_one(&ob);
+    let chunk = claim.chunk_id.0;
+    assert_eq!(write(&ob, |tx| tx.count_rate_limit(chunk)), 1);
+    assert_eq!(write(&ob, |tx| tx.count_rate_limit(chunk)), 2);
+    assert_eq!(
+        write(&ob, |tx| tx.first_started_chunk(row(&ob, id)))
+            .unwrap()
+            .0,
+        chunk
+    );
+    write(&ob, |tx| tx.reset_budget(chunk));
+    let reset = write(&ob, |tx| tx.load_chunk(chunk)).unwrap();
+    assert_eq!((reset.status, reset.attempts), (ChunkStatus::Retry, 0));
+    assert_eq!(
+        write(&ob, |tx| tx.count_rate_limit(chunk)),
+        1,
+        "a fresh count"
+    );
+    let started = write(&ob, |tx| tx.first_started_chunk(row(&ob, id)));
+    assert_eq!(
+        started.map(|s| s.0),
+        Some(chunk),
+        "sent by the budget before"
+    );
+}
+
+/// A nested transaction undone leaves nothing of its writes; one kept keeps them.
+pub(super) fn nested_transactions_undo_or_keep(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    write(&ob, |tx| {
+        assert!(tx.in_transaction());
+        tx.begin_nested()?;
+        tx.channel_number("undone")?;
+        tx.end_nested(false)?;
+        tx.begin_nested()?;
+        tx.channel_number("kept")?;
+        tx.end_nested(true)?;
+        Ok(())
+    });
+    let ids = write(&ob, |tx| tx.load_rules()).channel_ids;
+    assert!(
+        ids.contains_key("kept") && !ids.contains_key("undone"),
+        "{ids:?}"
+    );
+}
+
+/// The history takes a delivery once.
+pub(super) fn history_takes_a_delivery_once(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = enqueue(&ob, "a", "x");
+    write(&ob, |tx| tx.write_history(row(&ob, id), T0));
+    let again = ob.write(|tx, _| tx.write_history(row(&ob, id), T0));
+    assert!(again.is_err(), "a second copy is refused");
+}
+
+/// Finished-but-unfinalized deliveries are those with chunks, every one delivered.
+pub(super) fn unfinalized_are_those_with_every_chunk_delivered(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let done = ob
+        .enqueue(&NewDelivery::chunked("t", "a", "x y", ["x", "y"]))
+        .unwrap()
+        .id;
+    enqueue(&ob, "b", "z");
+    enqueue(&ob, "a", "queued");
+    assert!(write(&ob, |tx| tx.finished_unfinalized()).is_empty());
+    let first = row(&ob, done) * CHUNK_STRIDE;
+    write(&ob, |tx| tx.mark_delivered(first, None, T0));
+    assert!(
+        write(&ob, |tx| tx.finished_unfinalized()).is_empty(),
+        "one left"
+    );
+    write(&ob, |tx| tx.mark_delivered(first + 1, None, T0));
+    let listed = write(&ob, |tx| tx.finished_unfinalized());
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        (listed[0].0.id, listed[0].0.chat_id.as_str()),
+        (row(&ob, done), "a")
+    );
+    assert_eq!(listed[0].1, T0);
+    write(&ob, |tx| tx.mark_finalized(row(&ob, done), T0));
+    assert!(write(&ob, |tx| tx.finished_unfinalized()).is_empty());
+}
+
+/// A purge never lists the newest delivery, lists only finished ones before the
+/// cutoff, and removing one removes its chunks.
+pub(super) fn purges_spare_the_newest_and_the_unfinished(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    for chat in ["a", "b", "c"] {
+        enqueue(&ob, chat, "x");
+    }
+    for claim in ob.claim(3).unwrap() {
+        ob.record(&claim, Outcome::delivered(None)).unwrap();
+    }
+    enqueue(&ob, "d", "unfinished");
+    let listed = write(&ob, |tx| tx.purgeable(0, T0 + 1, 100));
+    assert_eq!(
+        listed.len(),
+        3,
+        "every finished one: the newest is unfinished"
+    );
+    assert!(listed.iter().all(|p| p.delivered && p.channel == "t"));
+    assert!(
+        write(&ob, |tx| tx.purgeable(0, T0, 100)).is_empty(),
+        "cutoff"
+    );
+    assert_eq!(
+        write(&ob, |tx| tx.purgeable(listed[0].id, T0 + 1, 1)).len(),
+        1
+    );
+    assert_eq!(write(&ob, |tx| tx.purge_counts(T0 + 1)), (3, 3));
+    assert_eq!(write(&ob, |tx| tx.delete_delivery(listed[0].id)), 1);
+    assert_eq!(write(&ob, |tx| tx.purge_counts(T0 + 1)), (2, 2));
+}
+
+/// A row set aside as corrupt is failed, and its lane is given back when readable.
+pub(super) fn corrupt_rows_are_failed_with_their_lane(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = enqueue(&ob, "a", "x");
+    let chunk = row(&ob, id) * CHUNK_STRIDE;
+    let lane = write(&ob, |tx| tx.set_corrupt(chunk, row(&ob, id), "bad", T0));
+    assert_eq!(lane, Some(("t".to_owned(), "a".to_owned())));
+    let view = ob.delivery(id).unwrap().unwrap();
+    assert_eq!(view.status, DeliveryStatus::Failed);
+    assert_eq!(
+        write(&ob, |tx| tx.load_chunk(chunk)).unwrap().status,
+        ChunkStatus::Failed
+    );
+}
+
+/// Makes one test of each contract for a store.
+macro_rules! conformance {
+    ($store:ident, $fresh:expr) => {
+        mod $store {
+            use super::*;
+            conformance!(@tests $fresh;
+                lane_positions_follow_insert_order,
+                the_head_is_the_first_queued_when_nothing_is_active,
+                a_lane_is_held_by_uncertain_and_unacknowledged_dead_letters,
+                lane_due_times_wait_for_pauses_and_intervals,
+                a_pause_pushes_the_lanes_due_chunks,
+                due_chunks_come_in_due_order_up_to_the_limit,
+                a_stale_token_is_refused,
+                leases_are_marked_renewed_and_expire,
+                a_queued_replys_chunk_is_supplied,
+                keys_are_found_per_channel,
+                channel_numbers_are_stable,
+                rules_read_back_as_stored,
+                budgets_count_and_reset,
+                nested_transactions_undo_or_keep,
+                history_takes_a_delivery_once,
+                unfinalized_are_those_with_every_chunk_delivered,
+                purges_spare_the_newest_and_the_unfinished,
+                corrupt_rows_are_failed_with_their_lane,
+            );
+        }
+    };
+    (@tests $fresh:expr; $($contract:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $contract() {
+                super::$contract($fresh);
+            }
+        )*
+    };
+}
+
+conformance!(sqlite, |options| Outbox::open_in_memory(options).unwrap());
