@@ -460,6 +460,13 @@ impl Outbox {
 /// caller keys (is the key free?) and their lanes (which delivery is the head?), each
 /// kind in sorted order.
 fn lock_for(tx: &dyn StoreTx, deliveries: &[&NewDelivery]) -> Result<()> {
+    if let [d] = deliveries {
+        // One reply (most enqueues): nothing to sort.
+        if let Some(key) = &d.idempotency_key {
+            tx.lock_key(&d.channel, key)?;
+        }
+        return tx.lock_lanes(&mut [LaneRef::new(&d.channel, &d.chat_id)]);
+    }
     let mut keys: Vec<(&str, &str)> = deliveries
         .iter()
         .filter_map(|d| Some((d.channel.as_str(), d.idempotency_key.as_deref()?)))

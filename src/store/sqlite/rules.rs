@@ -67,9 +67,13 @@ impl StoreTx for Tx<'_> {
 
 impl RuleStore for Tx<'_> {
     fn rules_version(&self) -> Result<i64> {
-        Ok(self
-            .prepare_cached("SELECT version FROM outbound_policy WHERE id = 1")?
-            .query_row([], |r| r.get(0))?)
+        // Read once per transaction, first: through the connection's own cache, so the
+        // statement is not one more that the `Tx` keeps for the rest of the work.
+        Ok(rusqlite::Connection::prepare_cached(
+            self,
+            "SELECT version FROM outbound_policy WHERE id = 1",
+        )?
+        .query_row([], |r| r.get(0))?)
     }
 
     fn load_rules(&self) -> Result<Stored> {
