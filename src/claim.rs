@@ -134,13 +134,13 @@ impl Claim {
     /// Discord's `nonce` and other short key fields (see
     /// [`chunk_compact_key`](crate::chunk_compact_key)).
     pub fn compact_key(&self) -> String {
-        crate::chunk_compact_key(&self.delivery_id, self.index)
+        crate::ids::chunk_compact_key(&self.delivery_id, self.index)
     }
 
     /// This chunk's key as a UUID, for LINE's `X-Line-Retry-Key` (see
     /// [`chunk_key_uuid`](crate::chunk_key_uuid)).
     pub fn key_uuid(&self) -> uuid::Uuid {
-        crate::chunk_key_uuid(&self.delivery_id, self.index)
+        crate::ids::chunk_key_uuid(&self.delivery_id, self.index)
     }
 }
 
@@ -540,7 +540,11 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use crate::{ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome};
+    use crate::clock::ManualClock;
+    use crate::enqueue::NewDelivery;
+    use crate::options::OutboxOptions;
+    use crate::outbox::Outbox;
+    use crate::outcome::Outcome;
 
     /// Claims of any size take their rows from one compiled statement: nothing bound to
     /// it takes part in its plan, so SQLite never compiles it again. Each claim returns

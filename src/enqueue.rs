@@ -105,7 +105,7 @@ impl NewDelivery {
         channel: impl Into<String>,
         chat_id: impl Into<String>,
         text: impl Into<String>,
-        splitter: &crate::Splitter,
+        splitter: &crate::split::Splitter,
     ) -> Result<Self> {
         let text = text.into();
         let chunks = splitter.split(&text)?;
@@ -383,7 +383,7 @@ impl Outbox {
         channel: &str,
         chat_id: &str,
         text: &str,
-        splitter: &crate::Splitter,
+        splitter: &crate::split::Splitter,
     ) -> Result<Enqueued> {
         self.enqueue(&NewDelivery::split(channel, chat_id, text, splitter)?)
     }

@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 
-use crate::{ChunkId, ChunkStatus, DeliveryId};
+use crate::ids::{ChunkId, DeliveryId};
+use crate::status::ChunkStatus;
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -75,7 +76,7 @@ pub enum Error {
         /// The delivery acted on.
         delivery: DeliveryId,
         /// Its current status.
-        status: crate::DeliveryStatus,
+        status: crate::status::DeliveryStatus,
         /// The action that was refused.
         action: &'static str,
         /// The status(es) the action needs.

@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use crate::Outbox;
-use crate::Result;
 use crate::clock::to_datetime;
+use crate::error::Result;
+use crate::outbox::Outbox;
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::sqlite::chunks::chunks_of_delivery;
 use crate::store::sqlite::tx::Tx;

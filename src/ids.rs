@@ -6,7 +6,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The public id of a delivery: a UUID v7 (time ordered), unique across databases.
 ///

@@ -5,11 +5,13 @@ use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter, typ
 use serde::Serialize;
 
 use crate::clock::to_datetime;
+use crate::error::{Error, Result};
 use crate::ids::CHUNK_STRIDE;
+use crate::ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
+use crate::outbox::Outbox;
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::sqlite::chunks::chunks_of_delivery;
 use crate::store::sqlite::tx::Tx;
-use crate::{ChunkId, ClaimantId, DeliveryId, Error, Outbox, Result, chunk_idempotency_key};
 
 /// Most rows one [`Outbox::list`] returns.
 pub const MAX_LIST_LIMIT: usize = 10_000;

@@ -193,7 +193,8 @@ pub use rusqlite;
 pub use split::{LengthUnit, Markup, Splitter};
 pub use state::Recorded;
 pub use status::{ChunkStatus, DeliveryStatus};
-pub use store::sqlite::schema::{SCHEMA_VERSION, StorageSettings};
+pub use store::sqlite::connection::StorageSettings;
+pub use store::sqlite::schema::SCHEMA_VERSION;
 
 /// The bounds the outbox holds input and waits to. Input beyond one is refused with
 /// [`Error::InvalidInput`] before anything is written, except where an item says it is

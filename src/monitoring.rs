@@ -42,7 +42,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::{Health, Outbox};
+use crate::health::Health;
+use crate::outbox::Outbox;
 
 /// When a snapshot warns or fails. The defaults are those of `outbox health`: fail on
 /// any unacknowledged dead letter, uncertain chunk or corrupt row; warn on any expired

@@ -16,7 +16,8 @@ use crate::lane;
 use crate::options::OutboxOptions;
 use crate::rules::{self, ChannelPolicy, FileRules, Policy, RetryPolicy, Stored};
 use crate::store::sqlite::checkpoint::Checkpointer;
-use crate::store::sqlite::schema::{self, StorageSettings};
+use crate::store::sqlite::connection::{self, StorageSettings};
+use crate::store::sqlite::schema;
 use crate::store::sqlite::tx::Tx;
 use crate::store::{Locks, RuleStore, StoreTx};
 
@@ -91,20 +92,20 @@ impl Outbox {
         options.validate()?;
         let path = path.as_ref().to_owned();
         create_private_file(&path, options.create_if_missing)?;
-        schema::check_file(&path)?;
+        connection::check_file(&path)?;
         let mut writer =
-            Connection::open(&path).map_err(|e| schema::name_path(Error::from(e), &path))?;
+            Connection::open(&path).map_err(|e| connection::name_path(Error::from(e), &path))?;
         let mut setup = || -> Result<()> {
-            schema::configure(&writer, &options, false)?;
+            connection::configure(&writer, &options, false)?;
             schema::refuse_newer(&writer)?;
             if !options.upgrade_schema {
                 schema::refuse_upgrade(&writer, &path)?;
             }
             schema::migrate(&mut writer)?;
-            schema::enable_wal(&writer, &options)?;
+            connection::enable_wal(&writer, &options)?;
             reconcile(&writer, &options)
         };
-        setup().map_err(|e| schema::name_path(e, &path))?;
+        setup().map_err(|e| connection::name_path(e, &path))?;
 
         let readers = reader_pool(&path, &options, OpenFlags::default())?;
         let checkpointer = options
@@ -131,16 +132,16 @@ impl Outbox {
         if !path.exists() {
             return Err(Error::DatabaseMissing { path });
         }
-        schema::check_file(&path)?;
+        connection::check_file(&path)?;
         let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let conn = Connection::open_with_flags(&path, flags)
-            .map_err(|e| schema::name_path(Error::from(e), &path))?;
+            .map_err(|e| connection::name_path(Error::from(e), &path))?;
         let setup = || -> Result<()> {
-            schema::configure_reader(&conn, &options)?;
+            connection::configure_reader(&conn, &options)?;
             schema::refuse_newer(&conn)?;
             schema::refuse_upgrade(&conn, &path)
         };
-        setup().map_err(|e| schema::name_path(e, &path))?;
+        setup().map_err(|e| connection::name_path(e, &path))?;
         let readers = reader_pool(&path, &options, flags)?;
         let options = options.with_background_checkpoints(None);
         Outbox::from_parts(conn, Some(readers), options, Some(path), None)
@@ -156,7 +157,7 @@ impl Outbox {
     pub fn open_in_memory(options: OutboxOptions) -> Result<Outbox> {
         options.validate()?;
         let mut writer = Connection::open_in_memory()?;
-        schema::configure(&writer, &options, true)?;
+        connection::configure(&writer, &options, true)?;
         schema::migrate(&mut writer)?;
         reconcile(&writer, &options)?;
         Outbox::from_parts(writer, None, options, None, None)
@@ -348,7 +349,7 @@ impl Outbox {
         let conn = match &self.inner.path {
             Some(path) => {
                 let conn = Connection::open(path)?;
-                schema::configure_reader(&conn, &self.inner.options)?;
+                connection::configure_reader(&conn, &self.inner.options)?;
                 Some(conn)
             }
             None => None,
@@ -364,7 +365,7 @@ impl Outbox {
     ///
     /// Database errors.
     pub fn writer_settings(&self) -> Result<StorageSettings> {
-        schema::read_settings(&self.writer())
+        connection::read_settings(&self.writer())
     }
 
     /// The pragmas a pooled read connection runs with (the writer's, in memory).
@@ -373,7 +374,7 @@ impl Outbox {
     ///
     /// Database and pool errors.
     pub fn reader_settings(&self) -> Result<StorageSettings> {
-        self.read(|tx| schema::read_settings(tx))
+        self.read(|tx| connection::read_settings(tx))
     }
 
     fn from_parts(
@@ -548,7 +549,7 @@ fn reader_pool(
     let reader_options = options.clone();
     let manager = SqliteConnectionManager::file(path)
         .with_flags(flags)
-        .with_init(move |c| schema::configure_reader(c, &reader_options));
+        .with_init(move |c| connection::configure_reader(c, &reader_options));
     Ok(r2d2::Pool::builder()
         .max_size(options.readers)
         .min_idle(Some(0))
@@ -759,7 +760,8 @@ impl ChangeWatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{NewDelivery, OutboxOptions};
+    use crate::enqueue::NewDelivery;
+    use crate::options::OutboxOptions;
 
     #[test]
     fn change_watcher_sees_other_connections_commits_only() {

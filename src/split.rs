@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use unicode_segmentation::UnicodeSegmentation;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// How a platform counts the length of a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,7 +6,7 @@ use std::str::FromStr;
 use rusqlite::types::{FromSql, FromSqlError, FromSqlResult, ValueRef};
 use serde::{Deserialize, Serialize};
 
-use crate::Error;
+use crate::error::Error;
 
 macro_rules! status_enum {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal,)+ }) => {

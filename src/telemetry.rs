@@ -48,7 +48,11 @@ mod on {
     /// The send's duration — claims are made right before their send, so claim to
     /// record is the send — and, for a finalized reply, its enqueue-to-finalization
     /// latency. Computed only here, so a build without the feature reads no clock.
-    pub(crate) fn timings(options: &crate::OutboxOptions, claim: &crate::Claim, finalized: bool) {
+    pub(crate) fn timings(
+        options: &crate::options::OutboxOptions,
+        claim: &crate::claim::Claim,
+        finalized: bool,
+    ) {
         let now = options.now_ms();
         let claimed_at =
             claim.lease_until.timestamp_millis() - crate::clock::duration_ms(options.lease);
@@ -75,7 +79,7 @@ mod on {
     pub(crate) fn outcome(_: &str, _: &'static str) {}
     pub(crate) fn chunk_state(_: &'static str, _: &str) {}
     pub(crate) fn events(_: &'static str, _: u64) {}
-    pub(crate) fn timings(_: &crate::OutboxOptions, _: &crate::Claim, _: bool) {}
+    pub(crate) fn timings(_: &crate::options::OutboxOptions, _: &crate::claim::Claim, _: bool) {}
 }
 
 pub(crate) use on::*;

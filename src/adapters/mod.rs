@@ -20,7 +20,7 @@ pub mod teloxide;
 /// The adapter's options in a claim's metadata (JSON; unknown fields are ignored), or
 /// the defaults when the delivery has none.
 fn options_from<T: serde::de::DeserializeOwned + Default>(
-    claim: &crate::Claim,
+    claim: &crate::claim::Claim,
 ) -> Result<T, String> {
     match &claim.metadata {
         None => Ok(T::default()),

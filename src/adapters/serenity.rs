@@ -47,8 +47,10 @@
 
 use std::sync::Arc;
 
+use crate::claim::Claim;
+use crate::dispatch::tokio::{AsyncChannelAdapter, SendFuture};
+use crate::outcome::Outcome;
 use crate::platforms::{NoReply, no_reply};
-use crate::{AsyncChannelAdapter, Claim, Outcome, SendFuture};
 use serde::Deserialize;
 use serenity::Error;
 use serenity::builder::CreateMessage;

@@ -47,8 +47,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::claim::Claim;
+use crate::dispatch::tokio::{AsyncChannelAdapter, SendFuture};
+use crate::outcome::Outcome;
 use crate::platforms::{NoReply, no_reply, slack};
-use crate::{AsyncChannelAdapter, Claim, Outcome, SendFuture};
 use serde::Deserialize;
 use slack_morphism::errors::SlackClientError;
 use slack_morphism::prelude::*;

@@ -46,8 +46,10 @@
 //! | `InvalidJson` (an answer that cannot be read) | `Ambiguous` |
 //! | `Io` (reading a file to upload, before sending) | `Transient` |
 
+use crate::claim::Claim;
+use crate::dispatch::tokio::{AsyncChannelAdapter, SendFuture};
+use crate::outcome::Outcome;
 use crate::platforms::{NoReply, no_reply};
-use crate::{AsyncChannelAdapter, Claim, Outcome, SendFuture};
 use serde::Deserialize;
 use teloxide_core::errors::{ApiError, RequestError};
 use teloxide_core::payloads::SendMessageSetters;

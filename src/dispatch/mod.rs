@@ -19,6 +19,7 @@
 //! * **An adapter's panic is an ambiguous send**, not a dead worker ([`guarded`]).
 
 mod blocking;
+mod builder;
 #[cfg(feature = "tokio")]
 pub(crate) mod tokio;
 
@@ -31,12 +32,19 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tracing::{Span, debug, info, info_span, warn};
 
+use crate::claim::Claim;
 use crate::claim::Isolation;
 use crate::clock::duration_ms;
+use crate::error::{Error, Result};
+use crate::ids::{ChunkId, DeliveryId};
+use crate::outbox::Outbox;
+use crate::outcome::Outcome;
+use crate::state::Recorded;
+use crate::status::ChunkStatus;
 use crate::telemetry;
-use crate::{ChunkId, ChunkStatus, Claim, DeliveryId, Error, Outbox, Outcome, Recorded, Result};
 
-pub use blocking::{Dispatcher, DispatcherBuilder, RunningDispatcher, ShutdownReport};
+pub use blocking::{Dispatcher, RunningDispatcher};
+pub use builder::{DispatcherBuilder, ShutdownReport};
 
 /// The application's code that talks to one platform (Telegram, Slack, ...).
 ///
@@ -379,18 +387,6 @@ pub(crate) struct Core {
 pub(crate) struct Shared<A: ?Sized> {
     pub core: Core,
     pub adapters: HashMap<String, Arc<A>>,
-}
-
-impl<A: ?Sized> DispatcherBuilder<A> {
-    pub(crate) fn into_shared(self) -> Result<Arc<Shared<A>>> {
-        let channels = self.adapters.keys().cloned().collect();
-        let mut core = Core::new(self.outbox, self.settings, channels)?;
-        core.events = self.events;
-        Ok(Arc::new(Shared {
-            core,
-            adapters: self.adapters,
-        }))
-    }
 }
 
 impl<A: ?Sized> Shared<A> {
@@ -826,7 +822,9 @@ fn outcome_kind(outcome: &Outcome) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{ManualClock, NewDelivery, OutboxOptions};
+    use crate::clock::ManualClock;
+    use crate::enqueue::NewDelivery;
+    use crate::options::OutboxOptions;
 
     /// A platform that accepts every send (also for the send threads' tests).
     pub(super) struct Accept;

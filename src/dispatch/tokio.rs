@@ -11,9 +11,15 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
-use super::{Core, DispatchStats, DispatcherBuilder, Run, Shared, ShutdownReport, keep_leases};
+use super::builder::{DispatcherBuilder, ShutdownReport};
+use super::{Core, DispatchStats, Run, Shared, keep_leases};
+use crate::claim::Claim;
+use crate::enqueue::{Enqueued, NewDelivery};
+use crate::error::Result;
+use crate::health::Health;
 use crate::outbox::ChangeWatcher;
-use crate::{Claim, Enqueued, Health, NewDelivery, Outbox, Outcome, Result};
+use crate::outbox::Outbox;
+use crate::outcome::Outcome;
 
 /// Claims admitted to be sent now, each with its adapter.
 type Admitted = Vec<(Claim, Arc<dyn AsyncChannelAdapter>)>;

@@ -8,7 +8,7 @@
 use serde_json::Value;
 
 use super::{HttpReply, Scope, delivered, rate_limited, seconds};
-use crate::Outcome;
+use crate::outcome::Outcome;
 
 /// Maps Discord's answer to a message create.
 ///

@@ -49,8 +49,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::Outcome;
 use crate::classify::cap_retry_after;
+use crate::outcome::Outcome;
 
 pub mod discord;
 pub mod matrix;

@@ -6,7 +6,7 @@
 //! [`resolve_uncertain`](crate::Outbox::resolve_uncertain).
 
 use super::{HttpReply, Scope, delivered, rate_limited};
-use crate::Outcome;
+use crate::outcome::Outcome;
 
 /// Errors after which Slack may have acted on the request ("it's possible some aspect
 /// of the operation succeeded before the error was raised").

@@ -7,7 +7,7 @@
 use serde_json::Value;
 
 use super::{HttpReply, Scope, delivered, rate_limited, seconds};
-use crate::Outcome;
+use crate::outcome::Outcome;
 
 /// Maps the Bot API's answer to a send.
 ///

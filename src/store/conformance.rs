@@ -33,7 +33,7 @@ fn options(clock: &ManualClock) -> OutboxOptions {
 }
 
 /// Runs `f` in one write transaction of `ob`'s store.
-fn write<T>(ob: &Outbox, f: impl FnOnce(&dyn StoreTx) -> crate::Result<T>) -> T {
+fn write<T>(ob: &Outbox, f: impl FnOnce(&dyn StoreTx) -> crate::error::Result<T>) -> T {
     ob.write(|tx, _| f(tx)).unwrap()
 }
 

@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use rusqlite::Connection;
 
-use crate::{Error, OutboxOptions, Result};
+use crate::error::{Error, Result};
+use crate::options::OutboxOptions;
 
 /// The checkpointing thread; stopping it is dropping it.
 pub(crate) struct Checkpointer {

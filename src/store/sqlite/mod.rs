@@ -11,6 +11,7 @@ pub(crate) mod tx;
 
 pub(crate) mod chunks;
 pub(crate) mod claims;
+pub(crate) mod connection;
 pub(crate) mod deliveries;
 pub(crate) mod finalize;
 pub(crate) mod lanes;
