@@ -10,8 +10,7 @@ use crate::clock::to_datetime;
 use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::sqlite::chunks::chunks_of_delivery;
-use crate::store::sqlite::tx::Tx;
+use crate::store::HealthRows;
 
 /// Counts for one channel.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -139,7 +138,7 @@ impl Outbox {
     /// Database errors.
     pub fn health(&self) -> Result<Health> {
         let now = self.options().now_ms();
-        self.read(|tx| snapshot(tx, now))
+        Ok(snapshot(self.read(|tx| tx.health_rows(now))?, now))
     }
 }
 
@@ -340,114 +339,70 @@ fn escape_label(value: &str) -> String {
         .replace('\n', "\\n")
 }
 
-/// Counted per channel and delivery status, over unfinished deliveries only.
-pub(crate) const OPEN_DELIVERIES_SQL: &str =
-    "SELECT channel, status, acknowledged_at IS NULL, count(*), min(created_at),
-        count(corrupt)
- FROM outbound_deliveries INDEXED BY outbound_deliveries_open
- WHERE status <> 'delivered'
- GROUP BY channel, status, acknowledged_at IS NULL";
-
-/// Counted per channel and chunk status, over the chunks of unfinished deliveries only.
-/// The unsent rest of a dead letter is not pending work, so it is left out. A queued
-/// delivery without a chunk row (its one chunk is stored when it becomes active) counts
-/// as one pending chunk, not yet due.
-pub(crate) const OPEN_CHUNKS_SQL: &str = concat!(
-    "SELECT d.channel, coalesce(c.status, 'pending') AS state, count(*),
-        sum(c.due_at IS NOT NULL AND c.due_at <= ?1),
-        min(CASE WHEN c.status <> 'sending' THEN c.due_at END),
-        sum(c.due_at IS NOT NULL)
- FROM outbound_deliveries d INDEXED BY outbound_deliveries_open
- LEFT JOIN outbound_delivery_chunks c ON ",
-    chunks_of_delivery!("c", "d.id"),
-    "
- WHERE d.status <> 'delivered' AND (c.id IS NOT NULL OR d.status = 'queued')
-   AND state <> 'delivered' AND NOT (d.status = 'failed' AND state = 'pending')
- GROUP BY d.channel, state"
-);
-
-fn snapshot(tx: &Tx<'_>, now: i64) -> Result<Health> {
+/// The snapshot from the rows a store counted: its per-channel counters of finalized
+/// replies, and its unfinished deliveries and their chunks grouped by channel and status.
+fn snapshot(rows: HealthRows, now: i64) -> Health {
     let mut channels: BTreeMap<String, ChannelHealth> = BTreeMap::new();
-
-    let mut stats = tx.prepare_cached(
-        "SELECT channel, delivered, last_delivered_at, finalized_total, latency_count,
-                latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s,
-                latency_le_120s, latency_le_600s, latency_le_3600s
-         FROM outbound_channel_stats",
-    )?;
-    let mut rows = stats.query([])?;
-    while let Some(r) = rows.next()? {
-        let h = channels.entry(r.get(0)?).or_default();
-        h.delivered_deliveries = count(r, 1)?;
-        h.total_deliveries += h.delivered_deliveries;
-        h.last_delivered_at = r.get::<_, Option<i64>>(2)?.map(to_datetime);
-        h.finalized_total = count(r, 3)?;
-        h.reply_latency.count = count(r, 4)?;
-        h.reply_latency.sum_ms = count(r, 5)?;
-        for (i, bucket) in h.reply_latency.buckets.iter_mut().enumerate() {
-            *bucket = count(r, 6 + i)?;
-        }
+    for s in rows.stats {
+        let h = channels.entry(s.channel).or_default();
+        h.delivered_deliveries = s.delivered;
+        h.total_deliveries += s.delivered;
+        h.last_delivered_at = s.last_delivered_at.map(to_datetime);
+        h.finalized_total = s.finalized_total;
+        h.reply_latency.count = s.latency_count;
+        h.reply_latency.sum_ms = s.latency_sum_ms;
+        h.reply_latency.buckets = s.latency_le;
     }
-
-    let mut open = tx.prepare_cached(OPEN_DELIVERIES_SQL)?;
-    let mut rows = open.query([])?;
-    while let Some(r) = rows.next()? {
-        let h = channels.entry(r.get(0)?).or_default();
-        let status: DeliveryStatus = r.get(1)?;
-        let unacknowledged: bool = r.get(2)?;
-        let n = count(r, 3)?;
+    for d in rows.deliveries {
+        let h = channels.entry(d.channel).or_default();
+        let n = d.count;
         h.total_deliveries += n;
-        match status {
+        match d.status {
             DeliveryStatus::Queued | DeliveryStatus::Pending => h.pending_deliveries += n,
             DeliveryStatus::Partial => h.partial_deliveries += n,
             DeliveryStatus::Uncertain => h.uncertain_deliveries += n,
             DeliveryStatus::Failed => {
                 h.failed_deliveries += n;
-                h.corrupt_deliveries += count(r, 5)?;
-                if unacknowledged {
+                h.corrupt_deliveries += d.corrupt;
+                if d.unacknowledged {
                     h.unacknowledged_dead_letters += n;
                 }
             }
             DeliveryStatus::Cancelled => h.cancelled_deliveries += n,
             DeliveryStatus::Unfinalized => h.unfinalized_deliveries += n,
-            // Counted from the maintained per-channel counters above (delivered rows
-            // are not in the index this query reads).
+            // Counted from the maintained per-channel counters above (the store does
+            // not read delivered rows).
             DeliveryStatus::Delivered => {}
         }
-        if status.is_in_flight() {
-            let oldest = to_datetime(r.get(4)?);
+        if d.status.is_in_flight() {
+            let oldest = to_datetime(d.oldest_created_at);
             h.oldest_unfinished_at = Some(h.oldest_unfinished_at.map_or(oldest, |o| o.min(oldest)));
         }
     }
-
-    let mut chunks = tx.prepare_cached(OPEN_CHUNKS_SQL)?;
-    let mut rows = chunks.query([now])?;
-    while let Some(r) = rows.next()? {
-        let h = channels.entry(r.get(0)?).or_default();
-        let status: ChunkStatus = r.get(1)?;
-        let n = count(r, 2)?;
-        let due_now = count(r, 3)?;
+    for c in rows.chunks {
+        let h = channels.entry(c.channel).or_default();
+        let n = c.count;
         if matches!(
-            status,
+            c.status,
             ChunkStatus::Pending | ChunkStatus::Retry | ChunkStatus::Sending
         ) {
-            h.moving_chunks += count(r, 5)?;
+            h.moving_chunks += c.scheduled;
         }
-        match status {
+        match c.status {
             ChunkStatus::Pending => h.pending_chunks += n,
             ChunkStatus::Sending => {
                 h.sending_chunks += n;
-                h.expired_leases += due_now;
+                h.expired_leases += c.due_now;
             }
             ChunkStatus::Retry => h.retry_chunks += n,
             ChunkStatus::Failed => h.failed_chunks += n,
             ChunkStatus::Uncertain => h.uncertain_chunks += n,
-            // Left out by the query: delivered chunks are history.
+            // Left out by the store: delivered chunks are history.
             ChunkStatus::Delivered => {}
         }
-        if status != ChunkStatus::Sending {
-            h.due_chunks += due_now;
-            if let Some(due) = r.get::<_, Option<i64>>(4)?.filter(|due| *due <= now) {
+        if c.status != ChunkStatus::Sending {
+            h.due_chunks += c.due_now;
+            if let Some(due) = c.oldest_due.filter(|due| *due <= now) {
                 let age = (now - due) as u64;
                 h.oldest_due_age_ms = Some(h.oldest_due_age_ms.map_or(age, |a| a.max(age)));
             }
@@ -462,11 +417,11 @@ fn snapshot(tx: &Tx<'_>, now: i64) -> Result<Health> {
     for h in channels.values() {
         totals.add(h);
     }
-    Ok(Health {
+    Health {
         generated_at: to_datetime(now),
         totals,
         channels,
-    })
+    }
 }
 
 impl ChannelHealth {
@@ -496,11 +451,6 @@ impl ChannelHealth {
         self.finalized_total += o.finalized_total;
         self.reply_latency.add(&o.reply_latency);
     }
-}
-
-/// A non-negative count column (SQLite integers are signed).
-fn count(r: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<u64> {
-    Ok(r.get::<_, Option<i64>>(i)?.unwrap_or(0).max(0) as u64)
 }
 
 fn min_opt<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {

@@ -1,17 +1,12 @@
 //! Read-only inspection of deliveries and chunks.
 
 use chrono::{DateTime, Utc};
-use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter, types::Value};
 use serde::Serialize;
 
-use crate::clock::to_datetime;
 use crate::error::{Error, Result};
-use crate::ids::CHUNK_STRIDE;
-use crate::ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
+use crate::ids::{ChunkId, ClaimantId, DeliveryId};
 use crate::outbox::Outbox;
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::sqlite::chunks::chunks_of_delivery;
-use crate::store::sqlite::tx::Tx;
 
 /// Most rows one [`Outbox::list`] returns.
 pub const MAX_LIST_LIMIT: usize = 10_000;
@@ -166,22 +161,8 @@ impl Outbox {
     ///
     /// Database errors.
     pub fn delivery(&self, id: DeliveryId) -> Result<Option<DeliveryView>> {
-        self.read(|tx| {
-            let Some((rowid, mut view)) = Connection::prepare_cached(
-                tx,
-                &format!("{DELIVERY_SELECT} WHERE id = ?1 AND uid = ?2"),
-            )?
-            .query_row(
-                params![self.delivery_rowid(id), id.to_string()],
-                delivery_row,
-            )
-            .optional()?
-            else {
-                return Ok(None);
-            };
-            view.chunks = chunks_of(tx, rowid, &view.id)?;
-            Ok(Some(view))
-        })
+        let row = self.delivery_rowid(id);
+        self.read(|tx| tx.delivery_view(row, &id.to_string()))
     }
 
     /// Deliveries matching `filter`, newest first, without their chunks.
@@ -196,43 +177,7 @@ impl Outbox {
                 format!("{} is outside 1..={MAX_LIST_LIMIT}", filter.limit),
             ));
         }
-        let mut sql = format!("{DELIVERY_SELECT} WHERE 1");
-        let mut values = Vec::new();
-        if let Some(status) = filter.status {
-            values.push(Value::Text(status.as_str().to_owned()));
-            sql.push_str(&format!(" AND status = ?{}", values.len()));
-            if status != DeliveryStatus::Delivered {
-                // Lets SQLite use the partial index of unfinished deliveries.
-                sql.push_str(" AND status <> 'delivered'");
-            }
-        }
-        if let Some(channel) = &filter.channel {
-            values.push(Value::Text(channel.clone()));
-            sql.push_str(&format!(" AND channel = ?{}", values.len()));
-        }
-        if let Some(chat_id) = &filter.chat_id {
-            values.push(Value::Text(chat_id.clone()));
-            sql.push_str(&format!(" AND chat_id = ?{}", values.len()));
-        }
-        if let Some(key) = &filter.idempotency_key {
-            values.push(Value::Text(key.clone()));
-            sql.push_str(&format!(" AND idempotency_key = ?{}", values.len()));
-        }
-        values.push(Value::Integer(filter.limit as i64));
-        sql.push_str(&format!(" ORDER BY id DESC LIMIT ?{}", values.len()));
-        self.read(|tx| {
-            let mut stmt = Connection::prepare_cached(tx, &sql)?;
-            let rows = stmt.query_map(params_from_iter(values), |r| Ok(delivery_row(r)))?;
-            let mut views = Vec::new();
-            for row in rows {
-                // A row that cannot be read is skipped here, not a reason to list
-                // nothing; `corrupt_rows` reports it.
-                if let Ok((_, view)) = row? {
-                    views.push(view);
-                }
-            }
-            Ok(views)
-        })
+        self.read(|tx| tx.list(filter))
     }
 
     /// Deliveries whose rows cannot be read, or that a claim set aside because of that:
@@ -243,38 +188,7 @@ impl Outbox {
     ///
     /// Database errors.
     pub fn corrupt_rows(&self) -> Result<Vec<CorruptRow>> {
-        self.read(|tx| {
-            let mut stmt = tx.prepare_cached(
-                "SELECT id, CAST(uid AS BLOB), corrupt FROM outbound_deliveries
-                 WHERE corrupt IS NOT NULL AND status <> 'delivered'",
-            )?;
-            let mut found: Vec<CorruptRow> = stmt
-                .query_map([], |r| {
-                    Ok(CorruptRow {
-                        row: r.get(0)?,
-                        uid: String::from_utf8_lossy(&r.get::<_, Vec<u8>>(1)?).into_owned(),
-                        reason: r.get(2)?,
-                    })
-                })?
-                .collect::<rusqlite::Result<_>>()?;
-            // Rows no claim has met yet: a uid that does not parse.
-            let mut stmt = tx.prepare_cached(
-                "SELECT id, CAST(uid AS BLOB) FROM outbound_deliveries
-                 WHERE corrupt IS NULL AND status <> 'delivered'",
-            )?;
-            let mut rows = stmt.query([])?;
-            while let Some(r) = rows.next()? {
-                let uid = String::from_utf8_lossy(&r.get::<_, Vec<u8>>(1)?).into_owned();
-                if uid.parse::<DeliveryId>().is_err() {
-                    found.push(CorruptRow {
-                        row: r.get(0)?,
-                        reason: format!("its delivery uid {uid:?} is not a UUID"),
-                        uid,
-                    });
-                }
-            }
-            Ok(found)
-        })
+        self.read(|tx| tx.corrupt_rows())
     }
 }
 
@@ -288,74 +202,4 @@ pub struct CorruptRow {
     pub uid: String,
     /// What is wrong with it.
     pub reason: String,
-}
-
-const DELIVERY_SELECT: &str =
-    "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
-        chunk_count, delivered_count, created_at, updated_at, finished_at, acknowledged_at,
-        metadata, not_before, finalize_error
- FROM outbound_deliveries";
-
-fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
-    let uid: String = r.get(1)?;
-    let id = uid.parse::<DeliveryId>().map_err(|e| {
-        rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Text, Box::new(e))
-    })?;
-    Ok((
-        r.get(0)?,
-        DeliveryView {
-            id,
-            channel: r.get(2)?,
-            chat_id: r.get(3)?,
-            sender: r.get(4)?,
-            idempotency_key: r.get(5)?,
-            status: r.get(6)?,
-            text: r.get(7)?,
-            chunk_count: r.get(8)?,
-            delivered_count: r.get(9)?,
-            created_at: to_datetime(r.get(10)?),
-            updated_at: to_datetime(r.get(11)?),
-            finished_at: r.get::<_, Option<i64>>(12)?.map(to_datetime),
-            acknowledged_at: r.get::<_, Option<i64>>(13)?.map(to_datetime),
-            metadata: r.get(14)?,
-            not_before: r.get::<_, Option<i64>>(15)?.map(to_datetime),
-            finalize_error: r.get(16)?,
-            chunks: Vec::new(),
-        },
-    ))
-}
-
-fn chunks_of(tx: &Tx<'_>, delivery: i64, id: &DeliveryId) -> Result<Vec<ChunkView>> {
-    // A queued delivery without a chunk row has one pending chunk, stored when the
-    // delivery becomes active (see `enqueue::stored_at_activation`).
-    let mut stmt = tx.prepare_cached(concat!(
-        "SELECT coalesce(c.id, ?2), coalesce(c.chunk_index, 0),
-                coalesce(c.status, 'pending'), coalesce(c.attempts, 0), c.due_at, c.last_error,
-                c.platform_message_id, c.delivered_at, coalesce(c.text, d.text), c.claim_token
-         FROM outbound_deliveries d LEFT JOIN outbound_delivery_chunks c ON ",
-        chunks_of_delivery!("c", "?1"),
-        " WHERE d.id = ?1 AND (c.id IS NOT NULL OR d.status = 'queued')
-         ORDER BY c.id"
-    ))?;
-    let rows = stmt.query_map(params![delivery, delivery * CHUNK_STRIDE], |r| {
-        let index: u32 = r.get(1)?;
-        let status: ChunkStatus = r.get(2)?;
-        let due = r.get::<_, Option<i64>>(4)?.map(to_datetime);
-        let sending = status == ChunkStatus::Sending;
-        Ok(ChunkView {
-            id: ChunkId(r.get(0)?),
-            index,
-            status,
-            attempts: r.get(3)?,
-            next_attempt_at: if sending { None } else { due },
-            lease_until: if sending { due } else { None },
-            last_error: r.get(5)?,
-            platform_message_id: r.get(6)?,
-            delivered_at: r.get::<_, Option<i64>>(7)?.map(to_datetime),
-            idempotency_key: chunk_idempotency_key(id, index),
-            text: r.get(8)?,
-            claimant: r.get::<_, Option<i64>>(9)?.map(ClaimantId::of_token),
-        })
-    })?;
-    Ok(rows.collect::<rusqlite::Result<_>>()?)
 }

@@ -374,7 +374,7 @@ impl Outbox {
     ///
     /// Database and pool errors.
     pub fn reader_settings(&self) -> Result<StorageSettings> {
-        self.read(|tx| connection::read_settings(tx))
+        self.read_sqlite(|tx| connection::read_settings(tx))
     }
 
     fn from_parts(
@@ -384,7 +384,7 @@ impl Outbox {
         path: Option<PathBuf>,
         checkpointer: Option<Checkpointer>,
     ) -> Result<Outbox> {
-        let id_salt = writer.query_row("SELECT id_salt FROM outbound_meta", [], |r| r.get(0))?;
+        let id_salt = schema::id_salt(&writer)?;
         let stored = Tx::new(&writer).load_rules()?;
         Ok(Outbox {
             inner: Arc::new(Inner {
@@ -515,7 +515,12 @@ impl Outbox {
 
     /// Runs `f` on a read-only connection (the writer, for an in-memory outbox), inside
     /// one read transaction so that everything `f` reads is one consistent snapshot.
-    pub(crate) fn read<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
+    pub(crate) fn read<T>(&self, f: impl FnOnce(&dyn StoreTx) -> Result<T>) -> Result<T> {
+        self.read_sqlite(|tx| f(tx))
+    }
+
+    /// As [`read`](Self::read), on the SQLite connection itself (its pragmas).
+    fn read_sqlite<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
         match &self.inner.readers {
             Some(pool) => {
                 let conn = pool.get()?;

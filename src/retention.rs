@@ -7,7 +7,6 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
-use crate::store::RetentionStore;
 
 /// Deliveries purged per transaction, so a large purge never holds the write lock long.
 const PURGE_BATCH: i64 = 1000;

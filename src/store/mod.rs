@@ -20,6 +20,7 @@
 //! all of them: the rules take `&dyn StoreTx`.
 
 use crate::error::{Error, Result};
+use crate::inspect::{CorruptRow, DeliveryView, ListFilter};
 use crate::rules::{ChannelPolicy, FileRules, Policy, Stored};
 use crate::status::{ChunkStatus, DeliveryStatus};
 
@@ -423,6 +424,74 @@ pub(crate) trait RetentionStore {
     fn purge_counts(&self, cutoff: i64) -> Result<(u64, u64)>;
 }
 
+/// A channel's counters of finalized replies, as kept (they only grow, except
+/// `delivered`, which a purge lowers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StatsRow {
+    pub channel: String,
+    /// Finalized replies still stored.
+    pub delivered: u64,
+    pub last_delivered_at: Option<i64>,
+    pub finalized_total: u64,
+    pub latency_count: u64,
+    pub latency_sum_ms: u64,
+    /// Replies finalized within 1 s, 5 s, 30 s, 120 s, 600 s, 3600 s of their enqueue.
+    pub latency_le: [u64; 6],
+}
+
+/// Unfinished deliveries of one channel in one status (and acknowledgement).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DeliveryGroup {
+    pub channel: String,
+    pub status: DeliveryStatus,
+    /// Nobody acknowledged them (dead letters).
+    pub unacknowledged: bool,
+    pub count: u64,
+    pub oldest_created_at: i64,
+    /// How many were set aside as unreadable.
+    pub corrupt: u64,
+}
+
+/// The chunks of unfinished deliveries of one channel in one status (the unsent rest of
+/// a dead letter left out; the chunk of a queued reply whose row is stored at its
+/// activation counted as pending).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ChunkGroup {
+    pub channel: String,
+    pub status: ChunkStatus,
+    pub count: u64,
+    /// Due at `now` or earlier (for `sending`: whose lease ended).
+    pub due_now: u64,
+    /// The earliest due time of those not `sending`.
+    pub oldest_due: Option<i64>,
+    /// Those with a due time at all (the outbox will move them by itself).
+    pub scheduled: u64,
+}
+
+/// What a health snapshot is counted from: maintained counters and unfinished rows,
+/// never the history.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct HealthRows {
+    pub stats: Vec<StatsRow>,
+    pub deliveries: Vec<DeliveryGroup>,
+    pub chunks: Vec<ChunkGroup>,
+}
+
+/// The reads of monitoring and inspection: coarse, so each store answers them with its
+/// own plans, in one consistent snapshot.
+pub(crate) trait ReadStore {
+    /// What a health snapshot at `now` is counted from.
+    fn health_rows(&self, now: i64) -> Result<HealthRows>;
+    /// Delivery row `delivery` with uid `uid`, with its chunks (the chunk of a queued
+    /// reply whose row is stored at its activation included).
+    fn delivery_view(&self, delivery: i64, uid: &str) -> Result<Option<DeliveryView>>;
+    /// Deliveries matching `filter`, newest first, without their chunks; rows that
+    /// cannot be read are left out.
+    fn list(&self, filter: &ListFilter) -> Result<Vec<DeliveryView>>;
+    /// Unfinished deliveries set aside as unreadable, or whose uid does not parse.
+    fn corrupt_rows(&self) -> Result<Vec<CorruptRow>>;
+}
+
 /// One transaction of a store: every primitive, and the dead letters its work made.
 pub(crate) trait StoreTx:
     Locks
@@ -434,6 +503,7 @@ pub(crate) trait StoreTx:
     + FinalizeStore
     + OperatorStore
     + RetentionStore
+    + ReadStore
 {
     /// Opens a nested transaction (a savepoint).
     fn begin_nested(&self) -> Result<()>;

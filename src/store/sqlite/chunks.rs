@@ -4,7 +4,6 @@ use rusqlite::{OptionalExtension, Row, params};
 
 use super::tx::Tx;
 use crate::error::Result;
-use crate::ids::CHUNK_STRIDE;
 use crate::status::ChunkStatus;
 use crate::store::{ChunkRef, ChunkStore};
 
@@ -23,6 +22,44 @@ macro_rules! chunks_of_delivery {
     };
 }
 pub(crate) use chunks_of_delivery;
+
+/// The one place the chunk row a queued reply does not have yet is supplied: a reply
+/// sent as one chunk of its whole text stores that row at its activation (see
+/// `DeliveryStore::insert_delivery`), and every reader that must see all chunks of a
+/// delivery `d` joins them with `chunks_supplied!(d)` as `c`, keeps a row where
+/// `supplied!(seen)`, and reads the columns a missing row lacks through `supplied!`:
+/// the chunk is `pending`, index 0, no attempts, its id `d * CHUNK_STRIDE` (given as a
+/// parameter).
+macro_rules! chunks_supplied {
+    ($d:literal) => {
+        concat!(
+            " LEFT JOIN outbound_delivery_chunks c ON ",
+            $crate::store::sqlite::chunks::chunks_of_delivery!("c", $d),
+            " "
+        )
+    };
+}
+pub(crate) use chunks_supplied;
+
+/// The columns of [`chunks_supplied!`]'s chunk, a missing row's included.
+macro_rules! supplied {
+    (seen) => {
+        "(c.id IS NOT NULL OR d.status = 'queued')"
+    };
+    (id $first:literal) => {
+        concat!("coalesce(c.id, ", $first, ")")
+    };
+    (index) => {
+        "coalesce(c.chunk_index, 0)"
+    };
+    (status) => {
+        "coalesce(c.status, 'pending')"
+    };
+    (attempts) => {
+        "coalesce(c.attempts, 0)"
+    };
+}
+pub(crate) use supplied;
 
 /// The query that loads a [`ChunkRef`], followed by a literal condition: SQL built at
 /// compile time, so loading a chunk on the hot path formats nothing.
@@ -56,6 +93,24 @@ pub(crate) const CLAIMED_SQL: &str = chunk_ref_where!(
      AND (c.status = 'sending' OR c.status = 'uncertain' OR c.status = 'retry')"
 );
 
+/// Chunk `?1` as a [`ChunkRef`], the chunk a queued reply has no row for yet included:
+/// a key lookup of its delivery and one of the chunk.
+pub(crate) const LOAD_CHUNK_SQL: &str = concat!(
+    "SELECT ",
+    supplied!(id "?1"),
+    ", d.id, ",
+    supplied!(index),
+    ", ",
+    supplied!(status),
+    ", ",
+    supplied!(attempts),
+    ", d.channel, d.chat_id, d.created_at, d.chunk_count
+     FROM outbound_deliveries d LEFT JOIN outbound_delivery_chunks c ON c.id = ?1
+     WHERE d.id = ?1 / 16384 AND ",
+    supplied!(seen),
+    " AND (c.id IS NOT NULL OR ?1 % 16384 = 0)"
+);
+
 /// A [`ChunkRef`] from a row of [`chunk_ref_where!`].
 pub(crate) fn chunk_ref(r: &Row<'_>) -> rusqlite::Result<ChunkRef> {
     Ok(ChunkRef {
@@ -73,20 +128,9 @@ pub(crate) fn chunk_ref(r: &Row<'_>) -> rusqlite::Result<ChunkRef> {
 
 impl ChunkStore for Tx<'_> {
     fn load_chunk(&self, id: i64) -> Result<Option<ChunkRef>> {
-        let chunk = self
-            .prepare_cached(chunk_ref_where!("c.id = ?1"))?
-            .query_row([id], chunk_ref)
-            .optional()?;
-        if chunk.is_some() || id % CHUNK_STRIDE != 0 {
-            return Ok(chunk);
-        }
-        // The one chunk of a queued reply, whose row is stored at its activation.
         Ok(self
-            .prepare_cached(
-                "SELECT ?1, id, 0, 'pending', 0, channel, chat_id, created_at, chunk_count
-                 FROM outbound_deliveries WHERE id = ?2 AND status = 'queued'",
-            )?
-            .query_row([id, id / CHUNK_STRIDE], chunk_ref)
+            .prepare_cached(LOAD_CHUNK_SQL)?
+            .query_row([id], chunk_ref)
             .optional()?)
     }
 

@@ -151,3 +151,33 @@ impl ClaimStore for Tx<'_> {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::enqueue::NewDelivery;
+    use crate::options::OutboxOptions;
+    use crate::outbox::Outbox;
+
+    /// Claims of any size take their rows from one compiled statement: nothing bound to
+    /// it takes part in its plan, so SQLite never compiles it again. Each claim returns
+    /// at most its limit, the earliest due first.
+    #[test]
+    fn claims_reuse_one_compiled_statement_and_stop_at_their_limit() {
+        let ob = Outbox::open_in_memory(OutboxOptions::default()).unwrap();
+        for chat in 0..10 {
+            ob.enqueue(&NewDelivery::single("t", chat.to_string(), "x"))
+                .unwrap();
+        }
+        let mut chats = Vec::new();
+        for limit in [1, 3, 2, 64] {
+            let claims = ob.claim(limit).unwrap();
+            assert_eq!(claims.len(), limit.min(10 - chats.len()));
+            chats.extend(claims.iter().map(|c| c.chat_id.parse::<i32>().unwrap()));
+        }
+        assert_eq!(chats, (0..10).collect::<Vec<_>>());
+        let conn = ob.writer();
+        let stmt = conn.prepare_cached(super::CLAIM_SQL).unwrap();
+        assert_eq!(stmt.get_status(rusqlite::StatementStatus::RePrepare), 0);
+        assert!(stmt.get_status(rusqlite::StatementStatus::Run) >= 4);
+    }
+}

@@ -2,11 +2,10 @@
 
 use rusqlite::{OptionalExtension, params};
 
-use super::chunks::chunks_of_delivery;
+use super::chunks::{chunks_supplied, supplied};
 use super::tx::Tx;
 use crate::error::Result;
 use crate::ids::CHUNK_STRIDE;
-use crate::status::DeliveryStatus;
 use crate::store::{DeliveryStore, NewRow, StoredContent};
 
 /// The delivery with caller key `?2` on channel `?1`.
@@ -39,17 +38,15 @@ impl DeliveryStore for Tx<'_> {
                 })
             })?;
         let mut stmt = self.prepare_cached(concat!(
-            "SELECT c.text FROM outbound_delivery_chunks c WHERE ",
-            chunks_of_delivery!("c", "?1"),
+            "SELECT c.text FROM outbound_deliveries d",
+            chunks_supplied!("?1"),
+            "WHERE d.id = ?1 AND ",
+            supplied!(seen),
             " ORDER BY c.id"
         ))?;
         content.chunks = stmt
             .query_map([delivery], |r| r.get::<_, Option<String>>(0))?
             .collect::<rusqlite::Result<Vec<_>>>()?;
-        if content.chunks.is_empty() && content.status == DeliveryStatus::Queued {
-            // One chunk of the whole text, its row stored at activation.
-            content.chunks.push(None);
-        }
         Ok(content)
     }
 

@@ -16,5 +16,6 @@ pub(crate) mod deliveries;
 pub(crate) mod finalize;
 pub(crate) mod lanes;
 pub(crate) mod operator;
+pub(crate) mod reads;
 pub(crate) mod retention;
 pub(crate) mod rules;

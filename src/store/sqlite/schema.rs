@@ -287,6 +287,12 @@ pub(crate) fn refuse_upgrade(conn: &Connection, path: &Path) -> Result<()> {
     })
 }
 
+/// This database's salt for delivery uids (see `DeliveryId::for_row`), drawn when the
+/// file was created.
+pub(crate) fn id_salt(conn: &Connection) -> Result<i64> {
+    Ok(conn.query_row("SELECT id_salt FROM outbound_meta", [], |r| r.get(0))?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -642,14 +648,14 @@ mod plan_tests {
     #[test]
     fn health_reads_only_unfinished_deliveries() {
         let ob = populated();
-        let plan = explain(&ob, crate::health::OPEN_DELIVERIES_SQL, 0);
+        let plan = explain(&ob, crate::store::sqlite::reads::OPEN_DELIVERIES_SQL, 0);
         assert!(plan.contains("outbound_deliveries_open"), "{plan}");
         assert_no_full_scan(
             &plan.replace("USE TEMP B-TREE FOR GROUP BY", ""),
             "outbound_deliveries",
         );
 
-        let plan = explain(&ob, crate::health::OPEN_CHUNKS_SQL, 1);
+        let plan = explain(&ob, crate::store::sqlite::reads::OPEN_CHUNKS_SQL, 1);
         assert!(
             plan.contains("SCAN d USING INDEX outbound_deliveries_open")
                 || plan.contains("SCAN d USING COVERING INDEX outbound_deliveries_open"),
@@ -686,6 +692,7 @@ mod plan_tests {
                 crate::store::sqlite::chunks::chunk_ref_where!("c.id = ?1"),
                 1,
             ),
+            (crate::store::sqlite::chunks::LOAD_CHUNK_SQL, 1),
         ] {
             let plan = explain(&ob, sql, params);
             assert!(plan.contains("INTEGER PRIMARY KEY"), "{plan}");
