@@ -3,7 +3,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-use rusqlite::types::{FromSql, FromSqlError, FromSqlResult, ValueRef};
 use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
@@ -47,15 +46,6 @@ macro_rules! status_enum {
                         format!("unknown status {other:?}"),
                     )),
                 }
-            }
-        }
-
-        impl FromSql for $name {
-            fn column_result(value: ValueRef<'_>) -> FromSqlResult<Self> {
-                value
-                    .as_str()?
-                    .parse()
-                    .map_err(|e: Error| FromSqlError::Other(Box::new(e)))
             }
         }
     };

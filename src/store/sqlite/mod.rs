@@ -19,3 +19,19 @@ pub(crate) mod operator;
 pub(crate) mod reads;
 pub(crate) mod retention;
 pub(crate) mod rules;
+
+/// A status column read as its type: the word `as_str` writes, or an error naming it.
+macro_rules! status_from_sql {
+    ($($status:ty),*) => {$(
+        impl rusqlite::types::FromSql for $status {
+            fn column_result(
+                value: rusqlite::types::ValueRef<'_>,
+            ) -> rusqlite::types::FromSqlResult<Self> {
+                value.as_str()?.parse().map_err(|e: crate::error::Error| {
+                    rusqlite::types::FromSqlError::Other(Box::new(e))
+                })
+            }
+        }
+    )*};
+}
+status_from_sql!(crate::status::ChunkStatus, crate::status::DeliveryStatus);
