@@ -24,7 +24,7 @@ pub const MAX_CLAIM_BATCH: usize = 10_000;
 ///
 /// **Drop behaviour:** dropping a claim records nothing. The chunk stays `sending` until
 /// its lease expires; then the next claim or [`Outbox::recover`] treats it like a crash
-/// mid-send, following the channel's [`ReplayPolicy`]. Call
+/// mid-send, following the channel's [`ReplayPolicy`](crate::ReplayPolicy). Call
 /// [`release`](Outbox::release) for claims you decide not to start.
 #[derive(Clone, PartialEq, Eq)]
 #[must_use = "a claim left without an outcome holds its chunk until the lease expires"]
@@ -283,7 +283,7 @@ impl Outbox {
     /// Settles `sending` chunks whose worker is gone, then finalizes deliveries whose
     /// chunks are all delivered but which were never written to `outbound_messages`.
     ///
-    /// Each abandoned chunk follows its channel's stored [`ReplayPolicy`]: `retry` (due
+    /// Each abandoned chunk follows its channel's stored [`ReplayPolicy`](crate::ReplayPolicy): `retry` (due
     /// now) if the channel may replay, `uncertain` otherwise, `failed` if its attempts
     /// are used up. Claiming does the same for expired leases as it meets them, so
     /// calling this is only needed at start-up.

@@ -43,7 +43,7 @@ pub enum Outcome {
     /// The platform asked to slow down: `retry` at `retry_after` from now (at most
     /// [`MAX_RETRY_AFTER`](crate::limits::MAX_RETRY_AFTER)), the whole lane paused until then,
     /// and the attempt is given back — for the first
-    /// [`MAX_REFUNDED_RATE_LIMITS`] rate limits of the chunk's attempt budget; after
+    /// [`MAX_REFUNDED_RATE_LIMITS`](crate::limits::MAX_REFUNDED_RATE_LIMITS) rate limits of the chunk's attempt budget; after
     /// that each one uses an attempt.
     RateLimited {
         /// How long the platform asked to wait.

@@ -11,7 +11,7 @@ use super::{ChannelAdapter, Core, DispatchEvent, DispatchStats, EventSink, Setti
 use crate::error::Result;
 use crate::outbox::Outbox;
 
-/// Builds a [`Dispatcher`] (or, as
+/// Builds a [`Dispatcher`](crate::Dispatcher) (or, as
 /// [`AsyncDispatcherBuilder`](crate::AsyncDispatcherBuilder), an async one): register
 /// one adapter per channel, then `build`.
 pub struct DispatcherBuilder<A: ?Sized = dyn ChannelAdapter> {
@@ -64,7 +64,7 @@ impl<A: ?Sized> DispatcherBuilder<A> {
     }
 
     /// Records a send that has not returned within `timeout` as
-    /// [`Outcome::Ambiguous`] (it may have reached the platform) and moves on. Default
+    /// [`Outcome::Ambiguous`](crate::Outcome::Ambiguous) (it may have reached the platform) and moves on. Default
     /// none: an adapter should bound its own I/O. The async flavour drops the send's
     /// future; the blocking flavour runs each send on a thread of its own and abandons
     /// one that does not return in time (its eventual result is ignored).
