@@ -49,7 +49,7 @@ impl<'a> LaneRef<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Waiting {
     pub id: i64,
-    /// Its place in its lane's order (see [`DeliveryStore::insert_delivery`]).
+    /// Its place in its lane's order (see [`DeliveryStore::next_delivery_row`]).
     pub position: i64,
     pub head_index: i64,
     pub not_before: Option<i64>,
