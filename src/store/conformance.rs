@@ -486,6 +486,521 @@ pub(super) fn corrupt_rows_are_failed_with_their_lane(fresh: Fresh) {
     );
 }
 
+/// The view of delivery `id` as the store reads it.
+fn view(ob: &Outbox, id: DeliveryId) -> crate::inspect::DeliveryView {
+    write(ob, |tx| tx.delivery_view(row(ob, id), &id.to_string())).expect("stored")
+}
+
+/// Activation makes a queued reply active and its head chunk due through its lane (a
+/// queued reply's missing chunk row stored on the way); a later chunk is made due the
+/// same way.
+pub(super) fn activation_and_later_chunks_are_due_through_the_lane(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let first = ob
+        .enqueue(&NewDelivery::chunked("t", "a", "x y", ["x", "y"]))
+        .unwrap()
+        .id;
+    let second = enqueue(&ob, "a", "z");
+    let channel = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    write(&ob, |tx| tx.pause_lane(lane("a"), T0 + 500));
+    let waiting = write(&ob, |tx| tx.waiting(row(&ob, second)));
+    assert_eq!(
+        (waiting.id, waiting.head_index, waiting.not_before),
+        (row(&ob, second), 0, None)
+    );
+    write(&ob, |tx| tx.activate(&waiting, lane("a"), T0));
+    assert_eq!(view(&ob, second).status, DeliveryStatus::Pending);
+    let due: Vec<(i64, i64)> = write(&ob, |tx| tx.due_chunks(&channel, T0 + 500, 10))
+        .iter()
+        .map(|c| (c.chunk, c.due_at))
+        .collect();
+    assert!(
+        due.contains(&(row(&ob, second) * CHUNK_STRIDE, T0 + 500)),
+        "{due:?}"
+    );
+    // The first reply's second chunk: nothing due until it is made due.
+    let later = row(&ob, first) * CHUNK_STRIDE + 1;
+    assert!(!due.iter().any(|(c, _)| *c == later));
+    write(&ob, |tx| {
+        tx.make_due(row(&ob, first), 1, lane("a"), T0 + 600)
+    });
+    let due = write(&ob, |tx| tx.due_chunks(&channel, T0 + 600, 10));
+    assert!(due.iter().any(|c| c.chunk == later && c.due_at == T0 + 600));
+    write(&ob, |tx| tx.make_due(row(&ob, first), 1, lane("a"), T0));
+    let due = write(&ob, |tx| tx.due_chunks(&channel, T0 + 500, 10));
+    assert!(
+        due.iter().any(|c| c.chunk == later && c.due_at == T0 + 500),
+        "the pause holds"
+    );
+}
+
+/// A held delivery put back in its lane is queued, unfinished and unacknowledged, and
+/// listed with its lane among the queued ones.
+pub(super) fn a_held_delivery_is_queued_again(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = enqueue(&ob, "a", "x");
+    let claim = claim_one(&ob);
+    ob.record(&claim, Outcome::Permanent { error: "no".into() })
+        .unwrap();
+    ob.acknowledge_dead_letters(None).unwrap();
+    assert!(write(&ob, |tx| tx.queued_deliveries()).is_empty());
+    write(&ob, |tx| tx.set_queued(row(&ob, id)));
+    let v = view(&ob, id);
+    assert_eq!(v.status, DeliveryStatus::Queued);
+    assert_eq!((v.finished_at, v.acknowledged_at), (None, None));
+    let queued = write(&ob, |tx| tx.queued_deliveries());
+    assert_eq!(queued.len(), 1);
+    assert_eq!(
+        (
+            queued[0].id,
+            queued[0].channel.as_str(),
+            queued[0].chat_id.as_str()
+        ),
+        (row(&ob, id), "t", "a")
+    );
+}
+
+/// A channel's pause holds its slot and never shortens; its slot is set as given.
+pub(super) fn channel_pauses_and_slots(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = write(&ob, |tx| tx.channel_number("t"));
+    write(&ob, |tx| tx.pause_channel("t", T0 + 900));
+    write(&ob, |tx| tx.pause_channel("t", T0 + 100));
+    write(&ob, |tx| tx.set_channel_slot(id, 123_456));
+    let row = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    assert_eq!(row.paused_until, Some(T0 + 900));
+    assert_eq!(row.next_send_at_us, Some(123_456));
+    assert_eq!(row.interval_us, 0);
+    write(&ob, |tx| {
+        tx.store_channel_rules(
+            "t",
+            Some(&ChannelPolicy::default().with_rate_per_second(10.0)),
+        )
+    });
+    assert_eq!(
+        write(&ob, |tx| tx.channels(Some("t")))[0].interval_us,
+        100_000
+    );
+    assert_eq!(write(&ob, |tx| tx.channels(None)).len(), 1);
+}
+
+/// Rescheduling sets status, attempts, due time and the last error (kept when none is
+/// given), and clears the token; an unscheduled retry is due nowhere; an expired lease's
+/// retry keeps its token.
+pub(super) fn chunks_are_rescheduled(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = enqueue(&ob, "a", "x");
+    let claim = claim_one(&ob);
+    let chunk = claim.chunk_id.0;
+    let channel = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    write(&ob, |tx| {
+        tx.reschedule(chunk, ChunkStatus::Retry, 3, T0 + 50, Some("e"))
+    });
+    assert_eq!(
+        write(&ob, |tx| tx.claimed_chunk(chunk, claim.token)),
+        None,
+        "token cleared"
+    );
+    let c = write(&ob, |tx| tx.load_chunk(chunk)).unwrap();
+    assert_eq!((c.status, c.attempts), (ChunkStatus::Retry, 3));
+    assert_eq!(write(&ob, |tx| tx.next_due(channel.id)), Some(T0 + 50));
+    write(&ob, |tx| {
+        tx.reschedule(chunk, ChunkStatus::Pending, 0, T0 + 60, None)
+    });
+    assert_eq!(
+        view(&ob, id).chunks[0].last_error.as_deref(),
+        Some("e"),
+        "kept"
+    );
+    write(&ob, |tx| tx.set_retry_unscheduled(chunk, 2, Some("f")));
+    let c = write(&ob, |tx| tx.load_chunk(chunk)).unwrap();
+    assert_eq!((c.status, c.attempts), (ChunkStatus::Retry, 2));
+    assert_eq!(
+        write(&ob, |tx| tx.next_due(channel.id)),
+        None,
+        "due nowhere"
+    );
+    assert_eq!(view(&ob, id).chunks[0].last_error.as_deref(), Some("f"));
+    write(&ob, |tx| tx.set_retry_unscheduled(chunk, 1, None));
+    assert_eq!(
+        view(&ob, id).chunks[0].last_error.as_deref(),
+        Some("f"),
+        "kept"
+    );
+    write(&ob, |tx| tx.mark_sending(chunk, T0 + 1_000, 9));
+    write(&ob, |tx| tx.retry_keeping_token(chunk, T0 + 70));
+    let held = write(&ob, |tx| tx.claimed_chunk(chunk, 9)).expect("token kept");
+    assert_eq!(held.status, ChunkStatus::Retry);
+    assert_eq!(write(&ob, |tx| tx.next_due(channel.id)), Some(T0 + 70));
+}
+
+/// Setting a chunk and its delivery aside: the chunk takes the status and error and is
+/// due nowhere; the delivery takes the status, finished only when failed.
+pub(super) fn chunks_and_deliveries_are_set_aside(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = enqueue(&ob, "a", "x");
+    let claim = claim_one(&ob);
+    let chunk = claim.chunk_id.0;
+    let channel = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    write(&ob, |tx| {
+        tx.set_chunk_aside(chunk, ChunkStatus::Uncertain, "maybe", false)
+    });
+    assert_eq!(
+        write(&ob, |tx| tx.claimed_chunk(chunk, claim.token)),
+        None,
+        "token cleared"
+    );
+    assert_eq!(write(&ob, |tx| tx.next_due(channel.id)), None);
+    write(&ob, |tx| {
+        tx.set_delivery_aside(row(&ob, id), ChunkStatus::Uncertain, T0 + 5)
+    });
+    let v = view(&ob, id);
+    assert_eq!((v.status, v.finished_at), (DeliveryStatus::Uncertain, None));
+    assert_eq!(v.chunks[0].status, ChunkStatus::Uncertain);
+    assert_eq!(v.chunks[0].last_error.as_deref(), Some("maybe"));
+    write(&ob, |tx| {
+        tx.set_delivery_aside(row(&ob, id), ChunkStatus::Failed, T0 + 5)
+    });
+    let v = view(&ob, id);
+    assert_eq!(v.status, DeliveryStatus::Failed);
+    assert_eq!(v.finished_at, Some(crate::clock::to_datetime(T0 + 5)));
+}
+
+/// Delivered chunks are counted on their delivery (an active one becomes partial); a
+/// delivery is marked finalized or unfinalized with every chunk counted.
+pub(super) fn deliveries_count_and_finalize(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = ob
+        .enqueue(&NewDelivery::chunked("t", "a", "x y", ["x", "y"]))
+        .unwrap()
+        .id;
+    let first = row(&ob, id) * CHUNK_STRIDE;
+    write(&ob, |tx| tx.mark_delivered(first, Some("p1"), T0 + 1));
+    write(&ob, |tx| tx.count_delivered(row(&ob, id), T0 + 1, false));
+    let v = view(&ob, id);
+    assert_eq!(
+        (v.status, v.delivered_count),
+        (DeliveryStatus::Pending, 1),
+        "held aside: status kept"
+    );
+    assert_eq!(v.chunks[0].platform_message_id.as_deref(), Some("p1"));
+    assert_eq!(v.chunks[0].status, ChunkStatus::Delivered);
+    write(&ob, |tx| tx.count_delivered(row(&ob, id), T0 + 2, true));
+    assert_eq!(view(&ob, id).status, DeliveryStatus::Partial);
+    assert_eq!(write(&ob, |tx| tx.created_at(row(&ob, id))), T0);
+    write(&ob, |tx| {
+        tx.mark_unfinalized(row(&ob, id), T0 + 3, "refused")
+    });
+    let v = view(&ob, id);
+    assert_eq!(v.status, DeliveryStatus::Unfinalized);
+    assert_eq!(
+        (v.delivered_count, v.finalize_error.as_deref()),
+        (2, Some("refused"))
+    );
+    write(&ob, |tx| tx.mark_finalized(row(&ob, id), T0 + 4));
+    let v = view(&ob, id);
+    assert_eq!(
+        (v.status, v.finalize_error),
+        (DeliveryStatus::Delivered, None)
+    );
+    assert_eq!(v.finished_at, Some(crate::clock::to_datetime(T0 + 4)));
+}
+
+/// A channel's counters add up what each tally adds; a purge lowers the stored count.
+pub(super) fn channel_counters_add_up(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    for (latest, latency) in [(T0 + 9, [1, 1, 1, 1, 1, 1]), (T0 + 5, [0, 1, 1, 1, 1, 2])] {
+        write(&ob, |tx| {
+            tx.add_channel_stats(&crate::store::ChannelTally {
+                channel: "t",
+                latest,
+                count: 2,
+                latency_sum_ms: 700,
+                latency_le: latency,
+            })
+        });
+    }
+    write(&ob, |tx| tx.forget_delivered("t", 1));
+    let stats = write(&ob, |tx| tx.health_rows(T0)).stats;
+    assert_eq!(stats.len(), 1);
+    let s = &stats[0];
+    assert_eq!(
+        (s.channel.as_str(), s.delivered, s.finalized_total),
+        ("t", 3, 4)
+    );
+    assert_eq!((s.latency_count, s.latency_sum_ms), (4, 1400));
+    assert_eq!(s.latency_le, [1, 2, 2, 2, 2, 3]);
+    assert_eq!(
+        s.last_delivered_at,
+        Some(T0 + 9),
+        "the latest, not the last written"
+    );
+}
+
+/// The application's statement is described as the database reads it, refused with
+/// the database's message when it does not prepare, and run with its parameters bound
+/// from the delivery.
+pub(super) fn statements_are_described_and_run(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = enqueue(&ob, "a", "hello");
+    let update = "UPDATE outbound_deliveries SET sender = :content WHERE uid = :delivery_id";
+    let shape = write(&ob, |tx| tx.describe_statement(update)).unwrap();
+    assert!(!shape.read_only && !shape.returns_rows);
+    assert_eq!(
+        shape.parameters,
+        [Some(":content".to_owned()), Some(":delivery_id".to_owned())]
+    );
+    let select = write(&ob, |tx| tx.describe_statement("SELECT 1")).unwrap();
+    assert!(select.read_only && select.returns_rows);
+    assert!(write(&ob, |tx| tx.describe_statement("UPDATE nowhere SET x = 1")).is_err());
+    write(&ob, |tx| tx.run_statement(update, row(&ob, id), T0));
+    assert_eq!(view(&ob, id).sender.as_deref(), Some("hello"));
+}
+
+/// Dead letters are listed oldest first, per channel or all, until requeued; an
+/// acknowledgement returns each lane it touched once and only the first time.
+pub(super) fn dead_letters_are_listed_and_acknowledged(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let mut ids = Vec::new();
+    for (channel, chat) in [("t", "a"), ("u", "b"), ("t", "c")] {
+        ids.push(
+            ob.enqueue(&NewDelivery::single(channel, chat, "x"))
+                .unwrap()
+                .id,
+        );
+        let claim = claim_one(&ob);
+        ob.record(&claim, Outcome::Permanent { error: "no".into() })
+            .unwrap();
+    }
+    let all: Vec<i64> = write(&ob, |tx| tx.dead_letter_chunks(None))
+        .iter()
+        .map(|c| c.delivery)
+        .collect();
+    assert_eq!(all, ids.iter().map(|id| row(&ob, *id)).collect::<Vec<_>>());
+    let t: Vec<i64> = write(&ob, |tx| tx.dead_letter_chunks(Some("t")))
+        .iter()
+        .map(|c| c.delivery)
+        .collect();
+    assert_eq!(t, [row(&ob, ids[0]), row(&ob, ids[2])]);
+    let lanes = write(&ob, |tx| tx.acknowledge_dead_letters(Some("t"), T0 + 1));
+    assert_eq!(lanes.len(), 2);
+    assert!(lanes.contains(&("t".into(), "a".into())) && lanes.contains(&("t".into(), "c".into())));
+    assert!(write(&ob, |tx| tx.acknowledge_dead_letters(Some("t"), T0 + 2)).is_empty());
+    assert_eq!(
+        view(&ob, ids[0]).acknowledged_at,
+        Some(crate::clock::to_datetime(T0 + 1))
+    );
+    assert_eq!(view(&ob, ids[1]).acknowledged_at, None, "another channel");
+    assert_eq!(
+        write(&ob, |tx| tx.acknowledge_dead_letters(None, T0 + 3)).len(),
+        1
+    );
+}
+
+/// A cancel removes a delivery's chunks and marks it cancelled, finished; a chunk
+/// counts as started once claimed.
+pub(super) fn cancels_remove_chunks(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = ob
+        .enqueue(&NewDelivery::chunked("t", "a", "x y", ["x", "y"]))
+        .unwrap()
+        .id;
+    assert_eq!(write(&ob, |tx| tx.first_started_chunk(row(&ob, id))), None);
+    assert_eq!(write(&ob, |tx| tx.delete_chunks(row(&ob, id))), 2);
+    write(&ob, |tx| tx.mark_cancelled(row(&ob, id), T0 + 7));
+    let v = view(&ob, id);
+    assert_eq!((v.status, v.chunks.len()), (DeliveryStatus::Cancelled, 0));
+    assert_eq!(v.finished_at, Some(crate::clock::to_datetime(T0 + 7)));
+    let other = enqueue(&ob, "b", "y");
+    let claim = claim_one(&ob);
+    let started = write(&ob, |tx| tx.first_started_chunk(row(&ob, other))).unwrap();
+    assert_eq!(
+        (started.0, started.2, started.3),
+        (claim.chunk_id.0, ChunkStatus::Sending, 1)
+    );
+}
+
+/// Operator lookups match a delivery's row and uid together, and prefer its held chunk.
+pub(super) fn operator_lookups_match_row_and_uid(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let id = ob
+        .enqueue(&NewDelivery::chunked("t", "a", "x y", ["x", "y"]))
+        .unwrap()
+        .id;
+    let (r, uid) = (row(&ob, id), id.to_string());
+    let head = write(&ob, |tx| tx.held_or_head_chunk(r, &uid)).unwrap();
+    assert_eq!(head.index, 0);
+    let claim = claim_one(&ob);
+    ob.record(&claim, Outcome::delivered(None)).unwrap();
+    assert_eq!(
+        write(&ob, |tx| tx.held_or_head_chunk(r, &uid))
+            .unwrap()
+            .index,
+        1,
+        "the head"
+    );
+    let claim = claim_one(&ob);
+    ob.record(&claim, Outcome::Ambiguous { error: "?".into() })
+        .unwrap();
+    let held = write(&ob, |tx| tx.held_or_head_chunk(r, &uid)).unwrap();
+    assert_eq!((held.index, held.status), (1, ChunkStatus::Uncertain));
+    let state = write(&ob, |tx| tx.delivery_state(r, &uid)).unwrap();
+    assert_eq!(
+        state,
+        (DeliveryStatus::Uncertain, "t".to_owned(), "a".to_owned())
+    );
+    let other = DeliveryId::from(uuid::Uuid::nil()).to_string();
+    assert_eq!(write(&ob, |tx| tx.held_or_head_chunk(r, &other)), None);
+    assert_eq!(write(&ob, |tx| tx.delivery_state(r, &other)), None);
+    let names = write(&ob, |tx| tx.delivery_names(r)).unwrap();
+    assert_eq!(names, (uid, "t".to_owned(), "a".to_owned()));
+    assert_eq!(write(&ob, |tx| tx.delivery_names(r + 1)), None);
+}
+
+/// Health counts unfinished deliveries and their chunks by channel and status, the
+/// queued reply's missing chunk row as a pending chunk; the unsent rest of a dead
+/// letter is not counted.
+pub(super) fn health_counts_unfinished_rows(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    enqueue(&ob, "a", "x");
+    enqueue(&ob, "a", "queued");
+    ob.enqueue(&NewDelivery::chunked("u", "b", "x y", ["x", "y"]))
+        .unwrap();
+    let rows = write(&ob, |tx| tx.health_rows(T0 + 1));
+    let groups = |channel: &str| -> Vec<(DeliveryStatus, u64)> {
+        let mut g: Vec<_> = rows
+            .deliveries
+            .iter()
+            .filter(|d| d.channel == channel)
+            .map(|d| (d.status, d.count))
+            .collect();
+        g.sort_by_key(|(s, _)| s.as_str());
+        g
+    };
+    assert_eq!(
+        groups("t"),
+        [(DeliveryStatus::Pending, 1), (DeliveryStatus::Queued, 1)]
+    );
+    assert_eq!(groups("u"), [(DeliveryStatus::Pending, 1)]);
+    let t: Vec<_> = rows.chunks.iter().filter(|c| c.channel == "t").collect();
+    assert_eq!(t.len(), 1);
+    assert_eq!(
+        (t[0].status, t[0].count, t[0].due_now, t[0].scheduled),
+        (ChunkStatus::Pending, 2, 1, 1)
+    );
+    assert_eq!(t[0].oldest_due, Some(T0));
+    let u: Vec<_> = rows.chunks.iter().filter(|c| c.channel == "u").collect();
+    assert_eq!(
+        (u[0].count, u[0].due_now),
+        (2, 1),
+        "the later chunk is pending, not due"
+    );
+    assert!(
+        rows.deliveries
+            .iter()
+            .all(|d| d.oldest_created_at == T0 && d.corrupt == 0)
+    );
+    let claim = claim_one(&ob);
+    ob.record(&claim, Outcome::Permanent { error: "no".into() })
+        .unwrap();
+    let rows = write(&ob, |tx| tx.health_rows(T0 + 1));
+    let failed = rows
+        .deliveries
+        .iter()
+        .find(|d| d.status == DeliveryStatus::Failed)
+        .unwrap();
+    assert!(failed.unacknowledged);
+    let failed_chunks: u64 = rows
+        .chunks
+        .iter()
+        .filter(|c| c.status == ChunkStatus::Failed)
+        .map(|c| c.count)
+        .sum();
+    assert_eq!(failed_chunks, 1);
+}
+
+/// A view shows a delivery with its chunks (a queued reply's one chunk supplied); a
+/// list filters, orders newest first and stops at its limit; corrupt rows are listed.
+pub(super) fn deliveries_are_viewed_listed_and_reported(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let a = enqueue(&ob, "a", "one");
+    let b = enqueue(&ob, "a", "two");
+    let c = ob
+        .enqueue(&NewDelivery::single("u", "c", "three"))
+        .unwrap()
+        .id;
+    let v = view(&ob, b);
+    assert_eq!(
+        (v.status, v.text.as_str(), v.chunks.len()),
+        (DeliveryStatus::Queued, "two", 1)
+    );
+    assert_eq!(
+        (v.chunks[0].status, v.chunks[0].text.as_str()),
+        (ChunkStatus::Pending, "two")
+    );
+    assert_eq!(v.chunks[0].id.0, row(&ob, b) * CHUNK_STRIDE);
+    let wrong = DeliveryId::from(uuid::Uuid::nil()).to_string();
+    assert_eq!(write(&ob, |tx| tx.delivery_view(row(&ob, a), &wrong)), None);
+    let ids = |filter: crate::inspect::ListFilter| -> Vec<DeliveryId> {
+        write(&ob, |tx| tx.list(&filter))
+            .iter()
+            .map(|v| v.id)
+            .collect()
+    };
+    let all = crate::inspect::ListFilter::default();
+    assert_eq!(ids(all.clone()), [c, b, a]);
+    assert_eq!(ids(all.clone().limit(2)), [c, b]);
+    assert_eq!(ids(all.clone().channel("t")), [b, a]);
+    assert_eq!(ids(all.clone().status(DeliveryStatus::Queued)), [b]);
+    assert!(write(&ob, |tx| tx.corrupt_rows()).is_empty());
+    write(&ob, |tx| {
+        tx.set_corrupt(row(&ob, c) * CHUNK_STRIDE, row(&ob, c), "bad text", T0)
+    });
+    let corrupt = write(&ob, |tx| tx.corrupt_rows());
+    assert_eq!(corrupt.len(), 1);
+    assert_eq!(
+        (corrupt[0].row, corrupt[0].reason.as_str()),
+        (row(&ob, c), "bad text")
+    );
+    assert_eq!(corrupt[0].uid, c.to_string());
+}
+
+/// Lane rows whose pause and interval both ended are forgotten; others are kept.
+pub(super) fn idle_lanes_are_forgotten(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    write(&ob, |tx| {
+        tx.pause_lane(lane("a"), T0 + 10)?;
+        tx.note_lane_send(lane("b"), T0 + 1_000)
+    });
+    write(&ob, |tx| tx.forget_idle_lanes(T0 + 500));
+    // Forgotten or not, a lane's due time is what it was: the only way to tell is a
+    // due time asked before the pause ended.
+    assert_eq!(
+        write(&ob, |tx| tx.lane_due_time(lane("a"), T0)),
+        T0,
+        "a forgotten"
+    );
+    assert_eq!(
+        write(&ob, |tx| tx.lane_due_time(lane("b"), T0)),
+        T0 + 1_000,
+        "b kept"
+    );
+}
+
 /// Makes one test of each contract for a store.
 macro_rules! conformance {
     ($store:ident, $fresh:expr) => {
@@ -510,6 +1025,20 @@ macro_rules! conformance {
                 unfinalized_are_those_with_every_chunk_delivered,
                 purges_spare_the_newest_and_the_unfinished,
                 corrupt_rows_are_failed_with_their_lane,
+                activation_and_later_chunks_are_due_through_the_lane,
+                a_held_delivery_is_queued_again,
+                channel_pauses_and_slots,
+                chunks_are_rescheduled,
+                chunks_and_deliveries_are_set_aside,
+                deliveries_count_and_finalize,
+                channel_counters_add_up,
+                statements_are_described_and_run,
+                dead_letters_are_listed_and_acknowledged,
+                cancels_remove_chunks,
+                operator_lookups_match_row_and_uid,
+                health_counts_unfinished_rows,
+                deliveries_are_viewed_listed_and_reported,
+                idle_lanes_are_forgotten,
             );
         }
     };
