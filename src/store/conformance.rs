@@ -246,6 +246,8 @@ pub(super) fn leases_are_marked_renewed_and_expire(fresh: Fresh) {
     let expired = write(&ob, |tx| tx.expired_sending(row.id, T0 + 2_000));
     assert_eq!(expired.len(), 1);
     assert_eq!(expired[0].id, chunk);
+    write(&ob, |tx| tx.set_due(chunk, T0 + 2_500));
+    assert_eq!(write(&ob, |tx| tx.next_due(row.id)), Some(T0 + 2_500));
     write(&ob, |tx| {
         tx.set_chunk_aside(chunk, ChunkStatus::Uncertain, "lost", true)
     });
@@ -276,6 +278,22 @@ pub(super) fn a_queued_replys_chunk_is_supplied(fresh: Fresh) {
     let content = write(&ob, |tx| tx.stored_content(row(&ob, queued)));
     assert_eq!(content.status, DeliveryStatus::Queued);
     assert_eq!(content.chunks, [None]);
+    // Stored chunks: a chunk that is the whole text reads as None, any other as itself.
+    let split = ob
+        .enqueue(&NewDelivery::chunked("t", "b", "x y", ["x", "y"]))
+        .unwrap()
+        .id;
+    let content = write(&ob, |tx| tx.stored_content(row(&ob, split)));
+    assert_eq!(content.chunks, [Some("x".to_owned()), Some("y".to_owned())]);
+    let whole = enqueue(&ob, "c", "whole");
+    let content = write(&ob, |tx| tx.stored_content(row(&ob, whole)));
+    assert_eq!(content.chunks, [None]);
+    let texts: Vec<String> = view(&ob, split)
+        .chunks
+        .into_iter()
+        .map(|c| c.text)
+        .collect();
+    assert_eq!(texts, ["x", "y"]);
     assert_eq!(write(&ob, |tx| tx.load_chunk(id + 1)), None);
 }
 
@@ -399,14 +417,24 @@ pub(super) fn nested_transactions_undo_or_keep(fresh: Fresh) {
     );
 }
 
-/// The history takes a delivery once.
+/// The history takes a delivery once; what its schema refuses is a refusal with the
+/// database's message, a database that cannot answer is not.
 pub(super) fn history_takes_a_delivery_once(fresh: Fresh) {
     let clock = ManualClock::new(T0);
     let ob = fresh(options(&clock));
     let id = enqueue(&ob, "a", "x");
     write(&ob, |tx| tx.write_history(row(&ob, id), T0));
-    let again = ob.write(|tx, _| tx.write_history(row(&ob, id), T0));
-    assert!(again.is_err(), "a second copy is refused");
+    let again = ob
+        .write(|tx, _| Ok(tx.write_history(row(&ob, id), T0)))
+        .unwrap()
+        .expect_err("a second copy is refused");
+    let message = ob.write(|tx, _| tx.refusal(again)).unwrap();
+    assert!(
+        message.contains("UNIQUE") || message.contains("unique"),
+        "{message}"
+    );
+    let busy = ob.write(|tx, _| tx.refusal(crate::error::Error::Busy));
+    assert!(matches!(busy, Err(crate::error::Error::Busy)));
 }
 
 /// Finished-but-unfinalized deliveries are those with chunks, every one delivered.
