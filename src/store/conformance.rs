@@ -993,6 +993,18 @@ pub(super) fn deliveries_are_viewed_listed_and_reported(fresh: Fresh) {
     assert_eq!(ids(all.clone().limit(2)), [c, b]);
     assert_eq!(ids(all.clone().channel("t")), [b, a]);
     assert_eq!(ids(all.clone().status(DeliveryStatus::Queued)), [b]);
+    let pending = &view(&ob, a).chunks[0];
+    assert_eq!(pending.next_attempt_at, Some(crate::clock::to_datetime(T0)));
+    assert_eq!(pending.lease_until, None);
+    let claim = ob.claim_channels(&["t"], 1).unwrap().remove(0);
+    assert_eq!(claim.delivery_id, a);
+    let sending = &view(&ob, a).chunks[0];
+    assert_eq!(
+        (sending.next_attempt_at, sending.lease_until),
+        (None, Some(claim.lease_until))
+    );
+    ob.record(&claim, Outcome::delivered(None)).unwrap();
+    assert_eq!(ids(all.clone().status(DeliveryStatus::Delivered)), [a]);
     assert!(write(&ob, |tx| tx.corrupt_rows()).is_empty());
     write(&ob, |tx| {
         tx.set_corrupt(row(&ob, c) * CHUNK_STRIDE, row(&ob, c), "bad text", T0)
