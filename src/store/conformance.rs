@@ -615,6 +615,32 @@ pub(super) fn channel_pauses_and_slots(fresh: Fresh) {
     assert_eq!(write(&ob, |tx| tx.channels(None)).len(), 1);
 }
 
+/// What no other transaction holds, the only writer gets: every lock, and a channel's
+/// slot as it stands. Dead letters noted by the work are taken once.
+pub(super) fn the_only_writer_holds_every_lock(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    write(&ob, |tx| tx.channel_number("t"));
+    let row = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    write(&ob, |tx| {
+        tx.lock_rules(false)?;
+        tx.lock_key("t", "k")?;
+        tx.lock_lanes(&mut [lane("b"), lane("a")])?;
+        assert!(tx.try_lock_lane(lane("c"))?);
+        assert_eq!(tx.lock_channel_slot(row.clone())?, Some(row.clone()));
+        assert!(tx.take_dead_letters().is_empty());
+        tx.note_dead_letter(7, "gone");
+        tx.note_dead_letter(9, "lost");
+        assert_eq!(
+            tx.take_dead_letters(),
+            [(7, "gone".to_owned()), (9, "lost".to_owned())]
+        );
+        assert!(tx.take_dead_letters().is_empty(), "taken once");
+        Ok(())
+    });
+    ob.write(|tx, _| tx.lock_rules(true)).unwrap();
+}
+
 /// Rescheduling sets status, attempts, due time and the last error (kept when none is
 /// given), and clears the token; an unscheduled retry is due nowhere; an expired lease's
 /// retry keeps its token.
@@ -1079,6 +1105,7 @@ macro_rules! conformance {
                 health_counts_unfinished_rows,
                 deliveries_are_viewed_listed_and_reported,
                 idle_lanes_are_forgotten,
+                the_only_writer_holds_every_lock,
             );
         }
     };
