@@ -32,6 +32,11 @@ fn options(clock: &ManualClock) -> OutboxOptions {
         .with_lease(Duration::from_secs(30))
 }
 
+/// A fresh outbox on the store, on a manual clock at [`T0`] that the contract leaves there.
+fn fresh_at_t0(fresh: Fresh) -> Outbox {
+    fresh(options(&ManualClock::new(T0)))
+}
+
 /// Runs `f` in one write transaction of `ob`'s store.
 fn write<T>(ob: &Outbox, f: impl FnOnce(&dyn StoreTx) -> crate::error::Result<T>) -> T {
     ob.write(|tx, _| f(tx)).unwrap()
@@ -51,6 +56,11 @@ fn enqueue(ob: &Outbox, chat: &str, text: &str) -> DeliveryId {
         .id
 }
 
+/// Channel `t` as the claim reads it.
+fn channel_t(ob: &Outbox) -> crate::store::ChannelRow {
+    write(ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)))
+}
+
 fn claim_one(ob: &Outbox) -> Claim {
     let mut claims = ob.claim(1).unwrap();
     assert_eq!(claims.len(), 1, "one chunk due");
@@ -60,8 +70,7 @@ fn claim_one(ob: &Outbox) -> Claim {
 /// Deliveries of one lane get increasing positions in the order they were stored; the
 /// head of a lane with an active delivery is that one; row numbers are never reused.
 pub(super) fn lane_positions_follow_insert_order(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let ids: Vec<DeliveryId> = (0..3)
         .map(|i| enqueue(&ob, "a", &format!("m{i}")))
         .collect();
@@ -116,8 +125,7 @@ pub(super) fn the_head_is_the_first_queued_when_nothing_is_active(fresh: Fresh) 
 /// A lane is held by an uncertain delivery or an unacknowledged dead letter, at its
 /// position; an acknowledged one holds nothing.
 pub(super) fn a_lane_is_held_by_uncertain_and_unacknowledged_dead_letters(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let id = enqueue(&ob, "a", "x");
     assert_eq!(write(&ob, |tx| tx.lane_held(lane("a"))), None);
     let claim = claim_one(&ob);
@@ -143,8 +151,7 @@ pub(super) fn a_lane_is_held_by_uncertain_and_unacknowledged_dead_letters(fresh:
 /// A lane's due time is the earliest asked for unless a pause or an interval ends
 /// later; neither ever moves earlier.
 pub(super) fn lane_due_times_wait_for_pauses_and_intervals(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     write(&ob, |tx| {
         assert_eq!(tx.lane_due_time(lane("a"), T0)?, T0, "an unknown lane");
         assert_eq!(tx.pause_lane(lane("a"), T0 + 500)?, T0 + 500);
@@ -165,13 +172,12 @@ pub(super) fn lane_due_times_wait_for_pauses_and_intervals(fresh: Fresh) {
 
 /// A pause pushes the lane's due chunks to its end, and leaves other lanes' alone.
 pub(super) fn a_pause_pushes_the_lanes_due_chunks(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     enqueue(&ob, "a", "x");
     enqueue(&ob, "b", "y");
     write(&ob, |tx| tx.pause_lane(lane("a"), T0 + 5_000));
     let channel = write(&ob, |tx| tx.channel_number("t"));
-    let row = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    let row = channel_t(&ob);
     assert_eq!(row.id, channel);
     let due = write(&ob, |tx| tx.due_chunks(&row, T0, 10));
     assert_eq!(due.len(), 1, "only lane b is due now");
@@ -190,7 +196,7 @@ pub(super) fn due_chunks_come_in_due_order_up_to_the_limit(fresh: Fresh) {
         enqueue(&ob, chat, "x");
     }
     clock.set(T0 + 100);
-    let row = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    let row = channel_t(&ob);
     let due = write(&ob, |tx| tx.due_chunks(&row, T0 + 100, 10));
     let times: Vec<i64> = due.iter().map(|c| c.due_at).collect();
     assert_eq!(times, [T0 + 10, T0 + 20, T0 + 30]);
@@ -207,8 +213,7 @@ pub(super) fn due_chunks_come_in_due_order_up_to_the_limit(fresh: Fresh) {
 
 /// A claim's chunk is found by its token only: a stale token is refused.
 pub(super) fn a_stale_token_is_refused(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     enqueue(&ob, "a", "x");
     let claim = claim_one(&ob);
     let chunk = write(&ob, |tx| tx.claimed_chunk(claim.chunk_id.0, claim.token)).unwrap();
@@ -231,10 +236,9 @@ pub(super) fn a_stale_token_is_refused(fresh: Fresh) {
 /// lease is renewed only under its own token while sending, and listed as expired
 /// once it ends.
 pub(super) fn leases_are_marked_renewed_and_expire(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     enqueue(&ob, "a", "x");
-    let row = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    let row = channel_t(&ob);
     let chunk = write(&ob, |tx| tx.due_chunks(&row, T0, 1)).remove(0).chunk;
     write(&ob, |tx| tx.mark_sending(chunk, T0 + 1_000, 77));
     let held = write(&ob, |tx| tx.claimed_chunk(chunk, 77)).unwrap();
@@ -264,8 +268,7 @@ pub(super) fn leases_are_marked_renewed_and_expire(fresh: Fresh) {
 /// The one chunk of a queued reply sent as its whole text is read as pending, with no
 /// attempts, and compared as the whole text — whether or not its row is stored yet.
 pub(super) fn a_queued_replys_chunk_is_supplied(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     enqueue(&ob, "a", "first");
     let queued = enqueue(&ob, "a", "second");
     let id = row(&ob, queued) * CHUNK_STRIDE;
@@ -299,8 +302,7 @@ pub(super) fn a_queued_replys_chunk_is_supplied(fresh: Fresh) {
 
 /// A caller key names one delivery of its channel.
 pub(super) fn keys_are_found_per_channel(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let id = ob
         .enqueue(&NewDelivery::single("t", "a", "x").with_idempotency_key("k"))
         .unwrap()
@@ -313,8 +315,7 @@ pub(super) fn keys_are_found_per_channel(fresh: Fresh) {
 
 /// A channel name has one number, and registering one raises the rules' version.
 pub(super) fn channel_numbers_are_stable(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let before = write(&ob, |tx| tx.rules_version());
     let a = write(&ob, |tx| tx.channel_number("a"));
     let after = write(&ob, |tx| tx.rules_version());
@@ -327,8 +328,7 @@ pub(super) fn channel_numbers_are_stable(fresh: Fresh) {
 /// Stored rules read back as stored, each change raising the version; a rule not
 /// named keeps what is stored.
 pub(super) fn rules_read_back_as_stored(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let v0 = write(&ob, |tx| tx.rules_version());
     let policy = Policy {
         lane_order: LaneOrder::Parallel,
@@ -367,8 +367,7 @@ pub(super) fn rules_read_back_as_stored(fresh: Fresh) {
 /// Rate limits are counted per chunk; a fresh budget clears them and the attempts, and
 /// remembers that an earlier budget sent the chunk.
 pub(super) fn budgets_count_and_reset(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let id = enqueue(&ob, "a", "x");
     let claim = claim_one(&ob);
     let chunk = claim.chunk_id.0;
@@ -398,8 +397,7 @@ pub(super) fn budgets_count_and_reset(fresh: Fresh) {
 
 /// A nested transaction undone leaves nothing of its writes; one kept keeps them.
 pub(super) fn nested_transactions_undo_or_keep(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     write(&ob, |tx| {
         assert!(tx.in_transaction());
         tx.begin_nested()?;
@@ -420,8 +418,7 @@ pub(super) fn nested_transactions_undo_or_keep(fresh: Fresh) {
 /// The history takes a delivery once; what its schema refuses is a refusal with the
 /// database's message, a database that cannot answer is not.
 pub(super) fn history_takes_a_delivery_once(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let id = enqueue(&ob, "a", "x");
     write(&ob, |tx| tx.write_history(row(&ob, id), T0));
     let again = ob
@@ -439,8 +436,7 @@ pub(super) fn history_takes_a_delivery_once(fresh: Fresh) {
 
 /// Finished-but-unfinalized deliveries are those with chunks, every one delivered.
 pub(super) fn unfinalized_are_those_with_every_chunk_delivered(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let done = ob
         .enqueue(&NewDelivery::chunked("t", "a", "x y", ["x", "y"]))
         .unwrap()
@@ -469,8 +465,7 @@ pub(super) fn unfinalized_are_those_with_every_chunk_delivered(fresh: Fresh) {
 /// A purge never lists the newest delivery, lists only finished ones before the
 /// cutoff, and removing one removes its chunks.
 pub(super) fn purges_spare_the_newest_and_the_unfinished(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     for chat in ["a", "b", "c"] {
         enqueue(&ob, chat, "x");
     }
@@ -500,8 +495,7 @@ pub(super) fn purges_spare_the_newest_and_the_unfinished(fresh: Fresh) {
 
 /// A row set aside as corrupt is failed, and its lane is given back when readable.
 pub(super) fn corrupt_rows_are_failed_with_their_lane(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let id = enqueue(&ob, "a", "x");
     let chunk = row(&ob, id) * CHUNK_STRIDE;
     let lane = write(&ob, |tx| tx.set_corrupt(chunk, row(&ob, id), "bad", T0));
@@ -523,14 +517,13 @@ fn view(ob: &Outbox, id: DeliveryId) -> crate::inspect::DeliveryView {
 /// queued reply's missing chunk row stored on the way); a later chunk is made due the
 /// same way.
 pub(super) fn activation_and_later_chunks_are_due_through_the_lane(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let first = ob
         .enqueue(&NewDelivery::chunked("t", "a", "x y", ["x", "y"]))
         .unwrap()
         .id;
     let second = enqueue(&ob, "a", "z");
-    let channel = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    let channel = channel_t(&ob);
     write(&ob, |tx| tx.pause_lane(lane("a"), T0 + 500));
     let waiting = write(&ob, |tx| tx.waiting(row(&ob, second)));
     assert_eq!(
@@ -566,8 +559,7 @@ pub(super) fn activation_and_later_chunks_are_due_through_the_lane(fresh: Fresh)
 /// A held delivery put back in its lane is queued, unfinished and unacknowledged, and
 /// listed with its lane among the queued ones.
 pub(super) fn a_held_delivery_is_queued_again(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let id = enqueue(&ob, "a", "x");
     let claim = claim_one(&ob);
     ob.record(&claim, Outcome::Permanent { error: "no".into() })
@@ -592,13 +584,12 @@ pub(super) fn a_held_delivery_is_queued_again(fresh: Fresh) {
 
 /// A channel's pause holds its slot and never shortens; its slot is set as given.
 pub(super) fn channel_pauses_and_slots(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let id = write(&ob, |tx| tx.channel_number("t"));
     write(&ob, |tx| tx.pause_channel("t", T0 + 900));
     write(&ob, |tx| tx.pause_channel("t", T0 + 100));
     write(&ob, |tx| tx.set_channel_slot(id, 123_456));
-    let row = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    let row = channel_t(&ob);
     assert_eq!(row.paused_until, Some(T0 + 900));
     assert_eq!(row.next_send_at_us, Some(123_456));
     assert_eq!(row.interval_us, 0);
@@ -618,10 +609,9 @@ pub(super) fn channel_pauses_and_slots(fresh: Fresh) {
 /// What no other transaction holds, the only writer gets: every lock, and a channel's
 /// slot as it stands. Dead letters noted by the work are taken once.
 pub(super) fn the_only_writer_holds_every_lock(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     write(&ob, |tx| tx.channel_number("t"));
-    let row = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    let row = channel_t(&ob);
     write(&ob, |tx| {
         tx.lock_rules(false)?;
         tx.lock_key("t", "k")?;
@@ -645,12 +635,11 @@ pub(super) fn the_only_writer_holds_every_lock(fresh: Fresh) {
 /// given), and clears the token; an unscheduled retry is due nowhere; an expired lease's
 /// retry keeps its token.
 pub(super) fn chunks_are_rescheduled(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let id = enqueue(&ob, "a", "x");
     let claim = claim_one(&ob);
     let chunk = claim.chunk_id.0;
-    let channel = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    let channel = channel_t(&ob);
     write(&ob, |tx| {
         tx.reschedule(chunk, ChunkStatus::Retry, 3, T0 + 50, Some("e"))
     });
@@ -700,7 +689,7 @@ pub(super) fn chunks_and_deliveries_are_set_aside(fresh: Fresh) {
     let id = enqueue(&ob, "a", "x");
     let claim = claim_one(&ob);
     let chunk = claim.chunk_id.0;
-    let channel = write(&ob, |tx| Ok(tx.channels(Some("t"))?.remove(0)));
+    let channel = channel_t(&ob);
     write(&ob, |tx| {
         tx.set_chunk_aside(chunk, ChunkStatus::Uncertain, "maybe", false)
     });
@@ -768,8 +757,7 @@ pub(super) fn deliveries_count_and_finalize(fresh: Fresh) {
 
 /// A channel's counters add up what each tally adds; a purge lowers the stored count.
 pub(super) fn channel_counters_add_up(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     for (latest, latency) in [(T0 + 9, [1, 1, 1, 1, 1, 1]), (T0 + 5, [0, 1, 1, 1, 1, 2])] {
         write(&ob, |tx| {
             tx.add_channel_stats(&crate::store::ChannelTally {
@@ -802,8 +790,7 @@ pub(super) fn channel_counters_add_up(fresh: Fresh) {
 /// the database's message when it does not prepare, and run with its parameters bound
 /// from the delivery.
 pub(super) fn statements_are_described_and_run(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let id = enqueue(&ob, "a", "hello");
     let update = "UPDATE outbound_deliveries SET sender = :content WHERE uid = :delivery_id";
     let shape = write(&ob, |tx| tx.describe_statement(update)).unwrap();
@@ -886,8 +873,7 @@ pub(super) fn cancels_remove_chunks(fresh: Fresh) {
 
 /// Operator lookups match a delivery's row and uid together, and prefer its held chunk.
 pub(super) fn operator_lookups_match_row_and_uid(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     let id = ob
         .enqueue(&NewDelivery::chunked("t", "a", "x y", ["x", "y"]))
         .unwrap()
@@ -926,8 +912,7 @@ pub(super) fn operator_lookups_match_row_and_uid(fresh: Fresh) {
 /// queued reply's missing chunk row as a pending chunk; the unsent rest of a dead
 /// letter is not counted.
 pub(super) fn health_counts_unfinished_rows(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     enqueue(&ob, "a", "x");
     enqueue(&ob, "a", "queued");
     ob.enqueue(&NewDelivery::chunked("u", "b", "x y", ["x", "y"]))
@@ -1046,8 +1031,7 @@ pub(super) fn deliveries_are_viewed_listed_and_reported(fresh: Fresh) {
 
 /// Lane rows whose pause and interval both ended are forgotten; others are kept.
 pub(super) fn idle_lanes_are_forgotten(fresh: Fresh) {
-    let clock = ManualClock::new(T0);
-    let ob = fresh(options(&clock));
+    let ob = fresh_at_t0(fresh);
     write(&ob, |tx| {
         tx.pause_lane(lane("a"), T0 + 10)?;
         tx.note_lane_send(lane("b"), T0 + 1_000)
