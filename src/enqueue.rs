@@ -426,6 +426,12 @@ impl Outbox {
     /// a transaction.
     pub fn enqueue_in(&self, conn: &Connection, delivery: &NewDelivery) -> Result<Enqueued> {
         delivery.validate()?;
+        if self.is_postgres() {
+            return Err(Error::Unsupported {
+                what: "enqueue_in with an SQLite connection",
+                backend: "PostgreSQL",
+            });
+        }
         if conn.is_autocommit() {
             return Err(Error::invalid(
                 "connection",

@@ -150,9 +150,9 @@ pub enum Error {
         current: i64,
     },
 
-    /// The file is an SQLite database, but not an outbox (it has tables of its own and
+    /// The file is an SQLite database (or the PostgreSQL schema a database), but not an outbox (it has tables of its own and
     /// none of the outbox's), and this handle may not add them. It was left as it was.
-    #[error("{} is an SQLite database but not an outbox (no outbox tables); it was left untouched", path.display())]
+    #[error("{} is a database but not an outbox (no outbox tables); it was left untouched", path.display())]
     NotAnOutbox {
         /// The database file.
         path: PathBuf,
@@ -273,6 +273,40 @@ pub enum Error {
     /// Any other SQLite error.
     #[error("sqlite error: {0}")]
     Sqlite(rusqlite::Error),
+
+    /// The PostgreSQL server could not be reached, or the connection to it was lost
+    /// (feature `postgres`). A transaction that was under way was rolled back by the
+    /// server, unless the connection was lost during its commit. Retry when the server
+    /// is back.
+    #[error("no connection to {target}: {message}")]
+    Connection {
+        /// The server and database (never the password).
+        target: String,
+        /// What the client said.
+        message: String,
+    },
+
+    /// Any other PostgreSQL error (feature `postgres`).
+    #[cfg(feature = "postgres")]
+    #[error("postgres error: {}", crate::store::postgres::message(.0))]
+    Postgres(postgres::Error),
+
+    /// What was asked does not apply to this backend (a file's checkpoint on
+    /// PostgreSQL, say). Nothing was changed.
+    #[error("{what} is not supported on {backend}")]
+    Unsupported {
+        /// The call or command.
+        what: &'static str,
+        /// The backend of the outbox (`SQLite`, `PostgreSQL`).
+        backend: &'static str,
+    },
+}
+
+#[cfg(feature = "postgres")]
+impl From<postgres::Error> for Error {
+    fn from(err: postgres::Error) -> Self {
+        crate::store::postgres::map_error(err)
+    }
 }
 
 impl From<r2d2::Error> for Error {

@@ -266,6 +266,15 @@ impl OutboxOptions {
         self
     }
 
+    /// Whether these options declare any stored rule (see [`Policy`](crate::Policy)).
+    pub(crate) fn declares_rules(&self) -> bool {
+        self.lane_order.is_some()
+            || self.lane_failure.is_some()
+            || self.retry.is_some()
+            || self.default_channel.is_some()
+            || !self.channels.is_empty()
+    }
+
     /// The clock every timestamp is read from.
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;

@@ -19,7 +19,7 @@ use crate::store::sqlite::checkpoint::Checkpointer;
 use crate::store::sqlite::connection::{self, StorageSettings};
 use crate::store::sqlite::schema;
 use crate::store::sqlite::tx::Tx;
-use crate::store::{Locks, RuleStore, StoreTx};
+use crate::store::{RuleStore, StoreTx};
 
 /// A durable outbox on one SQLite database. Cheap to clone; `Send + Sync`.
 ///
@@ -34,11 +34,9 @@ pub struct Outbox {
 }
 
 struct Inner {
-    writer: Mutex<Connection>,
+    backend: Backend,
     notifier: Notifier,
-    readers: Option<r2d2::Pool<SqliteConnectionManager>>,
     options: OutboxOptions,
-    path: Option<PathBuf>,
     /// This database's salt for delivery uids (see [`DeliveryId::for_row`]).
     id_salt: i64,
     /// The high half of every fencing token this handle hands out.
@@ -47,15 +45,43 @@ struct Inner {
     claims: AtomicU32,
     /// The stored rules as last read, with the version they were read at.
     stored: Mutex<Arc<Stored>>,
+}
+
+/// Where the outbox keeps its rows.
+enum Backend {
+    Sqlite(Sqlite),
+    #[cfg(feature = "postgres")]
+    Postgres(crate::store::postgres::PgStore),
+}
+
+/// An SQLite file (or memory): one writer connection, pooled readers.
+struct Sqlite {
+    writer: Mutex<Connection>,
+    readers: Option<r2d2::Pool<SqliteConnectionManager>>,
+    path: Option<PathBuf>,
     /// Stops (and is joined) when the last clone of the outbox is dropped.
     checkpointer: Option<Checkpointer>,
 }
 
+impl Sqlite {
+    fn writer(&self) -> MutexGuard<'_, Connection> {
+        // A panic while holding the lock cannot leave the connection inside a
+        // transaction: a `Tx` that began one rolls it back on drop. So the poison is harmless.
+        self.writer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
 impl std::fmt::Debug for Outbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Outbox")
-            .field("path", &self.inner.path)
-            .finish_non_exhaustive()
+        let mut debug = f.debug_struct("Outbox");
+        match &self.inner.backend {
+            Backend::Sqlite(sqlite) => debug.field("path", &sqlite.path),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pg) => debug.field("database", &pg.target),
+        };
+        debug.finish_non_exhaustive()
     }
 }
 
@@ -102,8 +128,7 @@ impl Outbox {
                 schema::refuse_upgrade(&writer, &path)?;
             }
             schema::migrate(&mut writer)?;
-            connection::enable_wal(&writer, &options)?;
-            reconcile(&writer, &options)
+            connection::enable_wal(&writer, &options)
         };
         setup().map_err(|e| connection::name_path(e, &path))?;
 
@@ -112,7 +137,17 @@ impl Outbox {
             .checkpoint_every
             .map(|every| Checkpointer::start(&path, &options, every))
             .transpose()?;
-        Outbox::from_parts(writer, Some(readers), options, Some(path), checkpointer)
+        let outbox = Outbox::from_sqlite(
+            writer,
+            Some(readers),
+            options,
+            Some(path.clone()),
+            checkpointer,
+        )?;
+        outbox
+            .reconcile()
+            .map_err(|e| connection::name_path(e, &path))?;
+        Ok(outbox)
     }
 
     /// Opens an existing outbox file for reading only: health, inspection and the
@@ -144,7 +179,7 @@ impl Outbox {
         setup().map_err(|e| connection::name_path(e, &path))?;
         let readers = reader_pool(&path, &options, flags)?;
         let options = options.with_background_checkpoints(None);
-        Outbox::from_parts(conn, Some(readers), options, Some(path), None)
+        Outbox::from_sqlite(conn, Some(readers), options, Some(path), None)
     }
 
     /// Opens a private in-memory outbox: nothing reaches disk, everything is gone when
@@ -159,8 +194,77 @@ impl Outbox {
         let mut writer = Connection::open_in_memory()?;
         connection::configure(&writer, &options, true)?;
         schema::migrate(&mut writer)?;
-        reconcile(&writer, &options)?;
-        Outbox::from_parts(writer, None, options, None, None)
+        let outbox = Outbox::from_sqlite(writer, None, options, None, None)?;
+        outbox.reconcile()?;
+        Ok(outbox)
+    }
+
+    /// Connects to an outbox in a PostgreSQL database (feature `postgres`), creating
+    /// its tables (or bringing them up to date) in the first schema of the connection's
+    /// `search_path` — `public` unless the URL sets another, such as
+    /// `postgres://app@db/chat?options=-c%20search_path%3Doutbox`. Every process and
+    /// host that connects to the same database and schema shares the outbox: its rows,
+    /// its stored rules, each lane's order, each channel's rate.
+    ///
+    /// The handle keeps a pool of up to `options.readers + 1` connections (see
+    /// [`OutboxOptions::with_readers`]) for writes and reads alike.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for options out of range or a URL that does not parse;
+    /// [`Error::Connection`] if the server cannot be reached or refuses the login;
+    /// [`Error::PolicyConflict`] as [`open`](Self::open); [`Error::SchemaTooNew`] if a
+    /// newer build of this crate wrote the tables; [`Error::SchemaTooOld`] or
+    /// [`Error::NotAnOutbox`] if upgrades are off and the schema needs one;
+    /// [`Error::Migration`] if the tables could not be made (nothing of them is then
+    /// left behind).
+    #[cfg(feature = "postgres")]
+    pub fn connect(url: &str, options: OutboxOptions) -> Result<Outbox> {
+        use crate::store::postgres::{PgStore, schema as pg_schema};
+        options.validate()?;
+        let store = PgStore::connect(url, options.readers + 1, options.busy_timeout)?;
+        let (id_salt, stored) = {
+            let mut conn = store.connection()?;
+            pg_schema::migrate(&mut conn, options.upgrade_schema)?;
+            let salt = pg_schema::id_salt(&mut conn)?;
+            let tx = crate::store::postgres::PgTx::begin(&mut conn, true)?;
+            (salt, tx.load_rules()?)
+        };
+        let options = options.with_background_checkpoints(None);
+        let outbox = Outbox::from_backend(Backend::Postgres(store), options, id_salt, stored);
+        outbox.reconcile()?;
+        Ok(outbox)
+    }
+
+    /// Connects to an outbox in a PostgreSQL database for reading only (feature
+    /// `postgres`), as [`open_read_only`](Self::open_read_only) opens a file: nothing is
+    /// created or migrated, and writes fail with [`Error::ReadOnly`].
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`](Self::connect); [`Error::NotAnOutbox`], [`Error::SchemaTooOld`]
+    /// or [`Error::SchemaTooNew`] unless the schema holds an outbox of this build's
+    /// version.
+    #[cfg(feature = "postgres")]
+    pub fn connect_read_only(url: &str, options: OutboxOptions) -> Result<Outbox> {
+        use crate::store::postgres::{PgStore, schema as pg_schema};
+        options.validate()?;
+        let read_only_url = read_only_url(url);
+        let store = PgStore::connect(&read_only_url, options.readers + 1, options.busy_timeout)?;
+        let (id_salt, stored) = {
+            let mut conn = store.connection()?;
+            pg_schema::require_current(&mut conn)?;
+            let salt = pg_schema::id_salt(&mut conn)?;
+            let tx = crate::store::postgres::PgTx::begin(&mut conn, true)?;
+            (salt, tx.load_rules()?)
+        };
+        let options = options.with_background_checkpoints(None);
+        Ok(Outbox::from_backend(
+            Backend::Postgres(store),
+            options,
+            id_salt,
+            stored,
+        ))
     }
 
     /// The rules stored in the file (see [`Policy`]), as every process on it follows
@@ -346,15 +450,21 @@ impl Outbox {
     ///
     /// Database errors opening the watching connection.
     pub(crate) fn change_watcher(&self) -> Result<ChangeWatcher> {
-        let conn = match &self.inner.path {
-            Some(path) => {
+        let conn = match &self.inner.backend {
+            Backend::Sqlite(Sqlite {
+                path: Some(path), ..
+            }) => {
                 let conn = Connection::open(path)?;
                 connection::configure_reader(&conn, &self.inner.options)?;
                 Some(conn)
             }
-            None => None,
+            _ => None,
         };
-        let mut watcher = ChangeWatcher { conn, last: 0 };
+        let mut watcher = ChangeWatcher {
+            conn,
+            last: 0,
+            shared: self.is_postgres(),
+        };
         watcher.changed()?;
         Ok(watcher)
     }
@@ -365,7 +475,7 @@ impl Outbox {
     ///
     /// Database errors.
     pub fn writer_settings(&self) -> Result<StorageSettings> {
-        connection::read_settings(&self.writer())
+        connection::read_settings(&self.sqlite("writer_settings")?.writer())
     }
 
     /// The pragmas a pooled read connection runs with (the writer's, in memory).
@@ -374,10 +484,10 @@ impl Outbox {
     ///
     /// Database and pool errors.
     pub fn reader_settings(&self) -> Result<StorageSettings> {
-        self.read_sqlite(|tx| connection::read_settings(tx))
+        self.read_sqlite("reader_settings", |tx| connection::read_settings(tx))
     }
 
-    fn from_parts(
+    fn from_sqlite(
         writer: Connection,
         readers: Option<r2d2::Pool<SqliteConnectionManager>>,
         options: OutboxOptions,
@@ -386,20 +496,60 @@ impl Outbox {
     ) -> Result<Outbox> {
         let id_salt = schema::id_salt(&writer)?;
         let stored = Tx::new(&writer).load_rules()?;
-        Ok(Outbox {
+        let sqlite = Sqlite {
+            writer: Mutex::new(writer),
+            readers,
+            path,
+            checkpointer,
+        };
+        Ok(Outbox::from_backend(
+            Backend::Sqlite(sqlite),
+            options,
+            id_salt,
+            stored,
+        ))
+    }
+
+    fn from_backend(
+        backend: Backend,
+        options: OutboxOptions,
+        id_salt: i64,
+        stored: Stored,
+    ) -> Outbox {
+        Outbox {
             inner: Arc::new(Inner {
-                writer: Mutex::new(writer),
+                backend,
                 notifier: Notifier::default(),
-                readers,
                 options,
-                path,
                 id_salt,
                 claimant: ClaimantId::random(),
                 claims: AtomicU32::new(0),
                 stored: Mutex::new(Arc::new(stored)),
-                checkpointer,
             }),
-        })
+        }
+    }
+
+    /// The SQLite backend, or [`Error::Unsupported`] naming `what` on another.
+    fn sqlite(&self, what: &'static str) -> Result<&Sqlite> {
+        match &self.inner.backend {
+            Backend::Sqlite(sqlite) => Ok(sqlite),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => Err(Error::Unsupported {
+                what,
+                backend: "PostgreSQL",
+            }),
+        }
+    }
+
+    /// The SQLite writer connection, for what only a file has (its checkpoint, its
+    /// pragmas); [`Error::Unsupported`] naming `what` on another backend.
+    pub(crate) fn sqlite_writer(&self, what: &'static str) -> Result<MutexGuard<'_, Connection>> {
+        Ok(self.sqlite(what)?.writer())
+    }
+
+    /// Whether this outbox lives in a PostgreSQL database.
+    pub fn is_postgres(&self) -> bool {
+        !matches!(self.inner.backend, Backend::Sqlite(_))
     }
 
     /// The uid of a new delivery in row `rowid`.
@@ -413,9 +563,13 @@ impl Outbox {
         id.rowid(self.inner.id_salt)
     }
 
-    /// The database file, or `None` for an in-memory outbox.
+    /// The database file, or `None` for an in-memory outbox and one in PostgreSQL.
     pub fn path(&self) -> Option<&Path> {
-        self.inner.path.as_deref()
+        match &self.inner.backend {
+            Backend::Sqlite(sqlite) => sqlite.path.as_deref(),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => None,
+        }
     }
 
     /// The options this outbox was opened with.
@@ -425,19 +579,11 @@ impl Outbox {
 
     /// Keeps this outbox's background checkpoints from running while the guard lives.
     pub(crate) fn pause_background_checkpoints(&self) -> Option<MutexGuard<'_, ()>> {
-        self.inner
-            .checkpointer
-            .as_ref()
-            .map(Checkpointer::exclusive)
-    }
-
-    pub(crate) fn writer(&self) -> MutexGuard<'_, Connection> {
-        // A panic while holding the lock cannot leave the connection inside a
-        // transaction: a `Tx` that began one rolls it back on drop. So the poison is harmless.
-        self.inner
-            .writer
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        match &self.inner.backend {
+            Backend::Sqlite(sqlite) => sqlite.checkpointer.as_ref().map(Checkpointer::exclusive),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => None,
+        }
     }
 
     /// Runs `f` in one `BEGIN IMMEDIATE` transaction on the writer connection, with the
@@ -463,13 +609,28 @@ impl Outbox {
         change_rules: bool,
         f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>,
     ) -> Result<T> {
-        let conn = self.writer();
-        let tx = Tx::begin(&conn, "BEGIN IMMEDIATE")?;
-        tx.lock_rules(change_rules)?;
-        let rules = self.rules(&tx)?;
-        let value = f(&tx, &rules)?;
-        tx.commit()?;
-        Ok(value)
+        let within = |tx: &dyn StoreTx| -> Result<T> {
+            tx.lock_rules(change_rules)?;
+            let rules = self.rules(tx)?;
+            f(tx, &rules)
+        };
+        match &self.inner.backend {
+            Backend::Sqlite(sqlite) => {
+                let conn = sqlite.writer();
+                let tx = Tx::begin(&conn, "BEGIN IMMEDIATE")?;
+                let value = within(&tx)?;
+                tx.commit()?;
+                Ok(value)
+            }
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pg) => {
+                let mut conn = pg.connection()?;
+                let tx = crate::store::postgres::PgTx::begin(&mut conn, false)?;
+                let value = within(&tx)?;
+                tx.commit()?;
+                Ok(value)
+            }
+        }
     }
 
     /// The stored rules as the caller's own transaction sees them (`enqueue_in`): the
@@ -516,22 +677,56 @@ impl Outbox {
     /// Runs `f` on a read-only connection (the writer, for an in-memory outbox), inside
     /// one read transaction so that everything `f` reads is one consistent snapshot.
     pub(crate) fn read<T>(&self, f: impl FnOnce(&dyn StoreTx) -> Result<T>) -> Result<T> {
-        self.read_sqlite(|tx| f(tx))
+        match &self.inner.backend {
+            Backend::Sqlite(_) => self.read_sqlite("read", |tx| f(tx)),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pg) => {
+                let mut conn = pg.connection()?;
+                f(&crate::store::postgres::PgTx::begin(&mut conn, true)?)
+            }
+        }
     }
 
     /// As [`read`](Self::read), on the SQLite connection itself (its pragmas).
-    fn read_sqlite<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
-        match &self.inner.readers {
+    fn read_sqlite<T>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(&Tx<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let sqlite = self.sqlite(what)?;
+        match &sqlite.readers {
             Some(pool) => {
                 let conn = pool.get()?;
                 f(&Tx::begin(&conn, "BEGIN")?)
             }
             None => {
-                let conn = self.writer();
+                let conn = sqlite.writer();
                 f(&Tx::begin(&conn, "BEGIN")?)
             }
         }
     }
+
+    /// Makes the stored rules agree with those the options declare (see
+    /// [`reconcile`]), holding the rules exclusively.
+    fn reconcile(&self) -> Result<()> {
+        if !self.options().declares_rules() {
+            return Ok(());
+        }
+        self.transact(true, |tx, _| reconcile(tx, self.options()))
+    }
+}
+
+/// `url` with its sessions read only, so that a write through it fails on the server.
+#[cfg(feature = "postgres")]
+fn read_only_url(url: &str) -> String {
+    let option = "options=-c%20default_transaction_read_only%3Don";
+    if url.contains("options=") {
+        // The application's own options stay; the handle still opens read transactions
+        // only, and refuses writes itself.
+        return url.to_owned();
+    }
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{option}")
 }
 
 /// The pool of read connections on `path`. Every pool of the process shares one
@@ -541,16 +736,6 @@ fn reader_pool(
     options: &OutboxOptions,
     flags: OpenFlags,
 ) -> Result<r2d2::Pool<SqliteConnectionManager>> {
-    static UPKEEP: std::sync::OnceLock<Arc<scheduled_thread_pool::ScheduledThreadPool>> =
-        std::sync::OnceLock::new();
-    let upkeep = UPKEEP.get_or_init(|| {
-        Arc::new(
-            scheduled_thread_pool::ScheduledThreadPool::builder()
-                .num_threads(1)
-                .thread_name_pattern("outbox-pool-upkeep")
-                .build(),
-        )
-    });
     let reader_options = options.clone();
     let manager = SqliteConnectionManager::file(path)
         .with_flags(flags)
@@ -558,16 +743,32 @@ fn reader_pool(
     Ok(r2d2::Pool::builder()
         .max_size(options.readers)
         .min_idle(Some(0))
-        .thread_pool(upkeep.clone())
+        .thread_pool(pool_upkeep())
         .build(manager)?)
 }
 
-/// Makes the stored rules agree with those `options` declares, in one `BEGIN
-/// IMMEDIATE` transaction holding the rules exclusively (so processes opening one file
-/// at once see each other's declarations): a rule nobody declared yet is stored as
-/// given; a declared rule that differs is [`Error::PolicyConflict`] unless the options
-/// say to update. A channel with no rules of its own takes the rules given for it.
-fn reconcile(conn: &Connection, options: &OutboxOptions) -> Result<()> {
+/// The one scheduler thread every connection pool of the process runs its upkeep on.
+pub(crate) fn pool_upkeep() -> Arc<scheduled_thread_pool::ScheduledThreadPool> {
+    static UPKEEP: std::sync::OnceLock<Arc<scheduled_thread_pool::ScheduledThreadPool>> =
+        std::sync::OnceLock::new();
+    UPKEEP
+        .get_or_init(|| {
+            Arc::new(
+                scheduled_thread_pool::ScheduledThreadPool::builder()
+                    .num_threads(1)
+                    .thread_name_pattern("outbox-pool-upkeep")
+                    .build(),
+            )
+        })
+        .clone()
+}
+
+/// Makes the stored rules agree with those `options` declares, in a transaction holding
+/// the rules exclusively (so processes opening one outbox at once see each other's
+/// declarations): a rule nobody declared yet is stored as given; a declared rule that
+/// differs is [`Error::PolicyConflict`] unless the options say to update. A channel
+/// with no rules of its own takes the rules given for it.
+fn reconcile(tx: &dyn StoreTx, options: &OutboxOptions) -> Result<()> {
     // Compared as the file would store them (whole milliseconds), or a rule given in
     // finer units would differ from itself once stored.
     let retry = options.retry.as_ref().map(RetryPolicy::stored_form);
@@ -575,15 +776,6 @@ fn reconcile(conn: &Connection, options: &OutboxOptions) -> Result<()> {
         .default_channel
         .as_ref()
         .map(ChannelPolicy::stored_form);
-    let declares_file_rules = options.lane_order.is_some()
-        || options.lane_failure.is_some()
-        || retry.is_some()
-        || default_channel.is_some();
-    if !declares_file_rules && options.channels.is_empty() {
-        return Ok(());
-    }
-    let tx = Tx::begin(conn, "BEGIN IMMEDIATE")?;
-    tx.lock_rules(true)?;
     let Stored {
         policy: stored,
         declared,
@@ -643,12 +835,11 @@ fn reconcile(conn: &Connection, options: &OutboxOptions) -> Result<()> {
     }
     if store.any() {
         tx.store_file_rules(&wanted, store)?;
-        lane::follow_rule_change(&tx, &stored, &wanted, options.now_ms())?;
+        lane::follow_rule_change(tx, &stored, &wanted, options.now_ms())?;
     }
     for (name, rules) in channels {
         tx.store_channel_rules(name, rules.as_ref())?;
     }
-    tx.commit()?;
     Ok(())
 }
 
@@ -746,14 +937,17 @@ impl Notifier {
 pub(crate) struct ChangeWatcher {
     conn: Option<Connection>,
     last: i64,
+    /// A database other hosts write to (PostgreSQL): every poll may find their work.
+    shared: bool,
 }
 
 impl ChangeWatcher {
     /// Whether anything was committed since the last call. Always false in memory,
-    /// where no other process can write.
+    /// where no other process can write; always true on PostgreSQL, where every poll
+    /// looks again.
     pub(crate) fn changed(&mut self) -> Result<bool> {
         let Some(conn) = &self.conn else {
-            return Ok(false);
+            return Ok(self.shared);
         };
         let version: i64 = conn.query_row("PRAGMA data_version", [], |r| r.get(0))?;
         let changed = version != self.last;

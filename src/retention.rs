@@ -117,7 +117,7 @@ impl Outbox {
     /// checkpoints wait while it runs.)
     pub fn checkpoint(&self) -> Result<()> {
         let _background = self.pause_background_checkpoints();
-        if crate::store::sqlite::checkpoint::truncate(&self.writer())? {
+        if crate::store::sqlite::checkpoint::truncate(&*self.sqlite_writer("checkpoint")?)? {
             Ok(())
         } else {
             Err(Error::Busy)

@@ -1054,9 +1054,12 @@ pub(super) fn idle_lanes_are_forgotten(fresh: Fresh) {
 /// Makes one test of each contract for a store.
 macro_rules! conformance {
     ($store:ident, $fresh:expr) => {
+        conformance!($store, $fresh, true);
+    };
+    ($store:ident, $fresh:expr, $available:expr) => {
         mod $store {
             use super::*;
-            conformance!(@tests $fresh;
+            conformance!(@tests $fresh, $available;
                 lane_positions_follow_insert_order,
                 the_head_is_the_first_queued_when_nothing_is_active,
                 a_lane_is_held_by_uncertain_and_unacknowledged_dead_letters,
@@ -1093,14 +1096,31 @@ macro_rules! conformance {
             );
         }
     };
-    (@tests $fresh:expr; $($contract:ident),* $(,)?) => {
+    (@tests $fresh:expr, $available:expr; $($contract:ident),* $(,)?) => {
         $(
             #[test]
             fn $contract() {
-                super::$contract($fresh);
+                // A store without its server is skipped (loudly; see `server`).
+                if $available {
+                    super::$contract($fresh);
+                }
             }
         )*
     };
 }
 
 conformance!(sqlite, |options| Outbox::open_in_memory(options).unwrap());
+
+#[cfg(feature = "postgres")]
+#[path = "../../tests/common/postgres.rs"]
+mod server;
+
+#[cfg(feature = "postgres")]
+conformance!(
+    postgres,
+    |options| {
+        let url = server::fresh_schema_url().expect("the test server");
+        Outbox::connect(&url, options).unwrap()
+    },
+    server::server_url().is_some()
+);

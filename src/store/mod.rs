@@ -26,6 +26,8 @@ use crate::status::{ChunkStatus, DeliveryStatus};
 
 #[cfg(test)]
 mod conformance;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
 pub(crate) mod sqlite;
 
 /// One lane: the deliveries of one chat on one channel, in order. Locks are taken in

@@ -175,7 +175,7 @@ mod tests {
             chats.extend(claims.iter().map(|c| c.chat_id.parse::<i32>().unwrap()));
         }
         assert_eq!(chats, (0..10).collect::<Vec<_>>());
-        let conn = ob.writer();
+        let conn = ob.sqlite_writer("test").unwrap();
         let stmt = conn.prepare_cached(super::CLAIM_SQL).unwrap();
         assert_eq!(stmt.get_status(rusqlite::StatementStatus::RePrepare), 0);
         assert!(stmt.get_status(rusqlite::StatementStatus::Run) >= 4);

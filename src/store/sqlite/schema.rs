@@ -567,7 +567,7 @@ mod plan_tests {
     use crate::outbox::Outbox;
 
     fn explain(outbox: &Outbox, sql: &str, params: usize) -> String {
-        let conn = outbox.writer();
+        let conn = outbox.sqlite_writer("test").unwrap();
         let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
         let values: Vec<rusqlite::types::Value> = (0..params).map(|_| 0_i64.into()).collect();
         let rows = stmt
@@ -726,7 +726,7 @@ mod plan_tests {
     #[test]
     fn hot_statements_open_no_temporary_b_tree() {
         let ob = populated();
-        let conn = ob.writer();
+        let conn = ob.sqlite_writer("test").unwrap();
         for sql in [
             crate::store::sqlite::lanes::HEAD_SQL,
             crate::store::sqlite::lanes::HELD_SQL,

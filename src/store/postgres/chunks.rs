@@ -1,0 +1,368 @@
+//! Chunk rows and claims on PostgreSQL. A chunk's key is (delivery row, index); its
+//! public id is `delivery row * 16384 + index`. Claims lock the chunks they read with
+//! `SKIP LOCKED`: two claims never take one chunk, and neither waits for the other.
+
+use postgres::Row;
+
+use super::{PgTx, chunk_key, chunk_status, count};
+use crate::error::Result;
+use crate::ids::DeliveryId;
+use crate::status::ChunkStatus;
+use crate::store::{Candidate, ChannelRow, ChunkRef, ChunkStore, ClaimStore, Readable};
+
+/// The query that loads a [`ChunkRef`], followed by a literal condition.
+macro_rules! chunk_ref_where {
+    ($condition:literal) => {
+        concat!(
+            "SELECT c.delivery_id * 16384 + c.chunk_index, c.delivery_id, c.chunk_index,
+                    c.status, c.attempts, d.channel, d.chat_id, d.created_at, d.chunk_count
+             FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
+             WHERE ",
+            $condition
+        )
+    };
+}
+pub(crate) use chunk_ref_where;
+
+/// A [`ChunkRef`] from a row of [`chunk_ref_where!`].
+pub(crate) fn chunk_ref(r: &Row) -> Result<ChunkRef> {
+    Ok(ChunkRef {
+        id: r.try_get(0)?,
+        delivery: r.try_get(1)?,
+        index: r.try_get(2)?,
+        status: chunk_status(r, 3)?,
+        attempts: count(r, 4)? as u32,
+        channel: r.try_get(5)?,
+        chat_id: r.try_get(6)?,
+        created_at: r.try_get(7)?,
+        total: r.try_get(8)?,
+    })
+}
+
+/// The chunk a claim holds (`$3` its token), locked: `sending`, or after its lease ran
+/// out `uncertain` or `retry`.
+pub(crate) const CLAIMED_SQL: &str = chunk_ref_where!(
+    "c.delivery_id = $1 AND c.chunk_index = $2 AND c.claim_token = $3
+       AND c.status IN ('sending', 'uncertain', 'retry')
+     FOR UPDATE OF c"
+);
+
+/// Chunk (`$1`, `$2`), the one chunk a queued reply has no row for yet included.
+pub(crate) const LOAD_CHUNK_SQL: &str = "SELECT d.id * 16384 + $2::bigint, d.id, $2::bigint,
+        coalesce(c.status, 'pending'), coalesce(c.attempts, 0), d.channel, d.chat_id,
+        d.created_at, d.chunk_count
+     FROM outbound_deliveries d
+          LEFT JOIN outbound_delivery_chunks c ON c.delivery_id = d.id AND c.chunk_index = $2
+     WHERE d.id = $1 AND (c.delivery_id IS NOT NULL OR (d.status = 'queued' AND $2::bigint = 0))";
+
+/// A channel's due chunks (leases that ran out included), earliest first, locked unless
+/// another claim holds them.
+pub(crate) const CLAIM_SQL: &str =
+    "SELECT c.delivery_id * 16384 + c.chunk_index, c.delivery_id, c.due_at, c.chunk_index,
+            c.status, c.attempts, d.chat_id, d.created_at, d.chunk_count, d.uid,
+            coalesce(c.text, d.text), d.metadata, c.claim_token IS NOT NULL
+     FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
+     WHERE c.channel_id = $1 AND c.due_at IS NOT NULL AND c.due_at <= $2
+     ORDER BY c.due_at LIMIT $3
+     FOR UPDATE OF c SKIP LOCKED";
+
+pub(crate) const NEXT_DUE_SQL: &str = "SELECT min(due_at) FROM outbound_delivery_chunks
+     WHERE channel_id = $1 AND due_at IS NOT NULL";
+
+pub(crate) const EXPIRED_SQL: &str = chunk_ref_where!(
+    "c.channel_id = $1 AND c.due_at IS NOT NULL AND c.due_at <= $2 AND c.status = 'sending'"
+);
+
+fn candidate(r: &Row, channel: &ChannelRow) -> Result<Candidate> {
+    let readable = || -> std::result::Result<Readable, String> {
+        let err = |e: crate::error::Error| e.to_string();
+        let get = |e: postgres::Error| e.to_string();
+        let uid: String = r.try_get(9).map_err(get)?;
+        let uid: DeliveryId = uid
+            .parse()
+            .map_err(|_| format!("its delivery uid {uid:?} is not a UUID"))?;
+        Ok(Readable {
+            chunk: ChunkRef {
+                id: r.try_get(0).map_err(get)?,
+                delivery: r.try_get(1).map_err(get)?,
+                index: r.try_get(3).map_err(get)?,
+                status: chunk_status(r, 4).map_err(err)?,
+                attempts: count(r, 5).map_err(err)? as u32,
+                channel: channel.name.clone(),
+                chat_id: r.try_get(6).map_err(get)?,
+                created_at: r.try_get(7).map_err(get)?,
+                total: r.try_get(8).map_err(get)?,
+            },
+            suspect: r.try_get(12).map_err(get)?,
+            uid,
+            text: r.try_get(10).map_err(get)?,
+            metadata: r.try_get(11).map_err(get)?,
+        })
+    };
+    Ok(Candidate {
+        chunk: r.try_get(0)?,
+        delivery: r.try_get(1)?,
+        channel_id: channel.id,
+        due_at: r.try_get(2)?,
+        row: readable(),
+    })
+}
+
+impl ChunkStore for PgTx<'_> {
+    fn load_chunk(&self, id: i64) -> Result<Option<ChunkRef>> {
+        let (delivery, index) = chunk_key(id);
+        self.query_opt(LOAD_CHUNK_SQL, &[&delivery, &index])?
+            .as_ref()
+            .map(chunk_ref)
+            .transpose()
+    }
+
+    fn claimed_chunk(&self, id: i64, token: i64) -> Result<Option<ChunkRef>> {
+        let (delivery, index) = chunk_key(id);
+        self.query_opt(CLAIMED_SQL, &[&delivery, &index, &token])?
+            .as_ref()
+            .map(chunk_ref)
+            .transpose()
+    }
+
+    fn reschedule(
+        &self,
+        chunk: i64,
+        status: ChunkStatus,
+        attempts: u32,
+        due: i64,
+        error: Option<&str>,
+    ) -> Result<()> {
+        let (delivery, index) = chunk_key(chunk);
+        self.execute(
+            "UPDATE outbound_delivery_chunks
+             SET status = $3, attempts = $4, due_at = $5, claim_token = NULL,
+                 last_error = coalesce($6, last_error)
+             WHERE delivery_id = $1 AND chunk_index = $2",
+            &[
+                &delivery,
+                &index,
+                &status.as_str(),
+                &i64::from(attempts),
+                &due,
+                &error,
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn set_retry_unscheduled(&self, chunk: i64, attempts: u32, error: Option<&str>) -> Result<()> {
+        let (delivery, index) = chunk_key(chunk);
+        self.execute(
+            "UPDATE outbound_delivery_chunks
+             SET status = 'retry', attempts = $3, due_at = NULL, claim_token = NULL,
+                 last_error = coalesce($4, last_error)
+             WHERE delivery_id = $1 AND chunk_index = $2",
+            &[&delivery, &index, &i64::from(attempts), &error],
+        )?;
+        Ok(())
+    }
+
+    fn reset_budget(&self, chunk: i64) -> Result<()> {
+        let (delivery, index) = chunk_key(chunk);
+        self.execute(
+            "UPDATE outbound_delivery_chunks
+             SET status = 'retry', attempts = 0, rate_limits = 0, due_at = NULL,
+                 claim_token = NULL, sent_before = (sent_before OR attempts > 0)
+             WHERE delivery_id = $1 AND chunk_index = $2",
+            &[&delivery, &index],
+        )?;
+        Ok(())
+    }
+
+    fn count_rate_limit(&self, chunk: i64) -> Result<u32> {
+        let (delivery, index) = chunk_key(chunk);
+        let r = self.query_one(
+            "UPDATE outbound_delivery_chunks SET rate_limits = rate_limits + 1
+             WHERE delivery_id = $1 AND chunk_index = $2 RETURNING rate_limits",
+            &[&delivery, &index],
+        )?;
+        Ok(count(&r, 0)? as u32)
+    }
+
+    fn mark_delivered(
+        &self,
+        chunk: i64,
+        platform_message_id: Option<&str>,
+        now: i64,
+    ) -> Result<()> {
+        let (delivery, index) = chunk_key(chunk);
+        self.execute(
+            "UPDATE outbound_delivery_chunks
+             SET status = 'delivered', due_at = NULL, claim_token = NULL,
+                 platform_message_id = $3, delivered_at = $4
+             WHERE delivery_id = $1 AND chunk_index = $2",
+            &[&delivery, &index, &platform_message_id, &now],
+        )?;
+        Ok(())
+    }
+
+    fn count_delivered(&self, delivery: i64, now: i64, active: bool) -> Result<()> {
+        self.execute(
+            "UPDATE outbound_deliveries
+             SET delivered_count = delivered_count + 1, updated_at = $2,
+                 status = CASE WHEN $3 THEN 'partial' ELSE status END
+             WHERE id = $1",
+            &[&delivery, &now, &active],
+        )?;
+        Ok(())
+    }
+
+    fn set_chunk_aside(
+        &self,
+        chunk: i64,
+        status: ChunkStatus,
+        error: &str,
+        keep_token: bool,
+    ) -> Result<()> {
+        let (delivery, index) = chunk_key(chunk);
+        self.execute(
+            "UPDATE outbound_delivery_chunks
+             SET status = $3, due_at = NULL, last_error = $4,
+                 claim_token = CASE WHEN $5 THEN claim_token END
+             WHERE delivery_id = $1 AND chunk_index = $2",
+            &[&delivery, &index, &status.as_str(), &error, &keep_token],
+        )?;
+        Ok(())
+    }
+
+    fn retry_keeping_token(&self, chunk: i64, due: i64) -> Result<()> {
+        let (delivery, index) = chunk_key(chunk);
+        self.execute(
+            "UPDATE outbound_delivery_chunks SET status = 'retry', due_at = $3
+             WHERE delivery_id = $1 AND chunk_index = $2",
+            &[&delivery, &index, &due],
+        )?;
+        Ok(())
+    }
+
+    fn set_delivery_aside(&self, delivery: i64, status: ChunkStatus, now: i64) -> Result<()> {
+        let finished = (status == ChunkStatus::Failed).then_some(now);
+        self.execute(
+            "UPDATE outbound_deliveries SET status = $2, updated_at = $3, finished_at = $4
+             WHERE id = $1",
+            &[&delivery, &status.as_str(), &now, &finished],
+        )?;
+        Ok(())
+    }
+
+    fn set_corrupt(
+        &self,
+        chunk: i64,
+        delivery: i64,
+        reason: &str,
+        now: i64,
+    ) -> Result<Option<(String, String)>> {
+        let (of, index) = chunk_key(chunk);
+        self.execute(
+            "UPDATE outbound_delivery_chunks
+             SET status = 'failed', due_at = NULL, claim_token = NULL, last_error = $3
+             WHERE delivery_id = $1 AND chunk_index = $2",
+            &[&of, &index, &reason],
+        )?;
+        self.query_opt(
+            "UPDATE outbound_deliveries
+             SET status = 'failed', updated_at = $2, finished_at = $2, corrupt = $3
+             WHERE id = $1 RETURNING channel, chat_id",
+            &[&delivery, &now, &reason],
+        )?
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .transpose()
+    }
+
+    fn delivery_names(&self, delivery: i64) -> Result<Option<(String, String, String)>> {
+        self.query_opt(
+            "SELECT uid, channel, chat_id FROM outbound_deliveries WHERE id = $1",
+            &[&delivery],
+        )?
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+        .transpose()
+    }
+}
+
+impl ClaimStore for PgTx<'_> {
+    fn channels(&self, name: Option<&str>) -> Result<Vec<ChannelRow>> {
+        self.query(
+            "SELECT ch.id, ch.name, coalesce(ch.channel_interval_us, p.channel_interval_us, 0),
+                    ch.next_send_at_us, ch.paused_until
+             FROM outbound_channels ch, outbound_policy p
+             WHERE p.id = 1 AND ($1::text IS NULL OR ch.name = $1)
+             ORDER BY ch.id",
+            &[&name],
+        )?
+        .iter()
+        .map(|r| {
+            Ok(ChannelRow {
+                id: r.try_get(0)?,
+                name: r.try_get(1)?,
+                interval_us: r.try_get(2)?,
+                next_send_at_us: r.try_get(3)?,
+                paused_until: r.try_get(4)?,
+            })
+        })
+        .collect()
+    }
+
+    fn set_channel_slot(&self, id: i64, next_us: i64) -> Result<()> {
+        self.execute(
+            "UPDATE outbound_channels SET next_send_at_us = $2 WHERE id = $1",
+            &[&id, &next_us],
+        )?;
+        Ok(())
+    }
+
+    fn due_chunks(&self, row: &ChannelRow, now: i64, limit: usize) -> Result<Vec<Candidate>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.query(CLAIM_SQL, &[&row.id, &now, &limit])?
+            .iter()
+            .map(|r| candidate(r, row))
+            .collect()
+    }
+
+    fn next_due(&self, id: i64) -> Result<Option<i64>> {
+        Ok(self.query_one(NEXT_DUE_SQL, &[&id])?.try_get(0)?)
+    }
+
+    fn mark_sending(&self, chunk: i64, lease_until: i64, token: i64) -> Result<()> {
+        let (delivery, index) = chunk_key(chunk);
+        self.execute(
+            "UPDATE outbound_delivery_chunks
+             SET status = 'sending', attempts = attempts + 1, due_at = $3, claim_token = $4
+             WHERE delivery_id = $1 AND chunk_index = $2",
+            &[&delivery, &index, &lease_until, &token],
+        )?;
+        Ok(())
+    }
+
+    fn set_due(&self, chunk: i64, due: i64) -> Result<()> {
+        let (delivery, index) = chunk_key(chunk);
+        self.execute(
+            "UPDATE outbound_delivery_chunks SET due_at = $3
+             WHERE delivery_id = $1 AND chunk_index = $2",
+            &[&delivery, &index, &due],
+        )?;
+        Ok(())
+    }
+
+    fn renew_lease(&self, chunk: i64, token: i64, until: i64) -> Result<bool> {
+        let (delivery, index) = chunk_key(chunk);
+        Ok(self.execute(
+            "UPDATE outbound_delivery_chunks SET due_at = $4
+             WHERE delivery_id = $1 AND chunk_index = $2 AND claim_token = $3
+               AND status = 'sending'",
+            &[&delivery, &index, &token, &until],
+        )? == 1)
+    }
+
+    fn expired_sending(&self, id: i64, until: i64) -> Result<Vec<ChunkRef>> {
+        self.query(EXPIRED_SQL, &[&id, &until])?
+            .iter()
+            .map(chunk_ref)
+            .collect()
+    }
+}

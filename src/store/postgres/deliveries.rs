@@ -1,0 +1,274 @@
+//! New deliveries and finalization on PostgreSQL.
+
+use super::statement::{self, Value};
+use super::{PgTx, delivery_status};
+use crate::clock::to_datetime;
+use crate::error::{Error, Result};
+use crate::store::{
+    ChannelTally, DeliveryLane, DeliveryStore, FinalizeStore, NewRow, StatementShape, StoredContent,
+};
+
+/// Copies delivery `$1` into the crate's history, delivered at `$2`, with `$content`
+/// as the content.
+macro_rules! history_sql {
+    ($content:literal) => {
+        concat!(
+            "INSERT INTO outbound_messages
+                 (delivery_id, channel, chat_id, sender, content, chunk_count, created_at, delivered_at)
+             SELECT uid, channel, chat_id, sender, ",
+            $content,
+            ", chunk_count, created_at, $2
+             FROM outbound_deliveries WHERE id = $1"
+        )
+    };
+}
+
+pub(crate) const HISTORY_SQL: &str = history_sql!("text");
+
+/// [`HISTORY_SQL`] with the first character cut off: the planted fault
+/// `wrong_finalizations`.
+const HISTORY_SQL_CUT: &str = history_sql!("substr(text, 2)");
+
+/// Unfinished deliveries that have chunks, all delivered.
+pub(crate) const SWEEP_SQL: &str =
+    "SELECT d.id, d.channel, d.chat_id, d.created_at FROM outbound_deliveries d
+     WHERE d.status <> 'delivered'
+       AND EXISTS (SELECT 1 FROM outbound_delivery_chunks c WHERE c.delivery_id = d.id)
+       AND NOT EXISTS (SELECT 1 FROM outbound_delivery_chunks c
+                       WHERE c.delivery_id = d.id AND c.status <> 'delivered')";
+
+impl DeliveryStore for PgTx<'_> {
+    fn find_by_key(&self, channel: &str, key: &str) -> Result<Option<(i64, String)>> {
+        self.query_opt(
+            "SELECT id, uid FROM outbound_deliveries WHERE channel = $1 AND idempotency_key = $2",
+            &[&channel, &key],
+        )?
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .transpose()
+    }
+
+    fn stored_content(&self, delivery: i64) -> Result<StoredContent> {
+        let r = self.query_one(
+            "SELECT channel, chat_id, sender, text, metadata, status
+             FROM outbound_deliveries WHERE id = $1",
+            &[&delivery],
+        )?;
+        let mut content = StoredContent {
+            channel: r.try_get(0)?,
+            chat_id: r.try_get(1)?,
+            sender: r.try_get(2)?,
+            text: r.try_get(3)?,
+            metadata: r.try_get(4)?,
+            status: delivery_status(&r, 5)?,
+            chunks: Vec::new(),
+        };
+        content.chunks = self
+            .query(
+                "SELECT c.text FROM outbound_deliveries d
+                      LEFT JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
+                 WHERE d.id = $1 AND (c.delivery_id IS NOT NULL OR d.status = 'queued')
+                 ORDER BY c.chunk_index",
+                &[&delivery],
+            )?
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(content)
+    }
+
+    fn next_delivery_row(&self) -> Result<i64> {
+        // Drawn under the lanes the enqueue holds: in commit order within each lane.
+        Ok(self
+            .query_one("SELECT nextval('outbound_deliveries_id_seq')", &[])?
+            .try_get(0)?)
+    }
+
+    fn insert_delivery(&self, row: &NewRow<'_>) -> Result<()> {
+        let d = row.delivery;
+        self.execute(
+            "INSERT INTO outbound_deliveries
+                 (id, uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
+                  created_at, updated_at, text, metadata, not_before)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9, $10, $11, $12)",
+            &[
+                &row.row,
+                &row.uid,
+                &d.channel,
+                &d.chat_id,
+                &d.sender,
+                &d.idempotency_key,
+                &if row.active { "pending" } else { "queued" },
+                &(d.chunks.len() as i64),
+                &row.now,
+                &d.text,
+                &d.metadata,
+                &d.not_before,
+            ],
+        )?;
+        if !row.chunk_rows {
+            return Ok(());
+        }
+        // A chunk that is the whole text points at the delivery's copy (NULL).
+        let texts: Vec<Option<&str>> = d
+            .chunks
+            .iter()
+            .map(|text| (*text != d.text).then_some(text.as_str()))
+            .collect();
+        self.execute(
+            "INSERT INTO outbound_delivery_chunks
+                 (delivery_id, chunk_index, status, due_at, text, channel_id)
+             SELECT $1, i - 1, 'pending', CASE WHEN i = 1 THEN $2::bigint END, t, $3
+             FROM unnest($4::text[]) WITH ORDINALITY AS u(t, i)",
+            &[&row.row, &row.head_due, &row.channel_id, &texts],
+        )?;
+        Ok(())
+    }
+}
+
+impl FinalizeStore for PgTx<'_> {
+    fn write_history(&self, delivery: i64, now: i64) -> Result<()> {
+        if crate::sabotage::planted("missing_finalizations") {
+            return Ok(());
+        }
+        let sql = if crate::sabotage::planted("wrong_finalizations") {
+            HISTORY_SQL_CUT
+        } else {
+            HISTORY_SQL
+        };
+        if self.execute(sql, &[&delivery, &now])? != 1 {
+            return Err(Error::invalid(
+                "delivery",
+                format!("row {delivery} to finalize is not stored"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn describe_statement(&self, sql: &str) -> Result<std::result::Result<StatementShape, String>> {
+        statement::describe(self, sql)
+    }
+
+    fn run_statement(&self, sql: &str, delivery: i64, now: i64) -> Result<()> {
+        let r = self.query_one(
+            "SELECT uid, channel, chat_id, sender, text, chunk_count, created_at, metadata,
+                    array(SELECT platform_message_id FROM outbound_delivery_chunks
+                          WHERE delivery_id = $1 ORDER BY chunk_index)
+             FROM outbound_deliveries WHERE id = $1",
+            &[&delivery],
+        )?;
+        let ids: Vec<Option<String>> = r.try_get(8)?;
+        let text = |i: usize| -> Result<Value> {
+            Ok(r.try_get::<_, Option<String>>(i)?
+                .map_or(Value::Null, Value::Text))
+        };
+        // In the order of FINALIZE_PARAMETERS.
+        let values = [
+            text(0)?,
+            text(1)?,
+            text(2)?,
+            text(3)?,
+            text(4)?,
+            Value::Int(r.try_get(5)?),
+            Value::Int(r.try_get(6)?),
+            Value::Int(now),
+            Value::Text(
+                to_datetime(now)
+                    .format("%Y-%m-%dT%H:%M:%S%.3fZ")
+                    .to_string(),
+            ),
+            Value::Text(
+                serde_json::to_string(&ids)
+                    .map_err(|e| Error::invalid("platform message ids", e.to_string()))?,
+            ),
+            text(7)?,
+        ];
+        statement::run(self, sql, &values)
+    }
+
+    fn refusal(&self, error: Error) -> Result<String> {
+        statement::refusal(error)
+    }
+
+    fn mark_finalized(&self, delivery: i64, now: i64) -> Result<()> {
+        self.execute(
+            "UPDATE outbound_deliveries
+             SET status = 'delivered', delivered_count = chunk_count, updated_at = $2,
+                 finished_at = $2, finalize_error = NULL
+             WHERE id = $1",
+            &[&delivery, &now],
+        )?;
+        Ok(())
+    }
+
+    fn mark_unfinalized(&self, delivery: i64, now: i64, message: &str) -> Result<()> {
+        self.execute(
+            "UPDATE outbound_deliveries
+             SET status = 'unfinalized', delivered_count = chunk_count, updated_at = $2,
+                 finalize_error = $3
+             WHERE id = $1",
+            &[&delivery, &now, &message],
+        )?;
+        Ok(())
+    }
+
+    fn add_channel_stats(&self, t: &ChannelTally<'_>) -> Result<()> {
+        let le = &t.latency_le;
+        self.execute(
+            "INSERT INTO outbound_channel_stats AS s
+                 (channel, delivered, last_delivered_at, finalized_total, latency_count,
+                  latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s,
+                  latency_le_120s, latency_le_600s, latency_le_3600s)
+             VALUES ($1, $3, $2, $3, $3, $4, $5, $6, $7, $8, $9, $10)
+             ON CONFLICT (channel) DO UPDATE
+             SET delivered = s.delivered + $3,
+                 last_delivered_at = greatest(s.last_delivered_at, $2),
+                 finalized_total = s.finalized_total + $3,
+                 latency_count = s.latency_count + $3,
+                 latency_sum_ms = s.latency_sum_ms + $4,
+                 latency_le_1s = s.latency_le_1s + $5,
+                 latency_le_5s = s.latency_le_5s + $6,
+                 latency_le_30s = s.latency_le_30s + $7,
+                 latency_le_120s = s.latency_le_120s + $8,
+                 latency_le_600s = s.latency_le_600s + $9,
+                 latency_le_3600s = s.latency_le_3600s + $10",
+            &[
+                &t.channel,
+                &t.latest,
+                &t.count,
+                &t.latency_sum_ms,
+                &le[0],
+                &le[1],
+                &le[2],
+                &le[3],
+                &le[4],
+                &le[5],
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn finished_unfinalized(&self) -> Result<Vec<(DeliveryLane, i64)>> {
+        self.query(SWEEP_SQL, &[])?
+            .iter()
+            .map(|r| {
+                Ok((
+                    DeliveryLane {
+                        id: r.try_get(0)?,
+                        channel: r.try_get(1)?,
+                        chat_id: r.try_get(2)?,
+                    },
+                    r.try_get(3)?,
+                ))
+            })
+            .collect()
+    }
+
+    fn created_at(&self, delivery: i64) -> Result<i64> {
+        Ok(self
+            .query_one(
+                "SELECT created_at FROM outbound_deliveries WHERE id = $1",
+                &[&delivery],
+            )?
+            .try_get(0)?)
+    }
+}

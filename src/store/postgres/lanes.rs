@@ -1,0 +1,211 @@
+//! Lanes on PostgreSQL. Every delivery status change happens under its lane's lock, so
+//! the head of a lane read under that lock is the head as committed; each statement
+//! sees what was committed before it began (READ COMMITTED).
+
+use super::PgTx;
+use crate::error::Result;
+use crate::store::{DeliveryLane, HeadRow, LaneRef, LaneStore, Waiting};
+
+/// `LaneStore::lane_due_time` as an SQL expression of its parameters: `earliest`, or
+/// the end of lane (`channel`, `chat`)'s pause or interval if later.
+macro_rules! lane_due {
+    ($earliest:literal, $channel:literal, $chat:literal) => {
+        concat!(
+            "coalesce((SELECT greatest(",
+            $earliest,
+            "::bigint, paused_until, next_send_at) FROM outbound_lanes WHERE channel = ",
+            $channel,
+            " AND chat_id = ",
+            $chat,
+            "), ",
+            $earliest,
+            "::bigint)"
+        )
+    };
+}
+
+/// The lane head: an active delivery if any, else the first queued one in lane order
+/// (`$order` of ids): two seeks of the index of unfinished deliveries, the second only
+/// when the first finds nothing.
+macro_rules! head_sql {
+    ($order:literal) => {
+        concat!(
+            "(SELECT false, id, 0::bigint, NULL::bigint FROM outbound_deliveries
+              WHERE channel = $1 AND chat_id = $2 AND status IN ('pending', 'partial')
+                AND status <> 'delivered' LIMIT 1)
+             UNION ALL
+             (SELECT true, id, delivered_count, not_before FROM outbound_deliveries
+              WHERE channel = $1 AND chat_id = $2 AND status = 'queued' AND status <> 'delivered'
+              ORDER BY ",
+            $order,
+            " LIMIT 1)
+             LIMIT 1"
+        )
+    };
+}
+
+pub(crate) const HEAD_SQL: &str = head_sql!("id");
+
+/// [`HEAD_SQL`] with the newest queued reply first: the planted fault `out_of_order`.
+const HEAD_SQL_NEWEST_FIRST: &str = head_sql!("id DESC");
+
+pub(crate) const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
+     WHERE channel = $1 AND chat_id = $2 AND status <> 'delivered'
+       AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL))";
+
+/// Pushes the lane's due head chunks back to `$3` (a chunk a claim holds is waited
+/// for, and skipped if the claim made it `sending`).
+pub(crate) const PAUSE_DUE_SQL: &str = "UPDATE outbound_delivery_chunks c SET due_at = $3
+     FROM outbound_deliveries d
+     WHERE d.channel = $1 AND d.chat_id = $2 AND d.status <> 'delivered'
+       AND c.delivery_id = d.id AND c.chunk_index = d.delivered_count
+       AND c.due_at < $3 AND c.status IN ('pending', 'retry')";
+
+pub(crate) const QUEUED_ALL_SQL: &str = "SELECT id, channel, chat_id FROM outbound_deliveries
+     WHERE status = 'queued' ORDER BY id";
+
+impl LaneStore for PgTx<'_> {
+    fn waiting(&self, delivery: i64) -> Result<Waiting> {
+        let r = self.query_one(
+            "SELECT delivered_count, not_before FROM outbound_deliveries WHERE id = $1",
+            &[&delivery],
+        )?;
+        Ok(Waiting {
+            id: delivery,
+            position: delivery,
+            head_index: r.try_get(0)?,
+            not_before: r.try_get(1)?,
+        })
+    }
+
+    fn lane_head(&self, lane: LaneRef<'_>) -> Result<Option<HeadRow>> {
+        let sql = if crate::sabotage::planted("out_of_order") {
+            HEAD_SQL_NEWEST_FIRST
+        } else {
+            HEAD_SQL
+        };
+        let Some(r) = self.query_opt(sql, &[&lane.channel, &lane.chat_id])? else {
+            return Ok(None);
+        };
+        if !r.try_get::<_, bool>(0)? {
+            return Ok(Some(HeadRow::Active));
+        }
+        let id = r.try_get(1)?;
+        Ok(Some(HeadRow::Queued(Waiting {
+            id,
+            position: id,
+            head_index: r.try_get(2)?,
+            not_before: r.try_get(3)?,
+        })))
+    }
+
+    fn lane_held(&self, lane: LaneRef<'_>) -> Result<Option<i64>> {
+        Ok(self
+            .query_one(HELD_SQL, &[&lane.channel, &lane.chat_id])?
+            .try_get(0)?)
+    }
+
+    fn activate(&self, waiting: &Waiting, lane: LaneRef<'_>, earliest: i64) -> Result<()> {
+        self.execute(
+            "UPDATE outbound_deliveries
+             SET status = CASE WHEN $2::bigint > 0 THEN 'partial' ELSE 'pending' END WHERE id = $1",
+            &[&waiting.id, &waiting.head_index],
+        )?;
+        self.execute(
+            concat!(
+                "INSERT INTO outbound_delivery_chunks
+                     (delivery_id, chunk_index, status, due_at, channel_id)
+                 VALUES ($4, $5, 'pending', ",
+                lane_due!("$1", "$2", "$3"),
+                ", (SELECT id FROM outbound_channels WHERE name = $2))
+                 ON CONFLICT (delivery_id, chunk_index) DO UPDATE SET due_at = excluded.due_at"
+            ),
+            &[
+                &earliest,
+                &lane.channel,
+                &lane.chat_id,
+                &waiting.id,
+                &waiting.head_index,
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn make_due(&self, delivery: i64, index: i64, lane: LaneRef<'_>, earliest: i64) -> Result<()> {
+        self.execute(
+            concat!(
+                "UPDATE outbound_delivery_chunks SET due_at = ",
+                lane_due!("$3", "$4", "$5"),
+                " WHERE delivery_id = $1 AND chunk_index = $2"
+            ),
+            &[&delivery, &index, &earliest, &lane.channel, &lane.chat_id],
+        )?;
+        Ok(())
+    }
+
+    fn lane_due_time(&self, lane: LaneRef<'_>, earliest: i64) -> Result<i64> {
+        Ok(self
+            .query_one(
+                concat!("SELECT ", lane_due!("$3", "$1", "$2")),
+                &[&lane.channel, &lane.chat_id, &earliest],
+            )?
+            .try_get(0)?)
+    }
+
+    fn note_lane_send(&self, lane: LaneRef<'_>, next_at: i64) -> Result<()> {
+        self.execute(
+            "INSERT INTO outbound_lanes (channel, chat_id, next_send_at) VALUES ($1, $2, $3)
+             ON CONFLICT (channel, chat_id) DO UPDATE
+             SET next_send_at = greatest(outbound_lanes.next_send_at, excluded.next_send_at)",
+            &[&lane.channel, &lane.chat_id, &next_at],
+        )?;
+        Ok(())
+    }
+
+    fn pause_lane(&self, lane: LaneRef<'_>, until: i64) -> Result<i64> {
+        let paused_until: i64 = self
+            .query_one(
+                "INSERT INTO outbound_lanes (channel, chat_id, paused_until) VALUES ($1, $2, $3)
+                 ON CONFLICT (channel, chat_id) DO UPDATE
+                 SET paused_until = greatest(outbound_lanes.paused_until, excluded.paused_until)
+                 RETURNING paused_until",
+                &[&lane.channel, &lane.chat_id, &until],
+            )?
+            .try_get(0)?;
+        self.execute(
+            PAUSE_DUE_SQL,
+            &[&lane.channel, &lane.chat_id, &paused_until],
+        )?;
+        Ok(paused_until)
+    }
+
+    fn pause_channel(&self, channel: &str, until: i64) -> Result<()> {
+        self.execute(
+            "UPDATE outbound_channels SET paused_until = greatest(paused_until, $2) WHERE name = $1",
+            &[&channel, &until],
+        )?;
+        Ok(())
+    }
+
+    fn set_queued(&self, delivery: i64) -> Result<()> {
+        self.execute(
+            "UPDATE outbound_deliveries
+             SET status = 'queued', finished_at = NULL, acknowledged_at = NULL WHERE id = $1",
+            &[&delivery],
+        )?;
+        Ok(())
+    }
+
+    fn queued_deliveries(&self) -> Result<Vec<DeliveryLane>> {
+        self.query(QUEUED_ALL_SQL, &[])?
+            .iter()
+            .map(|r| {
+                Ok(DeliveryLane {
+                    id: r.try_get(0)?,
+                    channel: r.try_get(1)?,
+                    chat_id: r.try_get(2)?,
+                })
+            })
+            .collect()
+    }
+}

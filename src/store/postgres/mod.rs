@@ -1,0 +1,395 @@
+//! The PostgreSQL store (feature `postgres`): the same rules over tables in a
+//! PostgreSQL schema, shared by every process and host of an application.
+//!
+//! Transactions run at READ COMMITTED, and the lock primitives of the seam are real
+//! locks (see [`Locks`] below): the rules read-decide-write only under them, so
+//! concurrent writers on several hosts keep every lane's order, every caller key and
+//! every channel's rate. Claims never wait: their chunk rows, lanes and channel slots
+//! are taken with `SKIP LOCKED`.
+//!
+//! Each connection keeps the statements it prepared, by the address of their `'static`
+//! text, so a statement is parsed and planned once per connection.
+
+pub(crate) mod chunks;
+pub(crate) mod deliveries;
+pub(crate) mod lanes;
+pub(crate) mod operator;
+pub(crate) mod reads;
+pub(crate) mod rules;
+pub(crate) mod schema;
+pub(crate) mod statement;
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+
+use postgres::types::ToSql;
+use postgres::{NoTls, Row, Statement};
+use r2d2_postgres::PostgresConnectionManager;
+
+use crate::error::{Error, Result};
+use crate::status::{ChunkStatus, DeliveryStatus};
+use crate::store::{ChannelRow, LaneRef, Locks, StoreTx};
+
+/// The parameters of a statement.
+pub(crate) type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
+
+/// The pool of connections to the outbox's database: writes and reads alike.
+pub(crate) struct PgStore {
+    pool: r2d2::Pool<Manager>,
+    /// The connection string, without its password, for messages.
+    pub(crate) target: String,
+}
+
+impl PgStore {
+    /// A pool of up to `size` connections to `url`, the first one opened now (so a
+    /// wrong address fails here, with the server's message).
+    pub(crate) fn connect(url: &str, size: u32, timeout: std::time::Duration) -> Result<Self> {
+        let config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
+            Error::invalid(
+                "database url",
+                format!("{url:?} is not a PostgreSQL URL: {e}"),
+            )
+        })?;
+        let target = describe(&config);
+        let manager = Manager(PostgresConnectionManager::new(config, NoTls));
+        let pool = r2d2::Pool::builder()
+            .max_size(size)
+            .min_idle(Some(0))
+            .connection_timeout(timeout)
+            .thread_pool(crate::outbox::pool_upkeep())
+            .build_unchecked(manager);
+        let store = PgStore { pool, target };
+        // Opened now: a wrong address or password is an error of `connect`.
+        drop(store.connection()?);
+        Ok(store)
+    }
+
+    /// A connection of the pool.
+    pub(crate) fn connection(&self) -> Result<r2d2::PooledConnection<Manager>> {
+        self.pool.get().map_err(|e| Error::Connection {
+            target: self.target.clone(),
+            message: e.to_string(),
+        })
+    }
+}
+
+/// Host, port and database of a connection string, never its password.
+fn describe(config: &postgres::Config) -> String {
+    let host = config
+        .get_hosts()
+        .first()
+        .map(|h| match h {
+            postgres::config::Host::Tcp(name) => name.clone(),
+            #[cfg(unix)]
+            postgres::config::Host::Unix(path) => path.display().to_string(),
+        })
+        .unwrap_or_else(|| "localhost".into());
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    format!(
+        "postgres://{host}:{port}/{}",
+        config.get_dbname().unwrap_or("")
+    )
+}
+
+/// Opens connections for the pool, set up for this workload: no JIT and no parallel
+/// plans (short transactional statements, where a misestimate should cost a loop, not
+/// a compile or a worker start).
+pub(crate) struct Manager(PostgresConnectionManager<NoTls>);
+
+impl r2d2::ManageConnection for Manager {
+    type Connection = PgConn;
+    type Error = postgres::Error;
+
+    fn connect(&self) -> std::result::Result<PgConn, postgres::Error> {
+        let mut client = self.0.connect()?;
+        client.batch_execute("SET jit = off; SET max_parallel_workers_per_gather = 0")?;
+        Ok(PgConn {
+            client,
+            statements: HashMap::new(),
+        })
+    }
+
+    fn is_valid(&self, conn: &mut PgConn) -> std::result::Result<(), postgres::Error> {
+        conn.client.simple_query("").map(drop)
+    }
+
+    fn has_broken(&self, conn: &mut PgConn) -> bool {
+        conn.client.is_closed()
+    }
+}
+
+/// A connection with the statements prepared on it.
+pub(crate) struct PgConn {
+    pub(crate) client: postgres::Client,
+    statements: HashMap<(usize, usize), Statement>,
+}
+
+/// One transaction on a connection: every primitive of the seam.
+pub(crate) struct PgTx<'c> {
+    conn: RefCell<&'c mut PgConn>,
+    /// Whether the transaction is still to be ended (rolled back when dropped).
+    open: Cell<bool>,
+    dead_letters: RefCell<Vec<(i64, String)>>,
+}
+
+impl<'c> PgTx<'c> {
+    /// Begins a write transaction (READ COMMITTED, with the rules' locks), or a read
+    /// transaction that sees one snapshot throughout (REPEATABLE READ, READ ONLY).
+    pub(crate) fn begin(conn: &'c mut PgConn, read_only: bool) -> Result<Self> {
+        conn.client.batch_execute(if read_only {
+            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
+        } else {
+            "BEGIN ISOLATION LEVEL READ COMMITTED"
+        })?;
+        Ok(PgTx {
+            conn: RefCell::new(conn),
+            open: Cell::new(true),
+            dead_letters: RefCell::new(Vec::new()),
+        })
+    }
+
+    /// Commits the transaction.
+    pub(crate) fn commit(self) -> Result<()> {
+        self.open.set(false);
+        self.conn.borrow_mut().client.batch_execute("COMMIT")?;
+        Ok(())
+    }
+
+    /// The prepared statement of `sql` on this connection.
+    fn statement(&self, sql: &'static str) -> Result<Statement> {
+        let mut conn = self.conn.borrow_mut();
+        let key = (sql.as_ptr() as usize, sql.len());
+        if let Some(stmt) = conn.statements.get(&key) {
+            return Ok(stmt.clone());
+        }
+        let stmt = conn.client.prepare(sql)?;
+        conn.statements.insert(key, stmt.clone());
+        Ok(stmt)
+    }
+
+    pub(crate) fn query(&self, sql: &'static str, params: Params<'_>) -> Result<Vec<Row>> {
+        let stmt = self.statement(sql)?;
+        Ok(self.conn.borrow_mut().client.query(&stmt, params)?)
+    }
+
+    pub(crate) fn query_opt(&self, sql: &'static str, params: Params<'_>) -> Result<Option<Row>> {
+        let stmt = self.statement(sql)?;
+        Ok(self.conn.borrow_mut().client.query_opt(&stmt, params)?)
+    }
+
+    pub(crate) fn query_one(&self, sql: &'static str, params: Params<'_>) -> Result<Row> {
+        let stmt = self.statement(sql)?;
+        Ok(self.conn.borrow_mut().client.query_one(&stmt, params)?)
+    }
+
+    pub(crate) fn execute(&self, sql: &'static str, params: Params<'_>) -> Result<u64> {
+        let stmt = self.statement(sql)?;
+        Ok(self.conn.borrow_mut().client.execute(&stmt, params)?)
+    }
+
+    /// A statement made at run time (a listing's filters, the application's text):
+    /// prepared for this use only.
+    pub(crate) fn query_dynamic(&self, sql: &str, params: Params<'_>) -> Result<Vec<Row>> {
+        Ok(self.conn.borrow_mut().client.query(sql, params)?)
+    }
+
+    /// Runs `f` on the client itself.
+    pub(crate) fn with_client<T>(&self, f: impl FnOnce(&mut postgres::Client) -> T) -> T {
+        f(&mut self.conn.borrow_mut().client)
+    }
+
+    pub(crate) fn batch(&self, sql: &str) -> Result<()> {
+        self.conn.borrow_mut().client.batch_execute(sql)?;
+        Ok(())
+    }
+}
+
+impl Drop for PgTx<'_> {
+    fn drop(&mut self) {
+        if self.open.get() {
+            // A failed rollback leaves a broken connection, which the pool drops.
+            let _ = self.conn.borrow_mut().client.batch_execute("ROLLBACK");
+        }
+    }
+}
+
+/// The key of chunk `id`: its delivery row and index.
+pub(crate) fn chunk_key(id: i64) -> (i64, i64) {
+    (
+        id.div_euclid(crate::ids::CHUNK_STRIDE),
+        id.rem_euclid(crate::ids::CHUNK_STRIDE),
+    )
+}
+
+pub(crate) fn chunk_status(row: &Row, i: usize) -> Result<ChunkStatus> {
+    row.try_get::<_, &str>(i)?.parse()
+}
+
+pub(crate) fn delivery_status(row: &Row, i: usize) -> Result<DeliveryStatus> {
+    row.try_get::<_, &str>(i)?.parse()
+}
+
+/// A non-negative count column.
+pub(crate) fn count(row: &Row, i: usize) -> Result<u64> {
+    Ok(row.try_get::<_, Option<i64>>(i)?.unwrap_or(0).max(0) as u64)
+}
+
+/// The rules' lock, per schema: shared by every write, exclusive for a change of them.
+const LOCK_RULES_SHARED: &str =
+    "SELECT pg_advisory_xact_lock_shared(hashtextextended(current_schema() || '/rules', 0))";
+const LOCK_RULES: &str =
+    "SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '/rules', 0))";
+
+/// A caller key of a channel (two enqueues with one key wait for each other).
+const LOCK_KEY: &str = "SELECT pg_advisory_xact_lock(hashtextextended(
+     current_schema() || '/key/' || length($1::text) || '/' || $1::text || $2::text, 0))";
+
+/// Locks a lane's row, waiting for it; creates it if missing. Writes no new row
+/// version when the row exists (the update's condition is false: only the lock of the
+/// conflicting row is taken).
+const LOCK_LANE: &str = "INSERT INTO outbound_lanes (channel, chat_id) VALUES ($1, $2)
+     ON CONFLICT (channel, chat_id) DO UPDATE SET paused_until = outbound_lanes.paused_until
+     WHERE false";
+
+/// Locks a lane's row unless another transaction holds it.
+const TRY_LOCK_LANE: &str = "SELECT 1 FROM outbound_lanes WHERE channel = $1 AND chat_id = $2
+     FOR NO KEY UPDATE SKIP LOCKED";
+const LANE_EXISTS: &str = "SELECT 1 FROM outbound_lanes WHERE channel = $1 AND chat_id = $2";
+const CREATE_LANE: &str = "INSERT INTO outbound_lanes (channel, chat_id) VALUES ($1, $2)
+     ON CONFLICT DO NOTHING";
+
+/// A paced channel's row as it stands, locked unless another claim holds it.
+const LOCK_CHANNEL_SLOT: &str = "SELECT ch.id, ch.name,
+        coalesce(ch.channel_interval_us, p.channel_interval_us, 0), ch.next_send_at_us,
+        ch.paused_until
+     FROM outbound_channels ch, outbound_policy p WHERE p.id = 1 AND ch.id = $1
+     FOR NO KEY UPDATE OF ch SKIP LOCKED";
+
+/// Lane rows are locked (one writer per lane until the transaction ends), caller keys
+/// and the rules with advisory locks of the transaction.
+impl Locks for PgTx<'_> {
+    fn lock_rules(&self, exclusive: bool) -> Result<()> {
+        self.query_one(
+            if exclusive {
+                LOCK_RULES
+            } else {
+                LOCK_RULES_SHARED
+            },
+            &[],
+        )?;
+        Ok(())
+    }
+
+    fn lock_lanes(&self, lanes: &mut [LaneRef<'_>]) -> Result<()> {
+        lanes.sort_unstable();
+        let mut last = None;
+        for lane in lanes.iter() {
+            if last == Some(*lane) {
+                continue;
+            }
+            self.execute(LOCK_LANE, &[&lane.channel, &lane.chat_id])?;
+            last = Some(*lane);
+        }
+        Ok(())
+    }
+
+    fn try_lock_lane(&self, lane: LaneRef<'_>) -> Result<bool> {
+        let params: Params<'_> = &[&lane.channel, &lane.chat_id];
+        if self.query_opt(TRY_LOCK_LANE, params)?.is_some() {
+            return Ok(true);
+        }
+        if self.query_opt(LANE_EXISTS, params)?.is_some() {
+            return Ok(false);
+        }
+        // Every enqueue stores its lane's row, and a purge removes only lanes with
+        // nothing unfinished; a lane without its row is rare, and made here.
+        self.execute(CREATE_LANE, params)?;
+        Ok(self.query_opt(TRY_LOCK_LANE, params)?.is_some())
+    }
+
+    fn lock_key(&self, channel: &str, key: &str) -> Result<()> {
+        self.query_one(LOCK_KEY, &[&channel, &key])?;
+        Ok(())
+    }
+
+    fn lock_channel_slot(&self, row: ChannelRow) -> Result<Option<ChannelRow>> {
+        self.query_opt(LOCK_CHANNEL_SLOT, &[&row.id])?
+            .map(|r| {
+                Ok(ChannelRow {
+                    id: r.try_get(0)?,
+                    name: r.try_get(1)?,
+                    interval_us: r.try_get(2)?,
+                    next_send_at_us: r.try_get(3)?,
+                    paused_until: r.try_get(4)?,
+                })
+            })
+            .transpose()
+    }
+}
+
+impl StoreTx for PgTx<'_> {
+    fn begin_nested(&self) -> Result<()> {
+        self.batch("SAVEPOINT chunked_outbox_nested")
+    }
+
+    fn end_nested(&self, keep: bool) -> Result<()> {
+        if keep {
+            self.batch("RELEASE SAVEPOINT chunked_outbox_nested")
+        } else {
+            self.batch(
+                "ROLLBACK TO SAVEPOINT chunked_outbox_nested;
+                 RELEASE SAVEPOINT chunked_outbox_nested",
+            )
+        }
+    }
+
+    fn in_transaction(&self) -> bool {
+        // An error inside a transaction leaves it to be rolled back, never ended.
+        self.open.get()
+    }
+
+    fn note_dead_letter(&self, delivery: i64, error: &str) {
+        self.dead_letters
+            .borrow_mut()
+            .push((delivery, error.to_owned()));
+    }
+
+    fn take_dead_letters(&self) -> Vec<(i64, String)> {
+        std::mem::take(&mut self.dead_letters.borrow_mut())
+    }
+}
+
+/// Maps the PostgreSQL failures a caller can act on to their own variants.
+pub(crate) fn map_error(err: postgres::Error) -> Error {
+    use postgres::error::SqlState;
+    match err.code() {
+        Some(code)
+            if *code == SqlState::T_R_DEADLOCK_DETECTED
+                || *code == SqlState::T_R_SERIALIZATION_FAILURE
+                || *code == SqlState::LOCK_NOT_AVAILABLE
+                || *code == SqlState::QUERY_CANCELED =>
+        {
+            Error::Busy
+        }
+        Some(code) if *code == SqlState::DISK_FULL => Error::DiskFull,
+        Some(code) if *code == SqlState::READ_ONLY_SQL_TRANSACTION => {
+            Error::ReadOnly(err.to_string())
+        }
+        _ if err.is_closed() => Error::Connection {
+            target: String::new(),
+            message: err.to_string(),
+        },
+        _ => Error::Postgres(err),
+    }
+}
+
+/// The server's own message of an error (with its detail), else the error's.
+pub(crate) fn message(err: &postgres::Error) -> String {
+    match err.as_db_error() {
+        Some(db) => match db.detail() {
+            Some(detail) => format!("{} ({detail})", db.message()),
+            None => db.message().to_owned(),
+        },
+        None => err.to_string(),
+    }
+}

@@ -1,0 +1,189 @@
+//! Operator actions and retention on PostgreSQL.
+
+use super::chunks::{chunk_ref, chunk_ref_where};
+use super::{PgTx, chunk_status, count, delivery_status};
+use crate::error::Result;
+use crate::status::{ChunkStatus, DeliveryStatus};
+use crate::store::{ChunkRef, OperatorStore, Purgeable, RetentionStore};
+
+/// The failed chunks of dead letters (not set aside as unreadable), oldest first; `$1`
+/// a channel, or NULL for all.
+pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
+    "d.status = 'failed' AND d.status <> 'delivered' AND d.corrupt IS NULL
+       AND ($1::text IS NULL OR d.channel = $1) AND c.status = 'failed'
+     ORDER BY d.id, c.chunk_index"
+);
+
+/// The deliveries a purge may remove (`$2` the cutoff), never the newest one.
+macro_rules! purgeable {
+    () => {
+        "finished_at < $2
+         AND (status IN ('delivered', 'cancelled')
+              OR (status = 'failed' AND acknowledged_at IS NOT NULL))
+         AND id < (SELECT max(id) FROM outbound_deliveries)"
+    };
+}
+
+impl OperatorStore for PgTx<'_> {
+    fn dead_letter_chunks(&self, channel: Option<&str>) -> Result<Vec<ChunkRef>> {
+        self.query(DEAD_LETTER_CHUNKS_SQL, &[&channel])?
+            .iter()
+            .map(chunk_ref)
+            .collect()
+    }
+
+    fn acknowledge_dead_letters(
+        &self,
+        channel: Option<&str>,
+        now: i64,
+    ) -> Result<Vec<(String, String)>> {
+        self.query(
+            "UPDATE outbound_deliveries SET acknowledged_at = $1
+             WHERE status = 'failed' AND status <> 'delivered' AND acknowledged_at IS NULL
+               AND ($2::text IS NULL OR channel = $2)
+             RETURNING channel, chat_id",
+            &[&now, &channel],
+        )?
+        .iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .collect()
+    }
+
+    fn first_started_chunk(&self, delivery: i64) -> Result<Option<(i64, u32, ChunkStatus, u32)>> {
+        // Every chunk of the delivery locked, so no claim starts one while the caller
+        // decides (a claim skips what is locked; one under way is waited for, and its
+        // `sending` seen).
+        for r in self.query(
+            "SELECT chunk_index, status, attempts, sent_before FROM outbound_delivery_chunks
+             WHERE delivery_id = $1 ORDER BY chunk_index FOR UPDATE",
+            &[&delivery],
+        )? {
+            let index: i64 = r.try_get(0)?;
+            let status = chunk_status(&r, 1)?;
+            let attempts = count(&r, 2)? as u32;
+            let sent_before: bool = r.try_get(3)?;
+            if !matches!(status, ChunkStatus::Pending | ChunkStatus::Retry)
+                || attempts > 0
+                || sent_before
+            {
+                let id = delivery * crate::ids::CHUNK_STRIDE + index;
+                return Ok(Some((id, index as u32, status, attempts)));
+            }
+        }
+        Ok(None)
+    }
+
+    fn delete_chunks(&self, delivery: i64) -> Result<u64> {
+        self.execute(
+            "DELETE FROM outbound_delivery_chunks WHERE delivery_id = $1",
+            &[&delivery],
+        )
+    }
+
+    fn mark_cancelled(&self, delivery: i64, now: i64) -> Result<()> {
+        self.execute(
+            "UPDATE outbound_deliveries
+             SET status = 'cancelled', updated_at = $2, finished_at = $2 WHERE id = $1",
+            &[&delivery, &now],
+        )?;
+        Ok(())
+    }
+
+    fn held_or_head_chunk(&self, delivery: i64, uid: &str) -> Result<Option<ChunkRef>> {
+        self.query_opt(
+            chunk_ref_where!(
+                "d.id = $1 AND d.uid = $2
+                 ORDER BY c.status IN ('failed', 'uncertain') DESC,
+                          c.chunk_index = least(d.delivered_count, d.chunk_count - 1) DESC
+                 LIMIT 1"
+            ),
+            &[&delivery, &uid],
+        )?
+        .as_ref()
+        .map(chunk_ref)
+        .transpose()
+    }
+
+    fn delivery_state(
+        &self,
+        delivery: i64,
+        uid: &str,
+    ) -> Result<Option<(DeliveryStatus, String, String)>> {
+        self.query_opt(
+            "SELECT status, channel, chat_id FROM outbound_deliveries WHERE id = $1 AND uid = $2",
+            &[&delivery, &uid],
+        )?
+        .map(|r| Ok((delivery_status(&r, 0)?, r.try_get(1)?, r.try_get(2)?)))
+        .transpose()
+    }
+}
+
+impl RetentionStore for PgTx<'_> {
+    fn purgeable(&self, after: i64, cutoff: i64, max: i64) -> Result<Vec<Purgeable>> {
+        self.query(
+            concat!(
+                "SELECT id, channel, status = 'delivered' FROM outbound_deliveries WHERE ",
+                purgeable!(),
+                " AND id > $1 ORDER BY id LIMIT $3"
+            ),
+            &[&after, &cutoff, &max],
+        )?
+        .iter()
+        .map(|r| {
+            Ok(Purgeable {
+                id: r.try_get(0)?,
+                channel: r.try_get(1)?,
+                delivered: r.try_get(2)?,
+            })
+        })
+        .collect()
+    }
+
+    fn delete_delivery(&self, delivery: i64) -> Result<u64> {
+        let chunks = self.delete_chunks(delivery)?;
+        self.execute(
+            "DELETE FROM outbound_deliveries WHERE id = $1",
+            &[&delivery],
+        )?;
+        Ok(chunks)
+    }
+
+    fn forget_delivered(&self, channel: &str, count: i64) -> Result<()> {
+        self.execute(
+            "UPDATE outbound_channel_stats SET delivered = delivered - $2 WHERE channel = $1",
+            &[&channel, &count],
+        )?;
+        Ok(())
+    }
+
+    fn forget_idle_lanes(&self, now: i64) -> Result<()> {
+        // Only lanes with nothing unfinished, and none another transaction holds: the
+        // row of a lane in use is what its writers lock.
+        self.execute(
+            "DELETE FROM outbound_lanes WHERE (channel, chat_id) IN (
+                 SELECT l.channel, l.chat_id FROM outbound_lanes l
+                 WHERE coalesce(l.paused_until, 0) < $1 AND coalesce(l.next_send_at, 0) < $1
+                   AND NOT EXISTS (SELECT 1 FROM outbound_deliveries d
+                                   WHERE d.channel = l.channel AND d.chat_id = l.chat_id
+                                     AND d.status <> 'delivered'
+                                     AND d.status NOT IN ('cancelled', 'failed'))
+                 FOR UPDATE SKIP LOCKED)",
+            &[&now],
+        )?;
+        Ok(())
+    }
+
+    fn purge_counts(&self, cutoff: i64) -> Result<(u64, u64)> {
+        let r = self.query_one(
+            concat!(
+                // A cancelled delivery's chunks are already gone.
+                "SELECT count(*), coalesce(sum(CASE WHEN status = 'cancelled' THEN 0
+                                                    ELSE chunk_count END), 0)::bigint
+                 FROM outbound_deliveries WHERE $1::bigint IS NOT NULL AND ",
+                purgeable!()
+            ),
+            &[&0i64, &cutoff],
+        )?;
+        Ok((count(&r, 0)?, count(&r, 1)?))
+    }
+}

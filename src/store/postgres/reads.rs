@@ -1,0 +1,224 @@
+//! The reads of monitoring and inspection on PostgreSQL, over the index of unfinished
+//! deliveries and the maintained counters, never the history. They run in one
+//! REPEATABLE READ, READ ONLY transaction.
+
+use postgres::Row;
+use postgres::types::ToSql;
+
+use super::{PgTx, chunk_status, count, delivery_status};
+use crate::clock::to_datetime;
+use crate::error::Result;
+use crate::ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
+use crate::inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
+use crate::status::{ChunkStatus, DeliveryStatus};
+use crate::store::{ChunkGroup, DeliveryGroup, HealthRows, ReadStore, StatsRow};
+
+pub(crate) const STATS_SQL: &str =
+    "SELECT channel, delivered, last_delivered_at, finalized_total, latency_count,
+            latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s,
+            latency_le_120s, latency_le_600s, latency_le_3600s
+     FROM outbound_channel_stats";
+
+/// Counted per channel and delivery status, over unfinished deliveries only.
+pub(crate) const OPEN_DELIVERIES_SQL: &str =
+    "SELECT channel, status, acknowledged_at IS NULL, count(*), min(created_at),
+            count(corrupt)
+     FROM outbound_deliveries WHERE status <> 'delivered'
+     GROUP BY channel, status, acknowledged_at IS NULL";
+
+/// Counted per channel and chunk status, over the chunks of unfinished deliveries; the
+/// unsent rest of a dead letter left out, the chunk of a queued reply whose row is
+/// stored at its activation counted as pending.
+pub(crate) const OPEN_CHUNKS_SQL: &str = "SELECT d.channel, coalesce(c.status, 'pending') AS state,
+        count(*), count(*) FILTER (WHERE c.due_at <= $1),
+        min(c.due_at) FILTER (WHERE c.status <> 'sending'), count(c.due_at)
+     FROM outbound_deliveries d
+          LEFT JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
+     WHERE d.status <> 'delivered' AND (c.delivery_id IS NOT NULL OR d.status = 'queued')
+       AND coalesce(c.status, 'pending') <> 'delivered'
+       AND NOT (d.status = 'failed' AND coalesce(c.status, 'pending') = 'pending')
+     GROUP BY d.channel, state";
+
+const DELIVERY_SELECT: &str =
+    "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
+        chunk_count, delivered_count, created_at, updated_at, finished_at, acknowledged_at,
+        metadata, not_before, finalize_error
+     FROM outbound_deliveries";
+
+const VIEW_SQL: &str = "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
+        chunk_count, delivered_count, created_at, updated_at, finished_at, acknowledged_at,
+        metadata, not_before, finalize_error
+     FROM outbound_deliveries WHERE id = $1 AND uid = $2";
+
+const CHUNKS_SQL: &str = "SELECT d.id * 16384 + coalesce(c.chunk_index, 0),
+        coalesce(c.chunk_index, 0), coalesce(c.status, 'pending'), coalesce(c.attempts, 0),
+        c.due_at, c.last_error, c.platform_message_id, c.delivered_at,
+        coalesce(c.text, d.text), c.claim_token
+     FROM outbound_deliveries d
+          LEFT JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
+     WHERE d.id = $1 AND (c.delivery_id IS NOT NULL OR d.status = 'queued')
+     ORDER BY c.chunk_index";
+
+impl ReadStore for PgTx<'_> {
+    fn health_rows(&self, now: i64) -> Result<HealthRows> {
+        let mut rows = HealthRows::default();
+        for r in self.query(STATS_SQL, &[])? {
+            let mut latency_le = [0; 6];
+            for (i, bucket) in latency_le.iter_mut().enumerate() {
+                *bucket = count(&r, 6 + i)?;
+            }
+            rows.stats.push(StatsRow {
+                channel: r.try_get(0)?,
+                delivered: count(&r, 1)?,
+                last_delivered_at: r.try_get(2)?,
+                finalized_total: count(&r, 3)?,
+                latency_count: count(&r, 4)?,
+                latency_sum_ms: count(&r, 5)?,
+                latency_le,
+            });
+        }
+        for r in self.query(OPEN_DELIVERIES_SQL, &[])? {
+            rows.deliveries.push(DeliveryGroup {
+                channel: r.try_get(0)?,
+                status: delivery_status(&r, 1)?,
+                unacknowledged: r.try_get(2)?,
+                count: count(&r, 3)?,
+                oldest_created_at: r.try_get(4)?,
+                corrupt: count(&r, 5)?,
+            });
+        }
+        for r in self.query(OPEN_CHUNKS_SQL, &[&now])? {
+            rows.chunks.push(ChunkGroup {
+                channel: r.try_get(0)?,
+                status: chunk_status(&r, 1)?,
+                count: count(&r, 2)?,
+                due_now: count(&r, 3)?,
+                oldest_due: r.try_get(4)?,
+                scheduled: count(&r, 5)?,
+            });
+        }
+        Ok(rows)
+    }
+
+    fn delivery_view(&self, delivery: i64, uid: &str) -> Result<Option<DeliveryView>> {
+        let Some(r) = self.query_opt(VIEW_SQL, &[&delivery, &uid])? else {
+            return Ok(None);
+        };
+        let Ok((row, mut view)) = delivery_row(&r) else {
+            return Ok(None);
+        };
+        view.chunks = self
+            .query(CHUNKS_SQL, &[&row])?
+            .iter()
+            .map(|r| chunk_view(r, &view.id))
+            .collect::<Result<_>>()?;
+        Ok(Some(view))
+    }
+
+    fn list(&self, filter: &ListFilter) -> Result<Vec<DeliveryView>> {
+        let mut sql = format!("{DELIVERY_SELECT} WHERE true");
+        let limit = filter.limit as i64;
+        let status = filter.status.map(DeliveryStatus::as_str);
+        let mut values: Vec<&(dyn ToSql + Sync)> = Vec::new();
+        if let Some(status) = &status {
+            values.push(status);
+            sql.push_str(&format!(" AND status = ${}", values.len()));
+            if filter.status != Some(DeliveryStatus::Delivered) {
+                sql.push_str(" AND status <> 'delivered'");
+            }
+        }
+        for (column, value) in [
+            ("channel", &filter.channel),
+            ("chat_id", &filter.chat_id),
+            ("idempotency_key", &filter.idempotency_key),
+        ] {
+            if let Some(value) = value {
+                values.push(value);
+                sql.push_str(&format!(" AND {column} = ${}", values.len()));
+            }
+        }
+        values.push(&limit);
+        sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", values.len()));
+        // A row that cannot be read is left out here; `corrupt_rows` reports it.
+        Ok(self
+            .query_dynamic(&sql, &values)?
+            .iter()
+            .filter_map(|r| delivery_row(r).ok().map(|(_, view)| view))
+            .collect())
+    }
+
+    fn corrupt_rows(&self) -> Result<Vec<CorruptRow>> {
+        let mut found = Vec::new();
+        for r in self.query(
+            "SELECT id, uid, corrupt FROM outbound_deliveries WHERE status <> 'delivered'
+               AND (corrupt IS NOT NULL OR uid !~ '^[0-9a-fA-F-]{36}$')",
+            &[],
+        )? {
+            let uid: String = r.try_get(1)?;
+            let reason = match r.try_get::<_, Option<String>>(2)? {
+                Some(reason) => reason,
+                None if uid.parse::<DeliveryId>().is_err() => {
+                    format!("its delivery uid {uid:?} is not a UUID")
+                }
+                None => continue,
+            };
+            found.push(CorruptRow {
+                row: r.try_get(0)?,
+                uid,
+                reason,
+            });
+        }
+        Ok(found)
+    }
+}
+
+fn delivery_row(r: &Row) -> Result<(i64, DeliveryView)> {
+    let uid: String = r.try_get(1)?;
+    let id: DeliveryId = uid.parse()?;
+    let time = |i: usize| -> Result<Option<chrono::DateTime<chrono::Utc>>> {
+        Ok(r.try_get::<_, Option<i64>>(i)?.map(to_datetime))
+    };
+    Ok((
+        r.try_get(0)?,
+        DeliveryView {
+            id,
+            channel: r.try_get(2)?,
+            chat_id: r.try_get(3)?,
+            sender: r.try_get(4)?,
+            idempotency_key: r.try_get(5)?,
+            status: delivery_status(r, 6)?,
+            text: r.try_get(7)?,
+            chunk_count: count(r, 8)? as u32,
+            delivered_count: count(r, 9)? as u32,
+            created_at: to_datetime(r.try_get(10)?),
+            updated_at: to_datetime(r.try_get(11)?),
+            finished_at: time(12)?,
+            acknowledged_at: time(13)?,
+            metadata: r.try_get(14)?,
+            not_before: time(15)?,
+            finalize_error: r.try_get(16)?,
+            chunks: Vec::new(),
+        },
+    ))
+}
+
+fn chunk_view(r: &Row, id: &DeliveryId) -> Result<ChunkView> {
+    let index = count(r, 1)? as u32;
+    let status = chunk_status(r, 2)?;
+    let due = r.try_get::<_, Option<i64>>(4)?.map(to_datetime);
+    let sending = status == ChunkStatus::Sending;
+    Ok(ChunkView {
+        id: ChunkId(r.try_get(0)?),
+        index,
+        status,
+        attempts: count(r, 3)? as u32,
+        next_attempt_at: if sending { None } else { due },
+        lease_until: if sending { due } else { None },
+        last_error: r.try_get(5)?,
+        platform_message_id: r.try_get(6)?,
+        delivered_at: r.try_get::<_, Option<i64>>(7)?.map(to_datetime),
+        idempotency_key: chunk_idempotency_key(id, index),
+        text: r.try_get(8)?,
+        claimant: r.try_get::<_, Option<i64>>(9)?.map(ClaimantId::of_token),
+    })
+}

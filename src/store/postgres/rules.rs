@@ -1,0 +1,169 @@
+//! The stored rules on PostgreSQL (`outbound_policy`, `outbound_channels`).
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::PgTx;
+use crate::error::Result;
+use crate::rules::{self, ChannelPolicy, FileRules, Policy, Stored};
+use crate::store::RuleStore;
+
+const BUMP: &str = "UPDATE outbound_policy SET version = version + 1 WHERE id = 1";
+
+impl RuleStore for PgTx<'_> {
+    fn rules_version(&self) -> Result<i64> {
+        Ok(self
+            .query_one("SELECT version FROM outbound_policy WHERE id = 1", &[])?
+            .try_get(0)?)
+    }
+
+    fn load_rules(&self) -> Result<Stored> {
+        let r = self.query_one(
+            "SELECT version, lane_order, lane_failure, retry, replay, lane_interval_ms,
+                    channel_interval_us, finalize_sql
+             FROM outbound_policy WHERE id = 1",
+            &[],
+        )?;
+        let version: i64 = r.try_get(0)?;
+        let lane_order: Option<&str> = r.try_get(1)?;
+        let lane_failure: Option<&str> = r.try_get(2)?;
+        let retry: Option<&str> = r.try_get(3)?;
+        let replay: Option<&str> = r.try_get(4)?;
+        let declared = FileRules {
+            lane_order: lane_order.is_some(),
+            lane_failure: lane_failure.is_some(),
+            retry: retry.is_some(),
+            default_channel: replay.is_some(),
+        };
+        let defaults = Policy::default();
+        let default_channel = match replay {
+            Some(replay) => {
+                rules::channel_from_columns(replay, r.try_get(5)?, r.try_get(6)?, None)?
+            }
+            None => defaults.default_channel,
+        };
+        let mut policy = Policy {
+            lane_order: lane_order.map_or(Ok(defaults.lane_order), rules::parse_lane_order)?,
+            lane_failure: lane_failure
+                .map_or(Ok(defaults.lane_failure), rules::parse_lane_failure)?,
+            retry: retry.map_or(Ok(defaults.retry), rules::retry_from_json)?,
+            default_channel,
+            channels: BTreeMap::new(),
+        };
+        let finalize_sql = r.try_get(7)?;
+        let mut channel_ids = HashMap::new();
+        for r in self.query(
+            "SELECT id, name, replay, lane_interval_ms, channel_interval_us, retry
+             FROM outbound_channels",
+            &[],
+        )? {
+            let name: String = r.try_get(1)?;
+            channel_ids.insert(name.clone(), r.try_get(0)?);
+            if let Some(replay) = r.try_get::<_, Option<&str>>(2)? {
+                let of_channel = rules::channel_from_columns(
+                    replay,
+                    r.try_get(3)?,
+                    r.try_get(4)?,
+                    r.try_get(5)?,
+                )?;
+                policy.channels.insert(name, of_channel);
+            }
+        }
+        Ok(Stored {
+            version,
+            policy,
+            finalize_sql,
+            declared,
+            channel_ids,
+        })
+    }
+
+    fn store_file_rules(&self, policy: &Policy, which: FileRules) -> Result<()> {
+        let d = &policy.default_channel;
+        self.execute(
+            "UPDATE outbound_policy
+             SET version = version + 1,
+                 lane_order = CASE WHEN $1 THEN $2 ELSE lane_order END,
+                 lane_failure = CASE WHEN $3 THEN $4 ELSE lane_failure END,
+                 retry = CASE WHEN $5 THEN $6 ELSE retry END,
+                 replay = CASE WHEN $7 THEN $8 ELSE replay END,
+                 lane_interval_ms = CASE WHEN $7 THEN $9 ELSE lane_interval_ms END,
+                 channel_interval_us = CASE WHEN $7 THEN $10 ELSE channel_interval_us END
+             WHERE id = 1",
+            &[
+                &which.lane_order,
+                &rules::lane_order_str(policy.lane_order),
+                &which.lane_failure,
+                &rules::lane_failure_str(policy.lane_failure),
+                &which.retry,
+                &rules::retry_to_json(&policy.retry),
+                &which.default_channel,
+                &rules::replay_str(d.replay),
+                &rules::stored_ms(d.lane_interval),
+                &rules::stored_us(d.channel_interval),
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn store_channel_rules(&self, channel: &str, of: Option<&ChannelPolicy>) -> Result<()> {
+        self.execute(
+            "INSERT INTO outbound_channels (name, replay, lane_interval_ms, channel_interval_us, retry)
+             VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (name) DO UPDATE SET replay = excluded.replay,
+                 lane_interval_ms = excluded.lane_interval_ms,
+                 channel_interval_us = excluded.channel_interval_us, retry = excluded.retry",
+            &[
+                &channel,
+                &of.map(|r| rules::replay_str(r.replay)),
+                &of.map(|r| rules::stored_ms(r.lane_interval)),
+                &of.map(|r| rules::stored_us(r.channel_interval)),
+                &of.and_then(|r| r.retry.as_ref()).map(rules::retry_to_json),
+            ],
+        )?;
+        self.execute(BUMP, &[])?;
+        Ok(())
+    }
+
+    fn channel_number(&self, channel: &str) -> Result<i64> {
+        if let Some(r) = self.query_opt(
+            "SELECT id FROM outbound_channels WHERE name = $1",
+            &[&channel],
+        )? {
+            return Ok(r.try_get(0)?);
+        }
+        // A registration of the same name under way elsewhere is waited for, and then
+        // this one does nothing: the name has the number it got there.
+        let inserted = self.query_opt(
+            "INSERT INTO outbound_channels (name) VALUES ($1)
+             ON CONFLICT (name) DO NOTHING RETURNING id",
+            &[&channel],
+        )?;
+        match inserted {
+            Some(r) => {
+                // Other handles learn the new channel's number at their next write.
+                self.execute(BUMP, &[])?;
+                Ok(r.try_get(0)?)
+            }
+            None => Ok(self
+                .query_one(
+                    "SELECT id FROM outbound_channels WHERE name = $1",
+                    &[&channel],
+                )?
+                .try_get(0)?),
+        }
+    }
+
+    fn finalization_statement(&self) -> Result<Option<String>> {
+        Ok(self
+            .query_one("SELECT finalize_sql FROM outbound_policy WHERE id = 1", &[])?
+            .try_get(0)?)
+    }
+
+    fn store_finalization_statement(&self, sql: Option<&str>) -> Result<()> {
+        self.execute(
+            "UPDATE outbound_policy SET version = version + 1, finalize_sql = $1 WHERE id = 1",
+            &[&sql],
+        )?;
+        Ok(())
+    }
+}

@@ -1,0 +1,160 @@
+//! The PostgreSQL schema: embedded migrations, applied by refinery in one transaction
+//! under a lock, so servers starting at once apply each migration once, and a failed
+//! one leaves nothing behind (PostgreSQL's DDL is transactional).
+
+use crate::error::{Error, Result};
+
+use super::PgConn;
+
+mod embedded {
+    refinery::embed_migrations!("src/store/postgres/migrations");
+}
+
+/// The schema version this build writes.
+pub(crate) fn latest_version() -> i64 {
+    embedded::migrations::runner()
+        .get_migrations()
+        .iter()
+        .map(|m| i64::from(m.version()))
+        .max()
+        .unwrap_or(0)
+}
+
+/// refinery's record of applied migrations, in the outbox's schema.
+const HISTORY: &str = "outbound_schema_history";
+
+/// The version of the outbox in the connection's schema: 0 if it has none, an error if
+/// the schema holds tables of ours but no record of them.
+fn applied_version(conn: &mut PgConn) -> Result<i64> {
+    let has_history: bool = conn
+        .client
+        .query_one(
+            "SELECT to_regclass(quote_ident(current_schema()) || '.' || $1) IS NOT NULL",
+            &[&HISTORY],
+        )?
+        .try_get(0)?;
+    if !has_history {
+        let ours: bool = conn
+            .client
+            .query_one(
+                "SELECT to_regclass(quote_ident(current_schema()) || '.outbound_deliveries') IS NOT NULL",
+                &[],
+            )?
+            .try_get(0)?;
+        if ours {
+            return Err(Error::NotAnOutbox {
+                path: format!(
+                    "schema {} (outbox tables without {HISTORY})",
+                    current_schema(conn)?
+                )
+                .into(),
+            });
+        }
+        return Ok(0);
+    }
+    let version: Option<i32> = conn
+        .client
+        .query_one(&format!("SELECT max(version) FROM {HISTORY}"), &[])?
+        .try_get(0)?;
+    Ok(i64::from(version.unwrap_or(0)))
+}
+
+fn current_schema(conn: &mut PgConn) -> Result<String> {
+    let schema: Option<String> = conn
+        .client
+        .query_one("SELECT current_schema()", &[])?
+        .try_get(0)?;
+    schema.ok_or_else(|| {
+        Error::invalid(
+            "database url",
+            "no schema on the search_path exists; create it or fix search_path",
+        )
+    })
+}
+
+/// Brings the outbox's tables in the connection's schema to this build's version:
+/// refused if a newer build wrote them ([`Error::SchemaTooNew`]) or, with `upgrade`
+/// off, if they need an upgrade. Runs under a lock of the schema, so a second process
+/// waits and then finds the work done.
+pub(crate) fn migrate(conn: &mut PgConn, upgrade: bool) -> Result<()> {
+    let schema = current_schema(conn)?;
+    let lock = "SELECT pg_advisory_lock(hashtextextended(current_schema() || '/migrate', 0))";
+    conn.client.query_one(lock, &[])?;
+    let result = migrate_locked(conn, upgrade, &schema);
+    let unlock = "SELECT pg_advisory_unlock(hashtextextended(current_schema() || '/migrate', 0))";
+    let unlocked = conn.client.query_one(unlock, &[]);
+    result?;
+    unlocked?;
+    Ok(())
+}
+
+fn migrate_locked(conn: &mut PgConn, upgrade: bool, schema: &str) -> Result<()> {
+    let found = applied_version(conn)?;
+    let latest = latest_version();
+    if found > latest {
+        return Err(Error::SchemaTooNew {
+            found,
+            supported: latest,
+        });
+    }
+    if found == latest {
+        return Ok(());
+    }
+    if !upgrade {
+        return Err(if found == 0 {
+            Error::NotAnOutbox {
+                path: format!("schema {schema}").into(),
+            }
+        } else {
+            Error::SchemaTooOld {
+                path: format!("schema {schema}").into(),
+                found,
+                current: latest,
+            }
+        });
+    }
+    let mut runner = embedded::migrations::runner();
+    runner.set_migration_table_name(HISTORY);
+    runner
+        .set_grouped(true)
+        .set_abort_divergent(true)
+        .set_abort_missing(true)
+        .run(&mut conn.client)
+        .map_err(|e| Error::Migration {
+            version: latest,
+            statement: String::new(),
+            message: e.to_string(),
+        })?;
+    Ok(())
+}
+
+/// Refuses a schema whose outbox is not at this build's version (a read-only handle
+/// changes nothing).
+pub(crate) fn require_current(conn: &mut PgConn) -> Result<()> {
+    let schema = current_schema(conn)?;
+    let found = applied_version(conn)?;
+    let latest = latest_version();
+    match found {
+        0 => Err(Error::NotAnOutbox {
+            path: format!("schema {schema}").into(),
+        }),
+        f if f > latest => Err(Error::SchemaTooNew {
+            found: f,
+            supported: latest,
+        }),
+        f if f < latest => Err(Error::SchemaTooOld {
+            path: format!("schema {schema}").into(),
+            found: f,
+            current: latest,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// This database's salt for delivery uids.
+pub(crate) fn id_salt(conn: &mut PgConn) -> Result<i64> {
+    Ok(conn
+        .client
+        .query_one("SELECT id_salt FROM outbound_meta WHERE id = 1", &[])?
+        .try_get(0)?)
+}

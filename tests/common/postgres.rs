@@ -1,0 +1,101 @@
+//! A PostgreSQL server for tests, and a fresh schema per outbox on it.
+//!
+//! The server is `DATABASE_URL` when set (CI runs the tests under
+//! `scripts/with-postgres`). Otherwise the first test that needs one starts a private
+//! throwaway server with that same script, once per test process; it stops when the
+//! process ends. Without server binaries the PostgreSQL tests are skipped and say so
+//! on the terminal; with `OUTBOX_REQUIRE_POSTGRES` set (as `.ci/run` sets it) they
+//! fail instead.
+//!
+//! Shared by the library's unit tests (`#[path]`) and the integration tests.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// The server's URL, or `None` (after saying so once) when there is none.
+pub fn server_url() -> Option<String> {
+    static URL: OnceLock<Option<String>> = OnceLock::new();
+    URL.get_or_init(|| match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => start_server(),
+    })
+    .clone()
+}
+
+/// Starts `scripts/with-postgres` with a command that prints the server's URL and then
+/// waits for this process to end; the script then stops the server and removes it.
+fn start_server() -> Option<String> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/with-postgres");
+    let watch = format!(
+        "printf '%s\\n' \"$DATABASE_URL\"; while kill -0 {} 2>/dev/null; do sleep 0.5; done",
+        std::process::id()
+    );
+    let mut child = Command::new("bash")
+        .args([script, "sh", "-c", &watch])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .ok()?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.take()?)
+        .read_line(&mut line)
+        .ok()?;
+    let url = line.trim().to_owned();
+    if url.is_empty() {
+        let mut why = String::new();
+        if let Some(err) = child.stderr.take() {
+            for l in BufReader::new(err).lines().map_while(|l| l.ok()) {
+                why.push_str(&l);
+                why.push('\n');
+            }
+        }
+        let _ = child.wait();
+        skipped(&why);
+        return None;
+    }
+    // The server lives until this process ends; the watcher is not waited for.
+    std::mem::forget(child);
+    Some(url)
+}
+
+/// Says, on the terminal itself (past the test harness's capture), that the
+/// PostgreSQL tests do not run; or fails if they must.
+fn skipped(why: &str) {
+    let message = format!(
+        "\n*** PostgreSQL tests SKIPPED: no DATABASE_URL and no server could be started.\n{why}***\n"
+    );
+    if std::env::var_os("OUTBOX_REQUIRE_POSTGRES").is_some() {
+        panic!(
+            "{message}OUTBOX_REQUIRE_POSTGRES is set: a test that needs a server may not pass without one"
+        );
+    }
+    let _ = std::io::stderr().write_all(message.as_bytes());
+}
+
+/// A URL of a new, empty schema on the server: the outbox connected with it keeps its
+/// tables there, apart from every other test's.
+pub fn fresh_schema_url() -> Option<String> {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let url = server_url()?;
+    let schema = format!(
+        "t_{}_{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut client = postgres::Client::connect(&url, postgres::NoTls)
+        .unwrap_or_else(|e| panic!("connect to the test server {url}: {e}"));
+    client
+        .batch_execute(&format!("CREATE SCHEMA {schema}"))
+        .expect("create the test schema");
+    Some(with_search_path(&url, &schema))
+}
+
+/// `url` whose sessions use `schema`.
+pub fn with_search_path(url: &str, schema: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}options=-c%20search_path%3D{schema}")
+}
