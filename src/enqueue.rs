@@ -288,6 +288,7 @@ impl Outbox {
     /// content. Nothing is written in either case.
     pub fn enqueue(&self, delivery: &NewDelivery) -> Result<Enqueued> {
         delivery.validate()?;
+        self.storable(delivery)?;
         let enqueued = self.write_and_wake(|tx, rules| {
             lock_for(tx, &[delivery])?;
             insert(tx, self, rules, delivery)
@@ -345,6 +346,7 @@ impl Outbox {
         }
         for d in &deliveries {
             d.validate()?;
+            self.storable(d)?;
         }
         if deliveries.is_empty() {
             return Ok(Vec::new());
@@ -459,6 +461,38 @@ impl Outbox {
                 Err(e)
             }
         }
+    }
+}
+
+impl Outbox {
+    /// Refuses what this outbox's store cannot keep as given: PostgreSQL's text holds
+    /// no NUL character (SQLite's does).
+    fn storable(&self, d: &NewDelivery) -> Result<()> {
+        if !self.is_postgres() {
+            return Ok(());
+        }
+        let fields = [
+            ("chat id", Some(&d.chat_id)),
+            ("text", Some(&d.text)),
+            ("idempotency key", d.idempotency_key.as_ref()),
+            ("sender", d.sender.as_ref()),
+            ("metadata", d.metadata.as_ref()),
+        ];
+        for (what, value) in fields {
+            if value.is_some_and(|v| v.contains('\0')) {
+                return Err(Error::invalid(
+                    what,
+                    "contains a NUL character, which PostgreSQL text cannot store",
+                ));
+            }
+        }
+        if d.chunks.iter().any(|c| c.contains('\0')) {
+            return Err(Error::invalid(
+                "chunk",
+                "contains a NUL character, which PostgreSQL text cannot store",
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -579,54 +579,8 @@ impl ChannelAdapter for Recorder {
     }
 }
 
-fn real_time_db() -> (tempfile::TempDir, std::path::PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("outbox.db");
-    (dir, path)
-}
-
-#[test]
-fn two_dispatchers_in_two_threads_never_send_a_chunk_twice() -> Result<()> {
-    let (_dir, path) = real_time_db();
-    let producer = Outbox::open(&path, OutboxOptions::default())?;
-    let recorders = [Recorder::default(), Recorder::default()];
-    let running: Vec<_> = recorders
-        .iter()
-        .map(|r| {
-            let ob = Outbox::open(&path, OutboxOptions::default()).unwrap();
-            Dispatcher::builder(ob)
-                .adapter("telegram", r.clone())
-                .workers(2)
-                .build()
-                .unwrap()
-                .start()
-                .unwrap()
-        })
-        .collect();
-    let total = 400;
-    for n in 0..total {
-        let _ = producer.enqueue(&NewDelivery::chunked(
-            "telegram",
-            format!("c{}", n % 9),
-            "a b",
-            ["a", "b"],
-        ))?;
-    }
-    wait_until("all delivered", || {
-        producer.health().unwrap().totals.delivered_deliveries == total
-    });
-    for r in running {
-        assert!(r.shutdown(Duration::from_secs(10)).clean);
-    }
-    let mut seen = HashSet::new();
-    for r in &recorders {
-        for key in r.0.lock().unwrap().iter() {
-            assert!(seen.insert(key.clone()), "{key} sent twice");
-        }
-    }
-    // Which dispatcher took how much is up to the scheduler; only duplicates matter.
-    assert_eq!(seen.len(), 2 * total as usize);
-    Ok(())
+fn real_time_db() -> Place {
+    Place::new()
 }
 
 /// A gate every send waits at until it opens, so a test can hold sends in flight.
@@ -663,163 +617,6 @@ impl ChannelAdapter for Gate {
         }
         Outcome::delivered(None)
     }
-}
-
-#[test]
-fn shutdown_finishes_sends_in_flight_and_leaves_nothing_sending() -> Result<()> {
-    let (_dir, path) = real_time_db();
-    let outbox = Outbox::open(&path, OutboxOptions::default())?;
-    for n in 0..20 {
-        let _ = outbox.enqueue(&NewDelivery::single("telegram", format!("c{n}"), "x"))?;
-    }
-    let gate = Gate::default();
-    let running = Dispatcher::builder(outbox.clone())
-        .adapter("telegram", gate.clone())
-        .workers(2)
-        .batch_size(3)
-        .build()?
-        .start()?;
-    gate.wait_started(6);
-    assert_eq!(
-        outbox.health()?.totals.sending_chunks,
-        6,
-        "two workers with three sends each in flight, and nothing else held"
-    );
-    running.request_shutdown();
-    gate.open();
-    let report = running.shutdown(Duration::from_secs(30));
-    assert!(report.clean);
-    assert_eq!(
-        report.stats.delivered, 6,
-        "the sends in flight finished and were recorded"
-    );
-    assert_eq!(report.stats.released, 0, "nothing was held unstarted");
-    let h = outbox.health()?;
-    assert_eq!(h.totals.sending_chunks, 0);
-    assert_eq!(h.totals.due_chunks, 14);
-    Ok(())
-}
-
-#[test]
-fn enqueue_in_this_process_wakes_an_idle_dispatcher() -> Result<()> {
-    let (_dir, path) = real_time_db();
-    let outbox = Outbox::open(&path, OutboxOptions::default())?;
-    let recorder = Recorder::default();
-    // A poll interval far beyond the wait bound: only the in-process wake-up can pass.
-    let running = Dispatcher::builder(outbox.clone())
-        .adapter("telegram", recorder.clone())
-        .poll_interval(Duration::from_secs(3600))
-        .build()?
-        .start()?;
-    // Each reply arrives after the previous one was delivered, when the worker has
-    // nothing due and sleeps on the hour-long poll: only a wake-up gets it sent.
-    for n in 1..=20 {
-        let _ = outbox.enqueue(&NewDelivery::single("telegram", format!("c{n}"), "wake up"))?;
-        wait_until("the send", || {
-            outbox.health().unwrap().totals.delivered_deliveries == n
-        });
-    }
-    assert!(running.shutdown(Duration::from_secs(10)).clean);
-    Ok(())
-}
-
-#[test]
-fn commits_from_another_connection_are_noticed() -> Result<()> {
-    let (_dir, path) = real_time_db();
-    let dispatching = Outbox::open(&path, OutboxOptions::default())?;
-    let other = Outbox::open(&path, OutboxOptions::default())?; // its own notifier, like another process
-    let recorder = Recorder::default();
-    let running = Dispatcher::builder(dispatching)
-        .adapter("telegram", recorder.clone())
-        .poll_interval(Duration::from_millis(20))
-        .build()?
-        .start()?;
-    // Each reply is enqueued once the one before it is recorded, when the worker has
-    // gone back to sleep with nothing due: only noticing the commit wakes it.
-    for n in 1..=3 {
-        let _ = other.enqueue(&NewDelivery::single("telegram", "1", "from elsewhere"))?;
-        wait_until("the send recorded", || {
-            other
-                .health()
-                .is_ok_and(|h| h.totals.delivered_deliveries == n)
-        });
-    }
-    assert_eq!(recorder.0.lock().unwrap().len(), 3);
-    assert!(running.shutdown(Duration::from_secs(10)).clean);
-    Ok(())
-}
-
-/// The child side of the two-process test: dispatches from the file named in the
-/// environment until nothing is left, writing every key it sent to its own file.
-#[test]
-#[ignore = "run as a child process by two_dispatcher_processes_never_send_a_chunk_twice"]
-fn child_dispatcher_process() -> Result<()> {
-    let Ok(db) = std::env::var("CHUNKED_OUTBOX_CHILD_DB") else {
-        return Ok(());
-    };
-    let out = std::env::var("CHUNKED_OUTBOX_CHILD_OUT").expect("output path");
-    let outbox = Outbox::open(&db, OutboxOptions::default())?;
-    let recorder = Recorder::default();
-    let running = Dispatcher::builder(outbox.clone())
-        .adapter("telegram", recorder.clone())
-        .workers(2)
-        .batch_size(4)
-        .build()?
-        .start()?;
-    wait_until("the backlog to drain", || {
-        let h = outbox.health().unwrap();
-        h.totals.pending_chunks + h.totals.retry_chunks + h.totals.sending_chunks == 0
-    });
-    assert!(running.shutdown(Duration::from_secs(10)).clean);
-    std::fs::write(out, recorder.0.lock().unwrap().join("\n")).unwrap();
-    Ok(())
-}
-
-#[test]
-fn two_dispatcher_processes_never_send_a_chunk_twice() -> Result<()> {
-    let (dir, path) = real_time_db();
-    let producer = Outbox::open(&path, OutboxOptions::default())?;
-    let total = 600;
-    for n in 0..total {
-        let _ = producer.enqueue(&NewDelivery::chunked(
-            "telegram",
-            format!("c{}", n % 13),
-            "a b",
-            ["a", "b"],
-        ))?;
-    }
-    let children: Vec<_> = (0..2)
-        .map(|i| {
-            let out = dir.path().join(format!("child-{i}.txt"));
-            let child = std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--ignored",
-                    "--exact",
-                    "child_dispatcher_process",
-                    "--nocapture",
-                ])
-                .env("CHUNKED_OUTBOX_CHILD_DB", &path)
-                .env("CHUNKED_OUTBOX_CHILD_OUT", &out)
-                .spawn()
-                .expect("spawn child");
-            (child, out)
-        })
-        .collect();
-    let mut seen = HashSet::new();
-    let mut per_child = Vec::new();
-    for (mut child, out) in children {
-        assert!(child.wait().unwrap().success(), "child failed");
-        let keys = std::fs::read_to_string(out).unwrap();
-        let keys: Vec<&str> = keys.lines().collect();
-        per_child.push(keys.len());
-        for key in keys {
-            assert!(seen.insert(key.to_owned()), "{key} sent twice");
-        }
-    }
-    assert_eq!(seen.len(), 2 * total);
-    assert_eq!(producer.health()?.totals.delivered_deliveries, total as u64);
-    println!("chunks sent per process: {per_child:?}");
-    Ok(())
 }
 
 #[cfg(feature = "tokio")]
@@ -862,8 +659,8 @@ mod tokio_running {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn shutdown_finishes_sends_in_flight_and_leaves_nothing_sending() -> Result<()> {
-        let (_dir, path) = real_time_db();
-        let outbox = Outbox::open(&path, OutboxOptions::default())?;
+        let place = real_time_db();
+        let outbox = place.open(OutboxOptions::default())?;
         for n in 0..20 {
             let _ = outbox.enqueue(&NewDelivery::single("telegram", format!("c{n}"), "x"))?;
         }
@@ -914,8 +711,8 @@ mod tokio_running {
     async fn a_send_past_its_timeout_is_ambiguous_and_the_worker_goes_on() -> Result<()> {
         // One send at a time, and two at once (the lost one beside one that answers).
         for batch in [1, 2] {
-            let (_dir, path) = real_time_db();
-            let outbox = Outbox::open(&path, OutboxOptions::default())?;
+            let place = real_time_db();
+            let outbox = place.open(OutboxOptions::default())?;
             let lost = outbox
                 .enqueue(&NewDelivery::single("telegram", "lost", "x"))?
                 .id;
@@ -956,8 +753,8 @@ mod tokio_running {
     /// is no other thread to hand the runtime to), and the dispatcher works the same.
     #[tokio::test(flavor = "current_thread")]
     async fn a_current_thread_runtime_is_served_too() -> Result<()> {
-        let (_dir, path) = real_time_db();
-        let outbox = Outbox::open(&path, OutboxOptions::default())?;
+        let place = real_time_db();
+        let outbox = place.open(OutboxOptions::default())?;
         let gate = AsyncGate::default();
         gate.proceed.add_permits(100);
         let running = AsyncDispatcher::builder(outbox.clone())
@@ -982,9 +779,9 @@ mod tokio_running {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn enqueue_wakes_an_idle_dispatcher_and_other_connections_are_noticed() -> Result<()> {
-        let (_dir, path) = real_time_db();
-        let outbox = Outbox::open(&path, OutboxOptions::default())?;
-        let other = Outbox::open(&path, OutboxOptions::default())?;
+        let place = real_time_db();
+        let outbox = place.open(OutboxOptions::default())?;
+        let other = place.open(OutboxOptions::default())?;
         let gate = AsyncGate::default();
         gate.proceed.add_permits(100);
         let running = AsyncDispatcher::builder(outbox.clone())
@@ -1010,24 +807,6 @@ mod tokio_running {
         assert!(running.shutdown(Duration::from_secs(10)).await.clean);
         Ok(())
     }
-}
-
-/// A panicking event handler loses its event, not the worker: every reply goes out.
-#[test]
-fn a_panicking_event_handler_does_not_stop_the_dispatcher() -> Result<()> {
-    let db = TestDb::default();
-    for chat in ["a", "b", "c"] {
-        enqueue(&db.outbox, chat, &["x"]);
-    }
-    let d = Blocking(
-        Dispatcher::builder(db.outbox.clone())
-            .adapter("telegram", Platform::always_ok(&db))
-            .on_event(|_| panic!("a bug in the application's handler"))
-            .build()?,
-    );
-    drain(&db, &d, 3);
-    assert_eq!(db.outbox.health()?.totals.delivered_deliveries, 3);
-    Ok(())
 }
 
 /// Sends that meet only when all of a round's are in flight at once: each waits (up
@@ -1056,42 +835,261 @@ impl ChannelAdapter for Rendezvous {
     }
 }
 
-/// "A claim is a send in flight": every send of a blocking worker's round is under way
-/// at once — in later rounds too, when its send threads sleep between rounds — with a
-/// send timeout (the worker only waits) and without one (the worker sends too).
+/// SQLite only: its child processes open the test's file.
 #[test]
-fn every_send_of_a_round_is_in_flight_at_once() -> Result<()> {
-    for timeout in [None, Some(Duration::from_secs(20))] {
-        let db = TestDb::default();
-        let adapter = Arc::new(Rendezvous {
-            round: 6,
-            started: Mutex::new(0),
-            all_in: std::sync::Condvar::new(),
-            met: std::sync::atomic::AtomicUsize::new(0),
+fn two_dispatcher_processes_never_send_a_chunk_twice() -> Result<()> {
+    let place = real_time_db();
+    let (dir, path) = (&place.dir, place.path());
+    let producer = place.open(OutboxOptions::default())?;
+    let total = 600;
+    for n in 0..total {
+        let _ = producer.enqueue(&NewDelivery::chunked(
+            "telegram",
+            format!("c{}", n % 13),
+            "a b",
+            ["a", "b"],
+        ))?;
+    }
+    let children: Vec<_> = (0..2)
+        .map(|i| {
+            let out = dir.path().join(format!("child-{i}.txt"));
+            let child = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--ignored",
+                    "--exact",
+                    "child_dispatcher_process",
+                    "--nocapture",
+                ])
+                .env("CHUNKED_OUTBOX_CHILD_DB", &path)
+                .env("CHUNKED_OUTBOX_CHILD_OUT", &out)
+                .spawn()
+                .expect("spawn child");
+            (child, out)
+        })
+        .collect();
+    let mut seen = HashSet::new();
+    let mut per_child = Vec::new();
+    for (mut child, out) in children {
+        assert!(child.wait().unwrap().success(), "child failed");
+        let keys = std::fs::read_to_string(out).unwrap();
+        let keys: Vec<&str> = keys.lines().collect();
+        per_child.push(keys.len());
+        for key in keys {
+            assert!(seen.insert(key.to_owned()), "{key} sent twice");
+        }
+    }
+    assert_eq!(seen.len(), 2 * total);
+    assert_eq!(producer.health()?.totals.delivered_deliveries, total as u64);
+    println!("chunks sent per process: {per_child:?}");
+    Ok(())
+}
+
+/// The child side of the two-process test: dispatches from the file named in the
+/// environment until nothing is left, writing every key it sent to its own file.
+#[ignore = "run as a child process by two_dispatcher_processes_never_send_a_chunk_twice"]
+/// SQLite only: run as a child process by a SQLite-only test.
+#[test]
+fn child_dispatcher_process() -> Result<()> {
+    let Ok(db) = std::env::var("CHUNKED_OUTBOX_CHILD_DB") else {
+        return Ok(());
+    };
+    let out = std::env::var("CHUNKED_OUTBOX_CHILD_OUT").expect("output path");
+    let outbox = Outbox::open(&db, OutboxOptions::default())?;
+    let recorder = Recorder::default();
+    let running = Dispatcher::builder(outbox.clone())
+        .adapter("telegram", recorder.clone())
+        .workers(2)
+        .batch_size(4)
+        .build()?
+        .start()?;
+    wait_until("the backlog to drain", || {
+        let h = outbox.health().unwrap();
+        h.totals.pending_chunks + h.totals.retry_chunks + h.totals.sending_chunks == 0
+    });
+    assert!(running.shutdown(Duration::from_secs(10)).clean);
+    std::fs::write(out, recorder.0.lock().unwrap().join("\n")).unwrap();
+    Ok(())
+}
+
+backends! {
+
+    fn two_dispatchers_in_two_threads_never_send_a_chunk_twice() -> Result<()> {
+        let place = real_time_db();
+        let producer = place.open(OutboxOptions::default())?;
+        let recorders = [Recorder::default(), Recorder::default()];
+        let running: Vec<_> = recorders
+            .iter()
+            .map(|r| {
+                let ob = place.open(OutboxOptions::default()).unwrap();
+                Dispatcher::builder(ob)
+                    .adapter("telegram", r.clone())
+                    .workers(2)
+                    .build()
+                    .unwrap()
+                    .start()
+                    .unwrap()
+            })
+            .collect();
+        let total = 400;
+        for n in 0..total {
+            let _ = producer.enqueue(&NewDelivery::chunked(
+                "telegram",
+                format!("c{}", n % 9),
+                "a b",
+                ["a", "b"],
+            ))?;
+        }
+        wait_until("all delivered", || {
+            producer.health().unwrap().totals.delivered_deliveries == total
         });
-        let running = Dispatcher::builder(db.outbox.clone())
-            .adapter("telegram", adapter.clone())
-            .workers(1)
-            .batch_size(6)
-            .send_timeout(timeout)
+        for r in running {
+            assert!(r.shutdown(Duration::from_secs(10)).clean);
+        }
+        let mut seen = HashSet::new();
+        for r in &recorders {
+            for key in r.0.lock().unwrap().iter() {
+                assert!(seen.insert(key.clone()), "{key} sent twice");
+            }
+        }
+        // Which dispatcher took how much is up to the scheduler; only duplicates matter.
+        assert_eq!(seen.len(), 2 * total as usize);
+        Ok(())
+    }
+
+    fn shutdown_finishes_sends_in_flight_and_leaves_nothing_sending() -> Result<()> {
+        let place = real_time_db();
+        let outbox = place.open(OutboxOptions::default())?;
+        for n in 0..20 {
+            let _ = outbox.enqueue(&NewDelivery::single("telegram", format!("c{n}"), "x"))?;
+        }
+        let gate = Gate::default();
+        let running = Dispatcher::builder(outbox.clone())
+            .adapter("telegram", gate.clone())
+            .workers(2)
+            .batch_size(3)
             .build()?
             .start()?;
-        for wave in 0..3 {
-            // In one transaction, so that a round claims the whole wave.
-            let replies: Vec<NewDelivery> = (0..6)
-                .map(|n| NewDelivery::single("telegram", format!("c{wave}-{n}"), "x"))
-                .collect();
-            db.outbox.enqueue_batch(&replies)?;
-            wait_until("the wave sent", || {
-                running.stats().finalized == 6 * (wave + 1)
+        gate.wait_started(6);
+        assert_eq!(
+            outbox.health()?.totals.sending_chunks,
+            6,
+            "two workers with three sends each in flight, and nothing else held"
+        );
+        running.request_shutdown();
+        gate.open();
+        let report = running.shutdown(Duration::from_secs(30));
+        assert!(report.clean);
+        assert_eq!(
+            report.stats.delivered, 6,
+            "the sends in flight finished and were recorded"
+        );
+        assert_eq!(report.stats.released, 0, "nothing was held unstarted");
+        let h = outbox.health()?;
+        assert_eq!(h.totals.sending_chunks, 0);
+        assert_eq!(h.totals.due_chunks, 14);
+        Ok(())
+    }
+
+    fn enqueue_in_this_process_wakes_an_idle_dispatcher() -> Result<()> {
+        let place = real_time_db();
+        let outbox = place.open(OutboxOptions::default())?;
+        let recorder = Recorder::default();
+        // A poll interval far beyond the wait bound: only the in-process wake-up can pass.
+        let running = Dispatcher::builder(outbox.clone())
+            .adapter("telegram", recorder.clone())
+            .poll_interval(Duration::from_secs(3600))
+            .build()?
+            .start()?;
+        // Each reply arrives after the previous one was delivered, when the worker has
+        // nothing due and sleeps on the hour-long poll: only a wake-up gets it sent.
+        for n in 1..=20 {
+            let _ = outbox.enqueue(&NewDelivery::single("telegram", format!("c{n}"), "wake up"))?;
+            wait_until("the send", || {
+                outbox.health().unwrap().totals.delivered_deliveries == n
             });
         }
-        running.shutdown(Duration::from_secs(5));
-        assert_eq!(
-            adapter.met.load(std::sync::atomic::Ordering::SeqCst),
-            18,
-            "every send of each round in flight together (send timeout {timeout:?})"
-        );
+        assert!(running.shutdown(Duration::from_secs(10)).clean);
+        Ok(())
     }
-    Ok(())
+
+    fn commits_from_another_connection_are_noticed() -> Result<()> {
+        let place = real_time_db();
+        let dispatching = place.open(OutboxOptions::default())?;
+        let other = place.open(OutboxOptions::default())?; // its own notifier, like another process
+        let recorder = Recorder::default();
+        let running = Dispatcher::builder(dispatching)
+            .adapter("telegram", recorder.clone())
+            .poll_interval(Duration::from_millis(20))
+            .build()?
+            .start()?;
+        // Each reply is enqueued once the one before it is recorded, when the worker has
+        // gone back to sleep with nothing due: only noticing the commit wakes it.
+        for n in 1..=3 {
+            let _ = other.enqueue(&NewDelivery::single("telegram", "1", "from elsewhere"))?;
+            wait_until("the send recorded", || {
+                other
+                    .health()
+                    .is_ok_and(|h| h.totals.delivered_deliveries == n)
+            });
+        }
+        assert_eq!(recorder.0.lock().unwrap().len(), 3);
+        assert!(running.shutdown(Duration::from_secs(10)).clean);
+        Ok(())
+    }
+
+    /// A panicking event handler loses its event, not the worker: every reply goes out.
+    fn a_panicking_event_handler_does_not_stop_the_dispatcher() -> Result<()> {
+        let db = TestDb::default();
+        for chat in ["a", "b", "c"] {
+            enqueue(&db.outbox, chat, &["x"]);
+        }
+        let d = Blocking(
+            Dispatcher::builder(db.outbox.clone())
+                .adapter("telegram", Platform::always_ok(&db))
+                .on_event(|_| panic!("a bug in the application's handler"))
+                .build()?,
+        );
+        drain(&db, &d, 3);
+        assert_eq!(db.outbox.health()?.totals.delivered_deliveries, 3);
+        Ok(())
+    }
+
+    /// "A claim is a send in flight": every send of a blocking worker's round is under way
+    /// at once — in later rounds too, when its send threads sleep between rounds — with a
+    /// send timeout (the worker only waits) and without one (the worker sends too).
+    fn every_send_of_a_round_is_in_flight_at_once() -> Result<()> {
+        for timeout in [None, Some(Duration::from_secs(20))] {
+            let db = TestDb::default();
+            let adapter = Arc::new(Rendezvous {
+                round: 6,
+                started: Mutex::new(0),
+                all_in: std::sync::Condvar::new(),
+                met: std::sync::atomic::AtomicUsize::new(0),
+            });
+            let running = Dispatcher::builder(db.outbox.clone())
+                .adapter("telegram", adapter.clone())
+                .workers(1)
+                .batch_size(6)
+                .send_timeout(timeout)
+                .build()?
+                .start()?;
+            for wave in 0..3 {
+                // In one transaction, so that a round claims the whole wave.
+                let replies: Vec<NewDelivery> = (0..6)
+                    .map(|n| NewDelivery::single("telegram", format!("c{wave}-{n}"), "x"))
+                    .collect();
+                db.outbox.enqueue_batch(&replies)?;
+                wait_until("the wave sent", || {
+                    running.stats().finalized == 6 * (wave + 1)
+                });
+            }
+            running.shutdown(Duration::from_secs(5));
+            assert_eq!(
+                adapter.met.load(std::sync::atomic::Ordering::SeqCst),
+                18,
+                "every send of each round in flight together (send timeout {timeout:?})"
+            );
+        }
+        Ok(())
+    }
 }

@@ -97,7 +97,7 @@ fn disk_full_during_ack_keeps_the_claim_valid() -> Result<()> {
     // With room again, the same claim (its token is still current) is acked and finalized.
     let roomy = db.reopen(OutboxOptions::default());
     assert!(roomy.ack(&claim, Some("m"))?.finalized);
-    assert_eq!(messages_for(&db.raw(), claim.delivery_id)?.len(), 1);
+    assert_eq!(db.messages_for(claim.delivery_id)?.len(), 1);
     Ok(())
 }
 

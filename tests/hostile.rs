@@ -122,33 +122,35 @@ proptest! {
     }
 }
 
-#[test]
-fn a_ten_megabyte_reply_is_split_and_stored_or_refused_cleanly() -> chunked_outbox::Result<()> {
-    let db = TestDb::default();
-    let text = "A paragraph of a very long answer.\n\n".repeat(300_000); // ~10.5 MB
-    let split = NewDelivery::split("discord", "1", text.clone(), &Splitter::discord())?;
-    // The text plus its chunks is over the 16 MiB limit: refused, nothing written.
-    let err = db.outbox.enqueue(&split).unwrap_err();
-    assert!(
-        matches!(err, Error::InvalidInput { what: "text", .. }),
-        "{err:?}"
-    );
-    assert_eq!(rows(&db.outbox), (0, 0));
-    // Half of it fits and round-trips.
-    let half = &text[..text.len() / 2];
-    let id = db
-        .outbox
-        .enqueue_text("discord", "1", half, &Splitter::discord())?
-        .id;
-    let v = view(&db.outbox, id);
-    assert_eq!(v.text, half);
-    assert_eq!(
-        v.chunks
-            .iter()
-            .map(|c| c.text.as_str())
-            .collect::<String>()
-            .trim_end(),
-        half.trim_end()
-    );
-    Ok(())
+backends! {
+
+    fn a_ten_megabyte_reply_is_split_and_stored_or_refused_cleanly() -> chunked_outbox::Result<()> {
+        let db = TestDb::default();
+        let text = "A paragraph of a very long answer.\n\n".repeat(300_000); // ~10.5 MB
+        let split = NewDelivery::split("discord", "1", text.clone(), &Splitter::discord())?;
+        // The text plus its chunks is over the 16 MiB limit: refused, nothing written.
+        let err = db.outbox.enqueue(&split).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidInput { what: "text", .. }),
+            "{err:?}"
+        );
+        assert_eq!(rows(&db.outbox), (0, 0));
+        // Half of it fits and round-trips.
+        let half = &text[..text.len() / 2];
+        let id = db
+            .outbox
+            .enqueue_text("discord", "1", half, &Splitter::discord())?
+            .id;
+        let v = view(&db.outbox, id);
+        assert_eq!(v.text, half);
+        assert_eq!(
+            v.chunks
+                .iter()
+                .map(|c| c.text.as_str())
+                .collect::<String>()
+                .trim_end(),
+            half.trim_end()
+        );
+        Ok(())
+    }
 }

@@ -11,258 +11,253 @@ use chunked_outbox::{
 };
 use common::*;
 
-#[test]
-fn chunk_in_backoff_blocks_the_next_chunk() -> Result<()> {
-    let db = TestDb::default();
-    let ob = &db.outbox;
-    let id = enqueue(ob, "1", &["a", "b", "c"]);
-    let c0 = claim_one(ob);
-    assert_eq!(c0.index, 0);
-    ob.record(
-        &c0,
-        Outcome::Transient {
-            error: "timeout".into(),
-        },
-    )?;
+backends! {
 
-    // While chunk 0 waits 5 s, nothing else of the delivery is claimable.
-    for _ in 0..4 {
-        assert!(claim_all(ob).is_empty());
-        db.advance(Duration::from_secs(1));
-    }
-    db.advance(Duration::from_secs(1));
-    let c0 = claim_one(ob);
-    assert_eq!(c0.index, 0, "the retried chunk comes before its successors");
-    ob.ack(&c0, None)?;
-    let c1 = claim_one(ob);
-    assert_eq!(c1.index, 1);
-    assert_eq!(
-        view(ob, id).chunks[2].next_attempt_at,
-        None,
-        "chunk 2 is not due yet"
-    );
-    Ok(())
-}
+    fn chunk_in_backoff_blocks_the_next_chunk() -> Result<()> {
+        let db = TestDb::default();
+        let ob = &db.outbox;
+        let id = enqueue(ob, "1", &["a", "b", "c"]);
+        let c0 = claim_one(ob);
+        assert_eq!(c0.index, 0);
+        ob.record(
+            &c0,
+            Outcome::Transient {
+                error: "timeout".into(),
+            },
+        )?;
 
-#[test]
-fn lane_is_fifo_across_deliveries_and_other_lanes_flow() -> Result<()> {
-    let db = TestDb::default();
-    let ob = &db.outbox;
-    let first = enqueue(ob, "chat-a", &["a1", "a2"]);
-    let second = enqueue(ob, "chat-a", &["b1"]);
-    let other = enqueue(ob, "chat-b", &["x1"]);
-    assert_eq!(view(ob, second).status, DeliveryStatus::Queued);
-
-    // Only the lane heads are due: first's chunk 0, and chat-b's delivery.
-    let claims = claim_all(ob);
-    let mut got: Vec<_> = claims.iter().map(|c| (c.delivery_id, c.index)).collect();
-    got.sort();
-    let mut want = vec![(first, 0), (other, 0)];
-    want.sort();
-    assert_eq!(got, want);
-
-    // first fails transiently: chat-a stays blocked behind it.
-    let a = claims.iter().find(|c| c.delivery_id == first).unwrap();
-    let b = claims.iter().find(|c| c.delivery_id == other).unwrap();
-    ob.record(
-        a,
-        Outcome::Transient {
-            error: "503".into(),
-        },
-    )?;
-    ob.ack(b, None)?;
-    db.advance(Duration::from_secs(60));
-
-    let mut order = Vec::new();
-    while let Some(c) = claim_all(ob).pop() {
-        order.push((c.delivery_id, c.index));
-        ob.ack(&c, None)?;
-    }
-    assert_eq!(order, [(first, 0), (first, 1), (second, 0)]);
-    Ok(())
-}
-
-#[test]
-fn skip_policy_lets_the_lane_continue_past_a_dead_letter() -> Result<()> {
-    let db = TestDb::default();
-    let ob = &db.outbox;
-    let doomed = enqueue(ob, "c", &["x"]);
-    let next = enqueue(ob, "c", &["y"]);
-    let claim = claim_one(ob);
-    ob.record(
-        &claim,
-        Outcome::Permanent {
-            error: "message is too long".into(),
-        },
-    )?;
-    let claim = claim_one(ob);
-    assert_eq!(claim.delivery_id, next);
-    ob.ack(&claim, None)?;
-    assert_eq!(view(ob, doomed).status, DeliveryStatus::Failed);
-
-    // Requeued later, the dead letter goes out once the lane is idle.
-    ob.requeue_delivery(doomed)?;
-    let claim = claim_one(ob);
-    assert_eq!((claim.delivery_id, claim.attempt), (doomed, 1));
-    Ok(())
-}
-
-#[test]
-fn block_policy_holds_the_lane_until_acknowledged_or_requeued() -> Result<()> {
-    let db = TestDb::new(OutboxOptions::default().with_lane_failure(LaneFailurePolicy::Block));
-    let ob = &db.outbox;
-    let doomed = enqueue(ob, "c", &["x"]);
-    let waiting = enqueue(ob, "c", &["y"]);
-    let claim = claim_one(ob);
-    ob.record(
-        &claim,
-        Outcome::Permanent {
-            error: "chat not found".into(),
-        },
-    )?;
-    assert!(
-        claim_all(ob).is_empty(),
-        "the lane waits behind its dead letter"
-    );
-    assert_eq!(view(ob, waiting).status, DeliveryStatus::Queued);
-
-    // Requeue: the same delivery goes first again.
-    ob.requeue_delivery(doomed)?;
-    let claim = claim_one(ob);
-    assert_eq!(claim.delivery_id, doomed);
-    ob.record(
-        &claim,
-        Outcome::Permanent {
-            error: "chat not found".into(),
-        },
-    )?;
-    assert!(claim_all(ob).is_empty());
-
-    // Acknowledge: the operator has seen it; the lane moves on.
-    assert_eq!(ob.acknowledge_dead_letters(None)?, 1);
-    let claim = claim_one(ob);
-    assert_eq!(claim.delivery_id, waiting);
-    Ok(())
-}
-
-#[test]
-fn block_policy_also_waits_for_an_uncertain_head() -> Result<()> {
-    let db = TestDb::new(OutboxOptions::default().with_lane_failure(LaneFailurePolicy::Block));
-    let ob = &db.outbox;
-    let held = enqueue(ob, "c", &["x", "y"]);
-    let waiting = enqueue(ob, "c", &["z"]);
-    let claim = claim_one(ob);
-    ob.record(
-        &claim,
-        Outcome::Ambiguous {
-            error: "read timeout".into(),
-        },
-    )?;
-    assert!(claim_all(ob).is_empty());
-
-    // Resolved as delivered: the held delivery carries on, then the next one.
-    ob.resolve_uncertain(
-        claim.chunk_id,
-        chunked_outbox::Resolution::Delivered {
-            platform_message_id: None,
-        },
-    )?;
-    let c = claim_one(ob);
-    assert_eq!((c.delivery_id, c.index), (held, 1));
-    ob.ack(&c, None)?;
-    assert_eq!(claim_one(ob).delivery_id, waiting);
-    Ok(())
-}
-
-#[test]
-fn parallel_lanes_order_chunks_but_not_deliveries() -> Result<()> {
-    let db = TestDb::new(OutboxOptions::default().with_lane_order(LaneOrder::Parallel));
-    let ob = &db.outbox;
-    let a = enqueue(ob, "c", &["a1", "a2"]);
-    let b = enqueue(ob, "c", &["b1"]);
-    let claims = claim_all(ob);
-    let mut got: Vec<_> = claims.iter().map(|c| (c.delivery_id, c.index)).collect();
-    got.sort();
-    let mut want = vec![(a, 0), (b, 0)];
-    want.sort();
-    assert_eq!(
-        got, want,
-        "both deliveries are active, each with only its head chunk"
-    );
-    Ok(())
-}
-
-#[test]
-fn pacing_spaces_sends_within_a_lane() -> Result<()> {
-    let options = OutboxOptions::default().with_channel(
-        "telegram",
-        ChannelPolicy::default().with_lane_interval(Duration::from_secs(1)),
-    );
-    let db = TestDb::new(options);
-    let ob = &db.outbox;
-    enqueue(ob, "c", &["a", "b"]);
-    enqueue(ob, "c", &["c"]);
-    let mut sent_at = Vec::new();
-    for _ in 0..200 {
-        for claim in claim_all(ob) {
-            sent_at.push(db.now_ms());
-            ob.ack(&claim, None)?;
+        // While chunk 0 waits 5 s, nothing else of the delivery is claimable.
+        for _ in 0..4 {
+            assert!(claim_all(ob).is_empty());
+            db.advance(Duration::from_secs(1));
         }
-        db.advance(Duration::from_millis(100));
+        db.advance(Duration::from_secs(1));
+        let c0 = claim_one(ob);
+        assert_eq!(c0.index, 0, "the retried chunk comes before its successors");
+        ob.ack(&c0, None)?;
+        let c1 = claim_one(ob);
+        assert_eq!(c1.index, 1);
+        assert_eq!(
+            view(ob, id).chunks[2].next_attempt_at,
+            None,
+            "chunk 2 is not due yet"
+        );
+        Ok(())
     }
-    assert_eq!(sent_at.len(), 3);
-    assert!(
-        sent_at.windows(2).all(|w| w[1] - w[0] >= 1_000),
-        "sends closer than the interval: {sent_at:?}"
-    );
-    Ok(())
-}
 
-/// A delayed reply is not due before its time, whether it is enqueued into an idle
-/// chat or waits behind another reply first; in a FIFO chat the replies after it wait.
-#[test]
-fn a_delayed_reply_starts_no_earlier_than_asked() -> Result<()> {
-    let db = TestDb::default();
-    let later = chrono::DateTime::from_timestamp_millis(db.now_ms() + 60_000).unwrap();
-    let delayed = db
-        .outbox
-        .enqueue(
-            &chunked_outbox::NewDelivery::single("telegram", "a", "in a minute").not_before(later),
-        )?
-        .id;
-    let after = enqueue(&db.outbox, "a", &["after it"]);
-    let other = enqueue(&db.outbox, "b", &["another chat, at once"]);
-    let claims = claim_all(&db.outbox);
-    assert_eq!(
-        claims.iter().map(|c| c.delivery_id).collect::<Vec<_>>(),
-        vec![other]
-    );
-    db.outbox.ack(&claims[0], None)?;
-    assert_eq!(view(&db.outbox, delayed).not_before, Some(later));
-    assert_eq!(
-        db.outbox.next_due(None)?.map(|t| t.timestamp_millis()),
-        Some(db.now_ms() + 60_000)
-    );
-    db.advance(std::time::Duration::from_millis(59_999));
-    assert!(claim_all(&db.outbox).is_empty(), "not yet");
-    db.advance(std::time::Duration::from_millis(1));
-    let claim = claim_one(&db.outbox);
-    assert_eq!(claim.delivery_id, delayed);
-    db.outbox.ack(&claim, None)?;
-    assert_eq!(claim_one(&db.outbox).delivery_id, after);
+    fn lane_is_fifo_across_deliveries_and_other_lanes_flow() -> Result<()> {
+        let db = TestDb::default();
+        let ob = &db.outbox;
+        let first = enqueue(ob, "chat-a", &["a1", "a2"]);
+        let second = enqueue(ob, "chat-a", &["b1"]);
+        let other = enqueue(ob, "chat-b", &["x1"]);
+        assert_eq!(view(ob, second).status, DeliveryStatus::Queued);
 
-    // Behind another reply: the delay still holds when its turn comes.
-    let first = enqueue(&db.outbox, "c", &["first"]);
-    let at = chrono::DateTime::from_timestamp_millis(db.now_ms() + 30_000).unwrap();
-    let queued = db
-        .outbox
-        .enqueue(&chunked_outbox::NewDelivery::single("telegram", "c", "later").not_before(at))?
-        .id;
-    let head = claim_one(&db.outbox);
-    assert_eq!(head.delivery_id, first);
-    db.outbox.ack(&head, None)?;
-    assert!(claim_all(&db.outbox).is_empty(), "its turn, not its time");
-    db.advance(std::time::Duration::from_secs(30));
-    assert_eq!(claim_one(&db.outbox).delivery_id, queued);
-    Ok(())
+        // Only the lane heads are due: first's chunk 0, and chat-b's delivery.
+        let claims = claim_all(ob);
+        let mut got: Vec<_> = claims.iter().map(|c| (c.delivery_id, c.index)).collect();
+        got.sort();
+        let mut want = vec![(first, 0), (other, 0)];
+        want.sort();
+        assert_eq!(got, want);
+
+        // first fails transiently: chat-a stays blocked behind it.
+        let a = claims.iter().find(|c| c.delivery_id == first).unwrap();
+        let b = claims.iter().find(|c| c.delivery_id == other).unwrap();
+        ob.record(
+            a,
+            Outcome::Transient {
+                error: "503".into(),
+            },
+        )?;
+        ob.ack(b, None)?;
+        db.advance(Duration::from_secs(60));
+
+        let mut order = Vec::new();
+        while let Some(c) = claim_all(ob).pop() {
+            order.push((c.delivery_id, c.index));
+            ob.ack(&c, None)?;
+        }
+        assert_eq!(order, [(first, 0), (first, 1), (second, 0)]);
+        Ok(())
+    }
+
+    fn skip_policy_lets_the_lane_continue_past_a_dead_letter() -> Result<()> {
+        let db = TestDb::default();
+        let ob = &db.outbox;
+        let doomed = enqueue(ob, "c", &["x"]);
+        let next = enqueue(ob, "c", &["y"]);
+        let claim = claim_one(ob);
+        ob.record(
+            &claim,
+            Outcome::Permanent {
+                error: "message is too long".into(),
+            },
+        )?;
+        let claim = claim_one(ob);
+        assert_eq!(claim.delivery_id, next);
+        ob.ack(&claim, None)?;
+        assert_eq!(view(ob, doomed).status, DeliveryStatus::Failed);
+
+        // Requeued later, the dead letter goes out once the lane is idle.
+        ob.requeue_delivery(doomed)?;
+        let claim = claim_one(ob);
+        assert_eq!((claim.delivery_id, claim.attempt), (doomed, 1));
+        Ok(())
+    }
+
+    fn block_policy_holds_the_lane_until_acknowledged_or_requeued() -> Result<()> {
+        let db = TestDb::new(OutboxOptions::default().with_lane_failure(LaneFailurePolicy::Block));
+        let ob = &db.outbox;
+        let doomed = enqueue(ob, "c", &["x"]);
+        let waiting = enqueue(ob, "c", &["y"]);
+        let claim = claim_one(ob);
+        ob.record(
+            &claim,
+            Outcome::Permanent {
+                error: "chat not found".into(),
+            },
+        )?;
+        assert!(
+            claim_all(ob).is_empty(),
+            "the lane waits behind its dead letter"
+        );
+        assert_eq!(view(ob, waiting).status, DeliveryStatus::Queued);
+
+        // Requeue: the same delivery goes first again.
+        ob.requeue_delivery(doomed)?;
+        let claim = claim_one(ob);
+        assert_eq!(claim.delivery_id, doomed);
+        ob.record(
+            &claim,
+            Outcome::Permanent {
+                error: "chat not found".into(),
+            },
+        )?;
+        assert!(claim_all(ob).is_empty());
+
+        // Acknowledge: the operator has seen it; the lane moves on.
+        assert_eq!(ob.acknowledge_dead_letters(None)?, 1);
+        let claim = claim_one(ob);
+        assert_eq!(claim.delivery_id, waiting);
+        Ok(())
+    }
+
+    fn block_policy_also_waits_for_an_uncertain_head() -> Result<()> {
+        let db = TestDb::new(OutboxOptions::default().with_lane_failure(LaneFailurePolicy::Block));
+        let ob = &db.outbox;
+        let held = enqueue(ob, "c", &["x", "y"]);
+        let waiting = enqueue(ob, "c", &["z"]);
+        let claim = claim_one(ob);
+        ob.record(
+            &claim,
+            Outcome::Ambiguous {
+                error: "read timeout".into(),
+            },
+        )?;
+        assert!(claim_all(ob).is_empty());
+
+        // Resolved as delivered: the held delivery carries on, then the next one.
+        ob.resolve_uncertain(
+            claim.chunk_id,
+            chunked_outbox::Resolution::Delivered {
+                platform_message_id: None,
+            },
+        )?;
+        let c = claim_one(ob);
+        assert_eq!((c.delivery_id, c.index), (held, 1));
+        ob.ack(&c, None)?;
+        assert_eq!(claim_one(ob).delivery_id, waiting);
+        Ok(())
+    }
+
+    fn parallel_lanes_order_chunks_but_not_deliveries() -> Result<()> {
+        let db = TestDb::new(OutboxOptions::default().with_lane_order(LaneOrder::Parallel));
+        let ob = &db.outbox;
+        let a = enqueue(ob, "c", &["a1", "a2"]);
+        let b = enqueue(ob, "c", &["b1"]);
+        let claims = claim_all(ob);
+        let mut got: Vec<_> = claims.iter().map(|c| (c.delivery_id, c.index)).collect();
+        got.sort();
+        let mut want = vec![(a, 0), (b, 0)];
+        want.sort();
+        assert_eq!(
+            got, want,
+            "both deliveries are active, each with only its head chunk"
+        );
+        Ok(())
+    }
+
+    fn pacing_spaces_sends_within_a_lane() -> Result<()> {
+        let options = OutboxOptions::default().with_channel(
+            "telegram",
+            ChannelPolicy::default().with_lane_interval(Duration::from_secs(1)),
+        );
+        let db = TestDb::new(options);
+        let ob = &db.outbox;
+        enqueue(ob, "c", &["a", "b"]);
+        enqueue(ob, "c", &["c"]);
+        let mut sent_at = Vec::new();
+        for _ in 0..200 {
+            for claim in claim_all(ob) {
+                sent_at.push(db.now_ms());
+                ob.ack(&claim, None)?;
+            }
+            db.advance(Duration::from_millis(100));
+        }
+        assert_eq!(sent_at.len(), 3);
+        assert!(
+            sent_at.windows(2).all(|w| w[1] - w[0] >= 1_000),
+            "sends closer than the interval: {sent_at:?}"
+        );
+        Ok(())
+    }
+
+    /// A delayed reply is not due before its time, whether it is enqueued into an idle
+    /// chat or waits behind another reply first; in a FIFO chat the replies after it wait.
+    fn a_delayed_reply_starts_no_earlier_than_asked() -> Result<()> {
+        let db = TestDb::default();
+        let later = chrono::DateTime::from_timestamp_millis(db.now_ms() + 60_000).unwrap();
+        let delayed = db
+            .outbox
+            .enqueue(
+                &chunked_outbox::NewDelivery::single("telegram", "a", "in a minute").not_before(later),
+            )?
+            .id;
+        let after = enqueue(&db.outbox, "a", &["after it"]);
+        let other = enqueue(&db.outbox, "b", &["another chat, at once"]);
+        let claims = claim_all(&db.outbox);
+        assert_eq!(
+            claims.iter().map(|c| c.delivery_id).collect::<Vec<_>>(),
+            vec![other]
+        );
+        db.outbox.ack(&claims[0], None)?;
+        assert_eq!(view(&db.outbox, delayed).not_before, Some(later));
+        assert_eq!(
+            db.outbox.next_due(None)?.map(|t| t.timestamp_millis()),
+            Some(db.now_ms() + 60_000)
+        );
+        db.advance(std::time::Duration::from_millis(59_999));
+        assert!(claim_all(&db.outbox).is_empty(), "not yet");
+        db.advance(std::time::Duration::from_millis(1));
+        let claim = claim_one(&db.outbox);
+        assert_eq!(claim.delivery_id, delayed);
+        db.outbox.ack(&claim, None)?;
+        assert_eq!(claim_one(&db.outbox).delivery_id, after);
+
+        // Behind another reply: the delay still holds when its turn comes.
+        let first = enqueue(&db.outbox, "c", &["first"]);
+        let at = chrono::DateTime::from_timestamp_millis(db.now_ms() + 30_000).unwrap();
+        let queued = db
+            .outbox
+            .enqueue(&chunked_outbox::NewDelivery::single("telegram", "c", "later").not_before(at))?
+            .id;
+        let head = claim_one(&db.outbox);
+        assert_eq!(head.delivery_id, first);
+        db.outbox.ack(&head, None)?;
+        assert!(claim_all(&db.outbox).is_empty(), "its turn, not its time");
+        db.advance(std::time::Duration::from_secs(30));
+        assert_eq!(claim_one(&db.outbox).delivery_id, queued);
+        Ok(())
+    }
 }

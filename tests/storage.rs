@@ -183,7 +183,7 @@ fn purge_removes_old_finished_deliveries_and_keeps_messages() -> Result<()> {
     assert!(ob.delivery(dead)?.is_some());
     assert!(ob.delivery(recent)?.is_some());
     assert!(ob.delivery(unfinished)?.is_some());
-    assert_eq!(messages_for(&db.raw(), old)?, ["a b"]);
+    assert_eq!(db.messages_for(old)?, ["a b"]);
 
     // Once acknowledged, the dead letter goes too.
     assert_eq!(ob.acknowledge_dead_letters(None)?, 1);

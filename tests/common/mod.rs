@@ -7,6 +7,8 @@ use std::time::Duration;
 
 #[cfg(feature = "tokio")]
 pub mod emulator;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 
 use chunked_outbox::{
     Claim, DeliveryId, DeliveryView, ManualClock, NewDelivery, Outbox, OutboxOptions, Result,
@@ -15,11 +17,107 @@ use chunked_outbox::{
 /// 2026-01-01T00:00:00Z, a fixed start so failures reproduce.
 pub const T0: i64 = 1_767_225_600_000;
 
-/// An outbox file in a temp dir that lives as long as this value, with a manual clock.
+/// The store a test's [`TestDb`]s are made on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// A file in a temp dir.
+    Sqlite,
+    /// A fresh schema on the test server (see `postgres`).
+    Postgres,
+}
+
+thread_local! {
+    static BACKEND: std::cell::Cell<Backend> = const { std::cell::Cell::new(Backend::Sqlite) };
+}
+
+/// The backend of this test thread's [`TestDb`]s (SQLite unless [`backends!`] says).
+pub fn backend() -> Backend {
+    BACKEND.with(|b| b.get())
+}
+
+/// Runs `test` with its [`TestDb`]s on `backend`; on PostgreSQL without a server, the
+/// test is skipped (and says so once, on the terminal) unless a server is required.
+pub fn on_backend(backend: Backend, test: impl FnOnce()) {
+    if backend == Backend::Postgres && !postgres_available() {
+        return;
+    }
+    BACKEND.with(|b| b.set(backend));
+    test();
+}
+
+#[cfg(feature = "postgres")]
+fn postgres_available() -> bool {
+    postgres::server_url().is_some()
+}
+
+#[cfg(not(feature = "postgres"))]
+fn postgres_available() -> bool {
+    false
+}
+
+/// One test of each `fn` per backend: `name::sqlite` and, with the `postgres` feature,
+/// `name::postgres` (the macro adds `#[test]`; other attributes, docs included, apply
+/// to both). The bodies make their outboxes with [`TestDb`], which follows the backend.
+#[allow(unused_macros)]
+macro_rules! backends {
+    ($( $(#[$meta:meta])* fn $name:ident() $(-> $ret:ty)? $body:block )*) => {
+        $(
+            mod $name {
+                #[allow(unused_imports)]
+                use super::*;
+
+                fn body() $(-> $ret)? $body
+
+                #[test]
+                $(#[$meta])*
+                fn sqlite() {
+                    $crate::common::on_backend($crate::common::Backend::Sqlite, || {
+                        #[allow(clippy::let_unit_value)]
+                        let outcome = body();
+                        $crate::common::Succeeds::succeeds(outcome);
+                    });
+                }
+
+                #[cfg(feature = "postgres")]
+                #[test]
+                $(#[$meta])*
+                fn postgres() {
+                    $crate::common::on_backend($crate::common::Backend::Postgres, || {
+                        #[allow(clippy::let_unit_value)]
+                        let outcome = body();
+                        $crate::common::Succeeds::succeeds(outcome);
+                    });
+                }
+            }
+        )*
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use backends;
+
+/// What a test body returns: nothing, or a result that must be `Ok`.
+pub trait Succeeds {
+    fn succeeds(self);
+}
+
+impl Succeeds for () {
+    fn succeeds(self) {}
+}
+
+impl<E: std::fmt::Debug> Succeeds for std::result::Result<(), E> {
+    fn succeeds(self) {
+        self.expect("the test body returned an error");
+    }
+}
+
+/// An outbox that lives as long as this value, with a manual clock: a file in a temp
+/// dir, or a fresh schema on the PostgreSQL test server (see [`backend`]).
 pub struct TestDb {
     pub dir: tempfile::TempDir,
     pub clock: ManualClock,
     pub outbox: Outbox,
+    /// The PostgreSQL URL of its schema, on that backend.
+    pub url: Option<String>,
 }
 
 impl TestDb {
@@ -27,12 +125,33 @@ impl TestDb {
     pub fn new(options: OutboxOptions) -> TestDb {
         let dir = tempfile::tempdir().expect("temp dir");
         let clock = ManualClock::new(T0);
-        let outbox = Outbox::open(
-            dir.path().join("outbox.db"),
-            Self::with_clock(options, &clock),
-        )
-        .expect("open outbox");
-        TestDb { dir, clock, outbox }
+        let options = Self::with_clock(options, &clock);
+        let (outbox, url) = match backend() {
+            Backend::Sqlite => (
+                Outbox::open(dir.path().join("outbox.db"), options).expect("open outbox"),
+                None,
+            ),
+            Backend::Postgres => {
+                let url = Self::fresh_url();
+                (connect(&url, options), Some(url))
+            }
+        };
+        TestDb {
+            dir,
+            clock,
+            outbox,
+            url,
+        }
+    }
+
+    #[cfg(feature = "postgres")]
+    fn fresh_url() -> String {
+        postgres::fresh_schema_url().expect("the PostgreSQL test server")
+    }
+
+    #[cfg(not(feature = "postgres"))]
+    fn fresh_url() -> String {
+        unreachable!("PostgreSQL tests need the postgres feature")
     }
 
     pub fn default() -> TestDb {
@@ -60,7 +179,59 @@ impl TestDb {
     /// emulated by separate connections).
     pub fn reopen(&self, options: OutboxOptions) -> Outbox {
         let options = options.with_clock(Arc::new(self.clock.clone()));
-        Outbox::open(self.path(), options).expect("reopen")
+        match &self.url {
+            Some(url) => connect(url, options),
+            None => Outbox::open(self.path(), options).expect("reopen"),
+        }
+    }
+
+    /// The contents of the history rows of delivery `id` (one, or none if it was not
+    /// finalized).
+    pub fn messages_for(&self, id: DeliveryId) -> Result<Vec<String>> {
+        Ok(self.strings(
+            "SELECT content FROM outbound_messages WHERE delivery_id = $1",
+            &id.to_string(),
+        ))
+    }
+
+    /// The first column of the rows of `sql` (with `$1` bound to `param`, if it names
+    /// it) as text, on either backend.
+    pub fn strings(&self, sql: &str, param: &str) -> Vec<String> {
+        match &self.url {
+            None => {
+                let conn = self.raw();
+                let mut stmt = conn.prepare(&sql.replace("$1", "?1")).unwrap();
+                let params: &[&dyn rusqlite::ToSql] =
+                    if sql.contains("$1") { &[&param] } else { &[] };
+                stmt.query_map(params, |r| r.get(0))
+                    .unwrap()
+                    .collect::<rusqlite::Result<_>>()
+                    .unwrap()
+            }
+            Some(url) => pg_strings(url, sql, param),
+        }
+    }
+
+    /// One integer from `sql` (no parameters), on either backend.
+    pub fn int(&self, sql: &str) -> i64 {
+        match &self.url {
+            None => self.raw().query_row(sql, [], |r| r.get(0)).unwrap(),
+            Some(url) => pg_int(url, sql),
+        }
+    }
+
+    /// Runs `sql` (statements without parameters) on either backend.
+    pub fn exec(&self, sql: &str) {
+        self.try_exec(sql).unwrap()
+    }
+
+    /// Runs `sql` (statements without parameters) on either backend, or says why the
+    /// database refused it.
+    pub fn try_exec(&self, sql: &str) -> std::result::Result<(), String> {
+        match &self.url {
+            None => self.raw().execute_batch(sql).map_err(|e| e.to_string()),
+            Some(url) => pg_exec(url, sql),
+        }
     }
 
     pub fn now_ms(&self) -> i64 {
@@ -71,9 +242,102 @@ impl TestDb {
         self.clock.advance(by);
     }
 
-    /// A raw connection for checks the public API does not expose.
+    /// A raw connection for checks the public API does not expose (SQLite only).
     pub fn raw(&self) -> rusqlite::Connection {
+        assert!(
+            self.url.is_none(),
+            "raw() is SQLite's file; use strings/int/exec"
+        );
         raw(&self.path())
+    }
+}
+
+#[cfg(feature = "postgres")]
+fn connect(url: &str, options: OutboxOptions) -> Outbox {
+    Outbox::connect(url, options).expect("connect outbox")
+}
+
+#[cfg(feature = "postgres")]
+fn pg_client(url: &str) -> ::postgres::Client {
+    ::postgres::Client::connect(url, ::postgres::NoTls).expect("connect to the test server")
+}
+
+#[cfg(feature = "postgres")]
+fn pg_strings(url: &str, sql: &str, param: &str) -> Vec<String> {
+    let params: Vec<&(dyn ::postgres::types::ToSql + Sync)> = if sql.contains("$1") {
+        vec![&param]
+    } else {
+        vec![]
+    };
+    pg_client(url)
+        .query(sql, &params)
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+#[cfg(feature = "postgres")]
+fn pg_int(url: &str, sql: &str) -> i64 {
+    pg_client(url).query_one(sql, &[]).unwrap().get(0)
+}
+
+#[cfg(feature = "postgres")]
+fn pg_exec(url: &str, sql: &str) -> std::result::Result<(), String> {
+    pg_client(url)
+        .batch_execute(sql)
+        .map_err(|e| match e.as_db_error() {
+            Some(db) => db.message().to_owned(),
+            None => e.to_string(),
+        })
+}
+
+#[cfg(not(feature = "postgres"))]
+fn connect(_: &str, _: OutboxOptions) -> Outbox {
+    unreachable!("PostgreSQL tests need the postgres feature")
+}
+
+#[cfg(not(feature = "postgres"))]
+fn pg_strings(_: &str, _: &str, _: &str) -> Vec<String> {
+    unreachable!()
+}
+
+#[cfg(not(feature = "postgres"))]
+fn pg_int(_: &str, _: &str) -> i64 {
+    unreachable!()
+}
+
+#[cfg(not(feature = "postgres"))]
+fn pg_exec(_: &str, _: &str) -> std::result::Result<(), String> {
+    unreachable!()
+}
+
+/// A place for outboxes on the test's backend, opened with the options given (their
+/// own clock, if any): a file in a temp dir, or a fresh schema on the test server.
+pub struct Place {
+    pub dir: tempfile::TempDir,
+    pub url: Option<String>,
+}
+
+impl Place {
+    pub fn new() -> Place {
+        Place {
+            dir: tempfile::tempdir().expect("temp dir"),
+            url: (backend() == Backend::Postgres).then(TestDb::fresh_url),
+        }
+    }
+
+    /// The file, on SQLite.
+    pub fn path(&self) -> PathBuf {
+        self.dir.path().join("outbox.db")
+    }
+
+    /// A handle on the outbox here (another one each call, as another process would).
+    pub fn open(&self, options: OutboxOptions) -> Result<Outbox> {
+        match &self.url {
+            Some(url) => Ok(connect(url, options)),
+            None => Outbox::open(self.path(), options),
+        }
     }
 }
 

@@ -55,15 +55,15 @@ pub(crate) const LOAD_CHUNK_SQL: &str = "SELECT d.id * 16384 + $2::bigint, d.id,
           LEFT JOIN outbound_delivery_chunks c ON c.delivery_id = d.id AND c.chunk_index = $2
      WHERE d.id = $1 AND (c.delivery_id IS NOT NULL OR (d.status = 'queued' AND $2::bigint = 0))";
 
-/// A channel's due chunks (leases that ran out included), earliest first, locked unless
-/// another claim holds them.
+/// A channel's due chunks (leases that ran out included), earliest first and in key
+/// order at one time (as on SQLite), locked unless another claim holds them.
 pub(crate) const CLAIM_SQL: &str =
     "SELECT c.delivery_id * 16384 + c.chunk_index, c.delivery_id, c.due_at, c.chunk_index,
             c.status, c.attempts, d.chat_id, d.created_at, d.chunk_count, d.uid,
             coalesce(c.text, d.text), d.metadata, c.claim_token IS NOT NULL
      FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
      WHERE c.channel_id = $1 AND c.due_at IS NOT NULL AND c.due_at <= $2
-     ORDER BY c.due_at LIMIT $3
+     ORDER BY c.due_at, c.delivery_id, c.chunk_index LIMIT $3
      FOR UPDATE OF c SKIP LOCKED";
 
 pub(crate) const NEXT_DUE_SQL: &str = "SELECT min(due_at) FROM outbound_delivery_chunks

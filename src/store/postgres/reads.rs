@@ -127,15 +127,17 @@ impl ReadStore for PgTx<'_> {
                 sql.push_str(" AND status <> 'delivered'");
             }
         }
-        for (column, value) in [
-            ("channel", &filter.channel),
-            ("chat_id", &filter.chat_id),
-            ("idempotency_key", &filter.idempotency_key),
-        ] {
-            if let Some(value) = value {
-                values.push(value);
-                sql.push_str(&format!(" AND {column} = ${}", values.len()));
-            }
+        if let Some(channel) = &filter.channel {
+            values.push(channel);
+            sql.push_str(&format!(" AND channel = ${}", values.len()));
+        }
+        if let Some(chat_id) = &filter.chat_id {
+            values.push(chat_id);
+            sql.push_str(&format!(" AND chat_id = ${}", values.len()));
+        }
+        if let Some(key) = &filter.idempotency_key {
+            values.push(key);
+            sql.push_str(&format!(" AND idempotency_key = ${}", values.len()));
         }
         values.push(&limit);
         sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", values.len()));

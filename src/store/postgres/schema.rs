@@ -54,7 +54,7 @@ fn applied_version(conn: &mut PgConn) -> Result<i64> {
     }
     let version: Option<i32> = conn
         .client
-        .query_one(&format!("SELECT max(version) FROM {HISTORY}"), &[])?
+        .query_one("SELECT max(version) FROM outbound_schema_history", &[])?
         .try_get(0)?;
     Ok(i64::from(version.unwrap_or(0)))
 }

@@ -253,6 +253,10 @@ impl ToSql for Value {
                     out.extend_from_slice(s.as_bytes());
                     Ok(IsNull::No)
                 }
+                // A numeric chat id into an integer column, as SQLite's affinity does.
+                Type::INT8 => s.parse::<i64>()?.to_sql(ty, out),
+                Type::INT4 => s.parse::<i32>()?.to_sql(ty, out),
+                Type::INT2 => s.parse::<i16>()?.to_sql(ty, out),
                 Type::TIMESTAMPTZ | Type::TIMESTAMP => {
                     let at = chrono::DateTime::parse_from_rfc3339(s)?;
                     (at.timestamp_micros() - PG_EPOCH_US).to_sql(&Type::INT8, out)

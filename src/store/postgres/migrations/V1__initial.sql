@@ -72,9 +72,10 @@ CREATE TABLE outbound_delivery_chunks (
     PRIMARY KEY (delivery_id, chunk_index)
 ) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.01,
         autovacuum_analyze_scale_factor = 0.01);
--- The claim index, per channel.
+-- The claim index, per channel; chunks due at one time in key order, as claims take them.
 CREATE INDEX outbound_delivery_chunks_due
-    ON outbound_delivery_chunks (channel_id, due_at) WHERE due_at IS NOT NULL;
+    ON outbound_delivery_chunks (channel_id, due_at, delivery_id, chunk_index)
+    WHERE due_at IS NOT NULL;
 
 -- The crate's history: one row per finalized delivery; the UNIQUE key refuses a second.
 CREATE TABLE outbound_messages (
