@@ -23,6 +23,7 @@ use chunked_outbox::{
     ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome, RecoverScope, Resolution,
     RetryPolicy,
 };
+use common::{Backend, on_backend};
 use proptest::prelude::*;
 
 const LANES: [(&str, &str); 3] = [("telegram", "a"), ("telegram", "b"), ("matrix", "c")];
@@ -422,37 +423,78 @@ impl World {
     }
 }
 
+/// Applies `ops`, checking the invariants after each, then drains everything.
+fn run(ops: &[Op]) {
+    let mut world = World::new();
+    for op in ops {
+        world.apply(op);
+        world.check();
+    }
+    // Drain: everything still open finishes, and each delivery is finalized once.
+    for _ in 0..50 {
+        if world
+            .deliveries
+            .iter()
+            .all(|(_, m)| m.delivered == m.chunks)
+        {
+            break;
+        }
+        world.apply(&Op::Advance { secs: 700 });
+        world.apply(&Op::Recover);
+        world.apply(&Op::RequeueDeadLetters);
+        for pick in 0..8 {
+            world.apply(&Op::Resolve {
+                pick,
+                delivered: true,
+            });
+        }
+        world.apply(&Op::Claim { limit: 4 });
+        while !world.held.is_empty() {
+            world.apply(&Op::Ack { pick: 0 });
+        }
+        world.check();
+    }
+    let finished = world
+        .deliveries
+        .iter()
+        .filter(|(_, m)| m.delivered == m.chunks)
+        .count();
+    assert_eq!(
+        finished,
+        world.deliveries.len(),
+        "everything was delivered in the end"
+    );
+    assert_eq!(
+        world.finalized,
+        world.deliveries.len(),
+        "each finalized exactly once"
+    );
+    let rows = world.db.int("SELECT count(*) FROM outbound_messages");
+    assert_eq!(
+        rows as usize,
+        world.deliveries.len(),
+        "one outbound_messages row per delivery"
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
 
     #[test]
     fn random_operation_sequences_keep_the_invariants(ops in proptest::collection::vec(op(), 1..60)) {
-        let mut world = World::new();
-        for op in &ops {
-            world.apply(op);
-            world.check();
-        }
-        // Drain: everything still open finishes, and each delivery is finalized once.
-        for _ in 0..50 {
-            if world.deliveries.iter().all(|(_, m)| m.delivered == m.chunks) {
-                break;
-            }
-            world.apply(&Op::Advance { secs: 700 });
-            world.apply(&Op::Recover);
-            world.apply(&Op::RequeueDeadLetters);
-            for pick in 0..8 {
-                world.apply(&Op::Resolve { pick, delivered: true });
-            }
-            world.apply(&Op::Claim { limit: 4 });
-            while !world.held.is_empty() {
-                world.apply(&Op::Ack { pick: 0 });
-            }
-            world.check();
-        }
-        let finished = world.deliveries.iter().filter(|(_, m)| m.delivered == m.chunks).count();
-        prop_assert_eq!(finished, world.deliveries.len(), "everything was delivered in the end");
-        prop_assert_eq!(world.finalized, world.deliveries.len(), "each finalized exactly once");
-        let rows: i64 = world.db.raw().query_row("SELECT count(*) FROM outbound_messages", [], |r| r.get(0)).unwrap();
-        prop_assert_eq!(rows as usize, world.deliveries.len(), "one outbound_messages row per delivery");
+        on_backend(Backend::Sqlite, || run(&ops));
+    }
+}
+
+#[cfg(feature = "postgres")]
+proptest! {
+    // Each case is a fresh schema on the server: fewer cases than on SQLite.
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    #[test]
+    fn random_operation_sequences_keep_the_invariants_on_postgres(
+        ops in proptest::collection::vec(op(), 1..60)
+    ) {
+        on_backend(Backend::Postgres, || run(&ops));
     }
 }

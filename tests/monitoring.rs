@@ -7,87 +7,19 @@ use std::time::Duration;
 use chunked_outbox::monitoring::{Endpoint, Level, Thresholds};
 use chunked_outbox::{ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome, Result};
 
+mod common;
+use common::{backends, fresh_outbox};
+
 fn outbox_at(clock: &ManualClock) -> Outbox {
     let options = OutboxOptions::default()
         .with_clock(Arc::new(clock.clone()))
         .with_lease(Duration::from_secs(30));
-    Outbox::open_in_memory(options).unwrap()
+    fresh_outbox(options)
 }
 
 fn level(outbox: &Outbox, thresholds: &Thresholds) -> (Level, Vec<String>) {
     let v = outbox.health().unwrap().verdict(thresholds);
     (v.level, v.reasons)
-}
-
-#[test]
-fn a_chunk_due_too_long_warns_only_past_the_threshold() -> Result<()> {
-    let clock = ManualClock::new(1_767_225_600_000);
-    let outbox = outbox_at(&clock);
-    outbox.enqueue(&NewDelivery::single("telegram", "42", "hello"))?;
-    let five_minutes = Thresholds::default();
-    assert_eq!(level(&outbox, &five_minutes), (Level::Ok, vec![]));
-
-    clock.advance(Duration::from_secs(300));
-    assert_eq!(level(&outbox, &five_minutes).0, Level::Ok, "at the limit");
-    clock.advance(Duration::from_secs(1));
-    assert_eq!(
-        level(&outbox, &five_minutes),
-        (Level::Warn, vec!["a chunk has been due for 5m 1s".into()])
-    );
-    let ten_minutes = Thresholds::default().with_warn_due_age(Duration::from_secs(600));
-    assert_eq!(level(&outbox, &ten_minutes).0, Level::Ok);
-    Ok(())
-}
-
-#[test]
-fn expired_leases_warn_and_uncertain_chunks_fail() -> Result<()> {
-    let clock = ManualClock::new(1_767_225_600_000);
-    let outbox = outbox_at(&clock);
-    for chat in ["1", "2"] {
-        outbox.enqueue(&NewDelivery::single("telegram", chat, "hello"))?;
-    }
-    let claims = outbox.claim(2)?;
-    clock.advance(Duration::from_secs(31));
-    let strict = Thresholds::default().with_warn_due_age(Duration::from_secs(3600));
-    assert_eq!(
-        level(&outbox, &strict),
-        (Level::Warn, vec!["2 expired leases".into()])
-    );
-    let lenient = strict.clone().with_warn_expired_leases(2);
-    assert_eq!(level(&outbox, &lenient).0, Level::Ok);
-
-    for claim in &claims {
-        let error = "socket closed after write".to_owned();
-        outbox.record(claim, Outcome::Ambiguous { error })?;
-    }
-    assert_eq!(
-        level(&outbox, &strict),
-        (Level::Fail, vec!["2 uncertain chunks".into()])
-    );
-    let tolerant = strict.with_fail_uncertain(2);
-    assert_eq!(level(&outbox, &tolerant).0, Level::Ok);
-    Ok(())
-}
-
-#[test]
-fn the_worst_reason_decides_and_every_reason_is_named() -> Result<()> {
-    let clock = ManualClock::new(1_767_225_600_000);
-    let outbox = outbox_at(&clock);
-    for chat in ["1", "2"] {
-        outbox.enqueue(&NewDelivery::single("telegram", chat, "hello"))?;
-    }
-    let mut claims = outbox.claim(2)?;
-    let dead = claims.pop().unwrap();
-    let error = "403 Forbidden: bot was blocked by the user".to_owned();
-    outbox.record(&dead, Outcome::Permanent { error })?;
-    clock.advance(Duration::from_secs(31)); // the other lease runs out
-    let verdict = outbox.health()?.verdict(&Thresholds::default());
-    assert_eq!(verdict.level, Level::Fail);
-    assert_eq!(
-        verdict.to_string(),
-        "fail: 1 unacknowledged dead letters; 1 expired leases"
-    );
-    Ok(())
 }
 
 /// The endpoint as an application mounts it: an axum fallback route on its own
@@ -181,4 +113,75 @@ fn a_row_set_aside_as_corrupt_fails_whatever_the_dead_letter_threshold() -> Resu
         (Level::Fail, vec!["1 corrupt rows set aside".into()])
     );
     Ok(())
+}
+
+backends! {
+
+    fn a_chunk_due_too_long_warns_only_past_the_threshold() -> Result<()> {
+        let clock = ManualClock::new(1_767_225_600_000);
+        let outbox = outbox_at(&clock);
+        outbox.enqueue(&NewDelivery::single("telegram", "42", "hello"))?;
+        let five_minutes = Thresholds::default();
+        assert_eq!(level(&outbox, &five_minutes), (Level::Ok, vec![]));
+
+        clock.advance(Duration::from_secs(300));
+        assert_eq!(level(&outbox, &five_minutes).0, Level::Ok, "at the limit");
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(
+            level(&outbox, &five_minutes),
+            (Level::Warn, vec!["a chunk has been due for 5m 1s".into()])
+        );
+        let ten_minutes = Thresholds::default().with_warn_due_age(Duration::from_secs(600));
+        assert_eq!(level(&outbox, &ten_minutes).0, Level::Ok);
+        Ok(())
+    }
+
+    fn expired_leases_warn_and_uncertain_chunks_fail() -> Result<()> {
+        let clock = ManualClock::new(1_767_225_600_000);
+        let outbox = outbox_at(&clock);
+        for chat in ["1", "2"] {
+            outbox.enqueue(&NewDelivery::single("telegram", chat, "hello"))?;
+        }
+        let claims = outbox.claim(2)?;
+        clock.advance(Duration::from_secs(31));
+        let strict = Thresholds::default().with_warn_due_age(Duration::from_secs(3600));
+        assert_eq!(
+            level(&outbox, &strict),
+            (Level::Warn, vec!["2 expired leases".into()])
+        );
+        let lenient = strict.clone().with_warn_expired_leases(2);
+        assert_eq!(level(&outbox, &lenient).0, Level::Ok);
+
+        for claim in &claims {
+            let error = "socket closed after write".to_owned();
+            outbox.record(claim, Outcome::Ambiguous { error })?;
+        }
+        assert_eq!(
+            level(&outbox, &strict),
+            (Level::Fail, vec!["2 uncertain chunks".into()])
+        );
+        let tolerant = strict.with_fail_uncertain(2);
+        assert_eq!(level(&outbox, &tolerant).0, Level::Ok);
+        Ok(())
+    }
+
+    fn the_worst_reason_decides_and_every_reason_is_named() -> Result<()> {
+        let clock = ManualClock::new(1_767_225_600_000);
+        let outbox = outbox_at(&clock);
+        for chat in ["1", "2"] {
+            outbox.enqueue(&NewDelivery::single("telegram", chat, "hello"))?;
+        }
+        let mut claims = outbox.claim(2)?;
+        let dead = claims.pop().unwrap();
+        let error = "403 Forbidden: bot was blocked by the user".to_owned();
+        outbox.record(&dead, Outcome::Permanent { error })?;
+        clock.advance(Duration::from_secs(31)); // the other lease runs out
+        let verdict = outbox.health()?.verdict(&Thresholds::default());
+        assert_eq!(verdict.level, Level::Fail);
+        assert_eq!(
+            verdict.to_string(),
+            "fail: 1 unacknowledged dead letters; 1 expired leases"
+        );
+        Ok(())
+    }
 }

@@ -21,106 +21,6 @@ fn tool(db: &TestDb) -> Outbox {
     db.reopen(OutboxOptions::default())
 }
 
-/// Found: an application on `LaneOrder::Parallel` requeued a dead letter through the
-/// tool (which used FIFO) while another reply to that chat was in flight; the reply was
-/// left `queued` and a Parallel process never advanced it.
-#[test]
-fn a_requeue_by_another_process_follows_the_files_lane_order() -> Result<()> {
-    let db = TestDb::new(OutboxOptions::default().with_lane_order(LaneOrder::Parallel));
-    let app = &db.outbox;
-    let dead = enqueue(app, "c", &["x"]);
-    let live = enqueue(app, "c", &["y"]);
-    for claim in claim_all(app) {
-        if claim.delivery_id == dead {
-            app.record(
-                &claim,
-                Outcome::Permanent {
-                    error: "chat not found".into(),
-                },
-            )?;
-        }
-    }
-    assert_eq!(view(app, live).chunks[0].status, ChunkStatus::Sending);
-    tool(&db).requeue_delivery(dead)?;
-    assert_eq!(
-        view(app, dead).status,
-        DeliveryStatus::Pending,
-        "active, not queued"
-    );
-    let again = claim_all(app);
-    assert_eq!(again.len(), 1);
-    assert_eq!(again[0].delivery_id, dead);
-    Ok(())
-}
-
-/// Found: recovering an expired lease on a `Replay` channel from another process (or
-/// before the dispatcher registered the channel) held it `uncertain`.
-#[test]
-fn recovery_by_another_process_follows_the_stored_replay_policy() -> Result<()> {
-    let options = OutboxOptions::default()
-        .with_channel("discord", ChannelPolicy::replayable())
-        .with_lease(Duration::from_secs(10));
-    let db = TestDb::new(options);
-    db.outbox
-        .enqueue(&NewDelivery::single("discord", "c", "x"))?;
-    let _abandoned = claim_one(&db.outbox);
-    db.advance(Duration::from_secs(11));
-    let report = tool(&db).recover(RecoverScope::ExpiredLeases)?;
-    assert_eq!((report.retried, report.held_uncertain), (1, 0));
-    Ok(())
-}
-
-/// Found: with `LaneFailurePolicy::Block`, a recovery by another process (default
-/// `Skip`) started the next reply ahead of the held one.
-#[test]
-fn recovery_by_another_process_keeps_a_blocked_lane_blocked() -> Result<()> {
-    let options = OutboxOptions::default()
-        .with_lane_failure(LaneFailurePolicy::Block)
-        .with_lease(Duration::from_secs(10));
-    let db = TestDb::new(options);
-    let held = enqueue(&db.outbox, "c", &["x"]);
-    let next = enqueue(&db.outbox, "c", &["y"]);
-    let _abandoned = claim_one(&db.outbox);
-    db.advance(Duration::from_secs(11));
-    assert_eq!(
-        tool(&db)
-            .recover(RecoverScope::ExpiredLeases)?
-            .held_uncertain,
-        1
-    );
-    assert_eq!(view(&db.outbox, held).status, DeliveryStatus::Uncertain);
-    assert_eq!(view(&db.outbox, next).status, DeliveryStatus::Queued);
-    assert!(
-        claim_all(&db.outbox).is_empty(),
-        "the lane waits for the held reply"
-    );
-    Ok(())
-}
-
-/// Found: a reply enqueued into an idle lane was due at once, so the second reply to a
-/// chat left 10 ms after the first despite a 1 s lane interval.
-#[test]
-fn the_lane_interval_holds_between_consecutive_replies() -> Result<()> {
-    let rules = ChannelPolicy::default().with_lane_interval(Duration::from_secs(1));
-    let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
-    enqueue(&db.outbox, "c", &["first"]);
-    let first = claim_one(&db.outbox);
-    db.advance(Duration::from_millis(10));
-    db.outbox.ack(&first, None)?;
-    db.advance(Duration::from_millis(10));
-    // The lane is idle now; another process enqueues the next reply.
-    enqueue(&tool(&db), "c", &["second"]);
-    assert!(
-        claim_all(&db.outbox).is_empty(),
-        "due only a lane interval after the first send"
-    );
-    db.advance(Duration::from_millis(979));
-    assert!(claim_all(&db.outbox).is_empty());
-    db.advance(Duration::from_millis(1));
-    assert_eq!(claim_one(&db.outbox).text, "second");
-    Ok(())
-}
-
 /// A file whose channel `telegram` sends at most once per `interval`, with a reply
 /// queued for each of `chats` chats.
 fn paced_chats(interval: Duration, chats: usize) -> TestDb {
@@ -130,172 +30,6 @@ fn paced_chats(interval: Duration, chats: usize) -> TestDb {
         enqueue(&db.outbox, &format!("c{n}"), &["x"]);
     }
     db
-}
-
-/// Found: the channel-wide rate was kept per dispatcher process: two processes sent
-/// twice as fast as the channel allows.
-#[test]
-fn the_channel_rate_holds_across_processes() -> Result<()> {
-    let db = paced_chats(Duration::from_secs(1), 10);
-    let other = tool(&db);
-    let mut claimed = 0;
-    for second in 0..5 {
-        let now = db.outbox.claim(10)?.len() + other.claim(10)?.len();
-        assert_eq!(
-            now, 1,
-            "one send per second across both processes (second {second})"
-        );
-        claimed += now;
-        db.advance(Duration::from_millis(999));
-        assert_eq!(db.outbox.claim(10)?.len() + other.claim(10)?.len(), 0);
-        db.advance(Duration::from_millis(1));
-    }
-    assert_eq!(claimed, 5);
-    // The next send of the channel is the next due time of its chunks.
-    let next = other.next_due(Some(&["telegram"]))?.unwrap();
-    assert_eq!(next.timestamp_millis(), db.now_ms());
-    Ok(())
-}
-
-/// A channel keeps a schedule: a send that starts up to the clock's millisecond late
-/// does not push the next one back (a worker waking a little late costs no rate), one
-/// later than that starts a new schedule (lateness never becomes a burst), and
-/// sub-millisecond rates are kept as asked.
-#[test]
-fn the_channel_rate_keeps_its_schedule_when_a_send_starts_late() -> Result<()> {
-    let db = paced_chats(Duration::from_millis(10), 20);
-    let start = db.now_ms();
-    let mut sends = Vec::new();
-    // A worker that always comes `late` ms after the time it was told.
-    let mut run = |late: u64, until: i64| -> Result<()> {
-        while db.now_ms() - start <= until {
-            if db.outbox.claim(10)?.len() == 1 {
-                sends.push(db.now_ms() - start);
-            }
-            let next = db.outbox.next_due(None)?.unwrap().timestamp_millis();
-            db.advance(Duration::from_millis(
-                (next - db.now_ms()).max(0) as u64 + late,
-            ));
-        }
-        Ok(())
-    };
-    run(1, 50)?;
-    run(3, 100)?;
-    assert_eq!(sends, [0, 11, 21, 31, 41, 51, 63, 76, 89]);
-    Ok(())
-}
-
-/// A channel whose rate is lifted sends at once: the slot its last paced send left
-/// behind no longer counts.
-#[test]
-fn lifting_a_channel_rate_frees_its_next_send_at_once() -> Result<()> {
-    let db = paced_chats(Duration::from_secs(60), 3);
-    assert_eq!(db.outbox.claim(10)?.len(), 1);
-    assert_eq!(
-        db.outbox.claim(10)?.len(),
-        0,
-        "the next slot is a minute away"
-    );
-    db.outbox
-        .set_channel_policy("telegram", Some(ChannelPolicy::default()))?;
-    assert_eq!(
-        db.outbox.claim(10)?.len(),
-        2,
-        "no rate, no slot to wait for"
-    );
-    Ok(())
-}
-
-/// Rules given in finer units than the file keeps are compared as stored: opening the
-/// file again with the same options is no conflict.
-#[test]
-fn rules_in_finer_units_than_stored_reopen_without_a_conflict() -> Result<()> {
-    let rules = ChannelPolicy::default()
-        .with_lane_interval(Duration::from_micros(1_500))
-        .with_channel_interval(Duration::from_nanos(5_128_500));
-    let options = || OutboxOptions::default().with_channel("telegram", rules.clone());
-    let db = TestDb::new(options());
-    let stored = db.outbox.policy()?.channel("telegram").clone();
-    assert_eq!(stored.lane_interval, Duration::from_millis(2));
-    assert_eq!(stored.channel_interval, Duration::from_micros(5_129));
-    let again = db.reopen(options());
-    assert_eq!(again.policy()?.channel("telegram"), &stored);
-    Ok(())
-}
-
-/// The stored channel interval keeps microseconds.
-#[test]
-fn a_channel_rate_is_stored_to_the_microsecond() -> Result<()> {
-    let db = TestDb::default();
-    // 195 sends a second is 5,129 µs between them, not 6 ms (167/s).
-    db.outbox.set_channel_policy(
-        "telegram",
-        Some(ChannelPolicy::default().with_rate_per_second(195.0)),
-    )?;
-    let stored = db.outbox.policy()?.channel("telegram").channel_interval;
-    assert_eq!(stored, Duration::from_micros(5_129));
-    Ok(())
-}
-
-/// Found: a lane interval given at open was replaced by the adapter's declaration. The
-/// stored interval is now the only one, and a dispatcher keeps it.
-#[test]
-fn a_dispatcher_keeps_the_stored_lane_interval() -> Result<()> {
-    /// Notes the (manual) time of every send.
-    #[derive(Clone)]
-    struct Stamps(chunked_outbox::ManualClock, Arc<std::sync::Mutex<Vec<i64>>>);
-    impl chunked_outbox::ChannelAdapter for Stamps {
-        fn send(&self, _: &chunked_outbox::Claim) -> Outcome {
-            self.1
-                .lock()
-                .unwrap()
-                .push(chunked_outbox::Clock::now_ms(&self.0));
-            Outcome::delivered(None)
-        }
-    }
-    let rules = ChannelPolicy::default().with_lane_interval(Duration::from_secs(2));
-    let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
-    enqueue(&db.outbox, "c", &["a", "b", "c"]);
-    let platform = Stamps(db.clock.clone(), Arc::default());
-    let dispatcher = chunked_outbox::Dispatcher::builder(db.outbox.clone())
-        .adapter("telegram", platform.clone())
-        .build()?;
-    for _ in 0..40 {
-        if dispatcher.run_once()? == 0 {
-            db.advance(Duration::from_millis(250));
-        }
-    }
-    let sent = platform.1.lock().unwrap().clone();
-    assert_eq!(sent.len(), 3);
-    assert!(sent.windows(2).all(|w| w[1] - w[0] >= 2_000), "{sent:?}");
-    Ok(())
-}
-
-/// Found: under `LaneOrder::Parallel`, a chunk rate-limited for 1 s went out after 2 s
-/// although its chat was paused for 60 s: the shorter pause replaced the stored one.
-#[test]
-fn a_shorter_rate_limit_keeps_the_longer_stored_pause() -> Result<()> {
-    let db = TestDb::new(OutboxOptions::default().with_lane_order(LaneOrder::Parallel));
-    enqueue(&db.outbox, "c", &["a"]);
-    enqueue(&db.outbox, "c", &["b"]);
-    let claims = claim_all(&db.outbox);
-    assert_eq!(claims.len(), 2, "parallel: both replies active");
-    let limited = |secs| Outcome::RateLimited {
-        retry_after: Duration::from_secs(secs),
-        error: "429".into(),
-    };
-    db.outbox.record(&claims[0], limited(60))?;
-    let second = db.outbox.record(&claims[1], limited(1))?;
-    assert_eq!(
-        second.next_attempt_at.unwrap().timestamp_millis(),
-        db.now_ms() + 60_000,
-        "the chat stays paused for the longer pause"
-    );
-    db.advance(Duration::from_secs(2));
-    assert!(claim_all(&db.outbox).is_empty());
-    db.advance(Duration::from_secs(58));
-    assert_eq!(claim_all(&db.outbox).len(), 2);
-    Ok(())
 }
 
 /// Found: one row with an unparsable uid made every claim fail (as `InvalidInput`).
@@ -335,97 +69,6 @@ fn a_corrupt_row_is_set_aside_and_claims_go_on() -> Result<()> {
         claim_all(&db.outbox).is_empty(),
         "and it is never claimed again"
     );
-    Ok(())
-}
-
-/// A rule given at open that differs from the one the file stores is an error naming
-/// the rule, or an explicit update; every other handle then follows the stored rule. A
-/// rule nobody declared yet is stored by the first handle that gives it.
-#[test]
-fn a_conflicting_rule_at_open_is_an_error_unless_it_is_an_update() -> Result<()> {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("outbox.db");
-    let retry = RetryPolicy::default().with_max_attempts(9);
-    let first = Outbox::open(
-        &path,
-        OutboxOptions::default().with_retry(RetryPolicy::default()),
-    )?;
-    let conflicting = OutboxOptions::default().with_retry(retry.clone());
-    match Outbox::open(&path, conflicting.clone()) {
-        Err(Error::PolicyConflict { rule, .. }) => assert_eq!(rule, "retry policy"),
-        other => panic!("expected a conflict, got {other:?}"),
-    }
-    assert_eq!(first.policy()?.retry.max_attempts, 5, "nothing changed");
-    let updater = Outbox::open(&path, conflicting.with_policy_update(true))?;
-    assert_eq!(updater.policy()?.retry, retry);
-    assert_eq!(
-        first.policy()?.retry.max_attempts,
-        9,
-        "every handle reads the update"
-    );
-    // The lane order was never declared: the first handle to give one stores it, and
-    // a handle giving another is refused.
-    Outbox::open(
-        &path,
-        OutboxOptions::default().with_lane_order(LaneOrder::Parallel),
-    )?;
-    assert_eq!(first.policy()?.lane_order, LaneOrder::Parallel);
-    assert!(matches!(
-        Outbox::open(
-            &path,
-            OutboxOptions::default().with_lane_order(LaneOrder::Fifo)
-        ),
-        Err(Error::PolicyConflict { .. })
-    ));
-    // A channel with no rules of its own takes the rules given for it.
-    let matrix = OutboxOptions::default().with_channel("matrix", ChannelPolicy::replayable());
-    Outbox::open(&path, matrix)?;
-    assert_eq!(
-        first.policy()?.channel("matrix").replay,
-        ReplayPolicy::Replay
-    );
-    Ok(())
-}
-
-/// Found: a file created by a handle that declared no rules (`outbox migrate`, or an
-/// enqueuer on the defaults) refused the application's own rules as a conflict with
-/// defaults nobody had chosen.
-#[test]
-fn rules_nobody_declared_are_stored_by_the_first_handle_that_gives_them() -> Result<()> {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("outbox.db");
-    let tool = Outbox::open(&path, OutboxOptions::default())?;
-    // An operator changes one rule (as `outbox config set --max-attempts 9` does): that
-    // one is declared, the others stay free.
-    let mut policy = tool.policy()?;
-    policy.retry.max_attempts = 9;
-    tool.set_policy(policy)?;
-    let app = OutboxOptions::default()
-        .with_lane_order(LaneOrder::Parallel)
-        .with_lane_failure(LaneFailurePolicy::Block)
-        .with_default_channel(ChannelPolicy::replayable());
-    Outbox::open(&path, app.clone())?;
-    let policy = tool.policy()?;
-    assert_eq!(
-        (
-            policy.lane_order,
-            policy.lane_failure,
-            policy.default_channel.replay
-        ),
-        (
-            LaneOrder::Parallel,
-            LaneFailurePolicy::Block,
-            ReplayPolicy::Replay
-        )
-    );
-    Outbox::open(&path, app)?; // the same rules again: no conflict
-    assert!(matches!(
-        Outbox::open(
-            &path,
-            OutboxOptions::default().with_retry(RetryPolicy::default())
-        ),
-        Err(Error::PolicyConflict { .. })
-    ));
     Ok(())
 }
 
@@ -716,66 +359,6 @@ fn an_applications_own_messages_table_is_left_as_it_was() -> Result<()> {
     Ok(())
 }
 
-/// The stored rows move with a change of the lane rules, made by another process: a
-/// switch to parallel lanes starts every reply queued behind another, a switch from
-/// Block to Skip lets a lane held by its dead letter move on, and a switch back to FIFO
-/// lets the replies under way finish while new ones queue.
-#[test]
-fn a_change_of_the_lane_rules_moves_the_replies_already_stored() -> Result<()> {
-    let db = TestDb::new(OutboxOptions::default().with_lane_failure(LaneFailurePolicy::Block));
-    let app = &db.outbox;
-    let doomed = enqueue(app, "held", &["x"]);
-    let behind = enqueue(app, "held", &["y"]);
-    let claim = claim_one(app);
-    app.record(
-        &claim,
-        Outcome::Permanent {
-            error: "chat not found".into(),
-        },
-    )?;
-    let first = enqueue(app, "busy", &["a"]);
-    let queued = [enqueue(app, "busy", &["b"]), enqueue(app, "busy", &["c"])];
-    let operator = tool(&db);
-    let mut policy = operator.policy()?;
-
-    policy.lane_failure = LaneFailurePolicy::Skip;
-    operator.set_policy(policy.clone())?;
-    let mut due: Vec<_> = claim_all(app).into_iter().map(|c| c.delivery_id).collect();
-    due.sort();
-    let mut expected = vec![first, behind];
-    expected.sort();
-    assert_eq!(
-        due, expected,
-        "the held lane moved on, the busy one did not"
-    );
-    assert_eq!(view(app, doomed).status, DeliveryStatus::Failed);
-    assert!(
-        queued
-            .iter()
-            .all(|q| view(app, *q).status == DeliveryStatus::Queued)
-    );
-
-    policy.lane_order = LaneOrder::Parallel;
-    operator.set_policy(policy.clone())?;
-    let mut due: Vec<_> = claim_all(app).into_iter().map(|c| c.delivery_id).collect();
-    due.sort();
-    let mut expected = queued.to_vec();
-    expected.sort();
-    assert_eq!(due, expected, "every queued reply started");
-
-    policy.lane_order = LaneOrder::Fifo;
-    operator.set_policy(policy)?;
-    let later = enqueue(app, "busy", &["d"]);
-    assert_eq!(view(app, later).status, DeliveryStatus::Queued);
-    assert!(
-        queued
-            .iter()
-            .all(|q| view(app, *q).status == DeliveryStatus::Pending),
-        "the replies under way go on"
-    );
-    Ok(())
-}
-
 /// Item 7 of the review: the migrations that rebuild the outbox's tables (4, 5, 7) keep
 /// the application's own indexes and triggers on them. A version-1 file with an index
 /// and a trigger of the application's on each table upgrades with both in place, and
@@ -823,4 +406,400 @@ fn an_upgrade_keeps_the_applications_indexes_and_triggers_on_the_outbox_tables()
         "{audit:?}"
     );
     Ok(())
+}
+
+backends! {
+
+    /// Found: an application on `LaneOrder::Parallel` requeued a dead letter through the
+    /// tool (which used FIFO) while another reply to that chat was in flight; the reply was
+    /// left `queued` and a Parallel process never advanced it.
+    fn a_requeue_by_another_process_follows_the_files_lane_order() -> Result<()> {
+        let db = TestDb::new(OutboxOptions::default().with_lane_order(LaneOrder::Parallel));
+        let app = &db.outbox;
+        let dead = enqueue(app, "c", &["x"]);
+        let live = enqueue(app, "c", &["y"]);
+        for claim in claim_all(app) {
+            if claim.delivery_id == dead {
+                app.record(
+                    &claim,
+                    Outcome::Permanent {
+                        error: "chat not found".into(),
+                    },
+                )?;
+            }
+        }
+        assert_eq!(view(app, live).chunks[0].status, ChunkStatus::Sending);
+        tool(&db).requeue_delivery(dead)?;
+        assert_eq!(
+            view(app, dead).status,
+            DeliveryStatus::Pending,
+            "active, not queued"
+        );
+        let again = claim_all(app);
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].delivery_id, dead);
+        Ok(())
+    }
+
+    /// Found: recovering an expired lease on a `Replay` channel from another process (or
+    /// before the dispatcher registered the channel) held it `uncertain`.
+    fn recovery_by_another_process_follows_the_stored_replay_policy() -> Result<()> {
+        let options = OutboxOptions::default()
+            .with_channel("discord", ChannelPolicy::replayable())
+            .with_lease(Duration::from_secs(10));
+        let db = TestDb::new(options);
+        db.outbox
+            .enqueue(&NewDelivery::single("discord", "c", "x"))?;
+        let _abandoned = claim_one(&db.outbox);
+        db.advance(Duration::from_secs(11));
+        let report = tool(&db).recover(RecoverScope::ExpiredLeases)?;
+        assert_eq!((report.retried, report.held_uncertain), (1, 0));
+        Ok(())
+    }
+
+    /// Found: with `LaneFailurePolicy::Block`, a recovery by another process (default
+    /// `Skip`) started the next reply ahead of the held one.
+    fn recovery_by_another_process_keeps_a_blocked_lane_blocked() -> Result<()> {
+        let options = OutboxOptions::default()
+            .with_lane_failure(LaneFailurePolicy::Block)
+            .with_lease(Duration::from_secs(10));
+        let db = TestDb::new(options);
+        let held = enqueue(&db.outbox, "c", &["x"]);
+        let next = enqueue(&db.outbox, "c", &["y"]);
+        let _abandoned = claim_one(&db.outbox);
+        db.advance(Duration::from_secs(11));
+        assert_eq!(
+            tool(&db)
+                .recover(RecoverScope::ExpiredLeases)?
+                .held_uncertain,
+            1
+        );
+        assert_eq!(view(&db.outbox, held).status, DeliveryStatus::Uncertain);
+        assert_eq!(view(&db.outbox, next).status, DeliveryStatus::Queued);
+        assert!(
+            claim_all(&db.outbox).is_empty(),
+            "the lane waits for the held reply"
+        );
+        Ok(())
+    }
+
+    /// Found: a reply enqueued into an idle lane was due at once, so the second reply to a
+    /// chat left 10 ms after the first despite a 1 s lane interval.
+    fn the_lane_interval_holds_between_consecutive_replies() -> Result<()> {
+        let rules = ChannelPolicy::default().with_lane_interval(Duration::from_secs(1));
+        let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
+        enqueue(&db.outbox, "c", &["first"]);
+        let first = claim_one(&db.outbox);
+        db.advance(Duration::from_millis(10));
+        db.outbox.ack(&first, None)?;
+        db.advance(Duration::from_millis(10));
+        // The lane is idle now; another process enqueues the next reply.
+        enqueue(&tool(&db), "c", &["second"]);
+        assert!(
+            claim_all(&db.outbox).is_empty(),
+            "due only a lane interval after the first send"
+        );
+        db.advance(Duration::from_millis(979));
+        assert!(claim_all(&db.outbox).is_empty());
+        db.advance(Duration::from_millis(1));
+        assert_eq!(claim_one(&db.outbox).text, "second");
+        Ok(())
+    }
+
+    /// Found: the channel-wide rate was kept per dispatcher process: two processes sent
+    /// twice as fast as the channel allows.
+    fn the_channel_rate_holds_across_processes() -> Result<()> {
+        let db = paced_chats(Duration::from_secs(1), 10);
+        let other = tool(&db);
+        let mut claimed = 0;
+        for second in 0..5 {
+            let now = db.outbox.claim(10)?.len() + other.claim(10)?.len();
+            assert_eq!(
+                now, 1,
+                "one send per second across both processes (second {second})"
+            );
+            claimed += now;
+            db.advance(Duration::from_millis(999));
+            assert_eq!(db.outbox.claim(10)?.len() + other.claim(10)?.len(), 0);
+            db.advance(Duration::from_millis(1));
+        }
+        assert_eq!(claimed, 5);
+        // The next send of the channel is the next due time of its chunks.
+        let next = other.next_due(Some(&["telegram"]))?.unwrap();
+        assert_eq!(next.timestamp_millis(), db.now_ms());
+        Ok(())
+    }
+
+    /// A channel keeps a schedule: a send that starts up to the clock's millisecond late
+    /// does not push the next one back (a worker waking a little late costs no rate), one
+    /// later than that starts a new schedule (lateness never becomes a burst), and
+    /// sub-millisecond rates are kept as asked.
+    fn the_channel_rate_keeps_its_schedule_when_a_send_starts_late() -> Result<()> {
+        let db = paced_chats(Duration::from_millis(10), 20);
+        let start = db.now_ms();
+        let mut sends = Vec::new();
+        // A worker that always comes `late` ms after the time it was told.
+        let mut run = |late: u64, until: i64| -> Result<()> {
+            while db.now_ms() - start <= until {
+                if db.outbox.claim(10)?.len() == 1 {
+                    sends.push(db.now_ms() - start);
+                }
+                let next = db.outbox.next_due(None)?.unwrap().timestamp_millis();
+                db.advance(Duration::from_millis(
+                    (next - db.now_ms()).max(0) as u64 + late,
+                ));
+            }
+            Ok(())
+        };
+        run(1, 50)?;
+        run(3, 100)?;
+        assert_eq!(sends, [0, 11, 21, 31, 41, 51, 63, 76, 89]);
+        Ok(())
+    }
+
+    /// A channel whose rate is lifted sends at once: the slot its last paced send left
+    /// behind no longer counts.
+    fn lifting_a_channel_rate_frees_its_next_send_at_once() -> Result<()> {
+        let db = paced_chats(Duration::from_secs(60), 3);
+        assert_eq!(db.outbox.claim(10)?.len(), 1);
+        assert_eq!(
+            db.outbox.claim(10)?.len(),
+            0,
+            "the next slot is a minute away"
+        );
+        db.outbox
+            .set_channel_policy("telegram", Some(ChannelPolicy::default()))?;
+        assert_eq!(
+            db.outbox.claim(10)?.len(),
+            2,
+            "no rate, no slot to wait for"
+        );
+        Ok(())
+    }
+
+    /// Rules given in finer units than the file keeps are compared as stored: opening the
+    /// file again with the same options is no conflict.
+    fn rules_in_finer_units_than_stored_reopen_without_a_conflict() -> Result<()> {
+        let rules = ChannelPolicy::default()
+            .with_lane_interval(Duration::from_micros(1_500))
+            .with_channel_interval(Duration::from_nanos(5_128_500));
+        let options = || OutboxOptions::default().with_channel("telegram", rules.clone());
+        let db = TestDb::new(options());
+        let stored = db.outbox.policy()?.channel("telegram").clone();
+        assert_eq!(stored.lane_interval, Duration::from_millis(2));
+        assert_eq!(stored.channel_interval, Duration::from_micros(5_129));
+        let again = db.reopen(options());
+        assert_eq!(again.policy()?.channel("telegram"), &stored);
+        Ok(())
+    }
+
+    /// The stored channel interval keeps microseconds.
+    fn a_channel_rate_is_stored_to_the_microsecond() -> Result<()> {
+        let db = TestDb::default();
+        // 195 sends a second is 5,129 µs between them, not 6 ms (167/s).
+        db.outbox.set_channel_policy(
+            "telegram",
+            Some(ChannelPolicy::default().with_rate_per_second(195.0)),
+        )?;
+        let stored = db.outbox.policy()?.channel("telegram").channel_interval;
+        assert_eq!(stored, Duration::from_micros(5_129));
+        Ok(())
+    }
+
+    /// Found: a lane interval given at open was replaced by the adapter's declaration. The
+    /// stored interval is now the only one, and a dispatcher keeps it.
+    fn a_dispatcher_keeps_the_stored_lane_interval() -> Result<()> {
+        /// Notes the (manual) time of every send.
+        #[derive(Clone)]
+        struct Stamps(chunked_outbox::ManualClock, Arc<std::sync::Mutex<Vec<i64>>>);
+        impl chunked_outbox::ChannelAdapter for Stamps {
+            fn send(&self, _: &chunked_outbox::Claim) -> Outcome {
+                self.1
+                    .lock()
+                    .unwrap()
+                    .push(chunked_outbox::Clock::now_ms(&self.0));
+                Outcome::delivered(None)
+            }
+        }
+        let rules = ChannelPolicy::default().with_lane_interval(Duration::from_secs(2));
+        let db = TestDb::new(OutboxOptions::default().with_channel("telegram", rules));
+        enqueue(&db.outbox, "c", &["a", "b", "c"]);
+        let platform = Stamps(db.clock.clone(), Arc::default());
+        let dispatcher = chunked_outbox::Dispatcher::builder(db.outbox.clone())
+            .adapter("telegram", platform.clone())
+            .build()?;
+        for _ in 0..40 {
+            if dispatcher.run_once()? == 0 {
+                db.advance(Duration::from_millis(250));
+            }
+        }
+        let sent = platform.1.lock().unwrap().clone();
+        assert_eq!(sent.len(), 3);
+        assert!(sent.windows(2).all(|w| w[1] - w[0] >= 2_000), "{sent:?}");
+        Ok(())
+    }
+
+    /// Found: under `LaneOrder::Parallel`, a chunk rate-limited for 1 s went out after 2 s
+    /// although its chat was paused for 60 s: the shorter pause replaced the stored one.
+    fn a_shorter_rate_limit_keeps_the_longer_stored_pause() -> Result<()> {
+        let db = TestDb::new(OutboxOptions::default().with_lane_order(LaneOrder::Parallel));
+        enqueue(&db.outbox, "c", &["a"]);
+        enqueue(&db.outbox, "c", &["b"]);
+        let claims = claim_all(&db.outbox);
+        assert_eq!(claims.len(), 2, "parallel: both replies active");
+        let limited = |secs| Outcome::RateLimited {
+            retry_after: Duration::from_secs(secs),
+            error: "429".into(),
+        };
+        db.outbox.record(&claims[0], limited(60))?;
+        let second = db.outbox.record(&claims[1], limited(1))?;
+        assert_eq!(
+            second.next_attempt_at.unwrap().timestamp_millis(),
+            db.now_ms() + 60_000,
+            "the chat stays paused for the longer pause"
+        );
+        db.advance(Duration::from_secs(2));
+        assert!(claim_all(&db.outbox).is_empty());
+        db.advance(Duration::from_secs(58));
+        assert_eq!(claim_all(&db.outbox).len(), 2);
+        Ok(())
+    }
+
+    /// A rule given at open that differs from the one the file stores is an error naming
+    /// the rule, or an explicit update; every other handle then follows the stored rule. A
+    /// rule nobody declared yet is stored by the first handle that gives it.
+    fn a_conflicting_rule_at_open_is_an_error_unless_it_is_an_update() -> Result<()> {
+        let place = Place::new();
+        let retry = RetryPolicy::default().with_max_attempts(9);
+        let first = place.open(OutboxOptions::default().with_retry(RetryPolicy::default()),
+        )?;
+        let conflicting = OutboxOptions::default().with_retry(retry.clone());
+        match place.open(conflicting.clone()) {
+            Err(Error::PolicyConflict { rule, .. }) => assert_eq!(rule, "retry policy"),
+            other => panic!("expected a conflict, got {other:?}"),
+        }
+        assert_eq!(first.policy()?.retry.max_attempts, 5, "nothing changed");
+        let updater = place.open(conflicting.with_policy_update(true))?;
+        assert_eq!(updater.policy()?.retry, retry);
+        assert_eq!(
+            first.policy()?.retry.max_attempts,
+            9,
+            "every handle reads the update"
+        );
+        // The lane order was never declared: the first handle to give one stores it, and
+        // a handle giving another is refused.
+        place.open(OutboxOptions::default().with_lane_order(LaneOrder::Parallel),
+        )?;
+        assert_eq!(first.policy()?.lane_order, LaneOrder::Parallel);
+        assert!(matches!(
+            place.open(OutboxOptions::default().with_lane_order(LaneOrder::Fifo)
+            ),
+            Err(Error::PolicyConflict { .. })
+        ));
+        // A channel with no rules of its own takes the rules given for it.
+        let matrix = OutboxOptions::default().with_channel("matrix", ChannelPolicy::replayable());
+        place.open(matrix)?;
+        assert_eq!(
+            first.policy()?.channel("matrix").replay,
+            ReplayPolicy::Replay
+        );
+        Ok(())
+    }
+
+    /// Found: a file created by a handle that declared no rules (`outbox migrate`, or an
+    /// enqueuer on the defaults) refused the application's own rules as a conflict with
+    /// defaults nobody had chosen.
+    fn rules_nobody_declared_are_stored_by_the_first_handle_that_gives_them() -> Result<()> {
+        let place = Place::new();
+        let tool = place.open(OutboxOptions::default())?;
+        // An operator changes one rule (as `outbox config set --max-attempts 9` does): that
+        // one is declared, the others stay free.
+        let mut policy = tool.policy()?;
+        policy.retry.max_attempts = 9;
+        tool.set_policy(policy)?;
+        let app = OutboxOptions::default()
+            .with_lane_order(LaneOrder::Parallel)
+            .with_lane_failure(LaneFailurePolicy::Block)
+            .with_default_channel(ChannelPolicy::replayable());
+        place.open(app.clone())?;
+        let policy = tool.policy()?;
+        assert_eq!(
+            (
+                policy.lane_order,
+                policy.lane_failure,
+                policy.default_channel.replay
+            ),
+            (
+                LaneOrder::Parallel,
+                LaneFailurePolicy::Block,
+                ReplayPolicy::Replay
+            )
+        );
+        place.open(app)?; // the same rules again: no conflict
+        assert!(matches!(
+            place.open(OutboxOptions::default().with_retry(RetryPolicy::default())
+            ),
+            Err(Error::PolicyConflict { .. })
+        ));
+        Ok(())
+    }
+
+    /// The stored rows move with a change of the lane rules, made by another process: a
+    /// switch to parallel lanes starts every reply queued behind another, a switch from
+    /// Block to Skip lets a lane held by its dead letter move on, and a switch back to FIFO
+    /// lets the replies under way finish while new ones queue.
+    fn a_change_of_the_lane_rules_moves_the_replies_already_stored() -> Result<()> {
+        let db = TestDb::new(OutboxOptions::default().with_lane_failure(LaneFailurePolicy::Block));
+        let app = &db.outbox;
+        let doomed = enqueue(app, "held", &["x"]);
+        let behind = enqueue(app, "held", &["y"]);
+        let claim = claim_one(app);
+        app.record(
+            &claim,
+            Outcome::Permanent {
+                error: "chat not found".into(),
+            },
+        )?;
+        let first = enqueue(app, "busy", &["a"]);
+        let queued = [enqueue(app, "busy", &["b"]), enqueue(app, "busy", &["c"])];
+        let operator = tool(&db);
+        let mut policy = operator.policy()?;
+
+        policy.lane_failure = LaneFailurePolicy::Skip;
+        operator.set_policy(policy.clone())?;
+        let mut due: Vec<_> = claim_all(app).into_iter().map(|c| c.delivery_id).collect();
+        due.sort();
+        let mut expected = vec![first, behind];
+        expected.sort();
+        assert_eq!(
+            due, expected,
+            "the held lane moved on, the busy one did not"
+        );
+        assert_eq!(view(app, doomed).status, DeliveryStatus::Failed);
+        assert!(
+            queued
+                .iter()
+                .all(|q| view(app, *q).status == DeliveryStatus::Queued)
+        );
+
+        policy.lane_order = LaneOrder::Parallel;
+        operator.set_policy(policy.clone())?;
+        let mut due: Vec<_> = claim_all(app).into_iter().map(|c| c.delivery_id).collect();
+        due.sort();
+        let mut expected = queued.to_vec();
+        expected.sort();
+        assert_eq!(due, expected, "every queued reply started");
+
+        policy.lane_order = LaneOrder::Fifo;
+        operator.set_policy(policy)?;
+        let later = enqueue(app, "busy", &["d"]);
+        assert_eq!(view(app, later).status, DeliveryStatus::Queued);
+        assert!(
+            queued
+                .iter()
+                .all(|q| view(app, *q).status == DeliveryStatus::Pending),
+            "the replies under way go on"
+        );
+        Ok(())
+    }
 }

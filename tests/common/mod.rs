@@ -133,7 +133,7 @@ impl TestDb {
             ),
             Backend::Postgres => {
                 let url = Self::fresh_url();
-                (connect(&url, options), Some(url))
+                (connect(&url, options).expect("connect outbox"), Some(url))
             }
         };
         TestDb {
@@ -180,7 +180,7 @@ impl TestDb {
     pub fn reopen(&self, options: OutboxOptions) -> Outbox {
         let options = options.with_clock(Arc::new(self.clock.clone()));
         match &self.url {
-            Some(url) => connect(url, options),
+            Some(url) => connect(url, options).expect("reconnect"),
             None => Outbox::open(self.path(), options).expect("reopen"),
         }
     }
@@ -253,8 +253,8 @@ impl TestDb {
 }
 
 #[cfg(feature = "postgres")]
-fn connect(url: &str, options: OutboxOptions) -> Outbox {
-    Outbox::connect(url, options).expect("connect outbox")
+fn connect(url: &str, options: OutboxOptions) -> Result<Outbox> {
+    Outbox::connect(url, options)
 }
 
 #[cfg(feature = "postgres")]
@@ -293,7 +293,7 @@ fn pg_exec(url: &str, sql: &str) -> std::result::Result<(), String> {
 }
 
 #[cfg(not(feature = "postgres"))]
-fn connect(_: &str, _: OutboxOptions) -> Outbox {
+fn connect(_: &str, _: OutboxOptions) -> Result<Outbox> {
     unreachable!("PostgreSQL tests need the postgres feature")
 }
 
@@ -335,9 +335,18 @@ impl Place {
     /// A handle on the outbox here (another one each call, as another process would).
     pub fn open(&self, options: OutboxOptions) -> Result<Outbox> {
         match &self.url {
-            Some(url) => Ok(connect(url, options)),
+            Some(url) => connect(url, options),
             None => Outbox::open(self.path(), options),
         }
+    }
+}
+
+/// An outbox on the test's backend that leaves no file behind: in memory on SQLite, a
+/// fresh schema on PostgreSQL.
+pub fn fresh_outbox(options: OutboxOptions) -> Outbox {
+    match backend() {
+        Backend::Sqlite => Outbox::open_in_memory(options).expect("open in memory"),
+        Backend::Postgres => connect(&TestDb::fresh_url(), options).expect("connect outbox"),
     }
 }
 
