@@ -18,7 +18,13 @@ pub const FAULTS: &[&str] = &[
     "unexpected_dead_letters",
 ];
 
-/// Whether the fault `name` (one of [`FAULTS`]) is planted in this process.
+/// Faults of a store's locks, which a single process never shows: the lane hammer
+/// (`tests/hammer.rs`) must catch each.
+#[cfg(feature = "sabotage")]
+pub const LOCK_FAULTS: &[&str] = &["no_lane_locks", "no_claim_locks"];
+
+/// Whether the fault `name` (one of [`FAULTS`] or [`LOCK_FAULTS`]) is planted in this
+/// process.
 #[cfg(feature = "sabotage")]
 pub fn planted(name: &str) -> bool {
     static CHOSEN: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();

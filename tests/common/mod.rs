@@ -123,9 +123,19 @@ pub struct TestDb {
 impl TestDb {
     /// A new database with `options` and jitter off, so due times are exact.
     pub fn new(options: OutboxOptions) -> TestDb {
-        let dir = tempfile::tempdir().expect("temp dir");
         let clock = ManualClock::new(T0);
         let options = Self::with_clock(options, &clock);
+        Self::create(options, clock)
+    }
+
+    /// A new database on the system's clock, as other processes on it run (`clock` is
+    /// then not the outbox's).
+    pub fn on_system_clock(options: OutboxOptions) -> TestDb {
+        Self::create(options, ManualClock::new(T0))
+    }
+
+    fn create(options: OutboxOptions, clock: ManualClock) -> TestDb {
+        let dir = tempfile::tempdir().expect("temp dir");
         let (outbox, url) = match backend() {
             Backend::Sqlite => (
                 Outbox::open(dir.path().join("outbox.db"), options).expect("open outbox"),

@@ -56,15 +56,26 @@ pub(crate) const LOAD_CHUNK_SQL: &str = "SELECT d.id * 16384 + $2::bigint, d.id,
      WHERE d.id = $1 AND (c.delivery_id IS NOT NULL OR (d.status = 'queued' AND $2::bigint = 0))";
 
 /// A channel's due chunks (leases that ran out included), earliest first and in key
-/// order at one time (as on SQLite), locked unless another claim holds them.
-pub(crate) const CLAIM_SQL: &str =
-    "SELECT c.delivery_id * 16384 + c.chunk_index, c.delivery_id, c.due_at, c.chunk_index,
-            c.status, c.attempts, d.chat_id, d.created_at, d.chunk_count, d.uid,
-            coalesce(c.text, d.text), d.metadata, c.claim_token IS NOT NULL
-     FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
-     WHERE c.channel_id = $1 AND c.due_at IS NOT NULL AND c.due_at <= $2
-     ORDER BY c.due_at, c.delivery_id, c.chunk_index LIMIT $3
-     FOR UPDATE OF c SKIP LOCKED";
+/// order at one time (as on SQLite), `$lock`ed.
+macro_rules! claim_sql {
+    ($lock:literal) => {
+        concat!(
+            "SELECT c.delivery_id * 16384 + c.chunk_index, c.delivery_id, c.due_at, c.chunk_index,
+                    c.status, c.attempts, d.chat_id, d.created_at, d.chunk_count, d.uid,
+                    coalesce(c.text, d.text), d.metadata, c.claim_token IS NOT NULL
+             FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
+             WHERE c.channel_id = $1 AND c.due_at IS NOT NULL AND c.due_at <= $2
+             ORDER BY c.due_at, c.delivery_id, c.chunk_index LIMIT $3 ",
+            $lock
+        )
+    };
+}
+
+/// The claim's read: locked unless another claim holds the rows, which it skips.
+pub(crate) const CLAIM_SQL: &str = claim_sql!("FOR UPDATE OF c SKIP LOCKED");
+
+/// [`CLAIM_SQL`] without its row locks: the planted fault `no_claim_locks`.
+const CLAIM_SQL_UNLOCKED: &str = claim_sql!("");
 
 pub(crate) const NEXT_DUE_SQL: &str = "SELECT min(due_at) FROM outbound_delivery_chunks
      WHERE channel_id = $1 AND due_at IS NOT NULL";
@@ -318,7 +329,12 @@ impl ClaimStore for PgTx<'_> {
 
     fn due_chunks(&self, row: &ChannelRow, now: i64, limit: usize) -> Result<Vec<Candidate>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        self.query(CLAIM_SQL, &[&row.id, &now, &limit])?
+        let sql = if crate::sabotage::planted("no_claim_locks") {
+            CLAIM_SQL_UNLOCKED
+        } else {
+            CLAIM_SQL
+        };
+        self.query(sql, &[&row.id, &now, &limit])?
             .iter()
             .map(|r| candidate(r, row))
             .collect()
