@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use chunked_outbox::{
     Backoff, DeliveryStatus, Error, LaneFailurePolicy, LaneOrder, NewDelivery, Outbox,
-    OutboxOptions, Outcome, Result, RetryPolicy,
+    OutboxOptions, Outcome, RetryPolicy,
 };
 use common::*;
 
