@@ -20,9 +20,10 @@ use serde::Serialize;
 
 use crate::CliResult;
 use crate::sim::{
-    CHANNELS, OperatorLog, PlatformApi, PlatformRecord, SimPlatform, chat_is_gone, history,
-    open_platform, reply_text, settle_like_an_operator, sim_options,
+    CHANNELS, OperatorLog, PlatformApi, PlatformRecord, SimPlatform, chat_is_gone, open_platform,
+    reply_text, settle_like_an_operator, sim_options,
 };
+use crate::target::Target;
 
 /// Options of `outbox demo`.
 #[derive(Args)]
@@ -82,7 +83,7 @@ pub fn worker(args: &WorkerArgs) -> CliResult<u8> {
     let db = std::env::var_os("OUTBOX_DB")
         .map(PathBuf::from)
         .ok_or("demo-worker needs OUTBOX_DB")?;
-    let outbox = Outbox::open(&db, sim_options())?;
+    let outbox = Target::of(&db).open(sim_options())?;
     let mut claimants = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -200,7 +201,9 @@ struct EngineRun {
 
 struct Files {
     dir: PathBuf,
-    db: PathBuf,
+    db: Target,
+    /// The PostgreSQL schema made for this run (removed with the directory).
+    schema: Option<(Target, String)>,
     platform: PathBuf,
     /// The operator's decisions, and each worker start's claimant.
     operator_log: PathBuf,
@@ -210,6 +213,16 @@ struct Files {
 
 fn files(db: Option<&Path>) -> CliResult<Files> {
     match db {
+        // On PostgreSQL: a fresh schema of that database for the outbox, the files of
+        // the world (platform record, logs) in a temporary directory.
+        Some(url) if matches!(Target::of(url), Target::Postgres(_)) => {
+            let mut files = files(None)?;
+            let server = Target::of(url);
+            let name = format!("outbox_demo_{}", std::process::id());
+            files.db = server.fresh_schema(&name)?;
+            files.schema = Some((server, name));
+            Ok(files)
+        }
         Some(db) => {
             let dir = db
                 .parent()
@@ -218,7 +231,8 @@ fn files(db: Option<&Path>) -> CliResult<Files> {
                 platform: db.with_extension("platform.db"),
                 operator_log: db.with_extension("operator.log"),
                 claimants: db.with_extension("claimants.log"),
-                db: db.to_owned(),
+                db: Target::File(db.to_owned()),
+                schema: None,
                 dir,
                 temporary: false,
             };
@@ -226,7 +240,7 @@ fn files(db: Option<&Path>) -> CliResult<Files> {
             // record or claimant log skews the verdict, an old stop signal stops the worker.
             let stop = stop_file(&files.platform);
             let stale: Vec<String> = [
-                &files.db,
+                &db.to_owned(),
                 &files.platform,
                 &stop,
                 &files.operator_log,
@@ -251,7 +265,8 @@ fn files(db: Option<&Path>) -> CliResult<Files> {
             let dir = std::env::temp_dir().join(format!("outbox-demo-{}", std::process::id()));
             std::fs::create_dir_all(&dir)?;
             Ok(Files {
-                db: dir.join("outbox.db"),
+                db: Target::File(dir.join("outbox.db")),
+                schema: None,
                 platform: dir.join("platform.db"),
                 operator_log: dir.join("operator.log"),
                 claimants: dir.join("claimants.log"),
@@ -270,7 +285,7 @@ fn spawn_worker(files: &Files, seed: u64, generation: u64) -> CliResult<Child> {
         .args(["--generation", &generation.to_string()])
         .arg("--claimants")
         .arg(&files.claimants)
-        .env("OUTBOX_DB", &files.db)
+        .env("OUTBOX_DB", files.db.as_arg())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
@@ -292,8 +307,10 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
     };
     say(format!(
         "database: {} ({}); platform record: {}",
-        files.db.display(),
-        if files.temporary {
+        files.db.describe(),
+        if files.schema.is_some() {
+            "a fresh schema, removed at the end unless --keep"
+        } else if files.temporary {
             "temporary directory, removed at the end unless --keep"
         } else {
             "from --db"
@@ -307,7 +324,7 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
         args.replies, args.chats
     ));
 
-    let outbox = Outbox::open(&files.db, sim_options())?;
+    let outbox = files.db.open(sim_options())?;
     open_platform(&files.platform)?;
     let api = PlatformApi::open(&files.platform)?;
     let mut operator_log = std::fs::OpenOptions::new()
@@ -425,6 +442,9 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
     drop(outbox);
     if files.temporary && !args.keep {
         std::fs::remove_dir_all(&files.dir)?;
+        if let Some((server, name)) = &files.schema {
+            server.drop_schema(name)?;
+        }
     }
     Ok(if summary.ok() { 0 } else { 1 })
 }
@@ -464,7 +484,7 @@ fn verify(
         s.duplicates_by_policy,
         s.duplicates_unexplained,
     ) = (d.deduplicated, d.by_policy, d.unexplained);
-    let mut rows = history(&files.db)?;
+    let mut rows = files.db.history()?;
 
     // Lost: a chunk of a delivered delivery the platform never got, or a delivery that
     // ended neither delivered nor failed.

@@ -11,6 +11,7 @@ mod demo;
 mod render;
 mod serve;
 mod sim;
+mod target;
 mod torture;
 
 use std::path::{Path, PathBuf};
@@ -25,13 +26,15 @@ use chunked_outbox::{
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::render::clean;
+use crate::target::Target;
 
 /// Inspect, repair and monitor a chunked-outbox database.
 #[derive(Parser)]
 #[command(name = "outbox", version, about, long_about = None)]
 struct Cli {
-    /// The outbox database file.
-    #[arg(long, global = true, env = "OUTBOX_DB", value_name = "PATH")]
+    /// The outbox: an SQLite file, or a PostgreSQL URL (`postgres://…`; a build with
+    /// the `postgres` feature), whose `search_path` option names the outbox's schema.
+    #[arg(long, global = true, env = "OUTBOX_DB", value_name = "PATH|URL")]
     db: Option<PathBuf>,
 
     #[command(subcommand)]
@@ -415,13 +418,9 @@ fn run(cli: Cli) -> CliResult<u8> {
             config::run(&outbox, &command)
         }
         Command::Migrate => {
-            let path = require_db(db)?;
-            Outbox::open(path, OutboxOptions::default())?;
-            println!(
-                "{} is at schema version {}",
-                path.display(),
-                chunked_outbox::SCHEMA_VERSION
-            );
+            let target = Target::of(require_db(db)?);
+            target.open(OutboxOptions::default())?;
+            println!("{} is at this build's schema version", target.describe());
             Ok(0)
         }
         Command::Demo(args) => demo::run(db, &args),
@@ -438,15 +437,12 @@ fn plural(n: u64, one: &str, many: &str) -> String {
 }
 
 fn require_db(db: Option<&Path>) -> CliResult<&Path> {
-    db.ok_or_else(|| "no database: pass --db PATH or set OUTBOX_DB".into())
+    db.ok_or_else(|| "no database: pass --db PATH (or a postgres:// URL) or set OUTBOX_DB".into())
 }
 
 /// Opens an existing outbox for reading: nothing is created or changed.
 fn open_read_only(db: Option<&Path>) -> CliResult<Outbox> {
-    Ok(Outbox::open_read_only(
-        require_db(db)?,
-        OutboxOptions::default(),
-    )?)
+    Target::of(require_db(db)?).open_read_only(OutboxOptions::default())
 }
 
 /// Opens an existing outbox at this build's schema for a repair; nothing is created or
@@ -456,7 +452,7 @@ fn open_for_repair(db: Option<&Path>) -> CliResult<Outbox> {
         .with_create_if_missing(false)
         .with_schema_upgrade(false)
         .with_background_checkpoints(None);
-    Ok(Outbox::open(require_db(db)?, options)?)
+    Target::of(require_db(db)?).open(options)
 }
 
 fn delivery_id(text: &str) -> CliResult<DeliveryId> {

@@ -26,9 +26,10 @@ use serde::Serialize;
 
 use crate::CliResult;
 use crate::sim::{
-    CHANNELS, OperatorLog, PlatformApi, PlatformRecord, SimPlatform, chat_is_gone, history,
-    open_platform, reply_text, settle_like_an_operator, sim_options,
+    CHANNELS, OperatorLog, PlatformApi, PlatformRecord, SimPlatform, chat_is_gone, open_platform,
+    reply_text, settle_like_an_operator, sim_options,
 };
+use crate::target::Target;
 
 /// Options of `outbox torture`.
 #[derive(Args)]
@@ -169,10 +170,32 @@ fn chat_of(seed: u64, n: u64) -> (usize, String) {
     )
 }
 
-pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
-    if db.is_some() {
-        return Err("torture works in a fresh temporary directory; do not pass --db".into());
+/// Where the outbox under torture is: the file in `dir`, or the PostgreSQL schema
+/// whose URL `run` wrote there.
+fn outbox_target(dir: &Path) -> Target {
+    match std::fs::read_to_string(dir.join("outbox.url")) {
+        Ok(url) => Target::Postgres(url),
+        Err(_) => Target::File(dir.join("outbox.db")),
     }
+}
+
+/// The PostgreSQL schema a torture run of `seed` in this process uses.
+fn schema_name(seed: u64) -> String {
+    format!("outbox_torture_{}_{seed}", std::process::id())
+}
+
+pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
+    let server = match db.map(Target::of) {
+        None => None,
+        Some(server @ Target::Postgres(_)) => Some(server),
+        Some(Target::File(_)) => {
+            return Err(
+                "torture works in a fresh temporary directory; pass no --db \
+                        (or a postgres:// URL, to torture an outbox in that database)"
+                    .into(),
+            );
+        }
+    };
     let started = Instant::now();
     let dir = std::env::temp_dir().join(format!(
         "outbox-torture-{}-{}",
@@ -180,13 +203,22 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         args.seed
     ));
     std::fs::create_dir_all(&dir)?;
+    // On PostgreSQL the outbox is a fresh schema of the database; the platforms' record
+    // and the logs stay files (they belong to the world, not to the outbox).
+    if let Some(server) = &server {
+        let Target::Postgres(url) = server.fresh_schema(&schema_name(args.seed))? else {
+            unreachable!("a schema is a PostgreSQL target");
+        };
+        std::fs::write(dir.join("outbox.url"), url)?;
+    }
     eprintln!(
-        "torture: seed {}, {} kills, files in {}",
+        "torture: seed {}, {} kills, files in {}, outbox {}",
         args.seed,
         args.kills,
-        dir.display()
+        dir.display(),
+        outbox_target(&dir).describe()
     );
-    Outbox::open(dir.join("outbox.db"), torture_options())?;
+    outbox_target(&dir).open(torture_options())?;
     open_platform(&dir.join("platform.db"))?;
 
     let replies = (args.kills * args.replies_per_kill).max(100);
@@ -231,7 +263,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
     }
 
     // No more kills: let everything settle, then stop the roles.
-    let outbox = Outbox::open(dir.join("outbox.db"), torture_options())?;
+    let outbox = outbox_target(&dir).open(torture_options())?;
     let deadline = Instant::now() + args.settle_timeout;
     loop {
         std::thread::sleep(Duration::from_millis(50));
@@ -265,6 +297,9 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
     drop(outbox);
     if !args.keep {
         std::fs::remove_dir_all(&dir)?;
+        if let Some(server) = &server {
+            server.drop_schema(&schema_name(args.seed))?;
+        }
     }
     let ok = verdict.lost == 0
         && verdict.unexpected_dead_letters == 0
@@ -279,10 +314,9 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
 
 /// One process under torture.
 pub fn role(args: &RoleArgs) -> CliResult<u8> {
-    let db = args.dir.join("outbox.db");
     let platform = args.dir.join("platform.db");
     let stop = stop_path(&args.dir);
-    let outbox = Outbox::open(&db, torture_options())?;
+    let outbox = outbox_target(&args.dir).open(torture_options())?;
     match args.role {
         Role::Producer => produce(&outbox, &args.dir, args.seed, args.replies),
         Role::Dispatcher => {
@@ -397,7 +431,7 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
     v.unexplained_duplicates = duplicates.unexplained;
     v.resent_blind = operator.blind.len() as u64;
     v.settled_by_lookup = operator.looked_up;
-    let mut rows = history(&dir.join("outbox.db"))?;
+    let mut rows = outbox_target(dir).history()?;
 
     // Each confirmed delivery: finalized (an outbound_messages row), a dead letter, or lost.
     let mut position: HashMap<String, (u64, u32)> = HashMap::new();
