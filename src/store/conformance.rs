@@ -463,7 +463,7 @@ pub(super) fn unfinalized_are_those_with_every_chunk_delivered(fresh: Fresh) {
 }
 
 /// A purge never lists the newest delivery, lists only finished ones before the
-/// cutoff, and removing one removes its chunks.
+/// cutoff, and removing one removes its chunks — if it is still finished.
 pub(super) fn purges_spare_the_newest_and_the_unfinished(fresh: Fresh) {
     let ob = fresh_at_t0(fresh);
     for chat in ["a", "b", "c"] {
@@ -491,6 +491,11 @@ pub(super) fn purges_spare_the_newest_and_the_unfinished(fresh: Fresh) {
     assert_eq!(write(&ob, |tx| tx.purge_counts(T0 + 1)), (3, 3));
     assert_eq!(write(&ob, |tx| tx.delete_delivery(listed[0].id)), 1);
     assert_eq!(write(&ob, |tx| tx.purge_counts(T0 + 1)), (2, 2));
+    // Listed, then put back in its lane (a requeue of an acknowledged dead letter, in
+    // another transaction): the removal checks again and leaves it.
+    write(&ob, |tx| tx.set_queued(listed[1].id));
+    assert_eq!(write(&ob, |tx| tx.delete_delivery(listed[1].id)), 0);
+    assert!(write(&ob, |tx| tx.delivery_names(listed[1].id)).is_some());
 }
 
 /// A row set aside as corrupt is failed, and its lane is given back when readable.

@@ -416,7 +416,8 @@ pub(crate) trait RetentionStore {
     /// Up to `max` deliveries after row `after`, in row order, finished before `cutoff`
     /// — delivered, cancelled, or acknowledged dead letters — never the newest row.
     fn purgeable(&self, after: i64, cutoff: i64, max: i64) -> Result<Vec<Purgeable>>;
-    /// Removes a delivery row and its chunks; returns the chunks removed.
+    /// Removes a delivery row and its chunks if it is still one [`purgeable`](Self::purgeable)
+    /// lists (finished; checked again on the row as it stands); returns the chunks removed.
     fn delete_delivery(&self, delivery: i64) -> Result<u64>;
     /// Lowers a channel's count of stored finalized replies.
     fn forget_delivered(&self, channel: &str, count: i64) -> Result<()>;

@@ -140,12 +140,17 @@ impl RetentionStore for PgTx<'_> {
     }
 
     fn delete_delivery(&self, delivery: i64) -> Result<u64> {
-        let chunks = self.delete_chunks(delivery)?;
+        // The purge listed it without a lock: the condition is checked again on the row
+        // as it stands (a requeue of an acknowledged dead letter may have won the race).
         self.execute(
-            "DELETE FROM outbound_deliveries WHERE id = $1",
+            "WITH gone AS (
+                 DELETE FROM outbound_deliveries
+                 WHERE id = $1 AND (status IN ('delivered', 'cancelled')
+                                    OR (status = 'failed' AND acknowledged_at IS NOT NULL))
+                 RETURNING id)
+             DELETE FROM outbound_delivery_chunks WHERE delivery_id IN (SELECT id FROM gone)",
             &[&delivery],
-        )?;
-        Ok(chunks)
+        )
     }
 
     fn forget_delivered(&self, channel: &str, count: i64) -> Result<()> {

@@ -36,12 +36,19 @@ impl RetentionStore for Tx<'_> {
     }
 
     fn delete_delivery(&self, delivery: i64) -> Result<u64> {
-        let chunks = self
+        let removed = self
+            .prepare_cached(
+                "DELETE FROM outbound_deliveries
+                 WHERE id = ?1 AND (status IN ('delivered', 'cancelled')
+                                    OR (status = 'failed' AND acknowledged_at IS NOT NULL))",
+            )?
+            .execute([delivery])?;
+        if removed == 0 {
+            return Ok(0);
+        }
+        Ok(self
             .prepare_cached(DELETE_CHUNKS_SQL)?
-            .execute([delivery])?;
-        self.prepare_cached("DELETE FROM outbound_deliveries WHERE id = ?1")?
-            .execute([delivery])?;
-        Ok(chunks as u64)
+            .execute([delivery])? as u64)
     }
 
     fn forget_delivered(&self, channel: &str, count: i64) -> Result<()> {
