@@ -198,6 +198,24 @@ impl<'c> PgTx<'c> {
         f(&mut self.conn.borrow_mut().client)
     }
 
+    /// Runs `f` with plans that read whole tables priced out (sequential scans, and
+    /// merge or hash joins, which read all of the inner side): a read of the unfinished
+    /// rows must go through their index and look up each one's chunks, even when the
+    /// planner's statistics are stale (a table that grew by a million delivered rows
+    /// since it was last analyzed still looks as if most of it were unfinished).
+    pub(crate) fn on_indexes<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.batch(
+            "SET LOCAL enable_seqscan = off; SET LOCAL enable_mergejoin = off;
+             SET LOCAL enable_hashjoin = off",
+        )?;
+        let value = f()?;
+        self.batch(
+            "SET LOCAL enable_seqscan TO DEFAULT; SET LOCAL enable_mergejoin TO DEFAULT;
+             SET LOCAL enable_hashjoin TO DEFAULT",
+        )?;
+        Ok(value)
+    }
+
     pub(crate) fn batch(&self, sql: &str) -> Result<()> {
         self.conn.borrow_mut().client.batch_execute(sql)?;
         Ok(())

@@ -120,23 +120,25 @@ impl OperatorStore for PgTx<'_> {
 
 impl RetentionStore for PgTx<'_> {
     fn purgeable(&self, after: i64, cutoff: i64, max: i64) -> Result<Vec<Purgeable>> {
-        self.query(
-            concat!(
-                "SELECT id, channel, status = 'delivered' FROM outbound_deliveries WHERE ",
-                purgeable!(),
-                " AND id > $1 ORDER BY id LIMIT $3"
-            ),
-            &[&after, &cutoff, &max],
-        )?
-        .iter()
-        .map(|r| {
-            Ok(Purgeable {
-                id: r.try_get(0)?,
-                channel: r.try_get(1)?,
-                delivered: r.try_get(2)?,
+        let rows = self.on_indexes(|| {
+            self.query(
+                concat!(
+                    "SELECT id, channel, status = 'delivered' FROM outbound_deliveries WHERE ",
+                    purgeable!(),
+                    " AND id > $1 ORDER BY id LIMIT $3"
+                ),
+                &[&after, &cutoff, &max],
+            )
+        })?;
+        rows.iter()
+            .map(|r| {
+                Ok(Purgeable {
+                    id: r.try_get(0)?,
+                    channel: r.try_get(1)?,
+                    delivered: r.try_get(2)?,
+                })
             })
-        })
-        .collect()
+            .collect()
     }
 
     fn delete_delivery(&self, delivery: i64) -> Result<u64> {
@@ -148,7 +150,7 @@ impl RetentionStore for PgTx<'_> {
                  WHERE id = $1 AND (status IN ('delivered', 'cancelled')
                                     OR (status = 'failed' AND acknowledged_at IS NOT NULL))
                  RETURNING id)
-             DELETE FROM outbound_delivery_chunks WHERE delivery_id IN (SELECT id FROM gone)",
+             DELETE FROM outbound_delivery_chunks WHERE delivery_id = (SELECT id FROM gone)",
             &[&delivery],
         )
     }
@@ -164,8 +166,9 @@ impl RetentionStore for PgTx<'_> {
     fn forget_idle_lanes(&self, now: i64) -> Result<()> {
         // Only lanes with nothing unfinished, and none another transaction holds: the
         // row of a lane in use is what its writers lock.
-        self.execute(
-            "DELETE FROM outbound_lanes WHERE (channel, chat_id) IN (
+        self.on_indexes(|| {
+            self.execute(
+                "DELETE FROM outbound_lanes WHERE (channel, chat_id) IN (
                  SELECT l.channel, l.chat_id FROM outbound_lanes l
                  WHERE coalesce(l.paused_until, 0) < $1 AND coalesce(l.next_send_at, 0) < $1
                    AND NOT EXISTS (SELECT 1 FROM outbound_deliveries d
@@ -173,22 +176,25 @@ impl RetentionStore for PgTx<'_> {
                                      AND d.status <> 'delivered'
                                      AND d.status NOT IN ('cancelled', 'failed'))
                  FOR UPDATE SKIP LOCKED)",
-            &[&now],
-        )?;
+                &[&now],
+            )
+        })?;
         Ok(())
     }
 
     fn purge_counts(&self, cutoff: i64) -> Result<(u64, u64)> {
-        let r = self.query_one(
-            concat!(
-                // A cancelled delivery's chunks are already gone.
-                "SELECT count(*), coalesce(sum(CASE WHEN status = 'cancelled' THEN 0
+        let r = self.on_indexes(|| {
+            self.query_one(
+                concat!(
+                    // A cancelled delivery's chunks are already gone.
+                    "SELECT count(*), coalesce(sum(CASE WHEN status = 'cancelled' THEN 0
                                                     ELSE chunk_count END), 0)::bigint
                  FROM outbound_deliveries WHERE $1::bigint IS NOT NULL AND ",
-                purgeable!()
-            ),
-            &[&0i64, &cutoff],
-        )?;
+                    purgeable!()
+                ),
+                &[&0i64, &cutoff],
+            )
+        })?;
         Ok((count(&r, 0)?, count(&r, 1)?))
     }
 }

@@ -61,45 +61,8 @@ const CHUNKS_SQL: &str = "SELECT d.id * 16384 + coalesce(c.chunk_index, 0),
 
 impl ReadStore for PgTx<'_> {
     fn health_rows(&self, now: i64) -> Result<HealthRows> {
-        let mut rows = HealthRows::default();
-        for r in self.query(STATS_SQL, &[])? {
-            let mut latency_le = [0; 6];
-            for (i, bucket) in latency_le.iter_mut().enumerate() {
-                *bucket = count(&r, 6 + i)?;
-            }
-            rows.stats.push(StatsRow {
-                channel: r.try_get(0)?,
-                delivered: count(&r, 1)?,
-                last_delivered_at: r.try_get(2)?,
-                finalized_total: count(&r, 3)?,
-                latency_count: count(&r, 4)?,
-                latency_sum_ms: count(&r, 5)?,
-                latency_le,
-            });
-        }
-        for r in self.query(OPEN_DELIVERIES_SQL, &[])? {
-            rows.deliveries.push(DeliveryGroup {
-                channel: r.try_get(0)?,
-                status: delivery_status(&r, 1)?,
-                unacknowledged: r.try_get(2)?,
-                count: count(&r, 3)?,
-                oldest_created_at: r.try_get(4)?,
-                corrupt: count(&r, 5)?,
-            });
-        }
-        for r in self.query(OPEN_CHUNKS_SQL, &[&now])? {
-            rows.chunks.push(ChunkGroup {
-                channel: r.try_get(0)?,
-                status: chunk_status(&r, 1)?,
-                count: count(&r, 2)?,
-                due_now: count(&r, 3)?,
-                oldest_due: r.try_get(4)?,
-                scheduled: count(&r, 5)?,
-            });
-        }
-        Ok(rows)
+        self.on_indexes(|| self.health_rows_here(now))
     }
-
     fn delivery_view(&self, delivery: i64, uid: &str) -> Result<Option<DeliveryView>> {
         let Some(r) = self.query_opt(VIEW_SQL, &[&delivery, &uid])? else {
             return Ok(None);
@@ -171,6 +134,48 @@ impl ReadStore for PgTx<'_> {
             });
         }
         Ok(found)
+    }
+}
+
+impl PgTx<'_> {
+    fn health_rows_here(&self, now: i64) -> Result<HealthRows> {
+        let mut rows = HealthRows::default();
+        for r in self.query(STATS_SQL, &[])? {
+            let mut latency_le = [0; 6];
+            for (i, bucket) in latency_le.iter_mut().enumerate() {
+                *bucket = count(&r, 6 + i)?;
+            }
+            rows.stats.push(StatsRow {
+                channel: r.try_get(0)?,
+                delivered: count(&r, 1)?,
+                last_delivered_at: r.try_get(2)?,
+                finalized_total: count(&r, 3)?,
+                latency_count: count(&r, 4)?,
+                latency_sum_ms: count(&r, 5)?,
+                latency_le,
+            });
+        }
+        for r in self.query(OPEN_DELIVERIES_SQL, &[])? {
+            rows.deliveries.push(DeliveryGroup {
+                channel: r.try_get(0)?,
+                status: delivery_status(&r, 1)?,
+                unacknowledged: r.try_get(2)?,
+                count: count(&r, 3)?,
+                oldest_created_at: r.try_get(4)?,
+                corrupt: count(&r, 5)?,
+            });
+        }
+        for r in self.query(OPEN_CHUNKS_SQL, &[&now])? {
+            rows.chunks.push(ChunkGroup {
+                channel: r.try_get(0)?,
+                status: chunk_status(&r, 1)?,
+                count: count(&r, 2)?,
+                due_now: count(&r, 3)?,
+                oldest_due: r.try_get(4)?,
+                scheduled: count(&r, 5)?,
+            });
+        }
+        Ok(rows)
     }
 }
 

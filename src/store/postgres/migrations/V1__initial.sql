@@ -49,6 +49,10 @@ CREATE UNIQUE INDEX outbound_deliveries_idempotency
 -- snapshot and listings never read the delivered history.
 CREATE INDEX outbound_deliveries_open
     ON outbound_deliveries (channel, chat_id, status, id) WHERE status <> 'delivered';
+-- Finished deliveries by the time they finished: a purge finds what is old enough
+-- without reading the rest of the history.
+CREATE INDEX outbound_deliveries_finished
+    ON outbound_deliveries (finished_at) WHERE finished_at IS NOT NULL;
 
 -- One platform send. The key is the delivery and the index (a chunk's public id is
 -- delivery_id * 16384 + chunk_index): the chunks of a delivery are one range of it.
