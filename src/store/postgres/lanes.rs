@@ -197,7 +197,7 @@ impl LaneStore for PgTx<'_> {
     }
 
     fn queued_deliveries(&self) -> Result<Vec<DeliveryLane>> {
-        self.query(QUEUED_ALL_SQL, &[])?
+        self.on_indexes(|| self.query(QUEUED_ALL_SQL, &[]))?
             .iter()
             .map(|r| {
                 Ok(DeliveryLane {

@@ -14,6 +14,8 @@ pub(crate) mod chunks;
 pub(crate) mod deliveries;
 pub(crate) mod lanes;
 pub(crate) mod operator;
+#[cfg(test)]
+mod plans;
 pub(crate) mod reads;
 pub(crate) mod rules;
 pub(crate) mod schema;

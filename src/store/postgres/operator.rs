@@ -26,7 +26,7 @@ macro_rules! purgeable {
 
 impl OperatorStore for PgTx<'_> {
     fn dead_letter_chunks(&self, channel: Option<&str>) -> Result<Vec<ChunkRef>> {
-        self.query(DEAD_LETTER_CHUNKS_SQL, &[&channel])?
+        self.on_indexes(|| self.query(DEAD_LETTER_CHUNKS_SQL, &[&channel]))?
             .iter()
             .map(chunk_ref)
             .collect()

@@ -1,0 +1,211 @@
+//! Plan tests: the store's statements read what they are about through an index —
+//! never a sequential scan, or a scan of a whole index, of the deliveries, chunks,
+//! history or lanes — beside a
+//! history of delivered rows, with fresh planner statistics and with stale ones (the
+//! history added after the last ANALYZE, autovacuum off), in the generic plan a
+//! prepared statement settles on.
+
+use super::chunks::{CLAIM_SQL, CLAIMED_SQL, EXPIRED_SQL, LOAD_CHUNK_SQL, NEXT_DUE_SQL};
+use super::deliveries::{HISTORY_SQL, SWEEP_SQL};
+use super::lanes::{HEAD_SQL, HELD_SQL, PAUSE_DUE_SQL, QUEUED_ALL_SQL};
+use super::operator::DEAD_LETTER_CHUNKS_SQL;
+use super::reads::{OPEN_CHUNKS_SQL, OPEN_DELIVERIES_SQL};
+use crate::enqueue::NewDelivery;
+use crate::options::OutboxOptions;
+use crate::outbox::Outbox;
+
+#[path = "../../../tests/common/postgres.rs"]
+mod server;
+
+/// Delivered replies in the fixture's history.
+const HISTORY: i64 = 100_000;
+
+/// Each statement with arguments for its parameters, and whether its primitive runs it
+/// on the indexes (`PgTx::on_indexes`).
+const STATEMENTS: &[(&str, &str, &str, bool)] = &[
+    ("claim", CLAIM_SQL, "1, 0, 64", false),
+    ("next due", NEXT_DUE_SQL, "1", false),
+    ("expired leases", EXPIRED_SQL, "1, 0", false),
+    ("claimed chunk", CLAIMED_SQL, "5, 0, 7", false),
+    ("load chunk", LOAD_CHUNK_SQL, "5, 0", false),
+    ("lane head", HEAD_SQL, "'t', 'c1'", false),
+    ("lane held", HELD_SQL, "'t', 'c1'", false),
+    ("pause", PAUSE_DUE_SQL, "'t', 'c1', 0", false),
+    ("history", HISTORY_SQL, "5, 0", false),
+    ("queued", QUEUED_ALL_SQL, "", true),
+    ("sweep", SWEEP_SQL, "", true),
+    ("dead letters", DEAD_LETTER_CHUNKS_SQL, "NULL", true),
+    ("open deliveries", OPEN_DELIVERIES_SQL, "", true),
+    ("open chunks", OPEN_CHUNKS_SQL, "0", true),
+];
+
+/// The plan `explain` prints, as JSON.
+fn json_plan(client: &mut impl postgres::GenericClient, explain: &str) -> serde_json::Value {
+    let rows = client.simple_query(explain).unwrap();
+    let text = rows
+        .iter()
+        .find_map(|m| match m {
+            postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+            _ => None,
+        })
+        .expect("a plan");
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Every scan node of a JSON plan: (node type, relation). An index scan with no
+/// condition on the index reads all of it, and is named a "Full Index Scan" unless the
+/// index holds unfinished work only.
+fn scans(plan: &serde_json::Value, out: &mut Vec<(String, String)>) {
+    if let Some(node) = plan.get("Node Type").and_then(|v| v.as_str()) {
+        let relation = plan.get("Relation Name").and_then(|v| v.as_str());
+        // The partial indexes of unfinished work are as small as that work.
+        let partial = matches!(
+            plan.get("Index Name").and_then(|v| v.as_str()),
+            Some("outbound_deliveries_open" | "outbound_delivery_chunks_due")
+        );
+        let unbounded = matches!(node, "Index Scan" | "Index Only Scan")
+            && plan.get("Index Cond").is_none()
+            && !partial;
+        let node = if unbounded { "Full Index Scan" } else { node };
+        out.push((node.to_owned(), relation.unwrap_or_default().to_owned()));
+    }
+    for child in plan
+        .get("Plans")
+        .and_then(|v| v.as_array())
+        .into_iter()
+        .flatten()
+    {
+        scans(child, out);
+    }
+}
+
+/// The sequential scans of outbox tables in each statement's generic plan.
+fn full_scans(url: &str) -> Vec<String> {
+    let mut client = postgres::Client::connect(url, postgres::NoTls).unwrap();
+    client
+        .batch_execute(
+            "SET jit = off; SET max_parallel_workers_per_gather = 0;
+             SET plan_cache_mode = force_generic_plan",
+        )
+        .unwrap();
+    let mut found = Vec::new();
+    for (i, (name, sql, args, on_indexes)) in STATEMENTS.iter().enumerate() {
+        let mut tx = client.transaction().unwrap();
+        if *on_indexes {
+            tx.batch_execute(
+                "SET LOCAL enable_seqscan = off; SET LOCAL enable_mergejoin = off;
+                 SET LOCAL enable_hashjoin = off",
+            )
+            .unwrap();
+        }
+        tx.batch_execute(&format!("PREPARE p{i} AS {sql}")).unwrap();
+        let execute = if args.is_empty() {
+            format!("EXPLAIN (FORMAT JSON) EXECUTE p{i}")
+        } else {
+            format!("EXPLAIN (FORMAT JSON) EXECUTE p{i}({args})")
+        };
+        let plan = json_plan(&mut tx, &execute);
+        let mut nodes = Vec::new();
+        scans(&plan[0]["Plan"], &mut nodes);
+        for (node, relation) in nodes {
+            let ours = relation.starts_with("outbound_")
+                && !matches!(
+                    relation.as_str(),
+                    "outbound_policy" | "outbound_channels" | "outbound_channel_stats"
+                );
+            if matches!(node.as_str(), "Seq Scan" | "Full Index Scan") && ours {
+                found.push(format!("{name}: {node} on {relation}"));
+            }
+        }
+        tx.rollback().unwrap();
+    }
+    found
+}
+
+/// An outbox with `HISTORY` delivered replies and a few unfinished ones, its tables'
+/// statistics taken before the history was added (`stale`) or after.
+fn fixture(stale: bool) -> Option<String> {
+    let url = server::fresh_schema_url()?;
+    let outbox = Outbox::connect(&url, OutboxOptions::default()).unwrap();
+    let mut client = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    if stale {
+        client
+            .batch_execute(
+                "ALTER TABLE outbound_deliveries SET (autovacuum_enabled = off);
+                 ALTER TABLE outbound_delivery_chunks SET (autovacuum_enabled = off);
+                 ALTER TABLE outbound_messages SET (autovacuum_enabled = off);
+                 ALTER TABLE outbound_lanes SET (autovacuum_enabled = off);
+                 ANALYZE",
+            )
+            .unwrap();
+    }
+    for chat in 0..20 {
+        outbox
+            .enqueue(&NewDelivery::single("t", format!("c{chat}"), "x"))
+            .unwrap();
+    }
+    client
+        .execute(
+            "WITH d AS (
+                 INSERT INTO outbound_deliveries (id, uid, channel, chat_id, status,
+                     chunk_count, delivered_count, created_at, updated_at, finished_at, text)
+                 SELECT nextval('outbound_deliveries_id_seq'), gen_random_uuid()::text, 't',
+                        'c' || (i % 5000), 'delivered', 1, 1, 0, 0, 0, 'h'
+                 FROM generate_series(1, $1::bigint) AS i
+                 RETURNING id, uid, chat_id),
+             c AS (
+                 INSERT INTO outbound_delivery_chunks (delivery_id, chunk_index, status,
+                     attempts, channel_id)
+                 SELECT id, 0, 'delivered', 1, 1 FROM d),
+             l AS (
+                 INSERT INTO outbound_lanes (channel, chat_id)
+                 SELECT DISTINCT 't', chat_id FROM d ON CONFLICT DO NOTHING)
+             INSERT INTO outbound_messages (delivery_id, channel, chat_id, content,
+                 chunk_count, created_at, delivered_at)
+             SELECT uid, 't', chat_id, 'h', 1, 0, 0 FROM d",
+            &[&HISTORY],
+        )
+        .unwrap();
+    if !stale {
+        client.batch_execute("ANALYZE").unwrap();
+    }
+    Some(url)
+}
+
+#[test]
+fn no_statement_reads_a_whole_table_with_fresh_or_stale_statistics() {
+    if server::server_url().is_none() {
+        return;
+    }
+    for stale in [false, true] {
+        let url = fixture(stale).unwrap();
+        let found = full_scans(&url);
+        assert!(
+            found.is_empty(),
+            "{} statistics: {found:#?}",
+            if stale { "stale" } else { "fresh" }
+        );
+    }
+}
+
+/// The check can fail: a statement that filters the history by an unindexed column
+/// reads the whole table.
+#[test]
+fn a_statement_without_an_index_is_caught() {
+    let Some(url) = fixture(false) else {
+        return;
+    };
+    let mut client = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    let plan = json_plan(
+        &mut client,
+        "EXPLAIN (FORMAT JSON) SELECT id FROM outbound_deliveries WHERE text = 'h'",
+    );
+    let mut nodes = Vec::new();
+    scans(&plan[0]["Plan"], &mut nodes);
+    assert!(
+        nodes
+            .iter()
+            .any(|(node, relation)| node == "Seq Scan" && relation == "outbound_deliveries"),
+        "{nodes:?}"
+    );
+}
