@@ -1117,8 +1117,7 @@ macro_rules! conformance {
 conformance!(sqlite, |options| Outbox::open_in_memory(options).unwrap());
 
 #[cfg(feature = "postgres")]
-#[path = "../../tests/common/postgres.rs"]
-mod server;
+use crate::store::test_server as server;
 
 #[cfg(feature = "postgres")]
 conformance!(

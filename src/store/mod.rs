@@ -29,6 +29,10 @@ mod conformance;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 pub(crate) mod sqlite;
+/// The PostgreSQL server of the tests (shared with the integration tests).
+#[cfg(all(test, feature = "postgres"))]
+#[path = "../../tests/common/postgres.rs"]
+pub(crate) mod test_server;
 
 /// One lane: the deliveries of one chat on one channel, in order. Locks are taken in
 /// the order of this type (channel, then chat), so two transactions that lock several

@@ -14,8 +14,7 @@ use crate::enqueue::NewDelivery;
 use crate::options::OutboxOptions;
 use crate::outbox::Outbox;
 
-#[path = "../../../tests/common/postgres.rs"]
-mod server;
+use crate::store::test_server as server;
 
 /// Delivered replies in the fixture's history.
 const HISTORY: i64 = 100_000;
