@@ -1027,3 +1027,105 @@ fn serve_answers_scrapers_and_load_balancers() -> Result<()> {
     );
     Ok(())
 }
+
+/// The tool on a PostgreSQL outbox: a read-only command refuses a schema with no outbox
+/// and creates nothing; `migrate` makes one; reads, repairs and the rules work on it as
+/// on a file; what only a file has is refused with a message saying so.
+#[cfg(feature = "postgres")]
+#[test]
+fn every_command_works_on_a_postgresql_outbox() -> Result<()> {
+    let Some(url) = common::postgres::fresh_schema_url() else {
+        return Ok(());
+    };
+    let db = Path::new(&url);
+    let (code, out) = stdout(outbox(db).arg("health"));
+    assert_ne!(code, 0, "{out}");
+    let tables = |url: &str| {
+        let mut client = ::postgres::Client::connect(url, ::postgres::NoTls).unwrap();
+        let n: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema()",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        n
+    };
+    assert_eq!(tables(&url), 0, "a read-only command created nothing");
+
+    let (code, out) = stdout(outbox(db).arg("migrate"));
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("PostgreSQL schema version"), "{out}");
+    assert!(!out.contains("password"));
+
+    let app = chunked_outbox::Outbox::connect(&url, chunked_outbox::OutboxOptions::default())?;
+    let id = enqueue(&app, "7", &["hello"]);
+    let failed = enqueue(&app, "8", &["no"]);
+    let claims = claim_all(&app);
+    for claim in &claims {
+        let outcome = if claim.delivery_id == failed {
+            Outcome::Permanent {
+                error: "blocked".into(),
+            }
+        } else {
+            Outcome::delivered(None)
+        };
+        app.record(claim, outcome)?;
+    }
+
+    // A dead letter nobody acknowledged: health fails (exit 2), and says why.
+    let (code, out) = stdout(outbox(db).args(["health", "--json"]));
+    assert_eq!(code, 2, "{out}");
+    let health: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(health["delivered_deliveries"], 1, "{health}");
+    assert_eq!(health["failed_deliveries"], 1, "{health}");
+    let (code, out) = stdout(outbox(db).arg("list"));
+    assert_eq!(code, 0);
+    assert!(out.contains(&id.to_string()) && out.contains(&failed.to_string()));
+    let (code, out) = stdout(outbox(db).args(["show", &id.to_string()]));
+    assert_eq!(code, 0);
+    assert!(out.contains("delivered (1/1 chunks delivered)"), "{out}");
+    let (code, out) = stdout(outbox(db).args(["requeue", &failed.to_string()]));
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(claim_all(&app).len(), 1, "the requeued reply is due again");
+    let (code, out) = stdout(outbox(db).args(["config", "set", "--max-attempts", "9"]));
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(app.policy()?.retry.max_attempts, 9);
+    let (code, out) = stdout(outbox(db).args(["purge", "--older-than", "7d", "--dry-run"]));
+    assert_eq!(code, 0, "{out}");
+
+    // A file-only operation says that it does not apply.
+    assert!(matches!(
+        app.checkpoint(),
+        Err(chunked_outbox::Error::Unsupported { .. })
+    ));
+    Ok(())
+}
+
+/// The torture and the demo on PostgreSQL: the outbox in a fresh schema of the server,
+/// the world's files in a temporary directory, the same verdict fields as on a file.
+#[cfg(feature = "postgres")]
+#[test]
+fn torture_and_demo_run_on_postgresql() {
+    let Some(url) = common::postgres::server_url() else {
+        return;
+    };
+    let db = Path::new(&url);
+    let torture = json_verdict(outbox(db).args(["torture", "--kills", "8", "--seed", "3"]));
+    let demo = json_verdict(outbox(db).args(["demo", "--replies", "40", "--json"]));
+    for (name, verdict) in [("torture", &torture), ("demo", &demo)] {
+        assert!(
+            verdict["deliveries"].as_u64().unwrap() > 0,
+            "{name}: {verdict}"
+        );
+        for field in [
+            "lost",
+            "out_of_order",
+            "missing_finalizations",
+            "wrong_finalizations",
+        ] {
+            assert_eq!(verdict[field], 0, "{name}: {verdict}");
+        }
+    }
+    assert_eq!(torture["kills"], 8);
+}

@@ -420,7 +420,17 @@ fn run(cli: Cli) -> CliResult<u8> {
         Command::Migrate => {
             let target = Target::of(require_db(db)?);
             target.open(OutboxOptions::default())?;
-            println!("{} is at this build's schema version", target.describe());
+            match target {
+                Target::File(path) => println!(
+                    "{} is at schema version {}",
+                    path.display(),
+                    chunked_outbox::SCHEMA_VERSION
+                ),
+                Target::Postgres(_) => println!(
+                    "{} is at this build's PostgreSQL schema version",
+                    target.describe()
+                ),
+            }
             Ok(0)
         }
         Command::Demo(args) => demo::run(db, &args),
