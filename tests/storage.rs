@@ -150,92 +150,6 @@ fn busy_database_is_a_typed_error_and_recovers() -> Result<()> {
 }
 
 #[test]
-fn purge_removes_old_finished_deliveries_and_keeps_messages() -> Result<()> {
-    let db = TestDb::default();
-    let ob = &db.outbox;
-    let old = ob
-        .enqueue(
-            &NewDelivery::chunked("telegram", "1", "a b", ["a", "b"]).with_idempotency_key("k"),
-        )?
-        .id;
-    while let Some(c) = claim_all(ob).pop() {
-        ob.ack(&c, None)?;
-    }
-    let dead = enqueue(ob, "2", &["x"]);
-    let c = claim_one(ob);
-    ob.record(
-        &c,
-        chunked_outbox::Outcome::Permanent {
-            error: "chat not found".into(),
-        },
-    )?;
-    db.advance(Duration::from_secs(3600));
-    let recent = enqueue(ob, "3", &["new"]);
-    let c = claim_one(ob);
-    ob.ack(&c, None)?;
-    let unfinished = enqueue(ob, "4", &["pending"]);
-
-    let cutoff = Utc.timestamp_millis_opt(db.now_ms() - 1_000).unwrap();
-    // The unacknowledged dead letter is kept.
-    let report = ob.purge(cutoff)?;
-    assert_eq!((report.deliveries, report.chunks), (1, 2));
-    assert!(ob.delivery(old)?.is_none());
-    assert!(ob.delivery(dead)?.is_some());
-    assert!(ob.delivery(recent)?.is_some());
-    assert!(ob.delivery(unfinished)?.is_some());
-    assert_eq!(db.messages_for(old)?, ["a b"]);
-
-    // Once acknowledged, the dead letter goes too.
-    assert_eq!(ob.acknowledge_dead_letters(None)?, 1);
-    assert_eq!(ob.purge(cutoff)?.deliveries, 1);
-    assert!(ob.delivery(dead)?.is_none());
-
-    let h = ob.health()?;
-    assert_eq!(
-        (h.totals.total_deliveries, h.totals.delivered_deliveries),
-        (2, 1)
-    );
-    assert_eq!(h.totals.failed_chunks, 0);
-
-    // The retention window is the idempotency window: the key is free again.
-    let reused =
-        ob.enqueue(&NewDelivery::single("telegram", "1", "other").with_idempotency_key("k"))?;
-    assert!(reused.created);
-    assert_ne!(reused.id, old);
-    Ok(())
-}
-
-/// Delivery ids are derived from row ids, so purge must never free a row id for reuse:
-/// it keeps the newest delivery, and ids and chunk keys stay distinct across purges.
-#[test]
-fn purge_keeps_the_newest_delivery_so_ids_are_never_reused() -> Result<()> {
-    let db = TestDb::default();
-    let ob = &db.outbox;
-    let mut seen = std::collections::HashSet::new();
-    for round in 0..3 {
-        for chat in 0..3 {
-            let id = enqueue(ob, &format!("{round}-{chat}"), &["x"]);
-            assert!(seen.insert(id), "{id} handed out twice");
-        }
-        for c in claim_all(ob) {
-            ob.ack(&c, None)?;
-        }
-        db.advance(Duration::from_secs(10));
-        let cutoff = Utc.timestamp_millis_opt(db.now_ms()).unwrap();
-        let report = ob.purge(cutoff)?;
-        assert_eq!(report.deliveries, if round == 0 { 2 } else { 3 });
-        assert_eq!(ob.health()?.totals.total_deliveries, 1);
-    }
-    let stored: i64 = db.raw().query_row(
-        "SELECT count(DISTINCT delivery_id) FROM outbound_messages",
-        [],
-        |r| r.get(0),
-    )?;
-    assert_eq!(stored, 9);
-    Ok(())
-}
-
-#[test]
 fn several_handles_on_one_file_share_the_schema() -> Result<()> {
     let db = TestDb::default();
     let second = db.reopen(OutboxOptions::default());
@@ -282,4 +196,87 @@ fn the_wal_stays_bounded_under_sustained_writes() -> Result<()> {
         .len();
     assert_eq!(wal, 0);
     Ok(())
+}
+
+backends! {
+
+    fn purge_removes_old_finished_deliveries_and_keeps_messages() -> Result<()> {
+        let db = TestDb::default();
+        let ob = &db.outbox;
+        let old = ob
+            .enqueue(
+                &NewDelivery::chunked("telegram", "1", "a b", ["a", "b"]).with_idempotency_key("k"),
+            )?
+            .id;
+        while let Some(c) = claim_all(ob).pop() {
+            ob.ack(&c, None)?;
+        }
+        let dead = enqueue(ob, "2", &["x"]);
+        let c = claim_one(ob);
+        ob.record(
+            &c,
+            chunked_outbox::Outcome::Permanent {
+                error: "chat not found".into(),
+            },
+        )?;
+        db.advance(Duration::from_secs(3600));
+        let recent = enqueue(ob, "3", &["new"]);
+        let c = claim_one(ob);
+        ob.ack(&c, None)?;
+        let unfinished = enqueue(ob, "4", &["pending"]);
+
+        let cutoff = Utc.timestamp_millis_opt(db.now_ms() - 1_000).unwrap();
+        // The unacknowledged dead letter is kept.
+        let report = ob.purge(cutoff)?;
+        assert_eq!((report.deliveries, report.chunks), (1, 2));
+        assert!(ob.delivery(old)?.is_none());
+        assert!(ob.delivery(dead)?.is_some());
+        assert!(ob.delivery(recent)?.is_some());
+        assert!(ob.delivery(unfinished)?.is_some());
+        assert_eq!(db.messages_for(old)?, ["a b"]);
+
+        // Once acknowledged, the dead letter goes too.
+        assert_eq!(ob.acknowledge_dead_letters(None)?, 1);
+        assert_eq!(ob.purge(cutoff)?.deliveries, 1);
+        assert!(ob.delivery(dead)?.is_none());
+
+        let h = ob.health()?;
+        assert_eq!(
+            (h.totals.total_deliveries, h.totals.delivered_deliveries),
+            (2, 1)
+        );
+        assert_eq!(h.totals.failed_chunks, 0);
+
+        // The retention window is the idempotency window: the key is free again.
+        let reused =
+            ob.enqueue(&NewDelivery::single("telegram", "1", "other").with_idempotency_key("k"))?;
+        assert!(reused.created);
+        assert_ne!(reused.id, old);
+        Ok(())
+    }
+
+    /// Delivery ids are derived from row ids, so purge must never free a row id for reuse:
+    /// it keeps the newest delivery, and ids and chunk keys stay distinct across purges.
+    fn purge_keeps_the_newest_delivery_so_ids_are_never_reused() -> Result<()> {
+        let db = TestDb::default();
+        let ob = &db.outbox;
+        let mut seen = std::collections::HashSet::new();
+        for round in 0..3 {
+            for chat in 0..3 {
+                let id = enqueue(ob, &format!("{round}-{chat}"), &["x"]);
+                assert!(seen.insert(id), "{id} handed out twice");
+            }
+            for c in claim_all(ob) {
+                ob.ack(&c, None)?;
+            }
+            db.advance(Duration::from_secs(10));
+            let cutoff = Utc.timestamp_millis_opt(db.now_ms()).unwrap();
+            let report = ob.purge(cutoff)?;
+            assert_eq!(report.deliveries, if round == 0 { 2 } else { 3 });
+            assert_eq!(ob.health()?.totals.total_deliveries, 1);
+        }
+        let stored = db.int("SELECT count(DISTINCT delivery_id) FROM outbound_messages");
+        assert_eq!(stored, 9);
+        Ok(())
+    }
 }
