@@ -209,6 +209,18 @@ impl Outbox {
     /// The handle keeps a pool of up to `options.readers + 1` connections (see
     /// [`OutboxOptions::with_readers`]) for writes and reads alike.
     ///
+    /// ```no_run
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    ///
+    /// // Every server of the application connects to the same database and schema.
+    /// let outbox = Outbox::connect(
+    ///     "postgres://bot@db.internal/chat?options=-c%20search_path%3Doutbox",
+    ///     OutboxOptions::default(),
+    /// )?;
+    /// outbox.enqueue(&NewDelivery::single("telegram", "42", "hello"))?;
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`Error::InvalidInput`] for options out of range or a URL that does not parse;
@@ -220,14 +232,14 @@ impl Outbox {
     /// left behind).
     #[cfg(feature = "postgres")]
     pub fn connect(url: &str, options: OutboxOptions) -> Result<Outbox> {
-        use crate::store::postgres::{PgStore, schema as pg_schema};
+        use crate::store::postgres::{Begin, PgStore, PgTx, schema as pg_schema};
         options.validate()?;
-        let store = PgStore::connect(url, options.readers + 1, options.busy_timeout)?;
+        let store = PgStore::connect(url, options.readers + 1, options.busy_timeout, false)?;
         let (id_salt, stored) = {
             let mut conn = store.connection()?;
             pg_schema::migrate(&mut conn, options.upgrade_schema)?;
             let salt = pg_schema::id_salt(&mut conn)?;
-            let tx = crate::store::postgres::PgTx::begin(&mut conn, true)?;
+            let tx = PgTx::begin(&mut conn, Begin::Read)?;
             (salt, tx.load_rules()?)
         };
         let options = options.with_background_checkpoints(None);
@@ -247,15 +259,14 @@ impl Outbox {
     /// version.
     #[cfg(feature = "postgres")]
     pub fn connect_read_only(url: &str, options: OutboxOptions) -> Result<Outbox> {
-        use crate::store::postgres::{PgStore, schema as pg_schema};
+        use crate::store::postgres::{Begin, PgStore, PgTx, schema as pg_schema};
         options.validate()?;
-        let read_only_url = read_only_url(url);
-        let store = PgStore::connect(&read_only_url, options.readers + 1, options.busy_timeout)?;
+        let store = PgStore::connect(url, options.readers + 1, options.busy_timeout, true)?;
         let (id_salt, stored) = {
             let mut conn = store.connection()?;
             pg_schema::require_current(&mut conn)?;
             let salt = pg_schema::id_salt(&mut conn)?;
-            let tx = crate::store::postgres::PgTx::begin(&mut conn, true)?;
+            let tx = PgTx::begin(&mut conn, Begin::Read)?;
             (salt, tx.load_rules()?)
         };
         let options = options.with_background_checkpoints(None);
@@ -624,8 +635,14 @@ impl Outbox {
             }
             #[cfg(feature = "postgres")]
             Backend::Postgres(pg) => {
+                use crate::store::postgres::{Begin, PgTx};
                 let mut conn = pg.connection()?;
-                let tx = crate::store::postgres::PgTx::begin(&mut conn, false)?;
+                let kind = if pg.read_only {
+                    Begin::WriteRefused
+                } else {
+                    Begin::Write
+                };
+                let tx = PgTx::begin(&mut conn, kind)?;
                 let value = within(&tx)?;
                 tx.commit()?;
                 Ok(value)
@@ -682,7 +699,10 @@ impl Outbox {
             #[cfg(feature = "postgres")]
             Backend::Postgres(pg) => {
                 let mut conn = pg.connection()?;
-                f(&crate::store::postgres::PgTx::begin(&mut conn, true)?)
+                f(&crate::store::postgres::PgTx::begin(
+                    &mut conn,
+                    crate::store::postgres::Begin::Read,
+                )?)
             }
         }
     }
@@ -714,19 +734,6 @@ impl Outbox {
         }
         self.transact(true, |tx, _| reconcile(tx, self.options()))
     }
-}
-
-/// `url` with its sessions read only, so that a write through it fails on the server.
-#[cfg(feature = "postgres")]
-fn read_only_url(url: &str) -> String {
-    let option = "options=-c%20default_transaction_read_only%3Don";
-    if url.contains("options=") {
-        // The application's own options stay; the handle still opens read transactions
-        // only, and refuses writes itself.
-        return url.to_owned();
-    }
-    let sep = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{sep}{option}")
 }
 
 /// The pool of read connections on `path`. Every pool of the process shares one

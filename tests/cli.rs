@@ -1094,6 +1094,16 @@ fn every_command_works_on_a_postgresql_outbox() -> Result<()> {
     let (code, out) = stdout(outbox(db).args(["purge", "--older-than", "7d", "--dry-run"]));
     assert_eq!(code, 0, "{out}");
 
+    // A read-only handle reads, and a write through it is refused by the server.
+    let reader =
+        chunked_outbox::Outbox::connect_read_only(&url, chunked_outbox::OutboxOptions::default())?;
+    assert_eq!(reader.health()?.totals.total_deliveries, 2);
+    let refused = reader.enqueue(&chunked_outbox::NewDelivery::single("telegram", "9", "no"));
+    assert!(
+        matches!(refused, Err(chunked_outbox::Error::ReadOnly(_))),
+        "{refused:?}"
+    );
+
     // A file-only operation says that it does not apply.
     assert!(matches!(
         app.checkpoint(),

@@ -40,12 +40,19 @@ pub(crate) struct PgStore {
     pool: r2d2::Pool<Manager>,
     /// The connection string, without its password, for messages.
     pub(crate) target: String,
+    /// Every transaction is READ ONLY: the server refuses a write.
+    pub(crate) read_only: bool,
 }
 
 impl PgStore {
     /// A pool of up to `size` connections to `url`, the first one opened now (so a
     /// wrong address fails here, with the server's message).
-    pub(crate) fn connect(url: &str, size: u32, timeout: std::time::Duration) -> Result<Self> {
+    pub(crate) fn connect(
+        url: &str,
+        size: u32,
+        timeout: std::time::Duration,
+        read_only: bool,
+    ) -> Result<Self> {
         let config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
             Error::invalid(
                 "database url",
@@ -60,7 +67,11 @@ impl PgStore {
             .connection_timeout(timeout)
             .thread_pool(crate::outbox::pool_upkeep())
             .build_unchecked(manager);
-        let store = PgStore { pool, target };
+        let store = PgStore {
+            pool,
+            target,
+            read_only,
+        };
         // Opened now: a wrong address or password is an error of `connect`.
         drop(store.connection()?);
         Ok(store)
@@ -126,6 +137,15 @@ pub(crate) struct PgConn {
     statements: HashMap<(usize, usize), Statement>,
 }
 
+/// How a [`PgTx`] begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Begin {
+    Write,
+    /// A write of a read-only handle.
+    WriteRefused,
+    Read,
+}
+
 /// One transaction on a connection: every primitive of the seam.
 pub(crate) struct PgTx<'c> {
     conn: RefCell<&'c mut PgConn>,
@@ -135,13 +155,14 @@ pub(crate) struct PgTx<'c> {
 }
 
 impl<'c> PgTx<'c> {
-    /// Begins a write transaction (READ COMMITTED, with the rules' locks), or a read
-    /// transaction that sees one snapshot throughout (REPEATABLE READ, READ ONLY).
-    pub(crate) fn begin(conn: &'c mut PgConn, read_only: bool) -> Result<Self> {
-        conn.client.batch_execute(if read_only {
-            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
-        } else {
-            "BEGIN ISOLATION LEVEL READ COMMITTED"
+    /// Begins a write transaction (READ COMMITTED, with the rules' locks; READ ONLY
+    /// for a read-only handle, so the server refuses its writes), or a read transaction
+    /// that sees one snapshot throughout (REPEATABLE READ, READ ONLY).
+    pub(crate) fn begin(conn: &'c mut PgConn, kind: Begin) -> Result<Self> {
+        conn.client.batch_execute(match kind {
+            Begin::Write => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            Begin::WriteRefused => "BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY",
+            Begin::Read => "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY",
         })?;
         Ok(PgTx {
             conn: RefCell::new(conn),
