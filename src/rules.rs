@@ -440,6 +440,47 @@ impl FileRules {
     }
 }
 
+/// The file-wide rules as every store keeps them: one column per rule, NULL for a rule
+/// nobody declared (the default channel's three columns declared together).
+pub(crate) struct FileColumns<'a> {
+    pub lane_order: Option<&'a str>,
+    pub lane_failure: Option<&'a str>,
+    pub retry: Option<&'a str>,
+    pub replay: Option<&'a str>,
+    pub lane_ms: Option<i64>,
+    pub channel_us: Option<i64>,
+}
+
+impl FileColumns<'_> {
+    /// The rules they store (a rule nobody declared reads as its default; no channel
+    /// rules yet), and which of them are declared.
+    pub(crate) fn policy(&self) -> Result<(Policy, FileRules)> {
+        let declared = FileRules {
+            lane_order: self.lane_order.is_some(),
+            lane_failure: self.lane_failure.is_some(),
+            retry: self.retry.is_some(),
+            default_channel: self.replay.is_some(),
+        };
+        let defaults = Policy::default();
+        let default_channel = match self.replay {
+            Some(replay) => channel_from_columns(replay, self.lane_ms, self.channel_us, None)?,
+            None => defaults.default_channel,
+        };
+        let policy = Policy {
+            lane_order: self
+                .lane_order
+                .map_or(Ok(defaults.lane_order), parse_lane_order)?,
+            lane_failure: self
+                .lane_failure
+                .map_or(Ok(defaults.lane_failure), parse_lane_failure)?,
+            retry: self.retry.map_or(Ok(defaults.retry), retry_from_json)?,
+            default_channel,
+            channels: BTreeMap::new(),
+        };
+        Ok((policy, declared))
+    }
+}
+
 /// A channel's rules from their stored columns: the replay policy's text, the lane
 /// interval in ms, the channel interval in µs, the retry policy's text.
 pub(crate) fn channel_from_columns(

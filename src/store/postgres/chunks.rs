@@ -84,6 +84,17 @@ pub(crate) const EXPIRED_SQL: &str = chunk_ref_where!(
     "c.channel_id = $1 AND c.due_at IS NOT NULL AND c.due_at <= $2 AND c.status = 'sending'"
 );
 
+/// A [`ChannelRow`] from id, name, interval, next send and pause columns.
+pub(crate) fn channel_row(r: &Row) -> Result<ChannelRow> {
+    Ok(ChannelRow {
+        id: r.try_get(0)?,
+        name: r.try_get(1)?,
+        interval_us: r.try_get(2)?,
+        next_send_at_us: r.try_get(3)?,
+        paused_until: r.try_get(4)?,
+    })
+}
+
 fn candidate(r: &Row, channel: &ChannelRow) -> Result<Candidate> {
     let readable = || -> std::result::Result<Readable, String> {
         let err = |e: crate::error::Error| e.to_string();
@@ -307,15 +318,7 @@ impl ClaimStore for PgTx<'_> {
             &[&name],
         )?
         .iter()
-        .map(|r| {
-            Ok(ChannelRow {
-                id: r.try_get(0)?,
-                name: r.try_get(1)?,
-                interval_us: r.try_get(2)?,
-                next_send_at_us: r.try_get(3)?,
-                paused_until: r.try_get(4)?,
-            })
-        })
+        .map(channel_row)
         .collect()
     }
 

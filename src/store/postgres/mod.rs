@@ -361,15 +361,8 @@ impl Locks for PgTx<'_> {
 
     fn lock_channel_slot(&self, row: ChannelRow) -> Result<Option<ChannelRow>> {
         self.query_opt(LOCK_CHANNEL_SLOT, &[&row.id])?
-            .map(|r| {
-                Ok(ChannelRow {
-                    id: r.try_get(0)?,
-                    name: r.try_get(1)?,
-                    interval_us: r.try_get(2)?,
-                    next_send_at_us: r.try_get(3)?,
-                    paused_until: r.try_get(4)?,
-                })
-            })
+            .as_ref()
+            .map(chunks::channel_row)
             .transpose()
     }
 }

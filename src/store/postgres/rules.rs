@@ -1,10 +1,10 @@
 //! The stored rules on PostgreSQL (`outbound_policy`, `outbound_channels`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use super::PgTx;
 use crate::error::Result;
-use crate::rules::{self, ChannelPolicy, FileRules, Policy, Stored};
+use crate::rules::{self, ChannelPolicy, FileColumns, FileRules, Policy, Stored};
 use crate::store::RuleStore;
 
 const BUMP: &str = "UPDATE outbound_policy SET version = version + 1 WHERE id = 1";
@@ -24,31 +24,15 @@ impl RuleStore for PgTx<'_> {
             &[],
         )?;
         let version: i64 = r.try_get(0)?;
-        let lane_order: Option<&str> = r.try_get(1)?;
-        let lane_failure: Option<&str> = r.try_get(2)?;
-        let retry: Option<&str> = r.try_get(3)?;
-        let replay: Option<&str> = r.try_get(4)?;
-        let declared = FileRules {
-            lane_order: lane_order.is_some(),
-            lane_failure: lane_failure.is_some(),
-            retry: retry.is_some(),
-            default_channel: replay.is_some(),
-        };
-        let defaults = Policy::default();
-        let default_channel = match replay {
-            Some(replay) => {
-                rules::channel_from_columns(replay, r.try_get(5)?, r.try_get(6)?, None)?
-            }
-            None => defaults.default_channel,
-        };
-        let mut policy = Policy {
-            lane_order: lane_order.map_or(Ok(defaults.lane_order), rules::parse_lane_order)?,
-            lane_failure: lane_failure
-                .map_or(Ok(defaults.lane_failure), rules::parse_lane_failure)?,
-            retry: retry.map_or(Ok(defaults.retry), rules::retry_from_json)?,
-            default_channel,
-            channels: BTreeMap::new(),
-        };
+        let (mut policy, declared) = FileColumns {
+            lane_order: r.try_get(1)?,
+            lane_failure: r.try_get(2)?,
+            retry: r.try_get(3)?,
+            replay: r.try_get(4)?,
+            lane_ms: r.try_get(5)?,
+            channel_us: r.try_get(6)?,
+        }
+        .policy()?;
         let finalize_sql = r.try_get(7)?;
         let mut channel_ids = HashMap::new();
         for r in self.query(

@@ -1,13 +1,13 @@
 //! The stored rules on SQLite (`outbound_policy`, `outbound_channels`), the lock
 //! primitives (no-ops under the single writer), and [`StoreTx`] for [`Tx`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use rusqlite::{OptionalExtension, params};
 
 use super::tx::Tx;
 use crate::error::Result;
-use crate::rules::{ChannelPolicy, FileRules, Policy, Stored};
+use crate::rules::{ChannelPolicy, FileColumns, FileRules, Policy, Stored};
 use crate::store::{ChannelRow, LaneRef, Locks, RuleStore, StoreTx};
 
 /// Every write transaction is `BEGIN IMMEDIATE`: it holds the database's one write lock
@@ -105,30 +105,15 @@ impl RuleStore for Tx<'_> {
                     r.get(7)?,
                 ))
             })?;
-        let declared = FileRules {
-            lane_order: lane_order.is_some(),
-            lane_failure: lane_failure.is_some(),
-            retry: retry.is_some(),
-            default_channel: replay.is_some(),
-        };
-        let defaults = Policy::default();
-        let default_channel = match replay {
-            Some(replay) => crate::rules::channel_from_columns(&replay, lane_ms, channel_us, None)?,
-            None => defaults.default_channel,
-        };
-        let mut rules = Policy {
-            lane_order: lane_order
-                .as_deref()
-                .map_or(Ok(defaults.lane_order), crate::rules::parse_lane_order)?,
-            lane_failure: lane_failure
-                .as_deref()
-                .map_or(Ok(defaults.lane_failure), crate::rules::parse_lane_failure)?,
-            retry: retry
-                .as_deref()
-                .map_or(Ok(defaults.retry), crate::rules::retry_from_json)?,
-            default_channel,
-            channels: BTreeMap::new(),
-        };
+        let (mut rules, declared) = FileColumns {
+            lane_order: lane_order.as_deref(),
+            lane_failure: lane_failure.as_deref(),
+            retry: retry.as_deref(),
+            replay: replay.as_deref(),
+            lane_ms,
+            channel_us,
+        }
+        .policy()?;
         let mut channel_ids = HashMap::new();
         let mut stmt = self.prepare_cached(
             "SELECT id, name, replay, lane_interval_ms, channel_interval_us, retry
