@@ -156,7 +156,12 @@ impl Tally {
     /// Adds the tally to the stored count and to the totals that only grow: finalized
     /// replies and their enqueue-to-finalization latency (buckets as in
     /// `health::LATENCY_BUCKETS`).
-    pub(crate) fn write(self, tx: &dyn StoreTx) -> Result<()> {
+    ///
+    /// The channels' rows are written in name order: a store with concurrent writers
+    /// locks each row until the transaction ends, and two transactions that finalize
+    /// replies of the same channels must not wait for each other in a circle.
+    pub(crate) fn write(mut self, tx: &dyn StoreTx) -> Result<()> {
+        self.channels.sort_unstable_by(|a, b| a.0.cmp(&b.0));
         for (channel, latest, latencies) in &self.channels {
             let le = |limit_ms: i64| latencies.iter().filter(|l| **l <= limit_ms).count() as i64;
             tx.add_channel_stats(&ChannelTally {

@@ -30,6 +30,8 @@ use chunked_outbox::{
 use common::*;
 
 const CHATS: usize = 10;
+/// The chats' channels: a worker's round may finalize replies of both.
+const CHANNELS: [&str; 2] = ["hammer-a", "hammer-b"];
 const PROCESSES: usize = 2;
 const WORKERS: usize = 3;
 const MAX_ATTEMPTS: u32 = 3;
@@ -78,7 +80,7 @@ fn hammer(outbox: &Outbox, process: usize, log_path: &Path, seconds: u64) {
                         .map(|i| format!("c{chat}-p{process}-{seq}-{i}-{chunks}"))
                         .collect();
                     let reply = NewDelivery::chunked(
-                        "hammer",
+                        CHANNELS[chat % CHANNELS.len()],
                         format!("c{chat}"),
                         parts.join(" "),
                         parts.iter().map(String::as_str),
@@ -120,7 +122,10 @@ fn hammer(outbox: &Outbox, process: usize, log_path: &Path, seconds: u64) {
                     if claims.is_empty() {
                         std::thread::sleep(Duration::from_millis(1));
                     }
-                    for claim in claims {
+                    // The round's outcomes are recorded in one transaction, as the
+                    // dispatcher records them: its lanes and channels all at once.
+                    let mut outcomes = Vec::with_capacity(claims.len());
+                    for claim in &claims {
                         // What the platform received: the reply's chunk text names its
                         // chat, number and index.
                         let roll = rng.u8(..20);
@@ -149,14 +154,23 @@ fn hammer(outbox: &Outbox, process: usize, log_path: &Path, seconds: u64) {
                                 claim.delivery_id
                             ),
                         );
-                        match outbox.record(&claim, outcome) {
-                            Ok(_) => {}
-                            // Another claim holds the chunk: the harness reports it.
-                            Err(Error::StaleClaim { .. }) => {
-                                log(&mut file, &format!("stale {}", claim.text))
+                        outcomes.push((claim, outcome));
+                    }
+                    match outbox.record_batch(outcomes) {
+                        Ok(results) => {
+                            for (claim, result) in claims.iter().zip(results) {
+                                match result {
+                                    Ok(_) => {}
+                                    // Another claim holds the chunk: the harness
+                                    // reports it.
+                                    Err(Error::StaleClaim { .. }) => {
+                                        log(&mut file, &format!("stale {}", claim.text))
+                                    }
+                                    Err(e) => log(&mut file, &format!("refused record: {e}")),
+                                }
                             }
-                            Err(e) => log(&mut file, &format!("refused record: {e}")),
                         }
+                        Err(e) => log(&mut file, &format!("refused record: {e}")),
                     }
                 }
             });
