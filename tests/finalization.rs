@@ -353,3 +353,53 @@ backends! {
     }
 
 }
+
+/// On PostgreSQL each value is bound as the type the server infers for its column: the
+/// uid as a `uuid`, a numeric chat id as an integer, times as `timestamptz` (from the
+/// milliseconds and from the RFC 3339 text alike), the platform ids as `jsonb`.
+#[cfg(feature = "postgres")]
+#[test]
+fn every_value_is_bound_as_the_columns_type() {
+    on_backend(Backend::Postgres, || {
+        let db = TestDb::default();
+        db.exec(
+            "CREATE TABLE app (id uuid PRIMARY KEY, channel text, chat bigint, sender text,
+                 content varchar(100), chunks integer, created timestamptz, delivered bigint,
+                 at timestamptz, ids jsonb, metadata json)",
+        );
+        db.outbox
+            .set_finalization(Some(
+                "INSERT INTO app VALUES (:delivery_id, :channel, :chat_id, :sender, :content,
+                     :chunk_count, :created_at, :delivered_at, :delivered_at_rfc3339,
+                     :platform_message_ids, :metadata)",
+            ))
+            .unwrap();
+        let id = db
+            .outbox
+            .enqueue(
+                &NewDelivery::chunked("telegram", "77", "a\n\nb", ["a", "b"])
+                    .with_metadata(r#"{"k":1}"#),
+            )
+            .unwrap()
+            .id;
+        let first = claim_one(&db.outbox);
+        db.outbox.ack(&first, Some("p1")).unwrap();
+        db.advance(std::time::Duration::from_millis(1500));
+        let second = claim_one(&db.outbox);
+        db.outbox.ack(&second, None).unwrap();
+        let row = db.strings(
+            "SELECT concat_ws('|', id, channel, chat, coalesce(sender, 'NULL'), content, chunks,
+                 (extract(epoch FROM created) * 1000)::bigint, delivered,
+                 (extract(epoch FROM at) * 1000)::bigint, ids, metadata)
+             FROM app",
+            "",
+        );
+        let done = T0 + 1500;
+        assert_eq!(
+            row,
+            [format!(
+                "{id}|telegram|77|NULL|a\n\nb|2|{T0}|{done}|{done}|[\"p1\", null]|{{\"k\":1}}"
+            )]
+        );
+    });
+}
