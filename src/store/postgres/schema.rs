@@ -158,3 +158,122 @@ pub(crate) fn id_salt(conn: &mut PgConn) -> Result<i64> {
         .query_one("SELECT id_salt FROM outbound_meta WHERE id = 1", &[])?
         .try_get(0)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::error::Error;
+    use crate::options::OutboxOptions;
+    use crate::outbox::Outbox;
+    use crate::store::test_server as server;
+
+    fn client(url: &str) -> postgres::Client {
+        postgres::Client::connect(url, postgres::NoTls).unwrap()
+    }
+
+    fn tables(url: &str) -> Vec<String> {
+        client(url)
+            .query(
+                "SELECT tablename::text FROM pg_tables WHERE schemaname = current_schema()
+                 ORDER BY 1",
+                &[],
+            )
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+
+    #[test]
+    fn a_newer_schema_is_refused_and_left_as_it_was() {
+        let Some(url) = server::fresh_schema_url() else {
+            return;
+        };
+        drop(Outbox::connect(&url, OutboxOptions::default()).unwrap());
+        client(&url)
+            .batch_execute(
+                "INSERT INTO outbound_schema_history (version, name, applied_on, checksum)
+                 VALUES (99, 'from_the_future', '2030-01-01', '0')",
+            )
+            .unwrap();
+        let before = tables(&url);
+        for opened in [
+            Outbox::connect(&url, OutboxOptions::default()),
+            Outbox::connect_read_only(&url, OutboxOptions::default()),
+        ] {
+            assert!(
+                matches!(
+                    opened,
+                    Err(Error::SchemaTooNew {
+                        found: 99,
+                        supported: 1
+                    })
+                ),
+                "{opened:?}"
+            );
+        }
+        assert_eq!(tables(&url), before);
+    }
+
+    /// A migration that fails half-way (here: a table of the application's in the
+    /// schema under one of the outbox's names) leaves none of the outbox's tables.
+    #[test]
+    fn a_failed_migration_leaves_nothing_behind() {
+        let Some(url) = server::fresh_schema_url() else {
+            return;
+        };
+        client(&url)
+            .batch_execute("CREATE TABLE outbound_lanes (app_column integer)")
+            .unwrap();
+        let failed = Outbox::connect(&url, OutboxOptions::default());
+        assert!(matches!(failed, Err(Error::Migration { .. })), "{failed:?}");
+        let left: Vec<String> = tables(&url)
+            .into_iter()
+            .filter(|t| t != "outbound_schema_history")
+            .collect();
+        assert_eq!(left, ["outbound_lanes"], "only the application's table");
+        // The application renames its table: the next start migrates.
+        client(&url)
+            .batch_execute("ALTER TABLE outbound_lanes RENAME TO app_lanes")
+            .unwrap();
+        Outbox::connect(&url, OutboxOptions::default()).unwrap();
+        assert!(tables(&url).contains(&"outbound_deliveries".to_owned()));
+    }
+
+    /// Servers starting at once on an empty schema: each migration runs once, every one
+    /// of them opens the outbox.
+    #[test]
+    fn servers_starting_at_once_migrate_once() {
+        let Some(url) = server::fresh_schema_url() else {
+            return;
+        };
+        let opened: Vec<_> = (0..6)
+            .map(|_| {
+                let url = url.clone();
+                std::thread::spawn(move || Outbox::connect(&url, OutboxOptions::default()))
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .collect();
+        assert!(opened.iter().all(Result::is_ok), "{opened:?}");
+        let applied: i64 = client(&url)
+            .query_one("SELECT count(*) FROM outbound_schema_history", &[])
+            .unwrap()
+            .get(0);
+        assert_eq!(applied, super::latest_version());
+    }
+
+    /// With upgrades off, an empty schema is not an outbox, and nothing is made.
+    #[test]
+    fn without_upgrades_an_empty_schema_is_refused_untouched() {
+        let Some(url) = server::fresh_schema_url() else {
+            return;
+        };
+        let refused = Outbox::connect(&url, OutboxOptions::default().with_schema_upgrade(false));
+        assert!(
+            matches!(refused, Err(Error::NotAnOutbox { .. })),
+            "{refused:?}"
+        );
+        assert!(tables(&url).is_empty());
+    }
+}
