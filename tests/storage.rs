@@ -280,3 +280,25 @@ backends! {
         Ok(())
     }
 }
+
+/// Opening a file whose stored rules the options leave alone takes no write lock: a
+/// handle opens while another connection holds the writer's lock, and one that
+/// declares a rule waits for it (here: past its busy timeout).
+#[test]
+fn opening_without_rules_to_declare_takes_no_write_lock() {
+    let db = TestDb::default();
+    let blocker = db.raw();
+    blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let quick = || OutboxOptions::default().with_busy_timeout(Duration::from_millis(50));
+    let opened = Outbox::open(db.path(), quick());
+    assert!(opened.is_ok(), "{opened:?}");
+    let declaring = Outbox::open(
+        db.path(),
+        quick().with_lane_order(chunked_outbox::LaneOrder::Parallel),
+    );
+    assert!(
+        matches!(declaring, Err(chunked_outbox::Error::Busy)),
+        "{declaring:?}"
+    );
+    blocker.execute_batch("ROLLBACK").unwrap();
+}
