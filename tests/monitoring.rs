@@ -8,7 +8,7 @@ use chunked_outbox::monitoring::{Endpoint, Level, Thresholds};
 use chunked_outbox::{ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome, Result};
 
 mod common;
-use common::{Place, backends, fresh_outbox};
+use common::{Place, TestDb, backends, fresh_outbox};
 
 fn outbox_at(clock: &ManualClock) -> Outbox {
     let options = OutboxOptions::default()
@@ -48,70 +48,24 @@ fn serve(endpoint: Endpoint) -> (tokio::runtime::Runtime, String) {
     (runtime, base)
 }
 
-#[cfg(feature = "tokio")]
-#[test]
-fn a_row_set_aside_as_corrupt_fails_whatever_the_dead_letter_threshold() -> Result<()> {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("bot.db");
-    let outbox = Outbox::open(&path, OutboxOptions::default())?;
-    let id = outbox
-        .enqueue(&NewDelivery::single("telegram", "42", "hello"))?
-        .id;
-    rusqlite::Connection::open(&path)
-        .unwrap()
-        .execute(
-            "UPDATE outbound_deliveries SET uid = 'not-a-uuid' WHERE uid = ?1",
-            [id.to_string()],
-        )
-        .unwrap();
-    assert!(outbox.claim(1)?.is_empty(), "the claim sets it aside");
-    let one_dead_letter = Thresholds::default().with_fail_dead_letters(1);
-    assert_eq!(
-        level(&outbox, &one_dead_letter),
-        (Level::Fail, vec!["1 corrupt rows set aside".into()])
-    );
-    Ok(())
-}
-
 backends! {
-    fn the_endpoint_mounted_in_axum_answers_a_real_client() -> Result<()> {
-        let place = Place::new();
-        let outbox = place.open(OutboxOptions::default())?;
-        outbox.enqueue(&NewDelivery::single("telegram", "42", "hello"))?;
-        outbox.enqueue(&NewDelivery::single("telegram", "43", "hello"))?;
-        let (_runtime, base) = serve(Endpoint::new(outbox.clone(), Thresholds::default()));
-        let client = reqwest::blocking::Client::new();
-        let get = |path: &str| {
-            let r = client.get(format!("{base}{path}")).send().unwrap();
-            let kind = r.headers()["content-type"].to_str().unwrap().to_owned();
-            (r.status().as_u16(), kind, r.text().unwrap())
-        };
-
-        let (status, kind, body) = get("/metrics");
-        assert_eq!((status, kind.as_str()), (200, "text/plain; version=0.0.4"));
-        assert!(
-            body.contains("outbox_pending_chunks{channel=\"telegram\"} 2"),
-            "{body}"
-        );
-        assert!(body.contains("outbox_file_finalized_total"), "{body}");
-        assert!(body.contains("_bucket{"), "{body}");
-        assert_eq!(get("/healthz").0, 200);
-        let (status, kind, body) = get("/health.json");
-        assert_eq!((status, kind.as_str()), (200, "application/json"));
-        let json: serde_json::Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(json["pending_chunks"], 2);
-
-        // A dead letter written by another process on the file turns /healthz to 503.
-        let other = place.open(OutboxOptions::default())?;
-        let claim = other.claim(1)?.pop().unwrap();
-        let error = "400 Bad Request: chat not found".to_owned();
-        other.record(&claim, Outcome::Permanent { error })?;
-        let (status, _, body) = get("/healthz?probe=lb");
+    /// A row set aside as unreadable (here its uid rewritten by hand) fails health
+    /// whatever the dead-letter threshold.
+    fn a_row_set_aside_as_corrupt_fails_whatever_the_dead_letter_threshold() -> Result<()> {
+        let db = TestDb::new(OutboxOptions::default());
+        let outbox = &db.outbox;
+        let id = outbox
+            .enqueue(&NewDelivery::single("telegram", "42", "hello"))?
+            .id;
+        db.exec(&format!(
+            "UPDATE outbound_deliveries SET uid = 'not-a-uuid' WHERE uid = '{id}'"
+        ));
+        assert!(outbox.claim(1)?.is_empty(), "the claim sets it aside");
+        let one_dead_letter = Thresholds::default().with_fail_dead_letters(1);
         assert_eq!(
-            (status, body.as_str()),
-            (503, "fail: 1 unacknowledged dead letters\n")
+            level(outbox, &one_dead_letter),
+            (Level::Fail, vec!["1 corrupt rows set aside".into()])
         );
-        assert_eq!(get("/nothing-here").0, 404);
         Ok(())
     }
 
@@ -182,5 +136,54 @@ backends! {
             "fail: 1 unacknowledged dead letters; 1 expired leases"
         );
         Ok(())
+    }
+}
+
+/// The endpoint in an application's axum server (feature `tokio`), on both stores.
+#[cfg(feature = "tokio")]
+mod endpoint {
+    use super::*;
+
+    backends! {
+    fn the_endpoint_mounted_in_axum_answers_a_real_client() -> Result<()> {
+            let place = Place::new();
+            let outbox = place.open(OutboxOptions::default())?;
+            outbox.enqueue(&NewDelivery::single("telegram", "42", "hello"))?;
+            outbox.enqueue(&NewDelivery::single("telegram", "43", "hello"))?;
+            let (_runtime, base) = serve(Endpoint::new(outbox.clone(), Thresholds::default()));
+            let client = reqwest::blocking::Client::new();
+            let get = |path: &str| {
+                let r = client.get(format!("{base}{path}")).send().unwrap();
+                let kind = r.headers()["content-type"].to_str().unwrap().to_owned();
+                (r.status().as_u16(), kind, r.text().unwrap())
+            };
+
+            let (status, kind, body) = get("/metrics");
+            assert_eq!((status, kind.as_str()), (200, "text/plain; version=0.0.4"));
+            assert!(
+                body.contains("outbox_pending_chunks{channel=\"telegram\"} 2"),
+                "{body}"
+            );
+            assert!(body.contains("outbox_file_finalized_total"), "{body}");
+            assert!(body.contains("_bucket{"), "{body}");
+            assert_eq!(get("/healthz").0, 200);
+            let (status, kind, body) = get("/health.json");
+            assert_eq!((status, kind.as_str()), (200, "application/json"));
+            let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(json["pending_chunks"], 2);
+
+            // A dead letter written by another process on the file turns /healthz to 503.
+            let other = place.open(OutboxOptions::default())?;
+            let claim = other.claim(1)?.pop().unwrap();
+            let error = "400 Bad Request: chat not found".to_owned();
+            other.record(&claim, Outcome::Permanent { error })?;
+            let (status, _, body) = get("/healthz?probe=lb");
+            assert_eq!(
+                (status, body.as_str()),
+                (503, "fail: 1 unacknowledged dead letters\n")
+            );
+            assert_eq!(get("/nothing-here").0, 404);
+            Ok(())
+        }
     }
 }

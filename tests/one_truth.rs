@@ -32,46 +32,6 @@ fn paced_chats(interval: Duration, chats: usize) -> TestDb {
     db
 }
 
-/// Found: one row with an unparsable uid made every claim fail (as `InvalidInput`).
-/// It is set aside as corrupt, reported, and the others are served.
-#[test]
-fn a_corrupt_row_is_set_aside_and_claims_go_on() -> Result<()> {
-    let db = TestDb::default();
-    let ids: Vec<_> = (0..3)
-        .map(|n| enqueue(&db.outbox, &format!("c{n}"), &["x"]))
-        .collect();
-    db.raw().execute(
-        "UPDATE outbound_deliveries SET uid = 'not-a-uuid' WHERE uid = ?1",
-        [ids[1].to_string()],
-    )?;
-    assert_eq!(
-        db.outbox.corrupt_rows()?.len(),
-        1,
-        "found before any claim met it"
-    );
-    assert_eq!(
-        db.outbox.list(&Default::default())?.len(),
-        2,
-        "listed without it"
-    );
-    let claims = claim_all(&db.outbox);
-    assert_eq!(claims.len(), 2);
-    assert!(claims.iter().all(|c| c.delivery_id != ids[1]));
-    let h = db.outbox.health()?;
-    assert_eq!(
-        (h.totals.corrupt_deliveries, h.totals.failed_deliveries),
-        (1, 1)
-    );
-    let corrupt = db.outbox.corrupt_rows()?;
-    assert_eq!(corrupt.len(), 1);
-    assert!(corrupt[0].reason.contains("not-a-uuid"), "{corrupt:?}");
-    assert!(
-        claim_all(&db.outbox).is_empty(),
-        "and it is never claimed again"
-    );
-    Ok(())
-}
-
 /// Found: opening an application's database that could not be migrated failed, and
 /// left the application's file switched to WAL for good.
 #[test]
@@ -409,6 +369,45 @@ fn an_upgrade_keeps_the_applications_indexes_and_triggers_on_the_outbox_tables()
 }
 
 backends! {
+    /// Found: one row with an unparsable uid made every claim fail (as `InvalidInput`).
+    /// It is set aside as corrupt, reported, and the others are served.
+    fn a_corrupt_row_is_set_aside_and_claims_go_on() -> Result<()> {
+        let db = TestDb::default();
+        let ids: Vec<_> = (0..3)
+            .map(|n| enqueue(&db.outbox, &format!("c{n}"), &["x"]))
+            .collect();
+        db.exec(&format!(
+            "UPDATE outbound_deliveries SET uid = 'not-a-uuid' WHERE uid = '{}'",
+            ids[1]
+        ));
+        assert_eq!(
+            db.outbox.corrupt_rows()?.len(),
+            1,
+            "found before any claim met it"
+        );
+        assert_eq!(
+            db.outbox.list(&Default::default())?.len(),
+            2,
+            "listed without it"
+        );
+        let claims = claim_all(&db.outbox);
+        assert_eq!(claims.len(), 2);
+        assert!(claims.iter().all(|c| c.delivery_id != ids[1]));
+        let h = db.outbox.health()?;
+        assert_eq!(
+            (h.totals.corrupt_deliveries, h.totals.failed_deliveries),
+            (1, 1)
+        );
+        let corrupt = db.outbox.corrupt_rows()?;
+        assert_eq!(corrupt.len(), 1);
+        assert!(corrupt[0].reason.contains("not-a-uuid"), "{corrupt:?}");
+        assert!(
+            claim_all(&db.outbox).is_empty(),
+            "and it is never claimed again"
+        );
+        Ok(())
+    }
+
 
     /// Found: an application on `LaneOrder::Parallel` requeued a dead letter through the
     /// tool (which used FIFO) while another reply to that chat was in flight; the reply was
