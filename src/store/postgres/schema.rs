@@ -263,6 +263,27 @@ mod tests {
         assert_eq!(applied, super::latest_version());
     }
 
+    /// A URL that does not parse is invalid input; a server that cannot be reached is a
+    /// connection error naming it, without the password.
+    #[test]
+    fn a_bad_url_and_an_unreachable_server_are_typed_errors() {
+        let bad = Outbox::connect("postgres://[::1", OutboxOptions::default());
+        assert!(matches!(bad, Err(Error::InvalidInput { .. })), "{bad:?}");
+        let options =
+            OutboxOptions::default().with_busy_timeout(std::time::Duration::from_millis(200));
+        let gone = Outbox::connect(
+            "postgresql://bot:secret@/chat?host=/nonexistent-socket-dir",
+            options,
+        );
+        match gone {
+            Err(Error::Connection { target, .. }) => {
+                assert!(target.contains("nonexistent-socket-dir"), "{target}");
+                assert!(!target.contains("secret"), "{target}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     /// With upgrades off, an empty schema is not an outbox, and nothing is made.
     #[test]
     fn without_upgrades_an_empty_schema_is_refused_untouched() {
