@@ -21,13 +21,18 @@ use crate::store::sqlite::schema;
 use crate::store::sqlite::tx::Tx;
 use crate::store::{RuleStore, StoreTx};
 
-/// A durable outbox on one SQLite database. Cheap to clone; `Send + Sync`.
+/// A durable outbox on one SQLite database ([`open`](Self::open)) or, with the feature
+/// `postgres`, in a PostgreSQL database ([`connect`](Self::connect)). Cheap to clone;
+/// `Send + Sync`.
 ///
-/// All writes of one `Outbox` go through a single connection behind a mutex, in
-/// `BEGIN IMMEDIATE` transactions: SQLite has one writer, and more writer connections
-/// only add lock contention. Reads (inspection, health) use a small pool of read-only
-/// connections, which WAL mode lets run beside the writer. Other processes may open the
-/// same file; SQLite's locking and the busy timeout serialise their writes with ours.
+/// On SQLite all writes of one `Outbox` go through a single connection behind a mutex,
+/// in `BEGIN IMMEDIATE` transactions: SQLite has one writer, and more writer
+/// connections only add lock contention. Reads (inspection, health) use a small pool of
+/// read-only connections, which WAL mode lets run beside the writer. Other processes
+/// may open the same file; SQLite's locking and the busy timeout serialise their writes
+/// with ours. On PostgreSQL writes and reads share a pool of connections, and writers
+/// of every process and host run at once under the locks of the rules
+/// (ARCHITECTURE.md, "The PostgreSQL store").
 #[derive(Clone)]
 pub struct Outbox {
     inner: Arc<Inner>,
@@ -232,20 +237,7 @@ impl Outbox {
     /// left behind).
     #[cfg(feature = "postgres")]
     pub fn connect(url: &str, options: OutboxOptions) -> Result<Outbox> {
-        use crate::store::postgres::{Begin, PgStore, PgTx, schema as pg_schema};
-        options.validate()?;
-        let store = PgStore::connect(url, options.readers + 1, options.busy_timeout, false)?;
-        let (id_salt, stored) = {
-            let mut conn = store.connection()?;
-            pg_schema::migrate(&mut conn, options.upgrade_schema)?;
-            let salt = pg_schema::id_salt(&mut conn)?;
-            let tx = PgTx::begin(&mut conn, Begin::Read)?;
-            (salt, tx.load_rules()?)
-        };
-        let options = options.with_background_checkpoints(None);
-        let outbox = Outbox::from_backend(Backend::Postgres(store), options, id_salt, stored);
-        outbox.reconcile()?;
-        Ok(outbox)
+        Outbox::connect_postgres(url, options, false)
     }
 
     /// Connects to an outbox in a PostgreSQL database for reading only (feature
@@ -259,23 +251,32 @@ impl Outbox {
     /// version.
     #[cfg(feature = "postgres")]
     pub fn connect_read_only(url: &str, options: OutboxOptions) -> Result<Outbox> {
+        Outbox::connect_postgres(url, options, true)
+    }
+
+    /// [`connect`](Self::connect), or with `read_only` [`connect_read_only`](Self::connect_read_only).
+    #[cfg(feature = "postgres")]
+    fn connect_postgres(url: &str, options: OutboxOptions, read_only: bool) -> Result<Outbox> {
         use crate::store::postgres::{Begin, PgStore, PgTx, schema as pg_schema};
         options.validate()?;
-        let store = PgStore::connect(url, options.readers + 1, options.busy_timeout, true)?;
+        let store = PgStore::connect(url, options.readers + 1, options.busy_timeout, read_only)?;
         let (id_salt, stored) = {
             let mut conn = store.connection()?;
-            pg_schema::require_current(&mut conn)?;
+            if read_only {
+                pg_schema::require_current(&mut conn)?;
+            } else {
+                pg_schema::migrate(&mut conn, options.upgrade_schema)?;
+            }
             let salt = pg_schema::id_salt(&mut conn)?;
             let tx = PgTx::begin(&mut conn, Begin::Read)?;
             (salt, tx.load_rules()?)
         };
         let options = options.with_background_checkpoints(None);
-        Ok(Outbox::from_backend(
-            Backend::Postgres(store),
-            options,
-            id_salt,
-            stored,
-        ))
+        let outbox = Outbox::from_backend(Backend::Postgres(store), options, id_salt, stored);
+        if !read_only {
+            outbox.reconcile()?;
+        }
+        Ok(outbox)
     }
 
     /// The rules stored in the file (see [`Policy`]), as every process on it follows
@@ -597,7 +598,8 @@ impl Outbox {
         }
     }
 
-    /// Runs `f` in one `BEGIN IMMEDIATE` transaction on the writer connection, with the
+    /// Runs `f` in one write transaction — `BEGIN IMMEDIATE` on SQLite's writer
+    /// connection, READ COMMITTED on a PostgreSQL connection of the pool — with the
     /// stored rules as they stand in that transaction; commits if it returns `Ok`, rolls
     /// back otherwise.
     pub(crate) fn write<T>(&self, f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>) -> Result<T> {
