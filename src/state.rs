@@ -306,8 +306,15 @@ pub(crate) fn set_aside_corrupt(
     let reason = truncate_error(reason);
     tracing::warn!(chunk, delivery, reason, "setting aside an unreadable row");
     tx.note_dead_letter(delivery, reason);
+    // The claim that met the row did not know its lane: it moves the lane on only if
+    // no other writer holds it (claims never wait). A holder that read the row as the
+    // lane's head before this commit may leave the next reply queued until the lane's
+    // next enqueue starts it.
     if let Some((channel, chat_id)) = tx.set_corrupt(chunk, delivery, reason, now)? {
-        lane::advance(tx, &rules.policy, LaneRef::new(&channel, &chat_id), now)?;
+        let lane = LaneRef::new(&channel, &chat_id);
+        if tx.try_lock_lane(lane)? {
+            lane::advance(tx, &rules.policy, lane, now)?;
+        }
     }
     Ok(())
 }
