@@ -835,66 +835,16 @@ impl ChannelAdapter for Rendezvous {
     }
 }
 
-/// SQLite only: its child processes open the test's file.
-#[test]
-fn two_dispatcher_processes_never_send_a_chunk_twice() -> Result<()> {
-    let place = real_time_db();
-    let (dir, path) = (&place.dir, place.path());
-    let producer = place.open(OutboxOptions::default())?;
-    let total = 600;
-    for n in 0..total {
-        let _ = producer.enqueue(&NewDelivery::chunked(
-            "telegram",
-            format!("c{}", n % 13),
-            "a b",
-            ["a", "b"],
-        ))?;
-    }
-    let children: Vec<_> = (0..2)
-        .map(|i| {
-            let out = dir.path().join(format!("child-{i}.txt"));
-            let child = std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--ignored",
-                    "--exact",
-                    "child_dispatcher_process",
-                    "--nocapture",
-                ])
-                .env("CHUNKED_OUTBOX_CHILD_DB", &path)
-                .env("CHUNKED_OUTBOX_CHILD_OUT", &out)
-                .spawn()
-                .expect("spawn child");
-            (child, out)
-        })
-        .collect();
-    let mut seen = HashSet::new();
-    let mut per_child = Vec::new();
-    for (mut child, out) in children {
-        assert!(child.wait().unwrap().success(), "child failed");
-        let keys = std::fs::read_to_string(out).unwrap();
-        let keys: Vec<&str> = keys.lines().collect();
-        per_child.push(keys.len());
-        for key in keys {
-            assert!(seen.insert(key.to_owned()), "{key} sent twice");
-        }
-    }
-    assert_eq!(seen.len(), 2 * total);
-    assert_eq!(producer.health()?.totals.delivered_deliveries, total as u64);
-    println!("chunks sent per process: {per_child:?}");
-    Ok(())
-}
-
 /// The child side of the two-process test: dispatches from the file named in the
 /// environment until nothing is left, writing every key it sent to its own file.
 #[ignore = "run as a child process by two_dispatcher_processes_never_send_a_chunk_twice"]
-/// SQLite only: run as a child process by a SQLite-only test.
 #[test]
 fn child_dispatcher_process() -> Result<()> {
     let Ok(db) = std::env::var("CHUNKED_OUTBOX_CHILD_DB") else {
         return Ok(());
     };
     let out = std::env::var("CHUNKED_OUTBOX_CHILD_OUT").expect("output path");
-    let outbox = Outbox::open(&db, OutboxOptions::default())?;
+    let outbox = open_target(&db, OutboxOptions::default())?;
     let recorder = Recorder::default();
     let running = Dispatcher::builder(outbox.clone())
         .adapter("telegram", recorder.clone())
@@ -912,6 +862,52 @@ fn child_dispatcher_process() -> Result<()> {
 }
 
 backends! {
+    fn two_dispatcher_processes_never_send_a_chunk_twice() -> Result<()> {
+        let place = real_time_db();
+        let producer = place.open(OutboxOptions::default())?;
+        let total = 600;
+        for n in 0..total {
+            let _ = producer.enqueue(&NewDelivery::chunked(
+                "telegram",
+                format!("c{}", n % 13),
+                "a b",
+                ["a", "b"],
+            ))?;
+        }
+        let children: Vec<_> = (0..2)
+            .map(|i| {
+                let out = place.dir.path().join(format!("child-{i}.txt"));
+                let child = std::process::Command::new(std::env::current_exe().unwrap())
+                    .args([
+                        "--ignored",
+                        "--exact",
+                        "child_dispatcher_process",
+                        "--nocapture",
+                    ])
+                    .env("CHUNKED_OUTBOX_CHILD_DB", place.target())
+                    .env("CHUNKED_OUTBOX_CHILD_OUT", &out)
+                    .spawn()
+                    .expect("spawn child");
+                (child, out)
+            })
+            .collect();
+        let mut seen = HashSet::new();
+        let mut per_child = Vec::new();
+        for (mut child, out) in children {
+            assert!(child.wait().unwrap().success(), "child failed");
+            let keys = std::fs::read_to_string(out).unwrap();
+            let keys: Vec<&str> = keys.lines().collect();
+            per_child.push(keys.len());
+            for key in keys {
+                assert!(seen.insert(key.to_owned()), "{key} sent twice");
+            }
+        }
+        assert_eq!(seen.len(), 2 * total);
+        assert_eq!(producer.health()?.totals.delivered_deliveries, total as u64);
+        println!("chunks sent per process: {per_child:?}");
+        Ok(())
+    }
+
 
     fn two_dispatchers_in_two_threads_never_send_a_chunk_twice() -> Result<()> {
         let place = real_time_db();

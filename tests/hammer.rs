@@ -391,27 +391,13 @@ fn hammer_process() {
         return;
     };
     let var = |name: &str| std::env::var(name).unwrap();
-    let outbox = if target.starts_with("postgres") {
-        connect_url(&target)
-    } else {
-        Outbox::open(&target, options()).unwrap()
-    };
+    let outbox = open_target(&target, options()).unwrap();
     hammer(
         &outbox,
         var("HAMMER_PROCESS").parse().unwrap(),
         Path::new(&var("HAMMER_LOG")),
         var("HAMMER_SECONDS").parse().unwrap(),
     );
-}
-
-#[cfg(feature = "postgres")]
-fn connect_url(url: &str) -> Outbox {
-    Outbox::connect(url, options()).unwrap()
-}
-
-#[cfg(not(feature = "postgres"))]
-fn connect_url(_: &str) -> Outbox {
-    unreachable!("a PostgreSQL hammer needs the postgres feature")
 }
 
 /// Seconds of hammering (`HAMMER_SECONDS`, default 4).

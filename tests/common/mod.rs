@@ -344,10 +344,23 @@ impl Place {
 
     /// A handle on the outbox here (another one each call, as another process would).
     pub fn open(&self, options: OutboxOptions) -> Result<Outbox> {
-        match &self.url {
-            Some(url) => connect(url, options),
-            None => Outbox::open(self.path(), options),
-        }
+        open_target(&self.target(), options)
+    }
+
+    /// Where the outbox is, for another process: the URL or the file's path.
+    pub fn target(&self) -> String {
+        self.url
+            .clone()
+            .unwrap_or_else(|| self.path().display().to_string())
+    }
+}
+
+/// The outbox at `target` (as [`Place::target`] gives it).
+pub fn open_target(target: &str, options: OutboxOptions) -> Result<Outbox> {
+    if target.starts_with("postgres") {
+        connect(target, options)
+    } else {
+        Outbox::open(target, options)
     }
 }
 
