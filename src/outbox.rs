@@ -987,6 +987,29 @@ mod tests {
     }
 
     #[test]
+    fn debug_names_the_file_or_the_server_never_a_password() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.db");
+        let shown = format!(
+            "{:?}",
+            Outbox::open(&path, OutboxOptions::default()).unwrap()
+        );
+        assert!(shown.starts_with("Outbox { path:"), "{shown}");
+        assert!(shown.contains("d.db"), "{shown}");
+        #[cfg(feature = "postgres")]
+        if let Some(url) = crate::store::test_server::fresh_schema_url() {
+            let shown = format!(
+                "{:?}",
+                Outbox::connect(&url, OutboxOptions::default()).unwrap()
+            );
+            assert!(
+                shown.starts_with("Outbox { database: \"postgres://"),
+                "{shown}"
+            );
+        }
+    }
+
+    #[test]
     fn notifier_wakes_waiters_and_times_out_otherwise() {
         let n = Arc::new(Notifier::default());
         let seen = n.generation();
