@@ -284,6 +284,20 @@ mod tests {
         }
     }
 
+    /// One reader is a pool of two connections: the writer's and the reader's.
+    #[test]
+    fn one_reader_is_enough() {
+        let Some(url) = server::fresh_schema_url() else {
+            return;
+        };
+        for outbox in [
+            Outbox::connect(&url, OutboxOptions::default().with_readers(1)).unwrap(),
+            Outbox::connect_read_only(&url, OutboxOptions::default().with_readers(1)).unwrap(),
+        ] {
+            assert_eq!(outbox.health().unwrap().totals.total_deliveries, 0);
+        }
+    }
+
     /// With upgrades off, an empty schema is not an outbox, and nothing is made.
     #[test]
     fn without_upgrades_an_empty_schema_is_refused_untouched() {
