@@ -987,21 +987,19 @@ mod tests {
     }
 
     #[test]
-    fn debug_names_the_file_or_the_server_never_a_password() {
+    fn the_file_or_the_server_is_named_never_a_password() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("d.db");
-        let shown = format!(
-            "{:?}",
-            Outbox::open(&path, OutboxOptions::default()).unwrap()
-        );
+        let file = Outbox::open(&path, OutboxOptions::default()).unwrap();
+        assert_eq!(file.path(), Some(path.as_path()));
+        let shown = format!("{file:?}");
         assert!(shown.starts_with("Outbox { path:"), "{shown}");
         assert!(shown.contains("d.db"), "{shown}");
         #[cfg(feature = "postgres")]
         if let Some(url) = crate::store::test_server::fresh_schema_url() {
-            let shown = format!(
-                "{:?}",
-                Outbox::connect(&url, OutboxOptions::default()).unwrap()
-            );
+            let server = Outbox::connect(&url, OutboxOptions::default()).unwrap();
+            assert_eq!(server.path(), None);
+            let shown = format!("{server:?}");
             assert!(
                 shown.starts_with("Outbox { database: \"postgres://"),
                 "{shown}"
