@@ -542,6 +542,7 @@ impl Outbox {
     }
 
     /// The SQLite backend, or [`Error::Unsupported`] naming `what` on another.
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     fn sqlite(&self, what: &'static str) -> Result<&Sqlite> {
         match &self.inner.backend {
             Backend::Sqlite(sqlite) => Ok(sqlite),

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chunked_outbox::monitoring::{Endpoint, Level, Thresholds};
+use chunked_outbox::monitoring::{Level, Thresholds};
 use chunked_outbox::{ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome, Result};
 
 mod common;
-use common::{Place, TestDb, backends, fresh_outbox};
+use common::{TestDb, backends, fresh_outbox};
 
 fn outbox_at(clock: &ManualClock) -> Outbox {
     let options = OutboxOptions::default()
@@ -25,7 +25,7 @@ fn level(outbox: &Outbox, thresholds: &Thresholds) -> (Level, Vec<String>) {
 /// The endpoint as an application mounts it: an axum fallback route on its own
 /// runtime, each answer read on the blocking pool.
 #[cfg(feature = "tokio")]
-fn serve(endpoint: Endpoint) -> (tokio::runtime::Runtime, String) {
+fn serve(endpoint: chunked_outbox::monitoring::Endpoint) -> (tokio::runtime::Runtime, String) {
     use axum::http::{StatusCode, Uri, header::CONTENT_TYPE};
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let listener = runtime
@@ -143,6 +143,8 @@ backends! {
 #[cfg(feature = "tokio")]
 mod endpoint {
     use super::*;
+    use chunked_outbox::monitoring::Endpoint;
+    use common::Place;
 
     backends! {
     fn the_endpoint_mounted_in_axum_answers_a_real_client() -> Result<()> {
