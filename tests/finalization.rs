@@ -110,6 +110,26 @@ fn every_parameter_is_bound_from_the_delivery() -> Result<()> {
 }
 
 backends! {
+    /// A statement stored by hand with a parameter that is not one of ours (the check at
+    /// `set_finalization` bypassed) refuses its reply alone, naming the parameter.
+    fn a_stored_statement_with_an_unknown_parameter_refuses_its_reply() -> Result<()> {
+        let db = TestDb::default();
+        db.exec(
+            "CREATE TABLE app (content TEXT);
+             UPDATE outbound_policy
+             SET finalize_sql = 'INSERT INTO app VALUES (:nope)', version = version + 1",
+        );
+        let id = enqueue(&db.outbox, "1", &["a"]);
+        let recorded = db.outbox.ack(&claim_one(&db.outbox), None)?;
+        let refusal = recorded.finalize_error.expect("refused");
+        assert!(refusal.contains(":nope"), "{refusal}");
+        assert_eq!(
+            view(&db.outbox, id).status,
+            chunked_outbox::DeliveryStatus::Unfinalized
+        );
+        Ok(())
+    }
+
 
     fn a_statement_that_cannot_run_is_refused_when_it_is_set() {
         let db = TestDb::default();

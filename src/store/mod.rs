@@ -360,17 +360,18 @@ pub(crate) trait DeliveryStore {
 /// Finalization and the history.
 pub(crate) trait FinalizeStore {
     /// Copies delivery `delivery` into the crate's history, finalized at `now`; the
-    /// history's unique key refuses a second copy.
-    fn write_history(&self, delivery: i64, now: i64) -> Result<()>;
+    /// history's unique key refuses a second copy. Whether the delivery was there to
+    /// copy.
+    fn write_history(&self, delivery: i64, now: i64) -> Result<bool>;
     /// How the store's database reads an application's statement, or the database's
     /// message if it does not prepare.
     fn describe_statement(&self, sql: &str) -> Result<std::result::Result<StatementShape, String>>;
     /// Runs the application's statement for `delivery`, finalized at `now`: parameter
     /// `i` bound to the value of [`FINALIZE_PARAMETERS`](crate::finalize::FINALIZE_PARAMETERS)`[at[i]]`.
     fn run_statement(&self, sql: &str, delivery: i64, now: i64) -> Result<()>;
-    /// The message of an error in which the application's schema refused its statement
-    /// (a constraint, a trigger, a missing table, a type), or the error itself when the
-    /// database failed.
+    /// The message of a database error in which the application's schema refused its
+    /// statement (a constraint, a trigger, a missing table, a type), or the error itself
+    /// when the database failed.
     fn refusal(&self, error: Error) -> Result<String>;
     /// `delivered`, every chunk counted, finished now, no finalization error.
     fn mark_finalized(&self, delivery: i64, now: i64) -> Result<()>;

@@ -17,10 +17,20 @@ pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
 /// The deliveries a purge may remove (`$2` the cutoff), never the newest one.
 macro_rules! purgeable {
     () => {
-        "finished_at < $2
-         AND (status IN ('delivered', 'cancelled')
-              OR (status = 'failed' AND acknowledged_at IS NOT NULL))
-         AND id < (SELECT max(id) FROM outbound_deliveries)"
+        concat!(
+            "finished_at < $2 AND ",
+            finished!(),
+            " AND id < (SELECT max(id) FROM outbound_deliveries)"
+        )
+    };
+}
+
+/// A delivery that changes no more: delivered, cancelled, or a dead letter someone
+/// acknowledged (checked again when a listed one is removed).
+macro_rules! finished {
+    () => {
+        "(status IN ('delivered', 'cancelled')
+          OR (status = 'failed' AND acknowledged_at IS NOT NULL))"
     };
 }
 
@@ -145,12 +155,12 @@ impl RetentionStore for PgTx<'_> {
         // The purge listed it without a lock: the condition is checked again on the row
         // as it stands (a requeue of an acknowledged dead letter may have won the race).
         self.execute(
-            "WITH gone AS (
-                 DELETE FROM outbound_deliveries
-                 WHERE id = $1 AND (status IN ('delivered', 'cancelled')
-                                    OR (status = 'failed' AND acknowledged_at IS NOT NULL))
-                 RETURNING id)
-             DELETE FROM outbound_delivery_chunks WHERE delivery_id = (SELECT id FROM gone)",
+            concat!(
+                "WITH gone AS (DELETE FROM outbound_deliveries WHERE id = $1 AND ",
+                finished!(),
+                " RETURNING id)
+                 DELETE FROM outbound_delivery_chunks WHERE delivery_id = (SELECT id FROM gone)"
+            ),
             &[&delivery],
         )
     }

@@ -298,7 +298,6 @@ pub(crate) fn refusal(error: Error) -> Result<String> {
                 Err(Error::Postgres(e))
             }
         }
-        Error::InvalidInput { what, reason } => Ok(format!("{what}: {reason}")),
         other => Err(other),
     }
 }
@@ -357,14 +356,6 @@ mod tests {
 
     #[test]
     fn only_the_applications_refusals_are_contained() {
-        assert!(
-            refusal(Error::invalid(
-                "finalization statement",
-                "unknown parameter :x"
-            ))
-            .unwrap()
-            .contains(":x")
-        );
         assert!(matches!(refusal(Error::Busy), Err(Error::Busy)));
         assert!(matches!(refusal(Error::DiskFull), Err(Error::DiskFull)));
     }

@@ -11,10 +11,20 @@ use crate::store::{Purgeable, RetentionStore};
 /// cancelled, or dead letters someone acknowledged — and never the newest one.
 macro_rules! purgeable {
     () => {
-        "finished_at < ?2
-         AND (status IN ('delivered', 'cancelled')
-              OR (status = 'failed' AND acknowledged_at IS NOT NULL))
-         AND id < (SELECT max(id) FROM outbound_deliveries)"
+        concat!(
+            "finished_at < ?2 AND ",
+            finished!(),
+            " AND id < (SELECT max(id) FROM outbound_deliveries)"
+        )
+    };
+}
+
+/// A delivery that changes no more: delivered, cancelled, or a dead letter someone
+/// acknowledged (checked again when a listed one is removed).
+macro_rules! finished {
+    () => {
+        "(status IN ('delivered', 'cancelled')
+          OR (status = 'failed' AND acknowledged_at IS NOT NULL))"
     };
 }
 
@@ -37,11 +47,10 @@ impl RetentionStore for Tx<'_> {
 
     fn delete_delivery(&self, delivery: i64) -> Result<u64> {
         let removed = self
-            .prepare_cached(
-                "DELETE FROM outbound_deliveries
-                 WHERE id = ?1 AND (status IN ('delivered', 'cancelled')
-                                    OR (status = 'failed' AND acknowledged_at IS NOT NULL))",
-            )?
+            .prepare_cached(concat!(
+                "DELETE FROM outbound_deliveries WHERE id = ?1 AND ",
+                finished!()
+            ))?
             .execute([delivery])?;
         if removed == 0 {
             return Ok(0);
