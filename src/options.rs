@@ -60,6 +60,7 @@ impl Synchronous {
 /// | maximum database size | none |
 /// | background WAL checkpoints | every 100 ms |
 /// | clock | [`SystemClock`] |
+/// | PostgreSQL: wake-ups by LISTEN/NOTIFY | on |
 /// | stored: retry | [`RetryPolicy::default`] (5 s, 25 s, 2 min, 10 min; 5 attempts; ±10 %) |
 /// | stored: channel rules | [`ChannelPolicy::default`] (hold ambiguous sends, no pacing) for every channel |
 /// | stored: lane order | [`LaneOrder::Fifo`] |
@@ -93,6 +94,7 @@ pub struct OutboxOptions {
     pub(crate) lane_order: Option<LaneOrder>,
     pub(crate) lane_failure: Option<LaneFailurePolicy>,
     pub(crate) policy_update: bool,
+    pub(crate) listen: bool,
 }
 
 impl Default for OutboxOptions {
@@ -113,6 +115,7 @@ impl Default for OutboxOptions {
             lane_order: None,
             lane_failure: None,
             policy_update: false,
+            listen: true,
         }
     }
 }
@@ -237,6 +240,16 @@ impl OutboxOptions {
     /// was. Default true.
     pub fn with_schema_upgrade(mut self, upgrade: bool) -> Self {
         self.upgrade_schema = upgrade;
+        self
+    }
+
+    /// PostgreSQL: whether dispatchers are woken by the commits of other processes and
+    /// hosts (`LISTEN`/`NOTIFY`, on a connection of each handle that runs a dispatcher)
+    /// or only find their work at each poll. Turn it off behind a pooler in
+    /// transaction mode (PgBouncer), which cannot keep a `LISTEN`. Default on; no
+    /// effect on SQLite, where other processes' commits are seen at each poll.
+    pub fn with_listen(mut self, listen: bool) -> Self {
+        self.listen = listen;
         self
     }
 

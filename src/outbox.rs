@@ -40,7 +40,11 @@ pub struct Outbox {
 
 struct Inner {
     backend: Backend,
-    notifier: Notifier,
+    notifier: Arc<Notifier>,
+    /// PostgreSQL: the thread listening for other processes' commits, started with
+    /// the first dispatcher.
+    #[cfg(feature = "postgres")]
+    listener: std::sync::OnceLock<Option<crate::store::postgres::listen::Listener>>,
     options: OutboxOptions,
     /// This database's salt for delivery uids (see [`DeliveryId::for_row`]).
     id_salt: i64,
@@ -422,7 +426,7 @@ impl Outbox {
     /// schema, holds more than one statement, writes nothing, or uses a parameter that
     /// is positional or not one of the names (nothing is stored then); database errors.
     pub fn set_finalization(&self, sql: Option<&str>) -> Result<()> {
-        self.transact(true, |tx, _| {
+        self.transact(true, false, |tx, _| {
             if let Some(sql) = sql {
                 finalize::validate_statement(tx, sql)?;
             }
@@ -456,29 +460,67 @@ impl Outbox {
         &self.inner.notifier
     }
 
-    /// Watches the file for commits by any connection, including other processes'.
+    /// Watches the database for commits by any connection, including other
+    /// processes': on SQLite a connection of its own reads the file's data version;
+    /// on PostgreSQL the handle's listener (started here, once) hears them.
     ///
     /// # Errors
     ///
-    /// Database errors opening the watching connection.
+    /// Database errors opening the watching connection; [`Error::Io`] if the
+    /// listener's thread cannot be started.
     pub(crate) fn change_watcher(&self) -> Result<ChangeWatcher> {
-        let conn = match &self.inner.backend {
+        let source = match &self.inner.backend {
             Backend::Sqlite(Sqlite {
                 path: Some(path), ..
             }) => {
                 let conn = Connection::open(path)?;
                 connection::configure_reader(&conn, &self.inner.options)?;
-                Some(conn)
+                WatchSource::File { conn, last: 0 }
             }
-            _ => None,
+            Backend::Sqlite(_) => WatchSource::Memory,
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pg) => WatchSource::Server {
+                listener: self.listener(pg)?,
+                resynced: std::time::Instant::now(),
+            },
         };
-        let mut watcher = ChangeWatcher {
-            conn,
-            last: 0,
-            shared: self.is_postgres(),
-        };
+        let mut watcher = ChangeWatcher { source };
         watcher.changed()?;
         Ok(watcher)
+    }
+
+    /// The state of this handle's listener, started on first use; `None` when
+    /// wake-ups by notification are off ([`OutboxOptions::with_listen`]).
+    #[cfg(feature = "postgres")]
+    fn listener(
+        &self,
+        pg: &crate::store::postgres::PgStore,
+    ) -> Result<Option<Arc<crate::store::postgres::listen::ListenState>>> {
+        use crate::store::postgres::listen;
+        if !self.inner.options.listen {
+            return Ok(None);
+        }
+        if let Some(running) = self.inner.listener.get() {
+            return Ok(running.as_ref().map(|l| l.state.clone()));
+        }
+        let started =
+            listen::start(pg.config.clone(), self.inner.notifier.clone()).map_err(|source| {
+                Error::Io {
+                    path: "listener thread".into(),
+                    source,
+                }
+            })?;
+        let state = started.state.clone();
+        if self.inner.listener.set(Some(started)).is_err() {
+            // Another dispatcher of this handle started one first: ours stops.
+            return Ok(self
+                .inner
+                .listener
+                .get()
+                .and_then(|l| l.as_ref())
+                .map(|l| l.state.clone()));
+        }
+        Ok(Some(state))
     }
 
     /// The pragmas the writer connection runs with, read back from SQLite.
@@ -531,7 +573,9 @@ impl Outbox {
         Outbox {
             inner: Arc::new(Inner {
                 backend,
-                notifier: Notifier::default(),
+                notifier: Arc::default(),
+                #[cfg(feature = "postgres")]
+                listener: std::sync::OnceLock::new(),
                 options,
                 id_salt,
                 claimant: ClaimantId::random(),
@@ -604,23 +648,26 @@ impl Outbox {
     /// stored rules as they stand in that transaction; commits if it returns `Ok`, rolls
     /// back otherwise.
     pub(crate) fn write<T>(&self, f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>) -> Result<T> {
-        self.transact(false, f)
+        self.transact(false, false, f)
     }
 
     /// As [`write`](Self::write) for a change of the stored rules: the rules held
     /// exclusively, so no other write acts on the rules it replaces; then wakes this
     /// process's dispatchers.
     fn change_rules(&self, f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<()>) -> Result<()> {
-        self.transact(true, f)?;
+        self.transact(true, true, f)?;
         self.wake();
         Ok(())
     }
 
     /// One write transaction: the rules locked (shared, or exclusive for a change of
-    /// them) and read as they stand in it, `f`, then the commit.
+    /// them) and read as they stand in it, `f`, then the commit — on PostgreSQL with a
+    /// notification to every listening process if `announce`.
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     fn transact<T>(
         &self,
         change_rules: bool,
+        announce: bool,
         f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>,
     ) -> Result<T> {
         let within = |tx: &dyn StoreTx| -> Result<T> {
@@ -647,7 +694,7 @@ impl Outbox {
                 };
                 let tx = PgTx::begin(&mut conn, kind)?;
                 let value = within(&tx)?;
-                tx.commit()?;
+                tx.commit(announce)?;
                 Ok(value)
             }
         }
@@ -683,9 +730,22 @@ impl Outbox {
         Ok(cached.clone())
     }
 
-    /// As [`write`](Self::write), then wakes this process's idle dispatchers: for
-    /// writes that can make work due.
+    /// As [`write`](Self::write), then wakes the idle dispatchers of this process
+    /// and (on PostgreSQL, by a notification sent with the commit) of every other
+    /// process on the outbox: for writes that can make work due.
     pub(crate) fn write_and_wake<T>(
+        &self,
+        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>,
+    ) -> Result<T> {
+        let value = self.transact(false, true, f)?;
+        self.wake();
+        Ok(value)
+    }
+
+    /// As [`write_and_wake`](Self::write_and_wake), waking this process's dispatchers
+    /// only: for a dispatcher's own round, whose claim in the same transaction takes
+    /// what its outcomes made due (other hosts find the rest when they next look).
+    pub(crate) fn write_and_wake_here<T>(
         &self,
         f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>,
     ) -> Result<T> {
@@ -735,7 +795,7 @@ impl Outbox {
         if !self.options().declares_rules() {
             return Ok(());
         }
-        self.transact(true, |tx, _| reconcile(tx, self.options()))
+        self.transact(true, true, |tx, _| reconcile(tx, self.options()))
     }
 }
 
@@ -942,27 +1002,49 @@ impl Notifier {
     }
 }
 
-/// Notices commits to the database file by any connection, via `PRAGMA data_version`
-/// on a connection of its own (the value changes when another connection commits).
+/// Notices commits to the database by other connections, asked at each poll of an
+/// idle dispatcher.
 pub(crate) struct ChangeWatcher {
-    conn: Option<Connection>,
-    last: i64,
-    /// A database other hosts write to (PostgreSQL): every poll may find their work.
-    shared: bool,
+    source: WatchSource,
+}
+
+enum WatchSource {
+    /// An SQLite file: `PRAGMA data_version` on a connection of its own changes when
+    /// another connection commits.
+    File { conn: Connection, last: i64 },
+    /// In memory: no other connection can write.
+    Memory,
+    /// PostgreSQL: the handle's listener wakes the dispatchers itself; while it is
+    /// down (or off), every poll looks again.
+    #[cfg(feature = "postgres")]
+    Server {
+        listener: Option<Arc<crate::store::postgres::listen::ListenState>>,
+        resynced: std::time::Instant,
+    },
 }
 
 impl ChangeWatcher {
-    /// Whether anything was committed since the last call. Always false in memory,
-    /// where no other process can write; always true on PostgreSQL, where every poll
-    /// looks again.
+    /// Whether anything may have been committed since the last call that the
+    /// dispatchers were not woken for.
     pub(crate) fn changed(&mut self) -> Result<bool> {
-        let Some(conn) = &self.conn else {
-            return Ok(self.shared);
-        };
-        let version: i64 = conn.query_row("PRAGMA data_version", [], |r| r.get(0))?;
-        let changed = version != self.last;
-        self.last = version;
-        Ok(changed)
+        match &mut self.source {
+            WatchSource::File { conn, last } => {
+                let version: i64 = conn.query_row("PRAGMA data_version", [], |r| r.get(0))?;
+                let changed = version != *last;
+                *last = version;
+                Ok(changed)
+            }
+            WatchSource::Memory => Ok(false),
+            #[cfg(feature = "postgres")]
+            WatchSource::Server { listener, resynced } => {
+                let heard = listener.as_ref().is_some_and(|l| l.healthy());
+                if heard && resynced.elapsed() < crate::store::postgres::listen::RESYNC {
+                    return Ok(false);
+                }
+                *resynced = std::time::Instant::now();
+                Ok(true)
+            }
+        }
     }
 }
 
@@ -1006,6 +1088,110 @@ mod tests {
                 "{shown}"
             );
         }
+    }
+
+    /// On PostgreSQL a dispatcher reads the due times again at a poll only while
+    /// nobody listens (notifications off, or the listener's connection down), and
+    /// otherwise once per resync interval.
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn a_server_watcher_polls_only_while_nobody_listens() {
+        use crate::store::postgres::listen::{ListenState, RESYNC};
+        let state = Arc::new(ListenState::default());
+        let mut watcher = ChangeWatcher {
+            source: WatchSource::Server {
+                listener: Some(state.clone()),
+                resynced: std::time::Instant::now(),
+            },
+        };
+        assert!(watcher.changed().unwrap(), "listener down: poll");
+        assert!(watcher.changed().unwrap(), "still down: poll again");
+        state.set_healthy(true);
+        assert!(!watcher.changed().unwrap(), "listening: wait to be woken");
+        if let WatchSource::Server { resynced, .. } = &mut watcher.source {
+            *resynced -= RESYNC;
+        }
+        assert!(watcher.changed().unwrap(), "a resync is due");
+        assert!(!watcher.changed().unwrap(), "and then not again at once");
+        let mut off = ChangeWatcher {
+            source: WatchSource::Server {
+                listener: None,
+                resynced: std::time::Instant::now(),
+            },
+        };
+        assert!(
+            off.changed().unwrap(),
+            "notifications off: every poll looks"
+        );
+    }
+
+    /// Another handle's commit wakes this handle's dispatchers through the listener;
+    /// a listener whose connection is killed reconnects and wakes them once (what was
+    /// committed meanwhile was not announced to it).
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn the_listener_wakes_on_other_handles_commits_and_comes_back() {
+        let Some(url) = crate::store::test_server::fresh_schema_url() else {
+            return;
+        };
+        let deadline = || std::time::Instant::now() + Duration::from_secs(30);
+        let watched = Outbox::connect(&url, OutboxOptions::default()).unwrap();
+        let _watcher = watched.change_watcher().unwrap();
+        let state = watched
+            .inner
+            .listener
+            .get()
+            .unwrap()
+            .as_ref()
+            .unwrap()
+            .state
+            .clone();
+        let until = deadline();
+        while !state.healthy() {
+            assert!(
+                std::time::Instant::now() < until,
+                "the listener never connected"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let notifier = watched.notifier();
+        let other = Outbox::connect(&url, OutboxOptions::default()).unwrap();
+        let seen = notifier.generation();
+        let _ = other.enqueue(&NewDelivery::single("t", "1", "x")).unwrap();
+        assert_ne!(
+            notifier.wait(seen, Duration::from_secs(30)),
+            seen,
+            "the other handle's enqueue woke nobody here"
+        );
+
+        let connects = state.connects();
+        let seen = notifier.generation();
+        let mut admin = postgres::Client::connect(
+            &crate::store::test_server::server_url().unwrap(),
+            postgres::NoTls,
+        )
+        .unwrap();
+        let killed = admin
+            .query(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                 WHERE application_name = $1",
+                &[&crate::store::postgres::listen::APPLICATION_NAME],
+            )
+            .unwrap();
+        assert!(!killed.is_empty(), "no listening connection to kill");
+        let until = deadline();
+        while state.connects() == connects {
+            assert!(
+                std::time::Instant::now() < until,
+                "the listener never came back"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_ne!(
+            notifier.generation(),
+            seen,
+            "a reconnect wakes the dispatchers"
+        );
     }
 
     #[test]

@@ -56,7 +56,7 @@ impl Outbox {
         if outcomes.is_empty() {
             self.write(step)
         } else {
-            self.write_and_wake(step)
+            self.write_and_wake_here(step)
         }
     }
 }

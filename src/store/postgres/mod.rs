@@ -13,6 +13,7 @@
 pub(crate) mod chunks;
 pub(crate) mod deliveries;
 pub(crate) mod lanes;
+pub(crate) mod listen;
 pub(crate) mod operator;
 #[cfg(test)]
 mod plans;
@@ -38,6 +39,8 @@ pub(crate) type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
 /// The pool of connections to the outbox's database: writes and reads alike.
 pub(crate) struct PgStore {
     pool: r2d2::Pool<Manager>,
+    /// Where the pool connects, for the listener's own connection.
+    pub(crate) config: postgres::Config,
     /// The connection string, without its password, for messages.
     pub(crate) target: String,
     /// Every transaction is READ ONLY: the server refuses a write.
@@ -60,7 +63,7 @@ impl PgStore {
             )
         })?;
         let target = describe(&config);
-        let manager = Manager(PostgresConnectionManager::new(config, NoTls));
+        let manager = Manager(PostgresConnectionManager::new(config.clone(), NoTls));
         let pool = r2d2::Pool::builder()
             .max_size(size)
             .min_idle(Some(0))
@@ -69,6 +72,7 @@ impl PgStore {
             .build_unchecked(manager);
         let store = PgStore {
             pool,
+            config,
             target,
             read_only,
         };
@@ -171,10 +175,24 @@ impl<'c> PgTx<'c> {
         })
     }
 
-    /// Commits the transaction.
-    pub(crate) fn commit(self) -> Result<()> {
+    /// Commits the transaction; with `announce`, its commit also wakes the idle
+    /// dispatchers of every process listening on this outbox (see [`listen`]), in the
+    /// same round trip.
+    pub(crate) fn commit(self, announce: bool) -> Result<()> {
         self.open.set(false);
-        self.conn.borrow_mut().client.batch_execute("COMMIT")?;
+        let mut conn = self.conn.borrow_mut();
+        let sql = if announce {
+            listen::COMMIT_ANNOUNCED
+        } else {
+            "COMMIT"
+        };
+        if let Err(e) = conn.client.batch_execute(sql) {
+            if announce && !e.is_closed() && e.as_db_error().is_some() {
+                // The notification failed, so COMMIT never ran: end the transaction.
+                let _ = conn.client.batch_execute("ROLLBACK");
+            }
+            return Err(e.into());
+        }
         Ok(())
     }
 

@@ -1,0 +1,164 @@
+//! Wake-ups across hosts: a transaction that makes work due sends a notification with
+//! its commit (`pg_notify`, delivered only if it commits), and one thread per
+//! [`Outbox`](crate::Outbox) handle listens for them on a connection of its own and
+//! wakes the handle's idle dispatchers.
+//!
+//! The listener is a hint, never the truth: while its connection is down the
+//! dispatchers fall back to reading the due times at every poll, it reconnects with a
+//! backoff, and after each reconnect it wakes them once (notifications sent while it
+//! was away are lost). Even while it is healthy an idle dispatcher reads the due times
+//! again every [`RESYNC`], so work made due later by another host (a retry it
+//! scheduled before it stopped) is never left for a notification that will not come.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use postgres::NoTls;
+use postgres::fallible_iterator::FallibleIterator;
+
+use crate::outbox::Notifier;
+
+/// The notification channel of the outbox in the connection's current schema (one per
+/// schema: a database may hold several outboxes). A name, not an identifier: used
+/// through `pg_notify` and quoted for `LISTEN`.
+pub(crate) const CHANNEL_SQL: &str = "'chunked_outbox_' || md5(current_schema())";
+
+/// Commits a transaction with its notification (delivered at the commit, and only if
+/// it commits), in one round trip.
+pub(crate) const COMMIT_ANNOUNCED: &str =
+    "SELECT pg_notify('chunked_outbox_' || md5(current_schema()), ''); COMMIT";
+
+/// The `application_name` of listening connections (as `pg_stat_activity` shows them).
+pub const APPLICATION_NAME: &str = "chunked-outbox listener";
+
+/// How often an idle dispatcher reads the due times again while the listener is
+/// healthy.
+pub(crate) const RESYNC: Duration = Duration::from_secs(1);
+
+/// How long the listener waits for a notification before it checks its connection.
+const CHECK_EVERY: Duration = Duration::from_millis(250);
+
+/// The longest wait between two attempts to reconnect.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// The state a listener thread shares with the handle's watchers.
+#[derive(Debug, Default)]
+pub(crate) struct ListenState {
+    /// Listening now: every commit that made work due will wake us.
+    healthy: AtomicBool,
+    /// Set when the handle is dropped: the thread ends at its next check.
+    stop: AtomicBool,
+    /// Times the listening connection was (re)made.
+    connects: AtomicU64,
+}
+
+impl ListenState {
+    #[cfg(test)]
+    pub(crate) fn set_healthy(&self, healthy: bool) {
+        self.healthy.store(healthy, Ordering::Release);
+    }
+
+    pub(crate) fn healthy(&self) -> bool {
+        self.healthy.load(Ordering::Acquire)
+    }
+
+    /// How many times the listener has connected (1 once it first listens).
+    pub(crate) fn connects(&self) -> u64 {
+        self.connects.load(Ordering::Acquire)
+    }
+}
+
+/// A running listener; dropping it stops its thread (within [`CHECK_EVERY`]).
+#[derive(Debug)]
+pub(crate) struct Listener {
+    pub(crate) state: Arc<ListenState>,
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.state.stop.store(true, Ordering::Release);
+    }
+}
+
+/// Starts the listening thread on a connection made from `config`, waking `notifier`
+/// for every notification and once after each (re)connect.
+pub(crate) fn start(
+    config: postgres::Config,
+    notifier: Arc<Notifier>,
+) -> std::io::Result<Listener> {
+    let state = Arc::new(ListenState::default());
+    let shared = state.clone();
+    std::thread::Builder::new()
+        .name("outbox-listener".into())
+        .spawn(move || listen(&config, &notifier, &shared))?;
+    Ok(Listener { state })
+}
+
+fn listen(config: &postgres::Config, notifier: &Notifier, state: &ListenState) {
+    let mut backoff = Duration::from_millis(20);
+    while !state.stop.load(Ordering::Acquire) {
+        let Ok(mut client) = subscribe(config) else {
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+            continue;
+        };
+        backoff = Duration::from_millis(20);
+        state.connects.fetch_add(1, Ordering::AcqRel);
+        state.healthy.store(true, Ordering::Release);
+        // What was committed while nobody listened is found by looking again.
+        notifier.notify();
+        serve(&mut client, notifier, state);
+        state.healthy.store(false, Ordering::Release);
+        tracing::warn!("the outbox's listening connection was lost; polling until it is back");
+        notifier.notify();
+    }
+}
+
+/// A connection listening on the outbox's channel.
+fn subscribe(config: &postgres::Config) -> Result<postgres::Client, postgres::Error> {
+    let mut client = config
+        .clone()
+        .application_name(APPLICATION_NAME)
+        .connect(NoTls)?;
+    let channel: String = client
+        .query_one(&format!("SELECT {CHANNEL_SQL}"), &[])?
+        .get(0);
+    client.batch_execute(&format!("LISTEN \"{channel}\""))?;
+    Ok(client)
+}
+
+/// Wakes the handle's dispatchers for each notification until the connection fails or
+/// the handle is dropped.
+fn serve(client: &mut postgres::Client, notifier: &Notifier, state: &ListenState) {
+    loop {
+        if state.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let started = Instant::now();
+        let mut woke = false;
+        {
+            let mut notifications = client.notifications();
+            let mut iter = notifications.timeout_iter(CHECK_EVERY);
+            loop {
+                match iter.next() {
+                    Ok(Some(_)) => {
+                        notifier.notify();
+                        woke = true;
+                        // Under a steady stream, still look at `stop` now and then.
+                        if started.elapsed() >= CHECK_EVERY {
+                            break;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(_) => return,
+                }
+            }
+        }
+        // `None` also means the server went away: check, with a deadline (a silent
+        // network never answers).
+        if !woke && client.is_valid(CHECK_EVERY * 4).is_err() {
+            return;
+        }
+    }
+}
