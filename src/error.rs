@@ -275,11 +275,27 @@ pub enum Error {
     Sqlite(rusqlite::Error),
 
     /// The PostgreSQL server could not be reached, or the connection to it was lost
-    /// (feature `postgres`). A transaction that was under way was rolled back by the
-    /// server, unless the connection was lost during its commit. Retry when the server
-    /// is back.
+    /// (feature `postgres`). A transaction that was under way did not happen (when the
+    /// connection was lost during its commit, the outbox asked the server afterwards
+    /// and learnt that it was rolled back). Retry when the server is back.
     #[error("no connection to {target}: {message}")]
     Connection {
+        /// The server and database (never the password).
+        target: String,
+        /// What the client said.
+        message: String,
+    },
+
+    /// The connection to the PostgreSQL server was lost while it committed, and the
+    /// server could not be asked, within the busy timeout, whether the transaction
+    /// committed (feature `postgres`). The call may or may not have taken effect.
+    /// Retrying is safe for every call of the outbox: an enqueue with a caller key
+    /// returns the reply it made, an outcome already recorded is a
+    /// [`StaleClaim`](Self::StaleClaim) that changes nothing, an operator action finds
+    /// its work done. Chunks claimed by the lost commit are `sending` under tokens
+    /// nobody holds: their lease settles them.
+    #[error("the commit to {target} may or may not have happened: {message}")]
+    CommitUnknown {
         /// The server and database (never the password).
         target: String,
         /// What the client said.

@@ -694,7 +694,7 @@ impl Outbox {
                 };
                 let tx = PgTx::begin(&mut conn, kind)?;
                 let value = within(&tx)?;
-                tx.commit(announce)?;
+                pg.commit(tx, announce, self.inner.options.busy_timeout)?;
                 Ok(value)
             }
         }

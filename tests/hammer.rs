@@ -416,7 +416,7 @@ backends! {
 }
 
 /// Each verdict of the hammer can fail: with a lock of the PostgreSQL store planted
-/// away, or the crate's history skipped, the run must report it.
+/// away, or the crate's history skipped, the run must report it (within three runs).
 ///
 /// - `no_lane_locks`: an enqueue decides its lane's head alone, so two producers of an
 ///   idle chat both start their replies, whose chunks then interleave;
@@ -433,11 +433,23 @@ fn the_lane_hammer_catches_each_planted_fault() {
     ];
     on_backend(Backend::Postgres, || {
         for (fault, verdict) in faults {
-            let db = TestDb::on_system_clock(options());
-            let findings = run(&db, seconds(), Some(fault));
+            // A race planted in is a race: on a busy machine one run may miss it, so
+            // it must be caught within a few.
+            let mut runs = Vec::new();
+            while runs.len() < 3 {
+                let db = TestDb::on_system_clock(options());
+                let findings = run(&db, seconds(), Some(fault));
+                let caught = verdict(&findings) > 0;
+                runs.push(findings);
+                if caught {
+                    break;
+                }
+            }
+            let last = runs.last().unwrap();
             assert!(
-                verdict(&findings) > 0,
-                "{fault} went unnoticed: {findings:?}"
+                verdict(last) > 0,
+                "{fault} went unnoticed in {} runs: {runs:?}",
+                runs.len()
             );
         }
     });

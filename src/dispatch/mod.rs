@@ -11,8 +11,9 @@
 //!   that many chunks possibly sent per worker ([`Core::step`]).
 //! * **A known outcome is durable before the next send starts**: the outcomes of a
 //!   worker's sends are recorded in the same transaction that claims its next ones, and
-//!   a record that fails with `Busy` or `DiskFull` is retried — the claim's token makes
-//!   that safe — before anything new is claimed ([`Core::step`]).
+//!   a record that fails with `Busy` or `DiskFull`, or for a lost connection to a
+//!   PostgreSQL server, is retried — the claim's token makes that safe — before
+//!   anything new is claimed ([`Core::step`]).
 //! * **No send on a lease that cannot cover it**: a claim with less than a quarter of
 //!   its lease left is given back unsent ([`Shared::admit`]), and the run's keeper
 //!   thread renews the leases of claims it still holds ([`keep_leases`]).
@@ -513,7 +514,12 @@ impl Core {
                     warn!(error = %e, outcomes = done.len(), "recording with the next claim failed; recording alone");
                     limit = 0;
                 }
-                Err(e @ (Error::Busy | Error::DiskFull)) if Instant::now() < give_up => {
+                Err(
+                    e @ (Error::Busy
+                    | Error::DiskFull
+                    | Error::Connection { .. }
+                    | Error::CommitUnknown { .. }),
+                ) if Instant::now() < give_up => {
                     bump(&self.counters.record_retries);
                     warn!(error = %e, outcomes = done.len(), retry_in_ms = pause.as_millis() as u64, "could not record outcomes yet; retrying");
                     std::thread::sleep(pause);

@@ -9,6 +9,8 @@ use std::time::Duration;
 pub mod emulator;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(feature = "postgres")]
+pub mod proxy;
 
 use chunked_outbox::{
     Claim, DeliveryId, DeliveryView, ManualClock, NewDelivery, Outbox, OutboxOptions, Result,

@@ -79,6 +79,12 @@ fn skipped(why: &str) {
 /// A URL of a new, empty schema on the server: the outbox connected with it keeps its
 /// tables there, apart from every other test's.
 pub fn fresh_schema_url() -> Option<String> {
+    let schema = fresh_schema()?;
+    Some(with_search_path(&server_url()?, &schema))
+}
+
+/// The name of a new, empty schema on the server.
+pub fn fresh_schema() -> Option<String> {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let url = server_url()?;
     let schema = format!(
@@ -91,7 +97,7 @@ pub fn fresh_schema_url() -> Option<String> {
     client
         .batch_execute(&format!("CREATE SCHEMA {schema}"))
         .expect("create the test schema");
-    Some(with_search_path(&url, &schema))
+    Some(schema)
 }
 
 /// `url` whose sessions use `schema`.

@@ -64,6 +64,7 @@ impl ListenState {
     }
 
     /// How many times the listener has connected (1 once it first listens).
+    #[cfg(test)]
     pub(crate) fn connects(&self) -> u64 {
         self.connects.load(Ordering::Acquire)
     }

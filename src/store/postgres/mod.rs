@@ -24,6 +24,7 @@ pub(crate) mod statement;
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::time::Duration;
 
 use postgres::types::ToSql;
 use postgres::{NoTls, Row, Statement};
@@ -87,6 +88,88 @@ impl PgStore {
             target: self.target.clone(),
             message: e.to_string(),
         })
+    }
+}
+
+/// The id of the transaction, if it wrote anything.
+const TXID_SQL: &str = "SELECT txid_current_if_assigned()";
+
+/// Why a commit did not end well.
+enum LostCommit {
+    /// The server refused it, or the transaction failed before it: nothing happened.
+    Failed(Error),
+    /// The connection was lost with the commit under way; `xid` (if the transaction
+    /// wrote anything) tells the server's log whether it happened.
+    Lost { xid: Option<i64>, message: String },
+}
+
+impl PgStore {
+    /// Commits `tx` (see [`PgTx::commit_or_lose`]). When the connection is lost during
+    /// the commit, asks the server on another connection whether the transaction
+    /// committed, for up to `patience`: a commit that happened is a success, one that
+    /// did not is [`Error::Connection`] (nothing happened, a retry is safe); only a
+    /// server that stays out of reach makes it [`Error::CommitUnknown`].
+    pub(crate) fn commit(&self, tx: PgTx<'_>, announce: bool, patience: Duration) -> Result<()> {
+        let (xid, message) = match tx.commit_or_lose(announce) {
+            Ok(()) => return Ok(()),
+            Err(LostCommit::Failed(e)) => return Err(e),
+            Err(LostCommit::Lost { xid: None, message }) => {
+                // It wrote nothing: there was nothing to lose.
+                return Err(self.lost(message));
+            }
+            Err(LostCommit::Lost {
+                xid: Some(xid),
+                message,
+            }) => (xid, message),
+        };
+        match self.committed(xid, patience) {
+            Some(true) => {
+                tracing::warn!(xid, error = %message, "the connection was lost while committing; the server says the commit happened");
+                Ok(())
+            }
+            Some(false) => Err(self.lost(format!(
+                "{message} (during the commit, which the server rolled back)"
+            ))),
+            None => Err(Error::CommitUnknown {
+                target: self.target.clone(),
+                message,
+            }),
+        }
+    }
+
+    fn lost(&self, message: String) -> Error {
+        Error::Connection {
+            target: self.target.clone(),
+            message,
+        }
+    }
+
+    /// Whether transaction `xid` committed (`None`: the server could not tell within
+    /// `patience`). A transaction the server still runs (its backend has not yet
+    /// noticed the lost connection) is asked about again.
+    fn committed(&self, xid: i64, patience: Duration) -> Option<bool> {
+        let give_up = std::time::Instant::now() + patience;
+        let mut pause = Duration::from_millis(5);
+        loop {
+            let status = self.connection().and_then(|mut conn| {
+                Ok(conn
+                    .client
+                    .query_one("SELECT txid_status($1)", &[&xid])?
+                    .get::<_, Option<String>>(0))
+            });
+            match status.as_ref().map(|s| s.as_deref()) {
+                Ok(Some("committed")) => return Some(true),
+                Ok(Some("aborted")) => return Some(false),
+                // Too old to be known (cannot be ours), or an unknown word.
+                Ok(None) => return None,
+                Ok(Some(_)) | Err(_) => {}
+            }
+            if std::time::Instant::now() + pause > give_up {
+                return None;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(250));
+        }
     }
 }
 
@@ -177,8 +260,13 @@ impl<'c> PgTx<'c> {
 
     /// Commits the transaction; with `announce`, its commit also wakes the idle
     /// dispatchers of every process listening on this outbox (see [`listen`]), in the
-    /// same round trip.
-    pub(crate) fn commit(self, announce: bool) -> Result<()> {
+    /// same round trip. The transaction's id is read first, so that a commit whose
+    /// answer is lost can be looked up ([`PgStore::commit`]).
+    fn commit_or_lose(self, announce: bool) -> std::result::Result<(), LostCommit> {
+        let xid = match self.query_one(TXID_SQL, &[]) {
+            Ok(row) => row.get::<_, Option<i64>>(0),
+            Err(e) => return Err(LostCommit::Failed(e)),
+        };
         self.open.set(false);
         let mut conn = self.conn.borrow_mut();
         let sql = if announce {
@@ -186,14 +274,21 @@ impl<'c> PgTx<'c> {
         } else {
             "COMMIT"
         };
-        if let Err(e) = conn.client.batch_execute(sql) {
-            if announce && !e.is_closed() && e.as_db_error().is_some() {
-                // The notification failed, so COMMIT never ran: end the transaction.
-                let _ = conn.client.batch_execute("ROLLBACK");
+        match conn.client.batch_execute(sql) {
+            Ok(()) => Ok(()),
+            // The server answered: it did not commit.
+            Err(e) if e.as_db_error().is_some() => {
+                if announce && !e.is_closed() {
+                    // The notification failed, so COMMIT never ran: end the transaction.
+                    let _ = conn.client.batch_execute("ROLLBACK");
+                }
+                Err(LostCommit::Failed(e.into()))
             }
-            return Err(e.into());
+            Err(e) => Err(LostCommit::Lost {
+                xid,
+                message: e.to_string(),
+            }),
         }
-        Ok(())
     }
 
     /// The prepared statement of `sql` on this connection.
@@ -433,12 +528,35 @@ pub(crate) fn map_error(err: postgres::Error) -> Error {
         Some(code) if *code == SqlState::READ_ONLY_SQL_TRANSACTION => {
             Error::ReadOnly(err.to_string())
         }
-        _ if err.is_closed() => Error::Connection {
+        Some(code)
+            if code.code().starts_with("08")
+                || *code == SqlState::ADMIN_SHUTDOWN
+                || *code == SqlState::CRASH_SHUTDOWN
+                || *code == SqlState::CANNOT_CONNECT_NOW =>
+        {
+            Error::Connection {
+                target: String::new(),
+                message: message(&err),
+            }
+        }
+        None if err.is_closed() || is_io(&err) => Error::Connection {
             target: String::new(),
             message: err.to_string(),
         },
         _ => Error::Postgres(err),
     }
+}
+
+/// Whether the error is the socket's (the server went away, the network failed).
+fn is_io(err: &postgres::Error) -> bool {
+    let mut source = std::error::Error::source(err);
+    while let Some(e) = source {
+        if e.is::<std::io::Error>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
 }
 
 /// The server's own message of an error (with its detail), else the error's.
