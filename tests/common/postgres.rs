@@ -17,20 +17,36 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The server's URL, or `None` (after saying so once) when there is none.
 pub fn server_url() -> Option<String> {
-    static URL: OnceLock<Option<String>> = OnceLock::new();
-    URL.get_or_init(|| match std::env::var("DATABASE_URL") {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => start_server(),
-    })
-    .clone()
+    server().map(|(url, _)| url)
+}
+
+/// A shell command that restarts the server as after a crash and returns once it is
+/// back (`OUTBOX_PG_RESTART` of `scripts/with-postgres`), if known.
+pub fn restart_command() -> Option<String> {
+    server().and_then(|(_, restart)| restart)
+}
+
+fn server() -> Option<(String, Option<String>)> {
+    static SERVER: OnceLock<Option<(String, Option<String>)>> = OnceLock::new();
+    SERVER
+        .get_or_init(|| match std::env::var("DATABASE_URL") {
+            Ok(url) if !url.is_empty() => Some((
+                url,
+                std::env::var("OUTBOX_PG_RESTART")
+                    .ok()
+                    .filter(|c| !c.is_empty()),
+            )),
+            _ => start_server(),
+        })
+        .clone()
 }
 
 /// Starts `scripts/with-postgres` with a command that prints the server's URL and then
 /// waits for this process to end; the script then stops the server and removes it.
-fn start_server() -> Option<String> {
+fn start_server() -> Option<(String, Option<String>)> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/with-postgres");
     let watch = format!(
-        "printf '%s\\n' \"$DATABASE_URL\"; while kill -0 {} 2>/dev/null; do sleep 0.5; done",
+        "printf '%s\\n' \"$DATABASE_URL\" \"$OUTBOX_PG_RESTART\"; while kill -0 {} 2>/dev/null; do sleep 0.5; done",
         std::process::id()
     );
     let mut child = Command::new("bash")
@@ -40,11 +56,15 @@ fn start_server() -> Option<String> {
         .stderr(Stdio::piped())
         .spawn()
         .ok()?;
+    let mut out = BufReader::new(child.stdout.take()?);
     let mut line = String::new();
-    BufReader::new(child.stdout.take()?)
-        .read_line(&mut line)
-        .ok()?;
+    out.read_line(&mut line).ok()?;
     let url = line.trim().to_owned();
+    let mut restart = String::new();
+    if !url.is_empty() {
+        out.read_line(&mut restart).ok()?;
+    }
+    let restart = Some(restart.trim().to_owned()).filter(|c| !c.is_empty());
     if url.is_empty() {
         let mut why = String::new();
         if let Some(err) = child.stderr.take() {
@@ -59,7 +79,7 @@ fn start_server() -> Option<String> {
     }
     // The server lives until this process ends; the watcher is not waited for.
     std::mem::forget(child);
-    Some(url)
+    Some((url, restart))
 }
 
 /// Says, on the terminal itself (past the test harness's capture), that the

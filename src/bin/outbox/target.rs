@@ -79,6 +79,15 @@ impl Target {
         }
     }
 
+    /// Ends, from the server's side, every connection whose `application_name` is
+    /// `application` (PostgreSQL only); how many there were.
+    pub fn terminate_connections(&self, application: &str) -> CliResult<u64> {
+        match self {
+            Target::File(_) => Err("connections to end need a PostgreSQL --db".into()),
+            Target::Postgres(url) => pg::terminate(url, application),
+        }
+    }
+
     /// Removes the schema a [`fresh_schema`](Self::fresh_schema) made.
     pub fn drop_schema(&self, name: &str) -> CliResult<()> {
         match self {
@@ -133,6 +142,15 @@ mod pg {
         Ok(format!("{url}{sep}options=-c%20search_path%3D{name}"))
     }
 
+    pub fn terminate(url: &str, application: &str) -> CliResult<u64> {
+        let ended = client(url)?.query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE application_name = $1 AND pid <> pg_backend_pid()",
+            &[&application],
+        )?;
+        Ok(ended.len() as u64)
+    }
+
     pub fn drop_schema(url: &str, name: &str) -> CliResult<()> {
         let name = checked(name)?;
         client(url)?.batch_execute(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"))?;
@@ -164,6 +182,10 @@ mod pg {
     }
 
     pub fn drop_schema(_: &str, _: &str) -> CliResult<()> {
+        Err(NO_POSTGRES.into())
+    }
+
+    pub fn terminate(_: &str, _: &str) -> CliResult<u64> {
         Err(NO_POSTGRES.into())
     }
 }

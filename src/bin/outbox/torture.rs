@@ -50,6 +50,18 @@ pub struct TortureArgs {
     /// printed either way (unsettled work counts against it).
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     settle_timeout: Duration,
+    /// PostgreSQL: times to end every connection of the processes under torture from
+    /// the server's side (`pg_terminate_backend`), spread over the kills.
+    #[arg(long, default_value_t = 0)]
+    connection_kills: u64,
+    /// PostgreSQL: times to restart the server, spread over the kills, by running
+    /// `--restart-command` (a shell command that returns once the server is back).
+    #[arg(long, default_value_t = 0, requires = "restart_command")]
+    server_restarts: u64,
+    /// The shell command that restarts the server (e.g. `pg_ctl -D … -m immediate
+    /// restart`).
+    #[arg(long)]
+    restart_command: Option<String>,
 }
 
 /// The roles of the processes under torture.
@@ -83,6 +95,9 @@ pub struct RoleArgs {
 #[derive(Debug, Default, Serialize)]
 struct Verdict {
     kills: u64,
+    /// Server connections of the processes ended by the server, and server restarts.
+    connections_killed: u64,
+    server_restarts: u64,
     deliveries: u64,
     chunks: u64,
     /// Chunks of finalized deliveries that never arrived, and confirmed deliveries that
@@ -179,9 +194,49 @@ fn outbox_target(dir: &Path) -> Target {
     }
 }
 
-/// The PostgreSQL schema a torture run of `seed` in this process uses.
+/// The PostgreSQL schema a torture run of `seed` in this process uses; also the
+/// `application_name` of its processes' connections (the driver's own carry none).
 fn schema_name(seed: u64) -> String {
     format!("outbox_torture_{}_{seed}", std::process::id())
+}
+
+/// Whether an error of the outbox passes when the server is back (a lost connection,
+/// a restart, a busy lock): the processes under torture retry those, as any
+/// application on a network must.
+fn transient(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Busy | Error::Connection { .. } | Error::CommitUnknown { .. } | Error::Pool { .. }
+    )
+}
+
+/// `f` until it succeeds or fails for good; transient failures are retried for up to
+/// a minute.
+fn retrying<T>(mut f: impl FnMut() -> chunked_outbox::Result<T>) -> chunked_outbox::Result<T> {
+    let give_up = Instant::now() + Duration::from_secs(60);
+    loop {
+        match f() {
+            Err(e) if transient(&e) && Instant::now() < give_up => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Opens the outbox under torture, waiting for a server that is restarting.
+fn open_outbox(dir: &Path) -> CliResult<Outbox> {
+    let give_up = Instant::now() + Duration::from_secs(60);
+    loop {
+        match outbox_target(dir).open(torture_options()) {
+            Err(e)
+                if Instant::now() < give_up && e.downcast_ref::<Error>().is_some_and(transient) =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
 }
 
 pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
@@ -209,7 +264,16 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         let Target::Postgres(url) = server.fresh_schema(&schema_name(args.seed))? else {
             unreachable!("a schema is a PostgreSQL target");
         };
+        // Every commit the verdict relies on must outlive a crash of the server (a
+        // test server may run with `synchronous_commit = off`), and the server's side
+        // finds the roles' connections by their name. (The URL ends with its options.)
+        let url = format!(
+            "{url}%20-c%20synchronous_commit%3Don&application_name={}",
+            schema_name(args.seed)
+        );
         std::fs::write(dir.join("outbox.url"), url)?;
+    } else if args.connection_kills + args.server_restarts > 0 {
+        return Err("--connection-kills and --server-restarts need a PostgreSQL --db".into());
     }
     eprintln!(
         "torture: seed {}, {} kills, files in {}, outbox {}",
@@ -237,8 +301,26 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
     let mut killed_dispatchers = Vec::new();
     let mut rng = fastrand::Rng::with_seed(args.seed);
     let mut generation = roles.len() as u64;
-    for _ in 0..args.kills {
+    let (mut connections_killed, mut restarts) = (0, 0);
+    // The server's faults, spread evenly over the kills.
+    let spread = |n: u64, i: u64| (i + 1) * n / args.kills.max(1) - i * n / args.kills.max(1);
+    for i in 0..args.kills {
         std::thread::sleep(Duration::from_millis(rng.u64(5..60)));
+        if let Some(server) = &server {
+            for _ in 0..spread(args.connection_kills, i) {
+                connections_killed += server.terminate_connections(&schema_name(args.seed))?;
+            }
+            for _ in 0..spread(args.server_restarts, i) {
+                let command = args.restart_command.as_deref().unwrap_or_default();
+                let status = std::process::Command::new("sh")
+                    .args(["-c", command])
+                    .status()?;
+                if !status.success() {
+                    return Err(format!("the restart command failed: {status}").into());
+                }
+                restarts += 1;
+            }
+        }
         // Most kills hit a dispatcher (sends in flight) or the producer (enqueues).
         let victim = match rng.u32(0..10) {
             0..4 => 1 + rng.usize(0..2),
@@ -263,12 +345,12 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
     }
 
     // No more kills: let everything settle, then stop the roles.
-    let outbox = outbox_target(&dir).open(torture_options())?;
+    let outbox = open_outbox(&dir)?;
     let deadline = Instant::now() + args.settle_timeout;
     loop {
         std::thread::sleep(Duration::from_millis(50));
         let producer_done = children[0].try_wait()?.is_some_and(|s| s.success());
-        let h = outbox.health()?;
+        let h = retrying(|| outbox.health())?;
         let t = &h.totals;
         if producer_done
             && t.pending_chunks + t.retry_chunks + t.sending_chunks + t.uncertain_chunks == 0
@@ -291,6 +373,8 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
 
     let mut verdict = verify(&dir, &outbox, args.seed, &killed_dispatchers)?;
     verdict.kills = args.kills;
+    verdict.connections_killed = connections_killed;
+    verdict.server_restarts = restarts;
     verdict.seed = args.seed;
     verdict.elapsed_ms = started.elapsed().as_millis() as u64;
     println!("{}", serde_json::to_string(&verdict)?);
@@ -316,7 +400,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
 pub fn role(args: &RoleArgs) -> CliResult<u8> {
     let platform = args.dir.join("platform.db");
     let stop = stop_path(&args.dir);
-    let outbox = outbox_target(&args.dir).open(torture_options())?;
+    let outbox = open_outbox(&args.dir)?;
     match args.role {
         Role::Producer => produce(&outbox, &args.dir, args.seed, args.replies),
         Role::Dispatcher => {
@@ -352,10 +436,13 @@ pub fn role(args: &RoleArgs) -> CliResult<u8> {
                 .open(args.dir.join("operator.log"))?;
             let mut rng = fastrand::Rng::with_seed(args.seed);
             while !stop.exists() {
-                outbox.recover(RecoverScope::ExpiredLeases)?;
-                settle_like_an_operator(&outbox, &api, OPERATOR_GRACE, &mut log)?;
+                retrying(|| outbox.recover(RecoverScope::ExpiredLeases))?;
+                match settle_like_an_operator(&outbox, &api, OPERATOR_GRACE, &mut log) {
+                    Err(e) if e.downcast_ref::<Error>().is_some_and(transient) => {}
+                    other => drop(other?),
+                }
                 if rng.u8(0..4) == 0 {
-                    outbox.purge(chrono::Utc::now() - chrono::Duration::seconds(1))?;
+                    retrying(|| outbox.purge(chrono::Utc::now() - chrono::Duration::seconds(1)))?;
                 }
                 if rng.u8(0..10) == 0 {
                     let _ = outbox.checkpoint(); // busy readers may defer it
@@ -393,7 +480,8 @@ fn produce(outbox: &Outbox, dir: &Path, seed: u64, replies: u64) -> CliResult<u8
             &CHANNELS[channel].splitter,
         )?
         .with_idempotency_key(format!("torture-{n}"));
-        let id = outbox.enqueue(&reply)?.id;
+        // The caller key makes a retry safe, whatever happened to the first call.
+        let id = retrying(|| outbox.enqueue(&reply))?.id;
         log.write_all(format!("{n} {id}\n").as_bytes())?;
         if n % 8 == 7 {
             std::thread::sleep(Duration::from_millis(2));

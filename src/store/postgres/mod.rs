@@ -276,8 +276,10 @@ impl<'c> PgTx<'c> {
         };
         match conn.client.batch_execute(sql) {
             Ok(()) => Ok(()),
-            // The server answered: it did not commit.
-            Err(e) if e.as_db_error().is_some() => {
+            // The server refused the commit (a serialization failure, say): it did
+            // not happen. (A backend ended while it commits answers with an error too,
+            // `57P01`, when the commit may well have happened: that is a lost one.)
+            Err(e) if !connection_lost(&e) => {
                 if announce && !e.is_closed() {
                     // The notification failed, so COMMIT never ran: end the transaction.
                     let _ = conn.client.batch_execute("ROLLBACK");
@@ -528,22 +530,26 @@ pub(crate) fn map_error(err: postgres::Error) -> Error {
         Some(code) if *code == SqlState::READ_ONLY_SQL_TRANSACTION => {
             Error::ReadOnly(err.to_string())
         }
-        Some(code)
-            if code.code().starts_with("08")
-                || *code == SqlState::ADMIN_SHUTDOWN
-                || *code == SqlState::CRASH_SHUTDOWN
-                || *code == SqlState::CANNOT_CONNECT_NOW =>
-        {
-            Error::Connection {
-                target: String::new(),
-                message: message(&err),
-            }
-        }
-        None if err.is_closed() || is_io(&err) => Error::Connection {
+        _ if connection_lost(&err) => Error::Connection {
             target: String::new(),
-            message: err.to_string(),
+            message: message(&err),
         },
         _ => Error::Postgres(err),
+    }
+}
+
+/// Whether the connection is gone: closed, failed at the socket, or ended by the
+/// server (terminated, shut down, not accepting connections yet).
+fn connection_lost(err: &postgres::Error) -> bool {
+    use postgres::error::SqlState;
+    match err.code() {
+        Some(code) => {
+            code.code().starts_with("08")
+                || *code == SqlState::ADMIN_SHUTDOWN
+                || *code == SqlState::CRASH_SHUTDOWN
+                || *code == SqlState::CANNOT_CONNECT_NOW
+        }
+        None => err.is_closed() || is_io(err),
     }
 }
 

@@ -1,0 +1,74 @@
+//! The torture on PostgreSQL with the server's own faults: two dispatcher processes, a
+//! producer and a maintenance process are SIGKILLed and restarted, while the server
+//! ends all their connections (`pg_terminate_backend`) and is itself restarted as
+//! after a crash (`pg_ctl restart -m immediate`). The verdict is the torture's:
+//! nothing lost, order kept, every finalization once and right, no duplicate nobody
+//! decided on, no kill leaving more uncertain than it had in flight, everything
+//! settled.
+//!
+//! Alone in its test binary: a restart of the server ends every other test's
+//! connections too.
+
+mod common;
+
+use std::path::Path;
+
+use assert_cmd::Command;
+
+#[test]
+fn torture_holds_through_connection_kills_and_server_restarts() {
+    let Some(url) = common::postgres::server_url() else {
+        return;
+    };
+    let restart = common::postgres::restart_command().expect(
+        "the test server was started by scripts/with-postgres, which says how to restart it",
+    );
+    let out = Command::cargo_bin("outbox")
+        .unwrap()
+        .arg("--db")
+        .arg(Path::new(&url))
+        .env_remove("OUTBOX_DB")
+        .args([
+            "torture",
+            "--kills",
+            "20",
+            "--seed",
+            "5",
+            "--connection-kills",
+            "10",
+            "--server-restarts",
+            "2",
+            "--restart-command",
+            &restart,
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    let last = text.lines().last().unwrap_or_default();
+    let verdict: serde_json::Value = serde_json::from_str(last).unwrap_or_else(|e| {
+        panic!(
+            "no verdict ({e}): {text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    assert_eq!(out.status.code(), Some(0), "{verdict}");
+    for field in [
+        "lost",
+        "out_of_order",
+        "missing_finalizations",
+        "wrong_finalizations",
+        "unexplained_duplicates",
+        "unexpected_dead_letters",
+        "uncertain_left",
+    ] {
+        assert_eq!(verdict[field], 0, "{field}: {verdict}");
+    }
+    assert!(verdict["max_uncertain_per_kill"].as_u64() <= verdict["max_sends_in_flight"].as_u64());
+    assert_eq!(verdict["kills"], 20);
+    assert_eq!(verdict["server_restarts"], 2);
+    assert!(
+        verdict["connections_killed"].as_u64().unwrap() > 0,
+        "{verdict}"
+    );
+    assert!(verdict["deliveries"].as_u64().unwrap() > 0, "{verdict}");
+}
