@@ -237,6 +237,8 @@ impl Outbox {
 
     fn claim_where(&self, channels: Option<&[&str]>, limit: usize) -> Result<Vec<Claim>> {
         check_limit(limit)?;
+        // A claim loop hears of replies staged by applications' transactions too.
+        self.listen_for_staged();
         self.write(|tx, rules| {
             let now = self.options().now_ms();
             let (claims, _) = claim_in(tx, self, rules, channels, limit, Isolation::Alone, now)?;
@@ -311,6 +313,7 @@ impl Outbox {
     pub fn recover(&self, scope: RecoverScope) -> Result<RecoveryReport> {
         self.write_and_wake(|tx, rules| {
             let now = self.options().now_ms();
+            while crate::enqueue::activate_staged(tx, self, rules, now)? {}
             let limit = match scope {
                 RecoverScope::ExpiredLeases => now,
                 RecoverScope::AllSending => i64::MAX,
@@ -421,6 +424,10 @@ pub(crate) fn claim_in(
     isolation: Isolation,
     now: i64,
 ) -> Result<(Vec<Claim>, bool)> {
+    // Replies staged by applications' transactions join their lanes first.
+    if outbox.take_staged_hint() && crate::enqueue::activate_staged(tx, outbox, rules, now)? {
+        outbox.hint_staged();
+    }
     let lease_until = now.saturating_add(duration_ms(outbox.options().lease));
     let mut candidates = Vec::new();
     let mut paced = Vec::new();

@@ -11,7 +11,7 @@ use crate::rules::LaneOrder;
 use crate::rules::Stored;
 use crate::status::DeliveryStatus;
 use crate::store::sqlite::tx::Tx;
-use crate::store::{LaneRef, NewRow, StoreTx};
+use crate::store::{LaneRef, NewRow, StoreTx, StoredContent};
 
 /// Longest accepted channel name, in bytes.
 pub const MAX_CHANNEL_BYTES: usize = 128;
@@ -182,7 +182,7 @@ impl NewDelivery {
         &self.chunks
     }
 
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         fn bounded(what: &'static str, value: &str, max: usize) -> Result<()> {
             if value.trim().is_empty() {
                 return Err(Error::invalid(what, "must not be empty or whitespace"));
@@ -467,7 +467,7 @@ impl Outbox {
 impl Outbox {
     /// Refuses what this outbox's store cannot keep as given: PostgreSQL's text holds
     /// no NUL character (SQLite's does).
-    fn storable(&self, d: &NewDelivery) -> Result<()> {
+    pub(crate) fn storable(&self, d: &NewDelivery) -> Result<()> {
         if !self.is_postgres() {
             return Ok(());
         }
@@ -525,39 +525,138 @@ fn lock_for(tx: &dyn StoreTx, deliveries: &[&NewDelivery]) -> Result<()> {
 
 /// Stores one delivery; its caller holds its key and lane ([`lock_for`]).
 fn insert(tx: &dyn StoreTx, outbox: &Outbox, rules: &Stored, d: &NewDelivery) -> Result<Enqueued> {
-    if let Some(key) = &d.idempotency_key
-        && let Some((row, uid)) = tx.find_by_key(&d.channel, key)?
-    {
-        let existing: DeliveryId = uid.parse()?;
-        return if same_content(tx, row, d)? {
-            Ok(Enqueued {
-                id: existing,
-                created: false,
-            })
-        } else {
-            Err(Error::IdempotencyConflict {
-                key: key.clone(),
-                existing,
-            })
-        };
+    if let Some(existing) = existing(tx, d)? {
+        return existing;
     }
+    match insert_new(tx, outbox, rules, d, None, outbox.options().now_ms())? {
+        Some((_, id)) => Ok(Enqueued { id, created: true }),
+        // An application's transaction that staged a reply with this key (PostgreSQL)
+        // committed while this one waited for its row: that reply is the one.
+        None => existing(tx, d)?.unwrap_or(Err(Error::Busy)),
+    }
+}
 
-    let now = outbox.options().now_ms();
+/// What an enqueue of `d` returns if its caller key names a stored delivery: that
+/// delivery if its content is the same, else the conflict.
+fn existing(tx: &dyn StoreTx, d: &NewDelivery) -> Result<Option<Result<Enqueued>>> {
+    let Some(key) = &d.idempotency_key else {
+        return Ok(None);
+    };
+    let Some((row, uid)) = tx.find_by_key(&d.channel, key)? else {
+        return Ok(None);
+    };
+    let existing: DeliveryId = uid.parse()?;
+    Ok(Some(if same_content(&tx.stored_content(row)?, d) {
+        Ok(Enqueued {
+            id: existing,
+            created: false,
+        })
+    } else {
+        Err(Error::IdempotencyConflict {
+            key: key.clone(),
+            existing,
+        })
+    }))
+}
+
+/// Makes the replies that applications' own transactions staged (PostgreSQL's
+/// `outbound_enqueue`: a row, no lane decided) deliveries of their lanes, exactly as
+/// an enqueue would have — a row drawn under the lane's lock, the lane's head decided
+/// — keeping the uid each application was given. Lanes other transactions hold now
+/// are not waited for: their replies are left for the next round. Whether any staged
+/// reply is left.
+pub(crate) fn activate_staged(
+    tx: &dyn StoreTx,
+    outbox: &Outbox,
+    rules: &Stored,
+    now: i64,
+) -> Result<bool> {
+    const ROUND: usize = 100;
+    let staged = tx.staged(ROUND as i64)?;
+    let mut left = staged.len() == ROUND;
+    // A lane passed over stays passed over in this round: its later replies must not
+    // go before the earlier one.
+    let mut passed: Vec<(String, String)> = Vec::new();
+    for s in staged {
+        let d = &s.delivery;
+        let lane = (d.channel.clone(), d.chat_id.clone());
+        if passed.contains(&lane) || !tx.try_lock_lane(LaneRef::new(&d.channel, &d.chat_id))? {
+            passed.push(lane);
+            left = true;
+            continue;
+        }
+        start_staged(tx, outbox, rules, &s, now)?;
+    }
+    Ok(left)
+}
+
+/// Makes every reply staged in `lane`, whose lock the caller holds, a delivery of it,
+/// in the order they were staged.
+fn activate_lane(
+    tx: &dyn StoreTx,
+    outbox: &Outbox,
+    rules: &Stored,
+    lane: LaneRef<'_>,
+    now: i64,
+) -> Result<()> {
+    for s in tx.staged_in_lane(lane)? {
+        start_staged(tx, outbox, rules, &s, now)?;
+    }
+    Ok(())
+}
+
+/// Makes staged reply `s`, whose lane the caller holds, a delivery of its lane.
+fn start_staged(
+    tx: &dyn StoreTx,
+    outbox: &Outbox,
+    rules: &Stored,
+    s: &crate::store::Staged,
+    now: i64,
+) -> Result<()> {
+    // Cancelled meanwhile: nothing to start.
+    if !tx.take_staged(s.row)? {
+        return Ok(());
+    }
+    // Its key stays this transaction's (the row removed holds it until the commit), so
+    // nothing can take it in between.
+    let (row, _) = insert_new(tx, outbox, rules, &s.delivery, Some(s.uid.parse()?), now)?
+        .ok_or(Error::Busy)?;
+    tx.note_renumbered(s.row, row)
+}
+
+/// Stores `d` as a new delivery of its lane, whose lane (and key) its caller holds: a
+/// row drawn now, which the uid names — or, for a reply an application staged, the uid
+/// it was given. Its row and uid; `None` if its key was taken meanwhile (see
+/// [`DeliveryStore::insert_delivery`](crate::store::DeliveryStore::insert_delivery)).
+fn insert_new(
+    tx: &dyn StoreTx,
+    outbox: &Outbox,
+    rules: &Stored,
+    d: &NewDelivery,
+    uid: Option<DeliveryId>,
+    now: i64,
+) -> Result<Option<(i64, DeliveryId)>> {
     let channel_id = match rules.channel_ids.get(&d.channel) {
         Some(id) => *id,
         None => tx.channel_number(&d.channel)?,
     };
+    let lane = LaneRef::new(&d.channel, &d.chat_id);
     // The row is chosen here, under the lane's lock, so the uid can be derived from it
     // (the uid needs no index of its own) and it is the delivery's lane position.
-    let row = tx.next_delivery_row()?;
+    let (mut row, staged_before) = tx.next_delivery_row_in(lane)?;
+    if staged_before && uid.is_none() {
+        // Replies applications staged in this lane committed before this enqueue: they
+        // go first (the row drawn is left unused).
+        activate_lane(tx, outbox, rules, lane, now)?;
+        row = tx.next_delivery_row()?;
+    }
     if row.checked_mul(CHUNK_STRIDE).is_none() {
         return Err(Error::invalid(
             "delivery",
             "the database has used up its row ids; purge it or start a new file",
         ));
     }
-    let id = outbox.new_delivery_id(row, now);
-    let lane = LaneRef::new(&d.channel, &d.chat_id);
+    let id = uid.unwrap_or_else(|| outbox.new_delivery_id(row, now));
     let active = match rules.policy.lane_order {
         LaneOrder::Parallel => true,
         LaneOrder::Fifo => match lane::head(tx, &rules.policy, lane)? {
@@ -578,7 +677,7 @@ fn insert(tx: &dyn StoreTx, outbox: &Outbox, rules: &Stored, d: &NewDelivery) ->
     } else {
         None
     };
-    tx.insert_delivery(&NewRow {
+    let stored = tx.insert_delivery(&NewRow {
         row,
         uid: &id.to_string(),
         delivery: d,
@@ -588,7 +687,7 @@ fn insert(tx: &dyn StoreTx, outbox: &Outbox, rules: &Stored, d: &NewDelivery) ->
         head_due,
         chunk_rows: active || !stored_at_activation(d),
     })?;
-    Ok(Enqueued { id, created: true })
+    Ok(stored.then_some((row, id)))
 }
 
 /// Whether a queued delivery's chunk row waits for its activation: a reply sent as one
@@ -600,24 +699,25 @@ fn stored_at_activation(d: &NewDelivery) -> bool {
     matches!(d.chunks.as_slice(), [only] if *only == d.text)
 }
 
-fn same_content(tx: &dyn StoreTx, row: i64, d: &NewDelivery) -> Result<bool> {
-    let stored = tx.stored_content(row)?;
+/// Whether a stored delivery is what `d` would store (an enqueue with the same key
+/// is then the same reply).
+pub(crate) fn same_content(stored: &StoredContent, d: &NewDelivery) -> bool {
     if stored.channel != d.channel
         || stored.chat_id != d.chat_id
         || stored.sender != d.sender
         || stored.text != d.text
         || stored.metadata != d.metadata
     {
-        return Ok(false);
+        return false;
     }
     if stored.status == DeliveryStatus::Cancelled {
         // Its chunks were removed; the key names it, whatever chunks it was given.
-        return Ok(true);
+        return true;
     }
-    Ok(stored.chunks.len() == d.chunks.len()
+    stored.chunks.len() == d.chunks.len()
         && stored
             .chunks
             .iter()
             .zip(&d.chunks)
-            .all(|(chunk, new)| chunk.as_ref().unwrap_or(&stored.text) == new))
+            .all(|(chunk, new)| chunk.as_ref().unwrap_or(&stored.text) == new)
 }

@@ -302,6 +302,12 @@ pub enum Error {
         message: String,
     },
 
+    /// A statement on the application's sqlx connection failed (feature `sqlx`, see
+    /// [`Outbox::enqueue_in_sqlx`](crate::Outbox::enqueue_in_sqlx)).
+    #[cfg(feature = "sqlx")]
+    #[error("sqlx error: {0}")]
+    Sqlx(sqlx::Error),
+
     /// Any other PostgreSQL error (feature `postgres`).
     #[cfg(feature = "postgres")]
     #[error("postgres error: {}", crate::store::postgres::message(.0))]

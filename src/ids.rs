@@ -34,13 +34,24 @@ impl DeliveryId {
     /// millisecond for the same row still differ in 25 random bits but for one chance in
     /// 33 million.
     pub(crate) fn for_row(rowid: i64, salt: i64, created_ms: i64) -> Self {
-        let millis = (created_ms.max(0) as u128) & ((1 << 48) - 1);
-        let rand_a = u128::from(fastrand::u16(..) & 0x0fff);
-        let spare = u128::from(fastrand::u64(..)) & RAND_B & !ROW_BITS;
-        let scrambled = spare | (u128::from((rowid ^ salt) as u64) & ROW_BITS);
+        let (high, low) = Self::parts(created_ms);
         DeliveryId(Uuid::from_u128(
-            (millis << 80) | (0x7 << 76) | (rand_a << 64) | (0b10 << 62) | scrambled,
+            (u128::from(high as u64) << 64)
+                | u128::from(low as u64)
+                | (u128::from((rowid ^ salt) as u64) & ROW_BITS),
         ))
+    }
+
+    /// A uid's two halves without its row (the low half's 49 row bits are zero): the
+    /// time, version, variant and random bits. PostgreSQL's `outbound_enqueue` fills
+    /// in the row and the salt exactly as [`for_row`](Self::for_row) does.
+    pub(crate) fn parts(created_ms: i64) -> (i64, i64) {
+        let millis = (created_ms.max(0) as u64) & ((1 << 48) - 1);
+        let rand_a = u64::from(fastrand::u16(..) & 0x0fff);
+        let spare = fastrand::u64(..) & (RAND_B as u64) & !(ROW_BITS as u64);
+        let high = (millis << 16) | (0x7 << 12) | rand_a;
+        let low = (0b10 << 62) | spare;
+        (high as i64, low as i64)
     }
 
     /// The row id this uid was made for, if it came from the database with `salt`

@@ -130,6 +130,8 @@ struct ReadmeDoctests;
 
 #[cfg(any(feature = "teloxide", feature = "serenity", feature = "slack-morphism"))]
 pub mod adapters;
+#[cfg(feature = "postgres")]
+pub mod app_transaction;
 mod claim;
 mod classify;
 mod clock;

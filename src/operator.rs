@@ -10,7 +10,7 @@ use crate::lane;
 use crate::outbox::Outbox;
 use crate::state::{self, Recorded, expect_status, requeue};
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::{ChunkRef, LaneRef, StoreTx};
+use crate::store::{ChunkRef, DeliveryState, LaneRef, StoreTx};
 
 /// How to settle a chunk held as `uncertain`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,7 +69,7 @@ impl Outbox {
             lock_lane_of(self, tx, delivery)?;
             let chunk = held_or_head_chunk(self, tx, delivery)?;
             if !matches!(chunk.status, ChunkStatus::Failed | ChunkStatus::Uncertain) {
-                let status = delivery_row(self, tx, delivery)?.0;
+                let status = delivery_row(self, tx, delivery)?.1;
                 return Err(not_requeueable(delivery, status));
             }
             requeue(tx, rules, &chunk, "requeue", self.options().now_ms())
@@ -159,7 +159,7 @@ impl Outbox {
     /// (nothing changes then).
     pub fn finalize_again(&self, delivery: DeliveryId) -> Result<()> {
         self.write_and_wake(|tx, rules| {
-            let (status, channel, chat_id) = lock_lane_of(self, tx, delivery)?;
+            let (id, status, channel, chat_id) = lock_lane_of(self, tx, delivery)?;
             if status != DeliveryStatus::Unfinalized {
                 return Err(Error::DeliveryState {
                     delivery,
@@ -168,7 +168,6 @@ impl Outbox {
                     expected: "unfinalized",
                 });
             }
-            let id = self.delivery_rowid(delivery);
             let created_at = tx.created_at(id)?;
             let now = self.options().now_ms();
             let mut tally = Tally::default();
@@ -247,8 +246,7 @@ impl Outbox {
     /// it has started.
     pub fn cancel(&self, delivery: DeliveryId) -> Result<()> {
         self.write_and_wake(|tx, rules| {
-            let id = self.delivery_rowid(delivery);
-            let (status, channel, chat_id) = lock_lane_of(self, tx, delivery)?;
+            let (id, status, channel, chat_id) = lock_lane_of(self, tx, delivery)?;
             match status {
                 DeliveryStatus::Cancelled => return Ok(()),
                 DeliveryStatus::Queued | DeliveryStatus::Pending => {}
@@ -294,12 +292,8 @@ fn locked_chunk(tx: &dyn StoreTx, id: ChunkId) -> Result<ChunkRef> {
 }
 
 /// A delivery's status and lane, by its public id, read again once its lane is locked.
-fn lock_lane_of(
-    outbox: &Outbox,
-    tx: &dyn StoreTx,
-    delivery: DeliveryId,
-) -> Result<(DeliveryStatus, String, String)> {
-    let (_, channel, chat_id) = delivery_row(outbox, tx, delivery)?;
+fn lock_lane_of(outbox: &Outbox, tx: &dyn StoreTx, delivery: DeliveryId) -> Result<DeliveryState> {
+    let (_, _, channel, chat_id) = delivery_row(outbox, tx, delivery)?;
     tx.lock_lanes(&mut [LaneRef::new(&channel, &chat_id)])?;
     delivery_row(outbox, tx, delivery)
 }
@@ -312,17 +306,13 @@ fn held_or_head_chunk(outbox: &Outbox, tx: &dyn StoreTx, delivery: DeliveryId) -
         // A cancelled delivery has no chunks left.
         None => Err(not_requeueable(
             delivery,
-            delivery_row(outbox, tx, delivery)?.0,
+            delivery_row(outbox, tx, delivery)?.1,
         )),
     }
 }
 
-/// A delivery's status, channel and chat, by its public id.
-fn delivery_row(
-    outbox: &Outbox,
-    tx: &dyn StoreTx,
-    delivery: DeliveryId,
-) -> Result<(DeliveryStatus, String, String)> {
+/// A delivery's row, status, channel and chat, by its public id.
+fn delivery_row(outbox: &Outbox, tx: &dyn StoreTx, delivery: DeliveryId) -> Result<DeliveryState> {
     tx.delivery_state(outbox.delivery_rowid(delivery), &delivery.to_string())?
         .ok_or(Error::DeliveryNotFound(delivery))
 }

@@ -41,6 +41,10 @@ pub struct Outbox {
 struct Inner {
     backend: Backend,
     notifier: Arc<Notifier>,
+    /// PostgreSQL: whether replies staged by applications' transactions may be waiting
+    /// to join their lanes (see [`activate_staged`](crate::enqueue::activate_staged)):
+    /// set when a notification or a poll says so, taken by the next claim.
+    staged_hint: Arc<std::sync::atomic::AtomicBool>,
     /// PostgreSQL: the thread listening for other processes' commits, started with
     /// the first dispatcher.
     #[cfg(feature = "postgres")]
@@ -456,6 +460,21 @@ impl Outbox {
         self.inner.claimant.token(seq)
     }
 
+    /// Whether staged replies may be waiting, cleared (see `staged_hint`).
+    pub(crate) fn take_staged_hint(&self) -> bool {
+        self.inner.staged_hint.swap(false, Ordering::AcqRel)
+    }
+
+    /// Whether staged replies may be waiting (the next claim should look).
+    pub(crate) fn staged_hinted(&self) -> bool {
+        self.inner.staged_hint.load(Ordering::Acquire)
+    }
+
+    /// Says that staged replies may be waiting.
+    pub(crate) fn hint_staged(&self) {
+        self.inner.staged_hint.store(true, Ordering::Release);
+    }
+
     pub(crate) fn notifier(&self) -> &Notifier {
         &self.inner.notifier
     }
@@ -482,11 +501,23 @@ impl Outbox {
             Backend::Postgres(pg) => WatchSource::Server {
                 listener: self.listener(pg)?,
                 resynced: std::time::Instant::now(),
+                staged: self.inner.staged_hint.clone(),
             },
         };
         let mut watcher = ChangeWatcher { source };
         watcher.changed()?;
         Ok(watcher)
+    }
+
+    /// Starts this handle's listener if it has none (PostgreSQL; a failure to start
+    /// it leaves the handle without, as with notifications off).
+    pub(crate) fn listen_for_staged(&self) {
+        #[cfg(feature = "postgres")]
+        if let Backend::Postgres(pg) = &self.inner.backend
+            && self.inner.listener.get().is_none()
+        {
+            let _ = self.listener(pg);
+        }
     }
 
     /// The state of this handle's listener, started on first use; `None` when
@@ -503,13 +534,15 @@ impl Outbox {
         if let Some(running) = self.inner.listener.get() {
             return Ok(running.as_ref().map(|l| l.state.clone()));
         }
-        let started =
-            listen::start(pg.config.clone(), self.inner.notifier.clone()).map_err(|source| {
-                Error::Io {
-                    path: "listener thread".into(),
-                    source,
-                }
-            })?;
+        let started = listen::start(
+            pg.config.clone(),
+            self.inner.notifier.clone(),
+            self.inner.staged_hint.clone(),
+        )
+        .map_err(|source| Error::Io {
+            path: "listener thread".into(),
+            source,
+        })?;
         let state = started.state.clone();
         if self.inner.listener.set(Some(started)).is_err() {
             // Another dispatcher of this handle started one first: ours stops.
@@ -570,9 +603,11 @@ impl Outbox {
         id_salt: i64,
         stored: Stored,
     ) -> Outbox {
+        let on_server = !matches!(backend, Backend::Sqlite(_));
         Outbox {
             inner: Arc::new(Inner {
                 backend,
+                staged_hint: Arc::new(std::sync::atomic::AtomicBool::new(on_server)),
                 notifier: Arc::default(),
                 #[cfg(feature = "postgres")]
                 listener: std::sync::OnceLock::new(),
@@ -594,6 +629,19 @@ impl Outbox {
             Backend::Postgres(_) => Err(Error::Unsupported {
                 what,
                 backend: "PostgreSQL",
+            }),
+        }
+    }
+
+    /// The schema of a PostgreSQL outbox, or [`Error::Unsupported`] naming `what` on
+    /// another backend.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn postgres_schema(&self, what: &'static str) -> Result<&str> {
+        match &self.inner.backend {
+            Backend::Postgres(pg) => Ok(&pg.schema),
+            Backend::Sqlite(_) => Err(Error::Unsupported {
+                what,
+                backend: "SQLite",
             }),
         }
     }
@@ -692,10 +740,16 @@ impl Outbox {
                 } else {
                     Begin::Write
                 };
-                let tx = PgTx::begin(&mut conn, kind)?;
-                let value = within(&tx)?;
-                pg.commit(tx, announce, self.inner.options.busy_timeout)?;
-                Ok(value)
+                let result = PgTx::begin(&mut conn, kind).and_then(|tx| {
+                    let value = within(&tx)?;
+                    pg.commit(tx, announce, self.inner.options.busy_timeout)?;
+                    Ok(value)
+                });
+                if result.is_err() {
+                    // Staged replies it made deliveries of may be staged again.
+                    self.hint_staged();
+                }
+                result
             }
         }
     }
@@ -1020,6 +1074,8 @@ enum WatchSource {
     Server {
         listener: Option<Arc<crate::store::postgres::listen::ListenState>>,
         resynced: std::time::Instant,
+        /// The handle's staged-replies hint: a look at the due times looks for them too.
+        staged: Arc<std::sync::atomic::AtomicBool>,
     },
 }
 
@@ -1036,12 +1092,17 @@ impl ChangeWatcher {
             }
             WatchSource::Memory => Ok(false),
             #[cfg(feature = "postgres")]
-            WatchSource::Server { listener, resynced } => {
+            WatchSource::Server {
+                listener,
+                resynced,
+                staged,
+            } => {
                 let heard = listener.as_ref().is_some_and(|l| l.healthy());
                 if heard && resynced.elapsed() < crate::store::postgres::listen::RESYNC {
                     return Ok(false);
                 }
                 *resynced = std::time::Instant::now();
+                staged.store(true, Ordering::Release);
                 Ok(true)
             }
         }
@@ -1102,6 +1163,7 @@ mod tests {
             source: WatchSource::Server {
                 listener: Some(state.clone()),
                 resynced: std::time::Instant::now(),
+                staged: Arc::default(),
             },
         };
         assert!(watcher.changed().unwrap(), "listener down: poll");
@@ -1117,6 +1179,7 @@ mod tests {
             source: WatchSource::Server {
                 listener: None,
                 resynced: std::time::Instant::now(),
+                staged: Arc::default(),
             },
         };
         assert!(

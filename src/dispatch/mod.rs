@@ -548,8 +548,13 @@ impl Core {
         self.next_due()
     }
 
-    /// When the next chunk of our channels is due (ms, outbox clock), if any.
+    /// When the next chunk of our channels is due (ms, outbox clock), if any; now, if
+    /// replies staged by an application's transaction may be waiting to join their
+    /// lanes (the next claim does that).
     pub(crate) fn next_due(&self) -> Option<i64> {
+        if self.outbox.staged_hinted() {
+            return Some(self.outbox.options().now_ms());
+        }
         match self.outbox.next_due(Some(&self.channel_names())) {
             Ok(due) => due.map(|t| t.timestamp_millis()),
             Err(e) => {

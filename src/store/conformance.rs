@@ -903,7 +903,7 @@ pub(super) fn operator_lookups_match_row_and_uid(fresh: Fresh) {
     let state = write(&ob, |tx| tx.delivery_state(r, &uid)).unwrap();
     assert_eq!(
         state,
-        (DeliveryStatus::Uncertain, "t".to_owned(), "a".to_owned())
+        (r, DeliveryStatus::Uncertain, "t".to_owned(), "a".to_owned())
     );
     let other = DeliveryId::from(uuid::Uuid::nil()).to_string();
     assert_eq!(write(&ob, |tx| tx.held_or_head_chunk(r, &other)), None);

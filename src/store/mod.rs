@@ -352,9 +352,39 @@ pub(crate) trait DeliveryStore {
     /// the order of commits among the deliveries of one lane (the transaction holds
     /// the lane), so that it is the lane position too.
     fn next_delivery_row(&self) -> Result<i64>;
+    /// As [`next_delivery_row`](Self::next_delivery_row) for a delivery of `lane`
+    /// (whose lock the caller holds), and whether replies [`staged`](Self::staged) in
+    /// that lane wait to go before it.
+    fn next_delivery_row_in(&self, _lane: LaneRef<'_>) -> Result<(i64, bool)> {
+        Ok((self.next_delivery_row()?, false))
+    }
     /// Stores a delivery (`pending` if active, else `queued`) and, if `chunk_rows`, its
-    /// chunks, the head chunk of an active one due at `head_due`.
-    fn insert_delivery(&self, row: &NewRow<'_>) -> Result<()>;
+    /// chunks, the head chunk of an active one due at `head_due`. False (nothing
+    /// stored) when its caller key was taken meanwhile by a transaction the key's lock
+    /// does not cover (an application's, see [`staged`](Self::staged)).
+    fn insert_delivery(&self, row: &NewRow<'_>) -> Result<bool>;
+    /// Replies staged by applications' own transactions (PostgreSQL's
+    /// `outbound_enqueue`: a row, no lane decided), oldest first, at most `limit`. A
+    /// store without them has none.
+    fn staged(&self, limit: i64) -> Result<Vec<Staged>>;
+    /// The replies staged in `lane`, oldest first.
+    fn staged_in_lane(&self, lane: LaneRef<'_>) -> Result<Vec<Staged>>;
+    /// Removes staged reply `row`, if it is still staged (not cancelled meanwhile);
+    /// whether it was. Its key stays held by this transaction.
+    fn take_staged(&self, row: i64) -> Result<bool>;
+    /// Notes that the reply staged as row `old` (which its uid names) is row `new`.
+    fn note_renumbered(&self, old: i64, new: i64) -> Result<()>;
+}
+
+/// A delivery's row (where it is now), status, channel and chat.
+pub(crate) type DeliveryState = (i64, DeliveryStatus, String, String);
+
+/// A reply staged by an application's transaction.
+#[derive(Debug, Clone)]
+pub(crate) struct Staged {
+    pub row: i64,
+    pub uid: String,
+    pub delivery: crate::enqueue::NewDelivery,
 }
 
 /// Finalization and the history.
@@ -408,12 +438,9 @@ pub(crate) trait OperatorStore {
     /// The failed or uncertain chunk of delivery row `delivery` with uid `uid`, or else
     /// its head chunk.
     fn held_or_head_chunk(&self, delivery: i64, uid: &str) -> Result<Option<ChunkRef>>;
-    /// Status and lane of delivery row `delivery` with uid `uid`.
-    fn delivery_state(
-        &self,
-        delivery: i64,
-        uid: &str,
-    ) -> Result<Option<(DeliveryStatus, String, String)>>;
+    /// Row, status and lane of the delivery with uid `uid`, which names row
+    /// `delivery` (or, on PostgreSQL, the row it was staged as).
+    fn delivery_state(&self, delivery: i64, uid: &str) -> Result<Option<DeliveryState>>;
 }
 
 /// Retention.

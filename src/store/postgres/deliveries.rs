@@ -3,9 +3,11 @@
 use super::statement::{self, Value};
 use super::{PgTx, delivery_status};
 use crate::clock::to_datetime;
+use crate::enqueue::NewDelivery;
 use crate::error::{Error, Result};
 use crate::store::{
-    ChannelTally, DeliveryLane, DeliveryStore, FinalizeStore, NewRow, StatementShape, StoredContent,
+    ChannelTally, DeliveryLane, DeliveryStore, FinalizeStore, LaneRef, NewRow, Staged,
+    StatementShape, StoredContent,
 };
 
 /// Copies delivery `$1` into the crate's history, delivered at `$2`, with `$content`
@@ -39,6 +41,32 @@ pub(crate) const SWEEP_SQL: &str =
          FROM outbound_delivery_chunks c WHERE c.delivery_id = d.id) n
      WHERE d.status <> 'delivered' AND n.chunks > 0 AND n.open = 0";
 
+/// The columns of a staged reply, as [`staged`] reads them.
+macro_rules! staged_select {
+    () => {
+        "SELECT id, uid, channel, chat_id, sender, idempotency_key, text, new_chunks,
+                metadata, not_before
+         FROM outbound_deliveries"
+    };
+}
+
+fn staged(r: &postgres::Row) -> Result<Staged> {
+    Ok(Staged {
+        row: r.try_get(0)?,
+        uid: r.try_get(1)?,
+        delivery: NewDelivery {
+            channel: r.try_get(2)?,
+            chat_id: r.try_get(3)?,
+            sender: r.try_get(4)?,
+            idempotency_key: r.try_get(5)?,
+            text: r.try_get(6)?,
+            chunks: r.try_get(7)?,
+            metadata: r.try_get(8)?,
+            not_before: r.try_get(9)?,
+        },
+    })
+}
+
 impl DeliveryStore for PgTx<'_> {
     fn find_by_key(&self, channel: &str, key: &str) -> Result<Option<(i64, String)>> {
         self.query_opt(
@@ -51,10 +79,12 @@ impl DeliveryStore for PgTx<'_> {
 
     fn stored_content(&self, delivery: i64) -> Result<StoredContent> {
         let r = self.query_one(
-            "SELECT channel, chat_id, sender, text, metadata, status
-             FROM outbound_deliveries WHERE id = $1",
+            "SELECT channel, chat_id, sender, text, metadata, status, new_chunks, id
+             FROM outbound_deliveries
+             WHERE id = coalesce((SELECT new_id FROM outbound_renumbered WHERE old_id = $1), $1)",
             &[&delivery],
         )?;
+        let delivery: i64 = r.try_get(7)?;
         let mut content = StoredContent {
             channel: r.try_get(0)?,
             chat_id: r.try_get(1)?,
@@ -64,6 +94,10 @@ impl DeliveryStore for PgTx<'_> {
             status: delivery_status(&r, 5)?,
             chunks: Vec::new(),
         };
+        if let Some(staged) = r.try_get::<_, Option<Vec<String>>>(6)? {
+            content.chunks = staged.into_iter().map(Some).collect();
+            return Ok(content);
+        }
         content.chunks = self
             .query(
                 "SELECT c.text FROM outbound_deliveries d
@@ -85,13 +119,17 @@ impl DeliveryStore for PgTx<'_> {
             .try_get(0)?)
     }
 
-    fn insert_delivery(&self, row: &NewRow<'_>) -> Result<()> {
+    fn insert_delivery(&self, row: &NewRow<'_>) -> Result<bool> {
         let d = row.delivery;
-        self.execute(
+        // The key's lock does not cover an application's transaction that staged a
+        // reply with the same key (it takes no lock of ours): its row decides.
+        let inserted = self.execute(
             "INSERT INTO outbound_deliveries
                  (id, uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
                   created_at, updated_at, text, metadata, not_before)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9, $10, $11, $12)",
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9, $10, $11, $12)
+             ON CONFLICT (channel, idempotency_key) WHERE idempotency_key IS NOT NULL
+             DO NOTHING",
             &[
                 &row.row,
                 &row.uid,
@@ -107,8 +145,11 @@ impl DeliveryStore for PgTx<'_> {
                 &d.not_before,
             ],
         )?;
+        if inserted == 0 {
+            return Ok(false);
+        }
         if !row.chunk_rows {
-            return Ok(());
+            return Ok(true);
         }
         // A chunk that is the whole text points at the delivery's copy (NULL).
         let texts: Vec<Option<&str>> = d
@@ -122,6 +163,58 @@ impl DeliveryStore for PgTx<'_> {
              SELECT $1, i - 1, 'pending', CASE WHEN i = 1 THEN $2::bigint END, t, $3
              FROM unnest($4::text[]) WITH ORDINALITY AS u(t, i)",
             &[&row.row, &row.head_due, &row.channel_id, &texts],
+        )?;
+        Ok(true)
+    }
+
+    fn next_delivery_row_in(&self, lane: LaneRef<'_>) -> Result<(i64, bool)> {
+        // One round trip: the row, and whether staged replies of the lane go first.
+        let r = self.query_one(
+            "SELECT nextval('outbound_deliveries_id_seq'), EXISTS (
+                 SELECT 1 FROM outbound_deliveries
+                 WHERE channel = $1 AND chat_id = $2 AND status = 'new')",
+            &[&lane.channel, &lane.chat_id],
+        )?;
+        Ok((r.try_get(0)?, r.try_get(1)?))
+    }
+
+    fn staged(&self, limit: i64) -> Result<Vec<Staged>> {
+        self.query(
+            concat!(
+                staged_select!(),
+                " WHERE status = 'new' ORDER BY id LIMIT $1"
+            ),
+            &[&limit],
+        )?
+        .iter()
+        .map(staged)
+        .collect()
+    }
+
+    fn staged_in_lane(&self, lane: LaneRef<'_>) -> Result<Vec<Staged>> {
+        self.query(
+            concat!(
+                staged_select!(),
+                " WHERE channel = $1 AND chat_id = $2 AND status = 'new' ORDER BY id"
+            ),
+            &[&lane.channel, &lane.chat_id],
+        )?
+        .iter()
+        .map(staged)
+        .collect()
+    }
+
+    fn take_staged(&self, row: i64) -> Result<bool> {
+        Ok(self.execute(
+            "DELETE FROM outbound_deliveries WHERE id = $1 AND status = 'new'",
+            &[&row],
+        )? == 1)
+    }
+
+    fn note_renumbered(&self, old: i64, new: i64) -> Result<()> {
+        self.execute(
+            "INSERT INTO outbound_renumbered (old_id, new_id) VALUES ($1, $2)",
+            &[&old, &new],
         )?;
         Ok(())
     }

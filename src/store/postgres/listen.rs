@@ -32,6 +32,10 @@ pub(crate) const COMMIT_ANNOUNCED: &str =
 /// The `application_name` of listening connections (as `pg_stat_activity` shows them).
 pub const APPLICATION_NAME: &str = "chunked-outbox listener";
 
+/// The payload of the notification `outbound_enqueue` sends: a reply staged in an
+/// application's transaction waits to join its lane.
+const STAGED: &str = "staged";
+
 /// How often an idle dispatcher reads the due times again while the listener is
 /// healthy.
 pub(crate) const RESYNC: Duration = Duration::from_secs(1);
@@ -87,16 +91,38 @@ impl Drop for Listener {
 pub(crate) fn start(
     config: postgres::Config,
     notifier: Arc<Notifier>,
+    staged: Arc<AtomicBool>,
 ) -> std::io::Result<Listener> {
     let state = Arc::new(ListenState::default());
     let shared = state.clone();
     std::thread::Builder::new()
         .name("outbox-listener".into())
-        .spawn(move || listen(&config, &notifier, &shared))?;
+        .spawn(move || {
+            let wake = Wake {
+                notifier: &notifier,
+                staged: &staged,
+            };
+            listen(&config, &wake, &shared)
+        })?;
     Ok(Listener { state })
 }
 
-fn listen(config: &postgres::Config, notifier: &Notifier, state: &ListenState) {
+/// What a notification wakes: the dispatchers, and (for a reply staged by an
+/// application's transaction, or after a reconnect) the next claim's look at staged
+/// replies.
+struct Wake<'a> {
+    notifier: &'a Notifier,
+    staged: &'a AtomicBool,
+}
+
+impl Wake<'_> {
+    fn all(&self) {
+        self.staged.store(true, Ordering::Release);
+        self.notifier.notify();
+    }
+}
+
+fn listen(config: &postgres::Config, wake: &Wake<'_>, state: &ListenState) {
     let mut backoff = Duration::from_millis(20);
     while !state.stop.load(Ordering::Acquire) {
         let Ok(mut client) = subscribe(config) else {
@@ -108,11 +134,11 @@ fn listen(config: &postgres::Config, notifier: &Notifier, state: &ListenState) {
         state.connects.fetch_add(1, Ordering::AcqRel);
         state.healthy.store(true, Ordering::Release);
         // What was committed while nobody listened is found by looking again.
-        notifier.notify();
-        serve(&mut client, notifier, state);
+        wake.all();
+        serve(&mut client, wake, state);
         state.healthy.store(false, Ordering::Release);
         tracing::warn!("the outbox's listening connection was lost; polling until it is back");
-        notifier.notify();
+        wake.all();
     }
 }
 
@@ -131,7 +157,7 @@ fn subscribe(config: &postgres::Config) -> Result<postgres::Client, postgres::Er
 
 /// Wakes the handle's dispatchers for each notification until the connection fails or
 /// the handle is dropped.
-fn serve(client: &mut postgres::Client, notifier: &Notifier, state: &ListenState) {
+fn serve(client: &mut postgres::Client, wake: &Wake<'_>, state: &ListenState) {
     loop {
         if state.stop.load(Ordering::Acquire) {
             return;
@@ -143,8 +169,11 @@ fn serve(client: &mut postgres::Client, notifier: &Notifier, state: &ListenState
             let mut iter = notifications.timeout_iter(CHECK_EVERY);
             loop {
                 match iter.next() {
-                    Ok(Some(_)) => {
-                        notifier.notify();
+                    Ok(Some(n)) => {
+                        if n.payload() == STAGED {
+                            wake.staged.store(true, Ordering::Release);
+                        }
+                        wake.notifier.notify();
                         woke = true;
                         // Under a steady stream, still look at `stop` now and then.
                         if started.elapsed() >= CHECK_EVERY {

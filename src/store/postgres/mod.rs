@@ -42,6 +42,8 @@ pub(crate) struct PgStore {
     pool: r2d2::Pool<Manager>,
     /// Where the pool connects, for the listener's own connection.
     pub(crate) config: postgres::Config,
+    /// The schema the outbox's tables are in (the first of the URL's `search_path`).
+    pub(crate) schema: String,
     /// The connection string, without its password, for messages.
     pub(crate) target: String,
     /// Every transaction is READ ONLY: the server refuses a write.
@@ -71,14 +73,19 @@ impl PgStore {
             .connection_timeout(timeout)
             .thread_pool(crate::outbox::pool_upkeep())
             .build_unchecked(manager);
-        let store = PgStore {
+        let mut store = PgStore {
             pool,
             config,
+            schema: String::new(),
             target,
             read_only,
         };
         // Opened now: a wrong address or password is an error of `connect`.
-        drop(store.connection()?);
+        store.schema = store
+            .connection()?
+            .client
+            .query_one("SELECT coalesce(current_schema(), '')", &[])?
+            .try_get(0)?;
         Ok(store)
     }
 
@@ -381,8 +388,13 @@ pub(crate) fn chunk_status(row: &Row, i: usize) -> Result<ChunkStatus> {
     row.try_get::<_, &str>(i)?.parse()
 }
 
+/// A delivery's status; a reply staged by an application's transaction (`new`, not
+/// yet in its lane) shows as queued.
 pub(crate) fn delivery_status(row: &Row, i: usize) -> Result<DeliveryStatus> {
-    row.try_get::<_, &str>(i)?.parse()
+    match row.try_get::<_, &str>(i)? {
+        "new" => Ok(DeliveryStatus::Queued),
+        status => status.parse(),
+    }
 }
 
 /// A non-negative count column.

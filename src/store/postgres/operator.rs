@@ -3,8 +3,8 @@
 use super::chunks::{chunk_ref, chunk_ref_where};
 use super::{PgTx, chunk_status, count, delivery_status};
 use crate::error::Result;
-use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::{ChunkRef, OperatorStore, Purgeable, RetentionStore};
+use crate::status::ChunkStatus;
+use crate::store::{ChunkRef, DeliveryState, OperatorStore, Purgeable, RetentionStore};
 
 /// The failed chunks of dead letters (not set aside as unreadable), oldest first; `$1`
 /// a channel, or NULL for all.
@@ -102,7 +102,8 @@ impl OperatorStore for PgTx<'_> {
     fn held_or_head_chunk(&self, delivery: i64, uid: &str) -> Result<Option<ChunkRef>> {
         self.query_opt(
             chunk_ref_where!(
-                "d.id = $1 AND d.uid = $2
+                "d.id = coalesce((SELECT new_id FROM outbound_renumbered WHERE old_id = $1), $1)
+                   AND d.uid = $2
                  ORDER BY c.status IN ('failed', 'uncertain') DESC,
                           c.chunk_index = least(d.delivered_count, d.chunk_count - 1) DESC
                  LIMIT 1"
@@ -114,16 +115,21 @@ impl OperatorStore for PgTx<'_> {
         .transpose()
     }
 
-    fn delivery_state(
-        &self,
-        delivery: i64,
-        uid: &str,
-    ) -> Result<Option<(DeliveryStatus, String, String)>> {
+    fn delivery_state(&self, delivery: i64, uid: &str) -> Result<Option<DeliveryState>> {
         self.query_opt(
-            "SELECT status, channel, chat_id FROM outbound_deliveries WHERE id = $1 AND uid = $2",
+            "SELECT status, channel, chat_id, id FROM outbound_deliveries
+             WHERE id = coalesce((SELECT new_id FROM outbound_renumbered WHERE old_id = $1), $1)
+               AND uid = $2",
             &[&delivery, &uid],
         )?
-        .map(|r| Ok((delivery_status(&r, 0)?, r.try_get(1)?, r.try_get(2)?)))
+        .map(|r| {
+            Ok((
+                r.try_get(3)?,
+                delivery_status(&r, 0)?,
+                r.try_get(1)?,
+                r.try_get(2)?,
+            ))
+        })
         .transpose()
     }
 }

@@ -48,7 +48,9 @@ const DELIVERY_SELECT: &str =
 const VIEW_SQL: &str = "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
         chunk_count, delivered_count, created_at, updated_at, finished_at, acknowledged_at,
         metadata, not_before, finalize_error
-     FROM outbound_deliveries WHERE id = $1 AND uid = $2";
+     FROM outbound_deliveries
+     WHERE id = coalesce((SELECT new_id FROM outbound_renumbered WHERE old_id = $1), $1)
+       AND uid = $2";
 
 const CHUNKS_SQL: &str = "SELECT d.id * 16384 + coalesce(c.chunk_index, 0),
         coalesce(c.chunk_index, 0), coalesce(c.status, 'pending'), coalesce(c.attempts, 0),

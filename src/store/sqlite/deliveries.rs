@@ -6,7 +6,7 @@ use super::chunks::{chunks_supplied, supplied};
 use super::tx::Tx;
 use crate::error::Result;
 use crate::ids::CHUNK_STRIDE;
-use crate::store::{DeliveryStore, NewRow, StoredContent};
+use crate::store::{DeliveryStore, LaneRef, NewRow, Staged, StoredContent};
 
 /// The delivery with caller key `?2` on channel `?1`.
 pub(crate) const KEY_LOOKUP_SQL: &str =
@@ -57,7 +57,7 @@ impl DeliveryStore for Tx<'_> {
             .query_row([], |r| r.get(0))?)
     }
 
-    fn insert_delivery(&self, row: &NewRow<'_>) -> Result<()> {
+    fn insert_delivery(&self, row: &NewRow<'_>) -> Result<bool> {
         let d = row.delivery;
         self.prepare_cached(
             "INSERT INTO outbound_deliveries
@@ -80,7 +80,7 @@ impl DeliveryStore for Tx<'_> {
             d.not_before,
         ])?;
         if !row.chunk_rows {
-            return Ok(());
+            return Ok(true);
         }
         let first_chunk = row.row * CHUNK_STRIDE;
         let mut chunk = self.prepare_cached(
@@ -102,6 +102,24 @@ impl DeliveryStore for Tx<'_> {
                 row.channel_id
             ])?;
         }
+        Ok(true)
+    }
+
+    // One writer: the application's transaction on the file is the crate's, and
+    // `enqueue_in` decides the lane there; nothing is ever staged.
+    fn staged(&self, _limit: i64) -> Result<Vec<Staged>> {
+        Ok(Vec::new())
+    }
+
+    fn staged_in_lane(&self, _lane: LaneRef<'_>) -> Result<Vec<Staged>> {
+        Ok(Vec::new())
+    }
+
+    fn take_staged(&self, _row: i64) -> Result<bool> {
+        Ok(false)
+    }
+
+    fn note_renumbered(&self, _old: i64, _new: i64) -> Result<()> {
         Ok(())
     }
 }

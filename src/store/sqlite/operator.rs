@@ -5,8 +5,8 @@ use rusqlite::{OptionalExtension, params};
 use super::chunks::{DELETE_CHUNKS_SQL, chunk_ref, chunk_ref_where, chunks_of_delivery};
 use super::tx::Tx;
 use crate::error::Result;
-use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::{ChunkRef, OperatorStore};
+use crate::status::ChunkStatus;
+use crate::store::{ChunkRef, DeliveryState, OperatorStore};
 
 /// The failed chunks of dead letters, oldest delivery first. Starts from the index of
 /// unfinished deliveries (a join led by the chunk table would read all of history).
@@ -81,17 +81,13 @@ impl OperatorStore for Tx<'_> {
             .optional()?)
     }
 
-    fn delivery_state(
-        &self,
-        delivery: i64,
-        uid: &str,
-    ) -> Result<Option<(DeliveryStatus, String, String)>> {
+    fn delivery_state(&self, delivery: i64, uid: &str) -> Result<Option<DeliveryState>> {
         Ok(self
             .prepare_cached(
                 "SELECT status, channel, chat_id FROM outbound_deliveries WHERE id = ?1 AND uid = ?2",
             )?
             .query_row(params![delivery, uid], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                Ok((delivery, r.get(0)?, r.get(1)?, r.get(2)?))
             })
             .optional()?)
     }

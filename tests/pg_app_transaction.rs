@@ -1,0 +1,516 @@
+//! PostgreSQL: replies enqueued inside the application's own transaction, with each
+//! client the crate accepts (`postgres`, `tokio-postgres`, `sqlx`).
+//!
+//! What must hold: the reply exists exactly when the application's transaction
+//! commits (a rollback leaves nothing); the commit wakes a dispatcher of another
+//! handle (whose poll is too slow to explain it); the application's transaction holds
+//! no lock of the outbox beyond its row (a busy lane does not hold up its commit, and
+//! an open one does not hold up the lane); a caller key used by two transactions at
+//! once resolves to one reply; lane order is commit order; and each isolation level
+//! behaves as `chunked_outbox::app_transaction` documents.
+#![cfg(feature = "postgres")]
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chunked_outbox::{
+    ChannelAdapter, Claim, DeliveryStatus, Dispatcher, Error, NewDelivery, Outbox, OutboxOptions,
+    Outcome, RecoverScope,
+};
+use common::postgres::{fresh_schema, server_url, with_search_path};
+
+struct Place {
+    url: String,
+}
+
+impl Place {
+    fn new() -> Option<Place> {
+        let schema = fresh_schema()?;
+        Some(Place {
+            url: with_search_path(&server_url().unwrap(), &schema),
+        })
+    }
+
+    fn outbox(&self) -> Outbox {
+        Outbox::connect(&self.url, OutboxOptions::default()).unwrap()
+    }
+
+    /// The application's own connection, with a table of its own.
+    fn app(&self) -> postgres::Client {
+        let mut client = postgres::Client::connect(&self.url, postgres::NoTls).unwrap();
+        client
+            .batch_execute("CREATE TABLE IF NOT EXISTS answers (id serial PRIMARY KEY, body text)")
+            .unwrap();
+        // A statement that waits for a lock of ours fails instead of hanging the test.
+        client
+            .batch_execute("SET statement_timeout = 20000")
+            .unwrap();
+        client
+    }
+}
+
+fn reply(chat: &str, text: &str) -> NewDelivery {
+    NewDelivery::single("t", chat, text)
+}
+
+/// Sends every claim it gets, recording the texts.
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<String>>>);
+
+impl ChannelAdapter for Recorder {
+    fn send(&self, claim: &Claim) -> Outcome {
+        self.0.lock().unwrap().push(claim.text.clone());
+        Outcome::delivered(None)
+    }
+}
+
+impl Recorder {
+    fn wait_for(&self, n: usize) -> Vec<String> {
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let sent = self.0.lock().unwrap().clone();
+            if sent.len() >= n {
+                return sent;
+            }
+            assert!(Instant::now() < until, "only {sent:?} sent");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+/// Claims and delivers everything due, one at a time; the texts in order.
+fn drain(outbox: &Outbox) -> Vec<String> {
+    let mut sent = Vec::new();
+    loop {
+        let claims = outbox.claim(1).unwrap();
+        let Some(claim) = claims.first() else {
+            return sent;
+        };
+        sent.push(claim.text.clone());
+        outbox.record(claim, Outcome::delivered(None)).unwrap();
+    }
+}
+
+#[test]
+fn a_committed_reply_wakes_another_handles_dispatcher_and_is_delivered_once() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    let recorder = Recorder::default();
+    // A poll this slow cannot explain a send within the test: the commit's
+    // notification must wake it.
+    let running = Dispatcher::builder(place.outbox())
+        .adapter("t", recorder.clone())
+        .poll_interval(Duration::from_secs(600))
+        .build()
+        .unwrap()
+        .start()
+        .unwrap();
+    let mut app = place.app();
+    let mut tx = app.transaction().unwrap();
+    tx.execute("INSERT INTO answers (body) VALUES ('42')", &[])
+        .unwrap();
+    let enqueued = outbox
+        .enqueue_in_pg(&mut tx, &reply("c1", "the answer is 42"))
+        .unwrap();
+    assert!(enqueued.created);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        recorder.0.lock().unwrap().is_empty(),
+        "sent before the commit"
+    );
+    assert!(
+        outbox.delivery(enqueued.id).unwrap().is_none(),
+        "visible before the commit"
+    );
+    tx.commit().unwrap();
+    assert_eq!(recorder.wait_for(1), ["the answer is 42"]);
+    running.shutdown(Duration::from_secs(10));
+    // The uid the application was given names the delivery it became.
+    let view = outbox.delivery(enqueued.id).unwrap().unwrap();
+    assert_eq!(view.status, DeliveryStatus::Delivered);
+    let mut admin = place.app();
+    let history: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM outbound_messages WHERE delivery_id = $1",
+            &[&enqueued.id.to_string()],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(history, 1);
+}
+
+#[test]
+fn a_rolled_back_reply_leaves_nothing() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    let mut app = place.app();
+    let mut tx = app.transaction().unwrap();
+    let enqueued = outbox
+        .enqueue_in_pg(&mut tx, &reply("c1", "never"))
+        .unwrap();
+    tx.rollback().unwrap();
+    outbox.recover(RecoverScope::ExpiredLeases).unwrap();
+    assert!(outbox.delivery(enqueued.id).unwrap().is_none());
+    assert!(drain(&outbox).is_empty());
+    let rows: i64 = app
+        .query_one("SELECT count(*) FROM outbound_deliveries", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 0);
+}
+
+#[test]
+fn a_staged_reply_shows_as_queued_and_can_be_cancelled_before_it_starts() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    let mut app = place.app();
+    let mut tx = app.transaction().unwrap();
+    let id = outbox
+        .enqueue_in_pg(&mut tx, &reply("c1", "withdrawn"))
+        .unwrap()
+        .id;
+    tx.commit().unwrap();
+    assert_eq!(
+        outbox.delivery(id).unwrap().unwrap().status,
+        DeliveryStatus::Queued
+    );
+    outbox.cancel(id).unwrap();
+    assert!(
+        drain(&outbox).is_empty(),
+        "a cancelled staged reply is never sent"
+    );
+    assert_eq!(
+        outbox.delivery(id).unwrap().unwrap().status,
+        DeliveryStatus::Cancelled
+    );
+}
+
+#[test]
+fn lane_order_is_commit_order() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    outbox.enqueue(&reply("c1", "first")).unwrap();
+    let mut app = place.app();
+    let mut tx = app.transaction().unwrap();
+    outbox
+        .enqueue_in_pg(&mut tx, &reply("c1", "third"))
+        .unwrap();
+    // Committed while the application's transaction is still open: it goes before.
+    outbox.enqueue(&reply("c1", "second")).unwrap();
+    tx.commit().unwrap();
+    outbox.enqueue(&reply("c1", "fourth")).unwrap();
+    assert_eq!(drain(&outbox), ["first", "second", "third", "fourth"]);
+}
+
+#[test]
+fn a_busy_lane_does_not_hold_the_applications_commit_nor_an_open_one_the_lane() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    outbox.enqueue(&reply("c1", "before")).unwrap();
+    // Another transaction holds the lane's row (as an ack of that chat would).
+    let mut holder = place.app();
+    holder.batch_execute("BEGIN").unwrap();
+    holder
+        .batch_execute("SELECT 1 FROM outbound_lanes WHERE chat_id = 'c1' FOR UPDATE")
+        .unwrap();
+    let mut app = place.app();
+    app.batch_execute("SET lock_timeout = 2000").unwrap();
+    let mut tx = app.transaction().unwrap();
+    outbox
+        .enqueue_in_pg(&mut tx, &reply("c1", "staged"))
+        .unwrap();
+    tx.commit().unwrap();
+    holder.batch_execute("ROLLBACK").unwrap();
+
+    // An open application transaction with a staged reply: the lane goes on.
+    let mut tx = app.transaction().unwrap();
+    outbox.enqueue_in_pg(&mut tx, &reply("c1", "open")).unwrap();
+    assert_eq!(drain(&outbox), ["before", "staged"]);
+    outbox.enqueue(&reply("c1", "after")).unwrap();
+    assert_eq!(drain(&outbox), ["after"]);
+    tx.commit().unwrap();
+    // Started by the next claim after the commit's notification, or by a maintenance
+    // pass: here the latter, so the test does not wait for the former.
+    outbox.recover(RecoverScope::ExpiredLeases).unwrap();
+    assert_eq!(drain(&outbox), ["open"]);
+}
+
+#[test]
+fn a_claim_loop_hears_of_a_committed_staged_reply() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    assert!(drain(&outbox).is_empty()); // the loop runs (and listens)
+    let mut app = place.app();
+    let mut tx = app.transaction().unwrap();
+    outbox
+        .enqueue_in_pg(&mut tx, &reply("c1", "heard"))
+        .unwrap();
+    tx.commit().unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let sent = drain(&outbox);
+        if !sent.is_empty() {
+            assert_eq!(sent, ["heard"]);
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the claim loop never started the staged reply"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn one_caller_key_in_two_transactions_at_once_is_one_reply() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    let keyed = |text: &str| reply("c1", text).with_idempotency_key("k1");
+    let (mut first, mut second) = (place.app(), place.app());
+    let mut tx1 = first.transaction().unwrap();
+    let made = outbox.enqueue_in_pg(&mut tx1, &keyed("once")).unwrap();
+    assert!(made.created);
+    std::thread::scope(|s| {
+        let waiting = s.spawn(|| {
+            let mut tx2 = second.transaction().unwrap();
+            let found = outbox.enqueue_in_pg(&mut tx2, &keyed("once"));
+            tx2.commit().unwrap();
+            found
+        });
+        // The second waits for the first's key: it has not returned yet.
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(
+            !waiting.is_finished(),
+            "the second did not wait for the key"
+        );
+        tx1.commit().unwrap();
+        let found = waiting.join().unwrap().unwrap();
+        assert_eq!((found.id, found.created), (made.id, false));
+    });
+    // The crate's own enqueue with that key finds it too; other content is refused.
+    let again = outbox.enqueue(&keyed("once")).unwrap();
+    assert_eq!((again.id, again.created), (made.id, false));
+    let mut third = place.app();
+    let mut tx3 = third.transaction().unwrap();
+    assert!(matches!(
+        outbox.enqueue_in_pg(&mut tx3, &keyed("other")),
+        Err(Error::IdempotencyConflict { existing, .. }) if existing == made.id
+    ));
+    drop(tx3);
+    assert_eq!(drain(&outbox), ["once"]);
+}
+
+#[test]
+fn a_key_whose_first_transaction_rolls_back_is_made_by_the_second() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    let keyed = reply("c1", "kept").with_idempotency_key("k1");
+    let (mut first, mut second) = (place.app(), place.app());
+    let mut tx1 = first.transaction().unwrap();
+    outbox.enqueue_in_pg(&mut tx1, &keyed).unwrap();
+    std::thread::scope(|s| {
+        let waiting = s.spawn(|| {
+            let mut tx2 = second.transaction().unwrap();
+            let made = outbox.enqueue_in_pg(&mut tx2, &keyed);
+            tx2.commit().unwrap();
+            made
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        tx1.rollback().unwrap();
+        assert!(waiting.join().unwrap().unwrap().created);
+    });
+    assert_eq!(drain(&outbox), ["kept"]);
+}
+
+#[test]
+fn the_crates_own_enqueue_waits_for_an_application_transaction_with_its_key() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    let keyed = reply("c1", "one").with_idempotency_key("k1");
+    let mut app = place.app();
+    let mut tx = app.transaction().unwrap();
+    let staged = outbox.enqueue_in_pg(&mut tx, &keyed).unwrap();
+    std::thread::scope(|s| {
+        let plain = s.spawn(|| outbox.enqueue(&keyed));
+        std::thread::sleep(Duration::from_millis(100));
+        tx.commit().unwrap();
+        let found = plain.join().unwrap().unwrap();
+        assert_eq!((found.id, found.created), (staged.id, false));
+    });
+    assert_eq!(drain(&outbox), ["one"]);
+}
+
+/// REPEATABLE READ and SERIALIZABLE: a key taken after the snapshot is a serialization
+/// failure (the application retries); one taken before it is found.
+#[test]
+fn snapshot_isolation_levels_refuse_a_key_taken_after_their_snapshot() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    for level in ["REPEATABLE READ", "SERIALIZABLE"] {
+        let key = format!("k-{level}");
+        let keyed = reply("c1", "r").with_idempotency_key(key.clone());
+        let mut app = place.app();
+        let mut tx = app
+            .build_transaction()
+            .isolation_level(if level == "SERIALIZABLE" {
+                postgres::IsolationLevel::Serializable
+            } else {
+                postgres::IsolationLevel::RepeatableRead
+            })
+            .start()
+            .unwrap();
+        tx.execute("SELECT 1", &[]).unwrap(); // the snapshot is taken
+        let taken = outbox.enqueue(&keyed).unwrap();
+        assert!(
+            matches!(outbox.enqueue_in_pg(&mut tx, &keyed), Err(Error::Busy)),
+            "{level}"
+        );
+        drop(tx);
+        // Retried, the transaction's new snapshot sees the reply.
+        let mut tx = app
+            .build_transaction()
+            .isolation_level(postgres::IsolationLevel::RepeatableRead)
+            .start()
+            .unwrap();
+        let found = outbox.enqueue_in_pg(&mut tx, &keyed).unwrap();
+        assert_eq!((found.id, found.created), (taken.id, false), "{level}");
+        tx.commit().unwrap();
+    }
+}
+
+#[test]
+fn an_sqlite_outbox_refuses_a_postgresql_transaction() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let file = Outbox::open_in_memory(OutboxOptions::default()).unwrap();
+    let mut app = place.app();
+    let mut tx = app.transaction().unwrap();
+    assert!(matches!(
+        file.enqueue_in_pg(&mut tx, &reply("c1", "x")),
+        Err(Error::Unsupported { .. })
+    ));
+    // Bad input is refused before anything runs.
+    let outbox = place.outbox();
+    assert!(matches!(
+        outbox.enqueue_in_pg(&mut tx, &reply("", "x")),
+        Err(Error::InvalidInput { .. })
+    ));
+    tx.commit().unwrap();
+}
+
+/// Runs `f` on a runtime of its own (the outbox's own calls block, so they stay
+/// outside it).
+#[cfg(any(feature = "tokio-postgres", feature = "sqlx"))]
+fn on_runtime<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
+
+#[cfg(feature = "tokio-postgres")]
+#[test]
+fn tokio_postgres_transactions_commit_and_roll_back_their_reply() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    let (kept, dropped, first, same) = on_runtime(async {
+        let (mut client, connection) = tokio_postgres::connect(&place.url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let tx = client.transaction().await.unwrap();
+        let kept = outbox
+            .enqueue_in_tokio_pg(&tx, &reply("c1", "kept"))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        let tx = client.transaction().await.unwrap();
+        let dropped = outbox
+            .enqueue_in_tokio_pg(&tx, &reply("c1", "dropped"))
+            .await
+            .unwrap();
+        tx.rollback().await.unwrap();
+        let tx = client.transaction().await.unwrap();
+        let keyed = reply("c2", "k").with_idempotency_key("k");
+        let first = outbox.enqueue_in_tokio_pg(&tx, &keyed).await.unwrap();
+        let same = outbox.enqueue_in_tokio_pg(&tx, &keyed).await.unwrap();
+        tx.commit().await.unwrap();
+        (kept, dropped, first, same)
+    });
+    assert_eq!((same.id, same.created), (first.id, false));
+    assert_eq!(drain(&outbox), ["kept", "k"]);
+    assert!(outbox.delivery(dropped.id).unwrap().is_none());
+    assert_eq!(
+        outbox.delivery(kept.id).unwrap().unwrap().status,
+        DeliveryStatus::Delivered
+    );
+}
+
+#[cfg(feature = "sqlx")]
+#[test]
+fn sqlx_transactions_commit_and_roll_back_their_reply() {
+    use sqlx::Connection;
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    let (kept, dropped, first, same) = on_runtime(async {
+        let mut conn = sqlx::PgConnection::connect(&place.url).await.unwrap();
+        let mut tx = conn.begin().await.unwrap();
+        let kept = outbox
+            .enqueue_in_sqlx(&mut tx, &reply("c1", "kept"))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        let mut tx = conn.begin().await.unwrap();
+        let dropped = outbox
+            .enqueue_in_sqlx(&mut tx, &reply("c1", "dropped"))
+            .await
+            .unwrap();
+        tx.rollback().await.unwrap();
+        let mut tx = conn.begin().await.unwrap();
+        let keyed = reply("c2", "k").with_idempotency_key("k");
+        let first = outbox.enqueue_in_sqlx(&mut tx, &keyed).await.unwrap();
+        let same = outbox.enqueue_in_sqlx(&mut tx, &keyed).await.unwrap();
+        let other = reply("c2", "other").with_idempotency_key("k");
+        assert!(matches!(
+            outbox.enqueue_in_sqlx(&mut tx, &other).await,
+            Err(Error::IdempotencyConflict { .. })
+        ));
+        tx.commit().await.unwrap();
+        (kept, dropped, first, same)
+    });
+    assert_eq!((same.id, same.created), (first.id, false));
+    assert_eq!(drain(&outbox), ["kept", "k"]);
+    assert!(outbox.delivery(dropped.id).unwrap().is_none());
+    assert_eq!(
+        outbox.delivery(kept.id).unwrap().unwrap().status,
+        DeliveryStatus::Delivered
+    );
+}
