@@ -692,7 +692,7 @@ const DRAIN_WORKERS: usize = 8;
 /// A dispatcher process of (j): serves `db` against the platform at `addr` until
 /// nothing is left to send.
 fn drain_child(db: &str, addr: &str) {
-    let outbox = Outbox::open(db, options(Synchronous::Normal)).unwrap();
+    let outbox = open_target(db);
     let adapter = Platform {
         url: format!("http://{addr}/send"),
         client: reqwest::blocking::Client::builder()
@@ -717,14 +717,39 @@ fn drain_child(db: &str, addr: &str) {
     running.shutdown(Duration::from_secs(10));
 }
 
+/// The outbox of (j) at `target`: a file, or (feature `postgres`) a PostgreSQL URL.
+fn open_target(target: &str) -> Outbox {
+    #[cfg(feature = "postgres")]
+    if target.starts_with("postgres") {
+        return Outbox::connect(target, options(Synchronous::Normal)).unwrap();
+    }
+    Outbox::open(target, options(Synchronous::Normal)).unwrap()
+}
+
 /// (j) `replies` replies to `chats` chats drained by two dispatcher processes sharing
-/// the file, under the platform's limits, with the limits stored as the channel's
-/// rules (`PLATFORM_RATE` a second, one a second per chat). Returns the accepted
-/// messages a second over the span from the first to the last ÷ `PLATFORM_RATE`, and
-/// the number of 429 answers.
-fn platform_drain(replies: u64, chats: u64) -> (f64, u64) {
+/// the outbox — a file, or with `server` a fresh schema of that PostgreSQL database —
+/// under the platform's limits, with the limits stored as the channel's rules
+/// (`PLATFORM_RATE` a second, one a second per chat). Returns the accepted messages a
+/// second over the span from the first to the last ÷ `PLATFORM_RATE`, and the number
+/// of 429 answers.
+fn platform_drain(replies: u64, chats: u64, server: Option<&str>) -> (f64, u64) {
     let (_dir, path) = temp_db("outbox.db");
-    let outbox = Outbox::open(&path, options(Synchronous::Normal)).unwrap();
+    let target = match server {
+        #[cfg(feature = "postgres")]
+        Some(url) => {
+            let schema = format!("throughput_drain_{}", std::process::id());
+            let mut admin = postgres::Client::connect(url, postgres::NoTls).unwrap();
+            admin
+                .batch_execute(&format!(
+                    "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+                ))
+                .unwrap();
+            let sep = if url.contains('?') { '&' } else { '?' };
+            format!("{url}{sep}options=-c%20search_path%3D{schema}")
+        }
+        _ => path.to_str().unwrap().to_owned(),
+    };
+    let outbox = open_target(&target);
     let rules = chunked_outbox::ChannelPolicy::default()
         .with_lane_interval(CHAT_INTERVAL)
         .with_rate_per_second(PLATFORM_RATE);
@@ -739,7 +764,7 @@ fn platform_drain(replies: u64, chats: u64) -> (f64, u64) {
     let children: Vec<_> = (0..2)
         .map(|_| {
             std::process::Command::new(std::env::current_exe().unwrap())
-                .args(["--drain-child", path.to_str().unwrap(), &addr])
+                .args(["--drain-child", &target, &addr])
                 .spawn()
                 .unwrap()
         })
@@ -1035,8 +1060,13 @@ fn main() {
             return;
         }
         Some("drain") => {
-            let (e, refused) = platform_drain(2_000, 200);
-            return println!("platform drain: {e:.3} of the limit, {refused} answers 429");
+            let (e, refused) = platform_drain(2_000, 200, None);
+            println!("platform drain, SQLite file: {e:.3} of the limit, {refused} answers 429");
+            if let Ok(url) = std::env::var("DATABASE_URL") {
+                let (e, refused) = platform_drain(2_000, 200, Some(&url));
+                println!("platform drain, PostgreSQL: {e:.3} of the limit, {refused} answers 429");
+            }
+            return;
         }
         Some("dispatch1") => {
             return println!(
@@ -1122,7 +1152,7 @@ fn main() {
         );
     }
     let (replies, chats) = if quick { (2_000, 200) } else { (6_000, 600) };
-    let (platform_efficiency, platform_429s) = platform_drain(replies, chats);
+    let (platform_efficiency, platform_429s) = platform_drain(replies, chats, None);
     println!(
         "(j) {replies} replies to {chats} chats, two dispatcher processes, platform limits {PLATFORM_RATE}/s and 1/s per chat: {platform_efficiency:.3} of the limit, {platform_429s} answers 429"
     );

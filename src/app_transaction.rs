@@ -58,12 +58,12 @@ impl Outbox {
     /// The statement, qualified with the outbox's schema (the application's
     /// connection may have another `search_path`).
     fn enqueue_sql(&self) -> Result<String> {
-        let schema = self.postgres_schema("enqueue_in_pg")?;
+        let quoted_schema = self.postgres_schema("enqueue_in_pg")?;
         Ok(format!(
             "SELECT uid, created, channel, chat_id, sender, body, metadata, status, chunks
-             FROM \"{}\".outbound_enqueue($1::text, $2::text, $3::text, $4::text, $5::text,
-                 $6::text[], $7::text, $8::bigint, $9::bigint, $10::bigint, $11::bigint)",
-            schema.replace('"', "\"\"")
+             FROM {quoted_schema}.outbound_enqueue($1::text, $2::text, $3::text, $4::text,
+                 $5::text, $6::text[], $7::text, $8::bigint, $9::bigint, $10::bigint,
+                 $11::bigint)"
         ))
     }
 

@@ -55,6 +55,10 @@
 //!   [`Health::verdict`]; an HTTP [`monitoring::Endpoint`] (`/metrics`, `/healthz`,
 //!   `/health.json`) to mount in the application's server; and with feature `metrics`
 //!   counters and histograms through the `metrics` facade ([`telemetry`]).
+//! * A PostgreSQL store (feature `postgres`) for applications on several hosts:
+//!   [`Outbox::connect`], wake-ups across hosts, and replies enqueued inside the
+//!   application's own transaction ([`app_transaction`]; with features
+//!   `tokio-postgres` and `sqlx` for those clients).
 //! * The `outbox` tool (feature `cli`, on by default): `health`, `serve`, `list`, `show`,
 //!   `requeue`, `resolve`, `cancel`, `purge`, `config`, `migrate`, and the `demo` and
 //!   `torture` that show the guarantees below.

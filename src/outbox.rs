@@ -633,12 +633,12 @@ impl Outbox {
         }
     }
 
-    /// The schema of a PostgreSQL outbox, or [`Error::Unsupported`] naming `what` on
-    /// another backend.
+    /// The schema of a PostgreSQL outbox, quoted as an identifier, or
+    /// [`Error::Unsupported`] naming `what` on another backend.
     #[cfg(feature = "postgres")]
     pub(crate) fn postgres_schema(&self, what: &'static str) -> Result<&str> {
         match &self.inner.backend {
-            Backend::Postgres(pg) => Ok(&pg.schema),
+            Backend::Postgres(pg) => Ok(&pg.quoted_schema),
             Backend::Sqlite(_) => Err(Error::Unsupported {
                 what,
                 backend: "SQLite",

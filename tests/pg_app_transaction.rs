@@ -194,6 +194,35 @@ fn a_staged_reply_shows_as_queued_and_can_be_cancelled_before_it_starts() {
 }
 
 #[test]
+fn a_purge_forgets_the_row_a_staged_reply_had() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    let mut app = place.app();
+    let mut tx = app.transaction().unwrap();
+    let staged = outbox
+        .enqueue_in_pg(&mut tx, &reply("c1", "old"))
+        .unwrap()
+        .id;
+    tx.commit().unwrap();
+    outbox.enqueue(&reply("c1", "newest")).unwrap(); // a purge keeps the newest row
+    assert_eq!(drain(&outbox), ["old", "newest"]);
+    let renumbered = |app: &mut postgres::Client| -> i64 {
+        app.query_one("SELECT count(*) FROM outbound_renumbered", &[])
+            .unwrap()
+            .get(0)
+    };
+    assert_eq!(renumbered(&mut app), 1);
+    let report = outbox
+        .purge(chrono::Utc::now() + chrono::Duration::days(1))
+        .unwrap();
+    assert_eq!(report.deliveries, 1);
+    assert!(outbox.delivery(staged).unwrap().is_none());
+    assert_eq!(renumbered(&mut app), 0);
+}
+
+#[test]
 fn lane_order_is_commit_order() {
     let Some(place) = Place::new() else {
         return;

@@ -20,9 +20,9 @@ use postgres::fallible_iterator::FallibleIterator;
 use crate::outbox::Notifier;
 
 /// The notification channel of the outbox in the connection's current schema (one per
-/// schema: a database may hold several outboxes). A name, not an identifier: used
-/// through `pg_notify` and quoted for `LISTEN`.
-pub(crate) const CHANNEL_SQL: &str = "'chunked_outbox_' || md5(current_schema())";
+/// schema: a database may hold several outboxes). A name made of letters and digits,
+/// used through `pg_notify` and quoted for `LISTEN`.
+const CHANNEL_QUERY: &str = "SELECT 'chunked_outbox_' || md5(current_schema())";
 
 /// Commits a transaction with its notification (delivered at the commit, and only if
 /// it commits), in one round trip.
@@ -148,9 +148,7 @@ fn subscribe(config: &postgres::Config) -> Result<postgres::Client, postgres::Er
         .clone()
         .application_name(APPLICATION_NAME)
         .connect(NoTls)?;
-    let channel: String = client
-        .query_one(&format!("SELECT {CHANNEL_SQL}"), &[])?
-        .get(0);
+    let channel: String = client.query_one(CHANNEL_QUERY, &[])?.get(0);
     client.batch_execute(&format!("LISTEN \"{channel}\""))?;
     Ok(client)
 }

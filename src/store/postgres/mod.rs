@@ -42,8 +42,9 @@ pub(crate) struct PgStore {
     pool: r2d2::Pool<Manager>,
     /// Where the pool connects, for the listener's own connection.
     pub(crate) config: postgres::Config,
-    /// The schema the outbox's tables are in (the first of the URL's `search_path`).
-    pub(crate) schema: String,
+    /// The schema the outbox's tables are in (the first of the URL's `search_path`),
+    /// quoted as an identifier by the server.
+    pub(crate) quoted_schema: String,
     /// The connection string, without its password, for messages.
     pub(crate) target: String,
     /// Every transaction is READ ONLY: the server refuses a write.
@@ -76,15 +77,15 @@ impl PgStore {
         let mut store = PgStore {
             pool,
             config,
-            schema: String::new(),
+            quoted_schema: String::new(),
             target,
             read_only,
         };
         // Opened now: a wrong address or password is an error of `connect`.
-        store.schema = store
+        store.quoted_schema = store
             .connection()?
             .client
-            .query_one("SELECT coalesce(current_schema(), '')", &[])?
+            .query_one("SELECT quote_ident(coalesce(current_schema(), ''))", &[])?
             .try_get(0)?;
         Ok(store)
     }
@@ -270,10 +271,12 @@ impl<'c> PgTx<'c> {
     /// same round trip. The transaction's id is read first, so that a commit whose
     /// answer is lost can be looked up ([`PgStore::commit`]).
     fn commit_or_lose(self, announce: bool) -> std::result::Result<(), LostCommit> {
-        let xid = match self.query_one(TXID_SQL, &[]) {
-            Ok(row) => row.get::<_, Option<i64>>(0),
-            Err(e) => return Err(LostCommit::Failed(e)),
-        };
+        // None as well in a transaction a failed statement aborted (whose COMMIT is a
+        // rollback) and on a broken connection (whose COMMIT fails at once).
+        let xid = self
+            .query_one(TXID_SQL, &[])
+            .ok()
+            .and_then(|row| row.get::<_, Option<i64>>(0));
         self.open.set(false);
         let mut conn = self.conn.borrow_mut();
         let sql = if announce {

@@ -164,7 +164,9 @@ impl RetentionStore for PgTx<'_> {
             concat!(
                 "WITH gone AS (DELETE FROM outbound_deliveries WHERE id = $1 AND ",
                 finished!(),
-                " RETURNING id)
+                " RETURNING id),
+                 renumbered AS (
+                     DELETE FROM outbound_renumbered WHERE new_id = (SELECT id FROM gone))
                  DELETE FROM outbound_delivery_chunks WHERE delivery_id = (SELECT id FROM gone)"
             ),
             &[&delivery],

@@ -205,8 +205,8 @@ mod tests {
                     opened,
                     Err(Error::SchemaTooNew {
                         found: 99,
-                        supported: 1
-                    })
+                        supported,
+                    }) if supported == super::latest_version()
                 ),
                 "{opened:?}"
             );

@@ -22,6 +22,8 @@ CREATE TABLE outbound_renumbered (
     old_id bigint PRIMARY KEY,
     new_id bigint NOT NULL
 );
+-- A purge removes the entry of the delivery it removes.
+CREATE INDEX outbound_renumbered_new ON outbound_renumbered (new_id);
 
 -- Enqueues a reply in the caller's transaction: one row, status 'new'. Returns the
 -- reply's uid and whether it was made; for a caller key already used, the existing
