@@ -313,7 +313,9 @@ impl Outbox {
     pub fn recover(&self, scope: RecoverScope) -> Result<RecoveryReport> {
         self.write_and_wake(|tx, rules| {
             let now = self.options().now_ms();
-            while crate::enqueue::activate_staged(tx, self, rules, now)? {}
+            if crate::enqueue::activate_staged(tx, self, rules, now)? {
+                self.hint_staged();
+            }
             let limit = match scope {
                 RecoverScope::ExpiredLeases => now,
                 RecoverScope::AllSending => i64::MAX,

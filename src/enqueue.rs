@@ -563,8 +563,8 @@ fn existing(tx: &dyn StoreTx, d: &NewDelivery) -> Result<Option<Result<Enqueued>
 /// `outbound_enqueue`: a row, no lane decided) deliveries of their lanes, exactly as
 /// an enqueue would have — a row drawn under the lane's lock, the lane's head decided
 /// — keeping the uid each application was given. Lanes other transactions hold now
-/// are not waited for: their replies are left for the next round. Whether any staged
-/// reply is left.
+/// are not waited for: their replies are left for a later claim (the handle's hint
+/// says so). Whether the round was full (more may be staged).
 pub(crate) fn activate_staged(
     tx: &dyn StoreTx,
     outbox: &Outbox,
@@ -573,7 +573,7 @@ pub(crate) fn activate_staged(
 ) -> Result<bool> {
     const ROUND: usize = 100;
     let staged = tx.staged(ROUND as i64)?;
-    let mut left = staged.len() == ROUND;
+    let full = staged.len() == ROUND;
     // A lane passed over stays passed over in this round: its later replies must not
     // go before the earlier one.
     let mut passed: Vec<(String, String)> = Vec::new();
@@ -582,12 +582,12 @@ pub(crate) fn activate_staged(
         let lane = (d.channel.clone(), d.chat_id.clone());
         if passed.contains(&lane) || !tx.try_lock_lane(LaneRef::new(&d.channel, &d.chat_id))? {
             passed.push(lane);
-            left = true;
+            outbox.hint_staged();
             continue;
         }
         start_staged(tx, outbox, rules, &s, now)?;
     }
-    Ok(left)
+    Ok(full)
 }
 
 /// Makes every reply staged in `lane`, whose lock the caller holds, a delivery of it,

@@ -45,8 +45,8 @@ struct Inner {
     /// to join their lanes (see [`activate_staged`](crate::enqueue::activate_staged)):
     /// set when a notification or a poll says so, taken by the next claim.
     staged_hint: Arc<std::sync::atomic::AtomicBool>,
-    /// PostgreSQL: the thread listening for other processes' commits, started with
-    /// the first dispatcher.
+    /// PostgreSQL: the thread listening for other processes' commits, started by the
+    /// first dispatcher or claim of this handle.
     #[cfg(feature = "postgres")]
     listener: std::sync::OnceLock<Option<crate::store::postgres::listen::Listener>>,
     options: OutboxOptions,

@@ -276,6 +276,44 @@ fn a_busy_lane_does_not_hold_the_applications_commit_nor_an_open_one_the_lane() 
     assert_eq!(drain(&outbox), ["open"]);
 }
 
+/// A claim never waits for a lane: a staged reply whose lane another transaction
+/// holds stays staged until the lane is free, then starts.
+#[test]
+fn a_staged_reply_whose_lane_is_held_waits_for_the_next_claim() {
+    let Some(place) = Place::new() else {
+        return;
+    };
+    let outbox = place.outbox();
+    outbox.enqueue(&reply("c1", "first")).unwrap();
+    assert_eq!(drain(&outbox), ["first"]);
+    let mut app = place.app();
+    let mut tx = app.transaction().unwrap();
+    outbox.enqueue_in_pg(&mut tx, &reply("c1", "held")).unwrap();
+    tx.commit().unwrap();
+    let mut holder = place.app();
+    holder.batch_execute("BEGIN").unwrap();
+    holder
+        .batch_execute("SELECT 1 FROM outbound_lanes WHERE chat_id = 'c1' FOR UPDATE")
+        .unwrap();
+    outbox.recover(RecoverScope::ExpiredLeases).unwrap();
+    let staged = |app: &mut postgres::Client| -> i64 {
+        app.query_one(
+            "SELECT count(*) FROM outbound_deliveries WHERE status = 'new'",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    assert!(
+        outbox.claim(1).unwrap().is_empty(),
+        "started in a held lane"
+    );
+    assert_eq!(staged(&mut app), 1);
+    holder.batch_execute("ROLLBACK").unwrap();
+    assert_eq!(drain(&outbox), ["held"]);
+    assert_eq!(staged(&mut app), 0);
+}
+
 #[test]
 fn a_claim_loop_hears_of_a_committed_staged_reply() {
     let Some(place) = Place::new() else {

@@ -68,8 +68,11 @@ impl PgStore {
         })?;
         let target = describe(&config);
         let manager = Manager(PostgresConnectionManager::new(config.clone(), NoTls));
+        // A connection is checked when taken (a server restarted or a connection ended
+        // meanwhile is replaced, not handed out), and dropped when found broken.
         let pool = r2d2::Pool::builder()
             .max_size(size)
+            .test_on_check_out(true)
             .min_idle(Some(0))
             .connection_timeout(timeout)
             .thread_pool(crate::outbox::pool_upkeep())
