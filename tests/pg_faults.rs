@@ -179,6 +179,63 @@ fn a_commit_nobody_can_confirm_is_unknown_and_a_retry_is_safe() {
     assert_eq!(history(&mut t.admin, id), 1);
 }
 
+#[test]
+fn a_commit_confirmed_once_the_network_is_back_is_a_success() {
+    // Asked for up to the busy timeout (5 s by default): an outage shorter than that
+    // ends with the answer.
+    let Some(mut t) = via_proxy(OutboxOptions::default()) else {
+        return;
+    };
+    let (id, claim) = claimed(&t.outbox);
+    t.proxy.cut_next_commit(Cut::AfterCommit);
+    t.proxy.refuse(true);
+    let recorded = std::thread::scope(|s| {
+        let recording = s.spawn(|| t.outbox.record(&claim, delivered()));
+        // The outage: until the commit was cut, and a moment more.
+        while !t.proxy.commit_cut() {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        t.proxy.refuse(false);
+        recording.join().unwrap()
+    });
+    assert_eq!(recorded.unwrap().status, ChunkStatus::Delivered);
+    assert_eq!(history(&mut t.admin, id), 1);
+}
+
+/// A commit the server answers with a refusal did not happen: the caller gets the
+/// server's error, not a lost connection, and nothing is stored.
+#[test]
+fn a_commit_the_server_refuses_is_its_error_and_stores_nothing() {
+    let Some(schema) = fresh_schema() else {
+        return;
+    };
+    let outbox = direct(&schema, "refused_commit");
+    let mut admin = admin(&schema);
+    admin
+        .batch_execute(
+            "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+                 $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$;
+             CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER INSERT ON outbound_deliveries
+                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse();",
+        )
+        .unwrap();
+    let refused = outbox.enqueue(&NewDelivery::single("t", "c1", "hello"));
+    match refused {
+        Err(Error::Postgres(e)) => assert!(
+            e.to_string().contains("refused at commit")
+                || format!("{e:?}").contains("refused at commit"),
+            "{e:?}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    let rows: i64 = admin
+        .query_one("SELECT count(*) FROM outbound_deliveries", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 0);
+}
+
 /// A direct outbox whose connections carry `application`, so the test finds them.
 fn direct(schema: &str, application: &str) -> Outbox {
     let url = format!(
