@@ -46,6 +46,26 @@ struct Call<'a> {
     uid_spare: i64,
 }
 
+impl Call<'_> {
+    /// The arguments, as the `postgres` and `tokio-postgres` clients bind them.
+    fn params(&self) -> [&(dyn postgres::types::ToSql + Sync); 11] {
+        let d = self.delivery;
+        [
+            &d.channel,
+            &d.chat_id,
+            &d.sender,
+            &d.idempotency_key,
+            &d.text,
+            &d.chunks,
+            &d.metadata,
+            &d.not_before,
+            &self.now,
+            &self.uid_high,
+            &self.uid_spare,
+        ]
+    }
+}
+
 /// What `outbound_enqueue` returned.
 struct Returned {
     uid: String,
@@ -133,24 +153,8 @@ impl Outbox {
     ) -> Result<Enqueued> {
         let sql = self.enqueue_sql()?;
         let call = self.call(delivery)?;
-        let d = call.delivery;
-        let row = client.query_one(
-            sql.as_str(),
-            &[
-                &d.channel,
-                &d.chat_id,
-                &d.sender,
-                &d.idempotency_key,
-                &d.text,
-                &d.chunks,
-                &d.metadata,
-                &d.not_before,
-                &call.now,
-                &call.uid_high,
-                &call.uid_spare,
-            ],
-        )?;
-        self.enqueued(d, returned(&row)?)
+        let row = client.query_one(sql.as_str(), &call.params())?;
+        self.enqueued(delivery, returned(parts(&row)?)?)
     }
 
     /// As [`enqueue_in_pg`](Self::enqueue_in_pg), with the application's
@@ -167,26 +171,8 @@ impl Outbox {
     ) -> Result<Enqueued> {
         let sql = self.enqueue_sql()?;
         let call = self.call(delivery)?;
-        let d = call.delivery;
-        let row = client
-            .query_one(
-                sql.as_str(),
-                &[
-                    &d.channel,
-                    &d.chat_id,
-                    &d.sender,
-                    &d.idempotency_key,
-                    &d.text,
-                    &d.chunks,
-                    &d.metadata,
-                    &d.not_before,
-                    &call.now,
-                    &call.uid_high,
-                    &call.uid_spare,
-                ],
-            )
-            .await?;
-        self.enqueued(d, returned(&row)?)
+        let row = client.query_one(sql.as_str(), &call.params()).await?;
+        self.enqueued(delivery, returned(parts(&row)?)?)
     }
 
     /// As [`enqueue_in_pg`](Self::enqueue_in_pg), on the application's [`sqlx`]
@@ -202,11 +188,10 @@ impl Outbox {
         conn: &mut sqlx::PgConnection,
         delivery: &NewDelivery,
     ) -> Result<Enqueued> {
-        use sqlx::Row;
         let sql = self.enqueue_sql()?;
         let call = self.call(delivery)?;
         let d = call.delivery;
-        let row = sqlx::query(&sql)
+        let row: Parts = sqlx::query_as(&sql)
             .bind(&d.channel)
             .bind(&d.chat_id)
             .bind(&d.sender)
@@ -221,58 +206,55 @@ impl Outbox {
             .fetch_one(conn)
             .await
             .map_err(sqlx_error)?;
-        let sqlx = |e: sqlx::Error| Error::Sqlx(e);
-        let created: bool = row.try_get(1).map_err(sqlx)?;
-        let found = if created {
-            None
-        } else {
-            let status: String = row.try_get(7).map_err(sqlx)?;
-            Some(StoredContent {
-                channel: row.try_get(2).map_err(sqlx)?,
-                chat_id: row.try_get(3).map_err(sqlx)?,
-                sender: row.try_get(4).map_err(sqlx)?,
-                text: row.try_get(5).map_err(sqlx)?,
-                metadata: row.try_get(6).map_err(sqlx)?,
-                status: stored_status(&status)?,
-                chunks: row
-                    .try_get::<Vec<String>, _>(8)
-                    .map_err(sqlx)?
-                    .into_iter()
-                    .map(Some)
-                    .collect(),
-            })
-        };
-        let returned = Returned {
-            uid: row.try_get(0).map_err(sqlx)?,
-            created,
-            found,
-        };
-        self.enqueued(d, returned)
+        self.enqueued(delivery, returned(row)?)
     }
 }
 
-/// What the function returned, read from a `postgres` or `tokio-postgres` row.
-fn returned(row: &postgres::Row) -> Result<Returned> {
-    let created: bool = row.try_get(1)?;
-    let found = if created {
-        None
-    } else {
-        Some(StoredContent {
-            channel: row.try_get(2)?,
-            chat_id: row.try_get(3)?,
-            sender: row.try_get(4)?,
-            text: row.try_get(5)?,
-            metadata: row.try_get(6)?,
-            status: stored_status(row.try_get(7)?)?,
-            chunks: row
-                .try_get::<_, Vec<String>>(8)?
-                .into_iter()
-                .map(Some)
-                .collect(),
-        })
+/// The function's columns: uid, created, then the content of a reply its key named.
+type Parts = (
+    String,
+    bool,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<Vec<String>>,
+);
+
+/// The columns of a `postgres` or `tokio-postgres` row.
+fn parts(row: &postgres::Row) -> Result<Parts> {
+    Ok((
+        row.try_get(0)?,
+        row.try_get(1)?,
+        row.try_get(2)?,
+        row.try_get(3)?,
+        row.try_get(4)?,
+        row.try_get(5)?,
+        row.try_get(6)?,
+        row.try_get(7)?,
+        row.try_get(8)?,
+    ))
+}
+
+/// What the function returned.
+fn returned(parts: Parts) -> Result<Returned> {
+    let (uid, created, channel, chat_id, sender, text, metadata, status, chunks) = parts;
+    let found = match (created, channel, chat_id, text, status) {
+        (false, Some(channel), Some(chat_id), Some(text), Some(status)) => Some(StoredContent {
+            channel,
+            chat_id,
+            sender,
+            text,
+            metadata,
+            status: stored_status(&status)?,
+            chunks: chunks.unwrap_or_default().into_iter().map(Some).collect(),
+        }),
+        _ => None,
     };
     Ok(Returned {
-        uid: row.try_get(0)?,
+        uid,
         created,
         found,
     })
