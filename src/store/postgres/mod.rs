@@ -293,10 +293,9 @@ impl<'c> PgTx<'c> {
             // not happen. (A backend ended while it commits answers with an error too,
             // `57P01`, when the commit may well have happened: that is a lost one.)
             Err(e) if !connection_lost(&e) => {
-                if announce && !e.is_closed() {
-                    // The notification failed, so COMMIT never ran: end the transaction.
-                    let _ = conn.client.batch_execute("ROLLBACK");
-                }
+                // If the notification failed, COMMIT never ran: end the transaction
+                // (after a refused COMMIT there is none left, and this does nothing).
+                let _ = conn.client.batch_execute("ROLLBACK");
                 Err(LostCommit::Failed(e.into()))
             }
             Err(e) => Err(LostCommit::Lost {
