@@ -735,6 +735,8 @@ fn open_target(target: &str) -> Outbox {
 fn platform_drain(replies: u64, chats: u64, server: Option<&str>) -> (f64, u64) {
     let (_dir, path) = temp_db("outbox.db");
     let target = match server {
+        #[cfg(not(feature = "postgres"))]
+        Some(_) => unreachable!("a PostgreSQL drain needs the postgres feature"),
         #[cfg(feature = "postgres")]
         Some(url) => {
             let schema = format!("throughput_drain_{}", std::process::id());
@@ -747,7 +749,7 @@ fn platform_drain(replies: u64, chats: u64, server: Option<&str>) -> (f64, u64) 
             let sep = if url.contains('?') { '&' } else { '?' };
             format!("{url}{sep}options=-c%20search_path%3D{schema}")
         }
-        _ => path.to_str().unwrap().to_owned(),
+        None => path.to_str().unwrap().to_owned(),
     };
     let outbox = open_target(&target);
     let rules = chunked_outbox::ChannelPolicy::default()
@@ -1062,6 +1064,7 @@ fn main() {
         Some("drain") => {
             let (e, refused) = platform_drain(2_000, 200, None);
             println!("platform drain, SQLite file: {e:.3} of the limit, {refused} answers 429");
+            #[cfg(feature = "postgres")]
             if let Ok(url) = std::env::var("DATABASE_URL") {
                 let (e, refused) = platform_drain(2_000, 200, Some(&url));
                 println!("platform drain, PostgreSQL: {e:.3} of the limit, {refused} answers 429");

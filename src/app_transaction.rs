@@ -35,7 +35,6 @@ use crate::enqueue::{Enqueued, NewDelivery, same_content};
 use crate::error::{Error, Result};
 use crate::ids::DeliveryId;
 use crate::outbox::Outbox;
-use crate::status::DeliveryStatus;
 use crate::store::StoredContent;
 
 /// The arguments of `outbound_enqueue`, in order.
@@ -248,7 +247,7 @@ fn returned(parts: Parts) -> Result<Returned> {
             sender,
             text,
             metadata,
-            status: stored_status(&status)?,
+            status: crate::store::postgres::status_of(&status)?,
             chunks: chunks.unwrap_or_default().into_iter().map(Some).collect(),
         }),
         _ => None,
@@ -258,14 +257,6 @@ fn returned(parts: Parts) -> Result<Returned> {
         created,
         found,
     })
-}
-
-/// A stored status as the comparison of contents reads it (a staged reply is queued).
-fn stored_status(status: &str) -> Result<DeliveryStatus> {
-    match status {
-        "new" => Ok(DeliveryStatus::Queued),
-        other => other.parse(),
-    }
 }
 
 /// A serialization failure or deadlock is [`Error::Busy`], as on the crate's own

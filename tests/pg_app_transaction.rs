@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chunked_outbox::{
-    ChannelAdapter, Claim, DeliveryStatus, Dispatcher, Error, NewDelivery, Outbox, OutboxOptions,
-    Outcome, RecoverScope,
+    ChannelAdapter, Claim, DeliveryStatus, Dispatcher, Enqueued, Error, NewDelivery, Outbox,
+    OutboxOptions, Outcome, RecoverScope,
 };
 use common::postgres::{fresh_schema, server_url, with_search_path};
 
@@ -78,6 +78,14 @@ impl Recorder {
             std::thread::sleep(Duration::from_millis(2));
         }
     }
+}
+
+/// Stages `r` in a transaction of the application's connection that commits.
+fn committed(outbox: &Outbox, app: &mut postgres::Client, r: &NewDelivery) -> Enqueued {
+    let mut tx = app.transaction().unwrap();
+    let enqueued = outbox.enqueue_in_pg(&mut tx, r).unwrap();
+    tx.commit().unwrap();
+    enqueued
 }
 
 /// Claims and delivers everything due, one at a time; the texts in order.
@@ -172,12 +180,7 @@ fn a_staged_reply_shows_as_queued_and_can_be_cancelled_before_it_starts() {
     };
     let outbox = place.outbox();
     let mut app = place.app();
-    let mut tx = app.transaction().unwrap();
-    let id = outbox
-        .enqueue_in_pg(&mut tx, &reply("c1", "withdrawn"))
-        .unwrap()
-        .id;
-    tx.commit().unwrap();
+    let id = committed(&outbox, &mut app, &reply("c1", "withdrawn")).id;
     assert_eq!(
         outbox.delivery(id).unwrap().unwrap().status,
         DeliveryStatus::Queued
@@ -200,12 +203,7 @@ fn a_purge_forgets_the_row_a_staged_reply_had() {
     };
     let outbox = place.outbox();
     let mut app = place.app();
-    let mut tx = app.transaction().unwrap();
-    let staged = outbox
-        .enqueue_in_pg(&mut tx, &reply("c1", "old"))
-        .unwrap()
-        .id;
-    tx.commit().unwrap();
+    let staged = committed(&outbox, &mut app, &reply("c1", "old")).id;
     outbox.enqueue(&reply("c1", "newest")).unwrap(); // a purge keeps the newest row
     assert_eq!(drain(&outbox), ["old", "newest"]);
     let renumbered = |app: &mut postgres::Client| -> i64 {
@@ -256,11 +254,7 @@ fn a_busy_lane_does_not_hold_the_applications_commit_nor_an_open_one_the_lane() 
         .unwrap();
     let mut app = place.app();
     app.batch_execute("SET lock_timeout = 2000").unwrap();
-    let mut tx = app.transaction().unwrap();
-    outbox
-        .enqueue_in_pg(&mut tx, &reply("c1", "staged"))
-        .unwrap();
-    tx.commit().unwrap();
+    committed(&outbox, &mut app, &reply("c1", "staged"));
     holder.batch_execute("ROLLBACK").unwrap();
 
     // An open application transaction with a staged reply: the lane goes on.
@@ -287,9 +281,7 @@ fn a_staged_reply_whose_lane_is_held_waits_for_the_next_claim() {
     outbox.enqueue(&reply("c1", "first")).unwrap();
     assert_eq!(drain(&outbox), ["first"]);
     let mut app = place.app();
-    let mut tx = app.transaction().unwrap();
-    outbox.enqueue_in_pg(&mut tx, &reply("c1", "held")).unwrap();
-    tx.commit().unwrap();
+    committed(&outbox, &mut app, &reply("c1", "held"));
     let mut holder = place.app();
     holder.batch_execute("BEGIN").unwrap();
     holder
@@ -322,11 +314,7 @@ fn a_claim_loop_hears_of_a_committed_staged_reply() {
     let outbox = place.outbox();
     assert!(drain(&outbox).is_empty()); // the loop runs (and listens)
     let mut app = place.app();
-    let mut tx = app.transaction().unwrap();
-    outbox
-        .enqueue_in_pg(&mut tx, &reply("c1", "heard"))
-        .unwrap();
-    tx.commit().unwrap();
+    committed(&outbox, &mut app, &reply("c1", "heard"));
     let until = Instant::now() + Duration::from_secs(30);
     loop {
         let sent = drain(&outbox);

@@ -34,6 +34,33 @@ pub(crate) mod sqlite;
 #[path = "../../tests/common/postgres.rs"]
 pub(crate) mod test_server;
 
+/// A delivery that changes no more: delivered, cancelled, or a dead letter someone
+/// acknowledged (checked again when a listed one is removed). The same condition on
+/// every store.
+macro_rules! finished_sql {
+    () => {
+        "(status IN ('delivered', 'cancelled')
+          OR (status = 'failed' AND acknowledged_at IS NOT NULL))"
+    };
+}
+
+/// The deliveries a purge may remove, `$cutoff` the placeholder of the cutoff in the
+/// store's dialect: finished before it, and never the newest one (row ids are never
+/// reused, so the newest row keeps the next one from repeating).
+macro_rules! purgeable_sql {
+    ($cutoff:literal) => {
+        concat!(
+            "finished_at < ",
+            $cutoff,
+            " AND ",
+            $crate::store::finished_sql!(),
+            " AND id < (SELECT max(id) FROM outbound_deliveries)"
+        )
+    };
+}
+
+pub(crate) use {finished_sql, purgeable_sql};
+
 /// One lane: the deliveries of one chat on one channel, in order. Locks are taken in
 /// the order of this type (channel, then chat), so two transactions that lock several
 /// lanes never wait for each other in a circle.

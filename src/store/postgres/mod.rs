@@ -393,10 +393,15 @@ pub(crate) fn chunk_status(row: &Row, i: usize) -> Result<ChunkStatus> {
     row.try_get::<_, &str>(i)?.parse()
 }
 
-/// A delivery's status; a reply staged by an application's transaction (`new`, not
-/// yet in its lane) shows as queued.
+/// A delivery's status in column `i`.
 pub(crate) fn delivery_status(row: &Row, i: usize) -> Result<DeliveryStatus> {
-    match row.try_get::<_, &str>(i)? {
+    status_of(row.try_get(i)?)
+}
+
+/// A stored delivery status; a reply staged by an application's transaction (`new`,
+/// not yet in its lane) shows as queued.
+pub(crate) fn status_of(stored: &str) -> Result<DeliveryStatus> {
+    match stored {
         "new" => Ok(DeliveryStatus::Queued),
         status => status.parse(),
     }

@@ -4,7 +4,9 @@ use super::chunks::{chunk_ref, chunk_ref_where};
 use super::{PgTx, chunk_status, count, delivery_status};
 use crate::error::Result;
 use crate::status::ChunkStatus;
-use crate::store::{ChunkRef, DeliveryState, OperatorStore, Purgeable, RetentionStore};
+use crate::store::{
+    ChunkRef, DeliveryState, OperatorStore, Purgeable, RetentionStore, finished_sql, purgeable_sql,
+};
 
 /// The failed chunks of dead letters (not set aside as unreadable), oldest first; `$1`
 /// a channel, or NULL for all.
@@ -13,26 +15,6 @@ pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
        AND ($1::text IS NULL OR d.channel = $1) AND c.status = 'failed'
      ORDER BY d.id, c.chunk_index"
 );
-
-/// The deliveries a purge may remove (`$2` the cutoff), never the newest one.
-macro_rules! purgeable {
-    () => {
-        concat!(
-            "finished_at < $2 AND ",
-            finished!(),
-            " AND id < (SELECT max(id) FROM outbound_deliveries)"
-        )
-    };
-}
-
-/// A delivery that changes no more: delivered, cancelled, or a dead letter someone
-/// acknowledged (checked again when a listed one is removed).
-macro_rules! finished {
-    () => {
-        "(status IN ('delivered', 'cancelled')
-          OR (status = 'failed' AND acknowledged_at IS NOT NULL))"
-    };
-}
 
 impl OperatorStore for PgTx<'_> {
     fn dead_letter_chunks(&self, channel: Option<&str>) -> Result<Vec<ChunkRef>> {
@@ -140,7 +122,7 @@ impl RetentionStore for PgTx<'_> {
             self.query(
                 concat!(
                     "SELECT id, channel, status = 'delivered' FROM outbound_deliveries WHERE ",
-                    purgeable!(),
+                    purgeable_sql!("$2"),
                     " AND id > $1 ORDER BY id LIMIT $3"
                 ),
                 &[&after, &cutoff, &max],
@@ -163,7 +145,7 @@ impl RetentionStore for PgTx<'_> {
         self.execute(
             concat!(
                 "WITH gone AS (DELETE FROM outbound_deliveries WHERE id = $1 AND ",
-                finished!(),
+                finished_sql!(),
                 " RETURNING id),
                  renumbered AS (
                      DELETE FROM outbound_renumbered WHERE new_id = (SELECT id FROM gone))
@@ -208,7 +190,7 @@ impl RetentionStore for PgTx<'_> {
                     "SELECT count(*), coalesce(sum(CASE WHEN status = 'cancelled' THEN 0
                                                     ELSE chunk_count END), 0)::bigint
                  FROM outbound_deliveries WHERE $1::bigint IS NOT NULL AND ",
-                    purgeable!()
+                    purgeable_sql!("$2")
                 ),
                 &[&0i64, &cutoff],
             )

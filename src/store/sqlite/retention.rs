@@ -5,34 +5,13 @@ use rusqlite::params;
 use super::chunks::DELETE_CHUNKS_SQL;
 use super::tx::Tx;
 use crate::error::Result;
-use crate::store::{Purgeable, RetentionStore};
-
-/// The deliveries a purge may remove (`?2` the cutoff): finished before it — delivered,
-/// cancelled, or dead letters someone acknowledged — and never the newest one.
-macro_rules! purgeable {
-    () => {
-        concat!(
-            "finished_at < ?2 AND ",
-            finished!(),
-            " AND id < (SELECT max(id) FROM outbound_deliveries)"
-        )
-    };
-}
-
-/// A delivery that changes no more: delivered, cancelled, or a dead letter someone
-/// acknowledged (checked again when a listed one is removed).
-macro_rules! finished {
-    () => {
-        "(status IN ('delivered', 'cancelled')
-          OR (status = 'failed' AND acknowledged_at IS NOT NULL))"
-    };
-}
+use crate::store::{Purgeable, RetentionStore, finished_sql, purgeable_sql};
 
 impl RetentionStore for Tx<'_> {
     fn purgeable(&self, after: i64, cutoff: i64, max: i64) -> Result<Vec<Purgeable>> {
         let mut stmt = self.prepare_cached(concat!(
             "SELECT id, channel, status = 'delivered' FROM outbound_deliveries WHERE ",
-            purgeable!(),
+            purgeable_sql!("?2"),
             " AND id > ?1 ORDER BY id LIMIT ?3"
         ))?;
         let rows = stmt.query_map(params![after, cutoff, max], |r| {
@@ -49,7 +28,7 @@ impl RetentionStore for Tx<'_> {
         let removed = self
             .prepare_cached(concat!(
                 "DELETE FROM outbound_deliveries WHERE id = ?1 AND ",
-                finished!()
+                finished_sql!()
             ))?
             .execute([delivery])?;
         if removed == 0 {
@@ -82,7 +61,7 @@ impl RetentionStore for Tx<'_> {
             // A cancelled delivery's chunks are already gone.
             "SELECT count(*), coalesce(sum(CASE WHEN status = 'cancelled' THEN 0 ELSE chunk_count END), 0)
              FROM outbound_deliveries WHERE ",
-            purgeable!()
+            purgeable_sql!("?2")
         ))?
         // The condition names the cutoff `?2`, as in the purge itself.
         .query_row(params![0, cutoff], |r| Ok((r.get(0)?, r.get(1)?)))?;
