@@ -457,7 +457,17 @@ pub(crate) fn claim_in(
         candidates.extend(tx.due_chunks(&channel, now, take)?);
     }
     candidates.sort_by_key(|c| c.due_at);
+    // The lanes of the first `limit` readable candidates are tried in one go (most
+    // claims take those); a lane further down is tried when the loop gets there.
+    let first: Vec<LaneRef<'_>> = candidates
+        .iter()
+        .filter_map(|c| c.row.as_ref().ok())
+        .take(limit)
+        .map(|c| c.chunk.lane())
+        .collect();
+    let mut first_locked = tx.try_lock_lanes(&first)?.into_iter();
     let mut claims = Vec::with_capacity(limit.min(candidates.len()));
+    let mut sending = Vec::with_capacity(claims.capacity());
     let mut slots_taken = Vec::new();
     let mut held_back = false;
     for candidate in candidates {
@@ -478,7 +488,11 @@ pub(crate) fn claim_in(
                 continue;
             }
         };
-        if !tx.try_lock_lane(c.chunk.lane())? {
+        let locked = match first_locked.next() {
+            Some(locked) => locked,
+            None => tx.try_lock_lane(c.chunk.lane())?,
+        };
+        if !locked {
             continue;
         }
         if c.chunk.status == ChunkStatus::Sending
@@ -514,7 +528,7 @@ pub(crate) fn claim_in(
             break;
         }
         let token = outbox.next_token();
-        tx.mark_sending(c.chunk.id, lease_until, token)?;
+        sending.push((c.chunk.id, token));
         crate::lane::note_send(tx, rules, c.chunk.lane(), now)?;
         if let Some(slot) = paced.iter().find(|(id, _)| *id == candidate.channel_id) {
             slots_taken.push(*slot);
@@ -538,6 +552,7 @@ pub(crate) fn claim_in(
             break;
         }
     }
+    tx.mark_sending_many(&sending, lease_until)?;
     for (channel, next) in slots_taken {
         tx.set_channel_slot(channel, next)?;
     }

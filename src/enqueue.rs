@@ -291,7 +291,11 @@ impl Outbox {
         self.storable(delivery)?;
         let enqueued = self.write_and_wake(|tx, rules| {
             lock_for(tx, &[delivery])?;
-            insert(tx, self, rules, delivery)
+            let now = self.options().now_ms();
+            match insert_keyless(tx, self, rules, &[delivery], now)? {
+                Some(mut stored) => Ok(stored.remove(0)),
+                None => insert(tx, self, rules, delivery),
+            }
         })?;
         if enqueued.created {
             crate::telemetry::enqueued(&delivery.channel);
@@ -353,10 +357,14 @@ impl Outbox {
         }
         let stored = self.write_and_wake(|tx, rules| {
             lock_for(tx, &deliveries)?;
-            deliveries
-                .iter()
-                .map(|d| insert(tx, self, rules, d))
-                .collect::<Result<Vec<_>>>()
+            let now = self.options().now_ms();
+            match insert_keyless(tx, self, rules, &deliveries, now)? {
+                Some(stored) => Ok(stored),
+                None => deliveries
+                    .iter()
+                    .map(|d| insert(tx, self, rules, d))
+                    .collect::<Result<Vec<_>>>(),
+            }
         })?;
         for (d, e) in deliveries.iter().zip(&stored) {
             if e.created {
@@ -521,6 +529,121 @@ fn lock_for(tx: &dyn StoreTx, deliveries: &[&NewDelivery]) -> Result<()> {
         .map(|d| LaneRef::new(&d.channel, &d.chat_id))
         .collect();
     tx.lock_lanes(&mut lanes)
+}
+
+/// Stores deliveries without caller keys, whose lanes the caller holds ([`lock_for`]),
+/// as [`insert`] one by one would — each a row drawn under its lane's lock and a place
+/// in its lane's order — with the lanes read, the rows drawn and the deliveries stored
+/// in one go each. `None` (nothing written) when a delivery has a caller key (its key
+/// decides whether it is stored at all) or replies an application staged wait in one
+/// of the lanes: those take [`insert`].
+fn insert_keyless(
+    tx: &dyn StoreTx,
+    outbox: &Outbox,
+    rules: &Stored,
+    deliveries: &[&NewDelivery],
+    now: i64,
+) -> Result<Option<Vec<Enqueued>>> {
+    if deliveries.iter().any(|d| d.idempotency_key.is_some()) {
+        return Ok(None);
+    }
+    let mut lanes: Vec<LaneRef<'_>> = deliveries
+        .iter()
+        .map(|d| LaneRef::new(&d.channel, &d.chat_id))
+        .collect();
+    lanes.sort_unstable();
+    lanes.dedup();
+    let (entries, rows) = tx.enter_lanes(&lanes, deliveries.len())?;
+    if entries.iter().any(|e| e.staged_before) {
+        // (The rows drawn are left unused.)
+        return Ok(None);
+    }
+    // Where each FIFO lane stands as the deliveries before join it: busy once one of
+    // them (or one before) is active.
+    let mut heads = Vec::with_capacity(lanes.len());
+    if rules.policy.lane_order == LaneOrder::Fifo {
+        for (lane, entry) in lanes.iter().zip(&entries) {
+            heads.push(lane::head_of(tx, &rules.policy, *lane, entry.head.clone())?);
+        }
+    }
+    if rows
+        .last()
+        .is_some_and(|row| row.checked_mul(CHUNK_STRIDE).is_none())
+    {
+        return Err(Error::invalid(
+            "delivery",
+            "the database has used up its row ids; purge it or start a new file",
+        ));
+    }
+    // A channel the stored rules do not know yet is registered once, not per delivery.
+    let mut registered: Vec<(&str, i64)> = Vec::new();
+    let mut channel_ids = Vec::with_capacity(deliveries.len());
+    for d in deliveries {
+        let known = rules.channel_ids.get(&d.channel).copied().or_else(|| {
+            registered
+                .iter()
+                .find(|(name, _)| *name == d.channel)
+                .map(|(_, id)| *id)
+        });
+        channel_ids.push(match known {
+            Some(id) => id,
+            None => {
+                let id = tx.channel_number(&d.channel)?;
+                registered.push((&d.channel, id));
+                id
+            }
+        });
+    }
+    let mut ids = Vec::with_capacity(deliveries.len());
+    let mut plans = Vec::with_capacity(deliveries.len());
+    for ((d, row), channel_id) in deliveries.iter().zip(&rows).zip(channel_ids) {
+        let lane = LaneRef::new(&d.channel, &d.chat_id);
+        let at = lanes.partition_point(|l| *l < lane);
+        let active = match rules.policy.lane_order {
+            LaneOrder::Parallel => true,
+            LaneOrder::Fifo => match std::mem::replace(&mut heads[at], LaneHead::Busy) {
+                LaneHead::Idle => true,
+                LaneHead::Busy => false,
+                // A queued delivery with nothing in front of it: start that one first.
+                LaneHead::Next(waiting) => {
+                    lane::activate(tx, &waiting, lane, now)?;
+                    false
+                }
+            },
+        };
+        // The head chunk of an active delivery is inserted already due (see
+        // `insert_new`), at the lane's due time of its earliest start.
+        let head_due = active.then(|| {
+            now.max(d.not_before.unwrap_or(i64::MIN))
+                .max(entries[at].free_at)
+        });
+        let id = outbox.new_delivery_id(*row, now);
+        ids.push(id);
+        plans.push((*row, id.to_string(), channel_id, active, head_due));
+    }
+    let new_rows: Vec<NewRow<'_>> = deliveries
+        .iter()
+        .zip(&plans)
+        .map(|(d, (row, uid, channel_id, active, head_due))| NewRow {
+            row: *row,
+            uid,
+            delivery: d,
+            channel_id: *channel_id,
+            active: *active,
+            now,
+            head_due: *head_due,
+            chunk_rows: *active || !stored_at_activation(d),
+        })
+        .collect();
+    // Without caller keys nothing can refuse a row.
+    if tx.insert_deliveries(&new_rows)?.contains(&false) {
+        return Err(Error::Busy);
+    }
+    Ok(Some(
+        ids.into_iter()
+            .map(|id| Enqueued { id, created: true })
+            .collect(),
+    ))
 }
 
 /// Stores one delivery; its caller holds its key and lane ([`lock_for`]).

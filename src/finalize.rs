@@ -159,7 +159,7 @@ pub(crate) struct Tally {
 }
 
 impl Tally {
-    fn add(&mut self, channel: &str, now: i64, latency_ms: i64) {
+    pub(crate) fn add(&mut self, channel: &str, now: i64, latency_ms: i64) {
         match self.channels.iter_mut().find(|(c, ..)| c == channel) {
             Some((_, at, latencies)) => {
                 *at = (*at).max(now);

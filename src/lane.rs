@@ -34,7 +34,17 @@ pub(crate) enum LaneHead {
 
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
 pub(crate) fn head(tx: &dyn StoreTx, rules: &Policy, lane: LaneRef<'_>) -> Result<LaneHead> {
-    let next = match tx.lane_head(lane)? {
+    head_of(tx, rules, lane, tx.lane_head(lane)?)
+}
+
+/// [`head`], from the lane's first unfinished delivery as read.
+pub(crate) fn head_of(
+    tx: &dyn StoreTx,
+    rules: &Policy,
+    lane: LaneRef<'_>,
+    first: Option<HeadRow>,
+) -> Result<LaneHead> {
+    let next = match first {
         Some(HeadRow::Active) => return Ok(LaneHead::Busy),
         Some(HeadRow::Queued(waiting)) => Some(waiting),
         None => None,
@@ -67,6 +77,39 @@ pub(crate) fn advance(
     Ok(())
 }
 
+/// [`advance`] of several lanes, reading their heads and activating the next queued
+/// deliveries in one go each. A lane given twice advances once (the second would find
+/// the first's activation).
+pub(crate) fn advance_many(
+    tx: &dyn StoreTx,
+    rules: &Policy,
+    lanes: &mut Vec<LaneRef<'_>>,
+    earliest: i64,
+) -> Result<()> {
+    if rules.lane_order == LaneOrder::Parallel || lanes.is_empty() {
+        return Ok(());
+    }
+    lanes.sort_unstable();
+    lanes.dedup();
+    let mut starting = Vec::new();
+    for (lane, first) in lanes.iter().zip(tx.lane_heads(lanes)?) {
+        if let LaneHead::Next(waiting) = head_of(tx, rules, *lane, first)? {
+            let earliest = start_time(&waiting, earliest);
+            starting.push((waiting, *lane, earliest));
+        }
+    }
+    tx.activate_many(&starting)
+}
+
+/// When a waiting delivery may start: no earlier than `earliest`, and a delayed reply
+/// no earlier than asked (once started, it goes on as usual).
+fn start_time(waiting: &Waiting, earliest: i64) -> i64 {
+    match waiting.not_before {
+        Some(at) if waiting.head_index == 0 => earliest.max(at),
+        _ => earliest,
+    }
+}
+
 /// Marks a delivery active and makes its head chunk due; a delayed reply starts no
 /// earlier than asked (once started, it goes on as usual).
 pub(crate) fn activate(
@@ -75,11 +118,7 @@ pub(crate) fn activate(
     lane: LaneRef<'_>,
     earliest: i64,
 ) -> Result<()> {
-    let earliest = match waiting.not_before {
-        Some(at) if waiting.head_index == 0 => earliest.max(at),
-        _ => earliest,
-    };
-    tx.activate(waiting, lane, earliest)
+    tx.activate(waiting, lane, start_time(waiting, earliest))
 }
 
 /// Notes that a send of the lane starts `now`: under a lane interval, no other send of

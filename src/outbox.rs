@@ -733,14 +733,13 @@ impl Outbox {
             }
             #[cfg(feature = "postgres")]
             Backend::Postgres(pg) => {
-                use crate::store::postgres::{Begin, PgTx};
-                let mut conn = pg.connection()?;
+                use crate::store::postgres::Begin;
                 let kind = if pg.read_only {
-                    Begin::WriteRefused
+                    Begin::WriteRefused { change_rules }
                 } else {
-                    Begin::Write
+                    Begin::Write { change_rules }
                 };
-                let result = PgTx::begin(&mut conn, kind).and_then(|tx| {
+                let result = pg.transaction(kind, |tx| {
                     let value = within(&tx)?;
                     pg.commit(tx, announce, self.inner.options.busy_timeout)?;
                     Ok(value)
@@ -815,11 +814,7 @@ impl Outbox {
             Backend::Sqlite(_) => self.read_sqlite("read", |tx| f(tx)),
             #[cfg(feature = "postgres")]
             Backend::Postgres(pg) => {
-                let mut conn = pg.connection()?;
-                f(&crate::store::postgres::PgTx::begin(
-                    &mut conn,
-                    crate::store::postgres::Begin::Read,
-                )?)
+                pg.transaction(crate::store::postgres::Begin::Read, |tx| f(&tx))
             }
         }
     }

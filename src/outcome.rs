@@ -136,7 +136,11 @@ impl Outbox {
     ) -> Result<Vec<Result<Recorded>>> {
         let outcomes: Vec<(&Claim, Outcome)> = outcomes.into_iter().collect();
         let now = || self.options().now_ms();
-        self.write_and_wake(|tx, rules| record_in(tx, rules, outcomes, now()))
+        // Other processes are not woken (on PostgreSQL a notification serializes the
+        // commits that send it): whoever records claims next, and its claim takes what
+        // these outcomes made due, as a dispatcher's does; other processes find the
+        // rest when they next look (within a second: `ChangeWatcher`).
+        self.write_and_wake_here(|tx, rules| record_in(tx, rules, outcomes, now()))
     }
 
     /// Records a successful send: shorthand for [`record`](Self::record) with
@@ -241,8 +245,12 @@ pub(crate) fn record_in<C: std::borrow::Borrow<Claim>>(
             .collect();
         tx.lock_lanes(&mut lanes)?;
     }
-    let mut results = Vec::with_capacity(outcomes.len());
     let mut tally = Tally::default();
+    if let Some(results) = delivered_at_once(tx, rules, &outcomes, now, &mut tally)? {
+        tally.write(tx)?;
+        return Ok(results);
+    }
+    let mut results = Vec::with_capacity(outcomes.len());
     for (claim, outcome) in outcomes {
         match claimed(tx, claim.borrow()) {
             Ok(chunk) => {
@@ -255,6 +263,92 @@ pub(crate) fn record_in<C: std::borrow::Borrow<Claim>>(
     }
     tally.write(tx)?;
     Ok(results)
+}
+
+/// Records a batch of acks of distinct chunks, all `sending`, as [`apply`] one by one
+/// would — each chunk delivered, the next chunk of its delivery made due or the
+/// delivery finalized, the lanes of the finalized ones advanced — with the chunks read,
+/// the finalizations written and the lanes advanced in one go each. `None` (nothing
+/// done) for any other batch, or when the application's finalization statement runs
+/// per reply: those take the general path.
+fn delivered_at_once<C: std::borrow::Borrow<Claim>>(
+    tx: &dyn StoreTx,
+    rules: &Stored,
+    outcomes: &[(C, Outcome)],
+    now: i64,
+    tally: &mut Tally,
+) -> Result<Option<Vec<Result<Recorded>>>> {
+    if rules.finalize_sql.is_some()
+        || crate::sabotage::planted("missing_finalizations")
+        || crate::sabotage::planted("wrong_finalizations")
+    {
+        return Ok(None);
+    }
+    let mut seen = std::collections::HashSet::with_capacity(outcomes.len());
+    let mut acks = Vec::with_capacity(outcomes.len());
+    for (claim, outcome) in outcomes {
+        match trimmed(outcome.clone()) {
+            Outcome::Delivered {
+                platform_message_id,
+            } if seen.insert(claim.borrow().chunk_id) => acks.push(platform_message_id),
+            _ => return Ok(None),
+        }
+    }
+    let held: Vec<(i64, i64)> = outcomes
+        .iter()
+        .map(|(c, _)| (c.borrow().chunk_id.0, c.borrow().token))
+        .collect();
+    let chunks = tx.claimed_chunks(&held)?;
+    if chunks
+        .iter()
+        .flatten()
+        .any(|c| c.status != ChunkStatus::Sending)
+    {
+        // An `uncertain` chunk settles its delivery's place in the lane: in order.
+        return Ok(None);
+    }
+    let mut results = Vec::with_capacity(outcomes.len());
+    let mut last_chunks = Vec::new();
+    let mut lanes = Vec::new();
+    for (((claim, _), chunk), platform_message_id) in outcomes.iter().zip(&chunks).zip(acks) {
+        let Some(chunk) = chunk else {
+            results.push(Err(Error::StaleClaim {
+                chunk: claim.borrow().chunk_id,
+            }));
+            continue;
+        };
+        if chunk.index + 1 < chunk.total {
+            results.push(Ok(state::deliver(
+                tx,
+                rules,
+                chunk,
+                platform_message_id.as_deref(),
+                now,
+                true,
+                tally,
+            )?));
+            continue;
+        }
+        last_chunks.push((chunk.id, chunk.delivery, platform_message_id));
+        tally.add(&chunk.channel, now, (now - chunk.created_at).max(0));
+        lanes.push(chunk.lane());
+        results.push(Ok(Recorded {
+            finalized: true,
+            ..Recorded::settled(ChunkStatus::Delivered)
+        }));
+    }
+    let last: Vec<(i64, i64, Option<&str>)> = last_chunks
+        .iter()
+        .map(|(chunk, delivery, id)| (*chunk, *delivery, id.as_deref()))
+        .collect();
+    if tx.finalize_delivered(&last, now)? != last.len() {
+        return Err(Error::invalid(
+            "delivery",
+            "a delivery to finalize is not stored",
+        ));
+    }
+    lane::advance_many(tx, &rules.policy, &mut lanes, now)?;
+    Ok(Some(results))
 }
 
 /// The outcome with a platform message id cut to [`MAX_PLATFORM_ID_BYTES`]: an ack is

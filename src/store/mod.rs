@@ -98,6 +98,18 @@ pub(crate) enum HeadRow {
     Queued(Waiting),
 }
 
+/// A lane as an enqueue finds it, under its lock (see [`LaneStore::lane_entries`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LaneEntry {
+    /// Replies applications staged in the lane wait to go first.
+    pub staged_before: bool,
+    /// Its first unfinished delivery (see [`LaneStore::lane_head`]).
+    pub head: Option<HeadRow>,
+    /// The end of its pause or interval ([`LaneStore::lane_due_time`] of the earliest
+    /// time there is): a send may start at `max(earliest, free_at)`.
+    pub free_at: i64,
+}
+
 /// A chunk with the delivery facts its transitions need.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ChunkRef {
@@ -226,6 +238,12 @@ pub(crate) trait Locks {
     /// One lane if no other transaction holds it; `false` (and nothing locked) if one
     /// does. Claims never wait.
     fn try_lock_lane(&self, lane: LaneRef<'_>) -> Result<bool>;
+    /// [`try_lock_lane`](Self::try_lock_lane) of each lane, in one go where the store
+    /// can: whether each one is now this transaction's. A lane given twice is taken
+    /// once and answers `true` twice.
+    fn try_lock_lanes(&self, lanes: &[LaneRef<'_>]) -> Result<Vec<bool>> {
+        lanes.iter().map(|lane| self.try_lock_lane(*lane)).collect()
+    }
     /// A caller key of a channel, so two enqueues with one key cannot both store it.
     fn lock_key(&self, channel: &str, key: &str) -> Result<()>;
     /// The rate slot of a paced channel: the row as it stands under the lock, or `None`
@@ -265,11 +283,23 @@ pub(crate) trait LaneStore {
     /// [`LaneFailurePolicy::Block`](crate::rules::LaneFailurePolicy::Block): an
     /// uncertain one, or a dead letter nobody acknowledged.
     fn lane_held(&self, lane: LaneRef<'_>) -> Result<Option<i64>>;
+    /// [`lane_head`](Self::lane_head) of each lane, in one go where the store can.
+    fn lane_heads(&self, lanes: &[LaneRef<'_>]) -> Result<Vec<Option<HeadRow>>> {
+        lanes.iter().map(|lane| self.lane_head(*lane)).collect()
+    }
     /// Makes `waiting` active (`partial` when chunks of it were delivered, else
     /// `pending`) and its head chunk due at [`lane_due_time`](Self::lane_due_time) of
     /// `earliest` — storing that chunk's row if it has none (a queued reply sent as one
     /// chunk of its whole text).
     fn activate(&self, waiting: &Waiting, lane: LaneRef<'_>, earliest: i64) -> Result<()>;
+    /// [`activate`](Self::activate) of each `(waiting, lane, earliest)` (one delivery
+    /// per lane), in one go where the store can.
+    fn activate_many(&self, heads: &[(Waiting, LaneRef<'_>, i64)]) -> Result<()> {
+        for (waiting, lane, earliest) in heads {
+            self.activate(waiting, *lane, *earliest)?;
+        }
+        Ok(())
+    }
     /// Makes chunk `index` of `delivery` due at [`lane_due_time`](Self::lane_due_time)
     /// of `earliest`.
     fn make_due(&self, delivery: i64, index: i64, lane: LaneRef<'_>, earliest: i64) -> Result<()>;
@@ -297,6 +327,14 @@ pub(crate) trait ChunkStore {
     fn load_chunk(&self, id: i64) -> Result<Option<ChunkRef>>;
     /// Chunk `id` if it still carries `token` and is `sending`, `uncertain` or `retry`.
     fn claimed_chunk(&self, id: i64, token: i64) -> Result<Option<ChunkRef>>;
+    /// [`claimed_chunk`](Self::claimed_chunk) of each `(id, token)`, in one go where
+    /// the store can.
+    fn claimed_chunks(&self, claims: &[(i64, i64)]) -> Result<Vec<Option<ChunkRef>>> {
+        claims
+            .iter()
+            .map(|(id, token)| self.claimed_chunk(*id, *token))
+            .collect()
+    }
     /// Sets status, attempts and due time, clears the token, and keeps `error` (if
     /// given) as the last error.
     fn reschedule(
@@ -360,6 +398,14 @@ pub(crate) trait ClaimStore {
     fn next_due(&self, id: i64) -> Result<Option<i64>>;
     /// `sending` under `token` until `lease_until`, one more attempt counted.
     fn mark_sending(&self, chunk: i64, lease_until: i64, token: i64) -> Result<()>;
+    /// [`mark_sending`](Self::mark_sending) of each `(chunk, token)`, in one go where
+    /// the store can.
+    fn mark_sending_many(&self, chunks: &[(i64, i64)], lease_until: i64) -> Result<()> {
+        for (chunk, token) in chunks {
+            self.mark_sending(*chunk, lease_until, *token)?;
+        }
+        Ok(())
+    }
     /// Due at `due` (a chunk whose lane is not free yet).
     fn set_due(&self, chunk: i64, due: i64) -> Result<()>;
     /// Extends the lease of a chunk still `sending` under `token`; whether it was.
@@ -384,6 +430,11 @@ pub(crate) trait DeliveryStore {
     /// that lane wait to go before it.
     fn next_delivery_row_in(&self, _lane: LaneRef<'_>) -> Result<(i64, bool)> {
         Ok((self.next_delivery_row()?, false))
+    }
+    /// [`insert_delivery`](Self::insert_delivery) of each row, in one go where the
+    /// store can.
+    fn insert_deliveries(&self, rows: &[NewRow<'_>]) -> Result<Vec<bool>> {
+        rows.iter().map(|row| self.insert_delivery(row)).collect()
     }
     /// Stores a delivery (`pending` if active, else `queued`) and, if `chunk_rows`, its
     /// chunks, the head chunk of an active one due at `head_due`. False (nothing
@@ -578,4 +629,42 @@ pub(crate) trait StoreTx:
     fn note_dead_letter(&self, delivery: i64, error: &str);
     /// The dead letters noted so far, taken.
     fn take_dead_letters(&self) -> Vec<(i64, String)>;
+    /// Each lane as an enqueue into it needs it, and `rows` row numbers drawn
+    /// ascending as [`next_delivery_row`](DeliveryStore::next_delivery_row) draws them
+    /// (the rows of the deliveries the caller stores, in that order), in one go where
+    /// the store can. The caller holds the lanes. A store without staged replies has
+    /// none before.
+    fn enter_lanes(
+        &self,
+        lanes: &[LaneRef<'_>],
+        rows: usize,
+    ) -> Result<(Vec<LaneEntry>, Vec<i64>)> {
+        let entries = lanes
+            .iter()
+            .map(|lane| {
+                Ok(LaneEntry {
+                    staged_before: false,
+                    head: self.lane_head(*lane)?,
+                    free_at: self.lane_due_time(*lane, i64::MIN)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        let first = self.next_delivery_row()?;
+        Ok((entries, (first..).take(rows).collect()))
+    }
+    /// For each `(chunk, delivery, platform message id)`, the last chunk of its delivery:
+    /// [`mark_delivered`](ChunkStore::mark_delivered), [`write_history`](FinalizeStore::write_history)
+    /// and [`mark_finalized`](FinalizeStore::mark_finalized), in one go where the store can (the
+    /// history rows in the order given). How many deliveries were there to copy.
+    fn finalize_delivered(&self, chunks: &[(i64, i64, Option<&str>)], now: i64) -> Result<usize> {
+        let mut copied = 0;
+        for (chunk, delivery, platform_message_id) in chunks {
+            self.mark_delivered(*chunk, *platform_message_id, now)?;
+            if self.write_history(*delivery, now)? {
+                copied += 1;
+            }
+            self.mark_finalized(*delivery, now)?;
+        }
+        Ok(copied)
+    }
 }

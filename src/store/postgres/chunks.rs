@@ -26,16 +26,21 @@ pub(crate) use chunk_ref_where;
 
 /// A [`ChunkRef`] from a row of [`chunk_ref_where!`].
 pub(crate) fn chunk_ref(r: &Row) -> Result<ChunkRef> {
+    chunk_ref_at(r, 0)
+}
+
+/// [`chunk_ref`] from the columns from `at` on.
+fn chunk_ref_at(r: &Row, at: usize) -> Result<ChunkRef> {
     Ok(ChunkRef {
-        id: r.try_get(0)?,
-        delivery: r.try_get(1)?,
-        index: r.try_get(2)?,
-        status: chunk_status(r, 3)?,
-        attempts: count(r, 4)? as u32,
-        channel: r.try_get(5)?,
-        chat_id: r.try_get(6)?,
-        created_at: r.try_get(7)?,
-        total: r.try_get(8)?,
+        id: r.try_get(at)?,
+        delivery: r.try_get(at + 1)?,
+        index: r.try_get(at + 2)?,
+        status: chunk_status(r, at + 3)?,
+        attempts: count(r, at + 4)? as u32,
+        channel: r.try_get(at + 5)?,
+        chat_id: r.try_get(at + 6)?,
+        created_at: r.try_get(at + 7)?,
+        total: r.try_get(at + 8)?,
     })
 }
 
@@ -46,6 +51,18 @@ pub(crate) const CLAIMED_SQL: &str = chunk_ref_where!(
        AND c.status IN ('sending', 'uncertain', 'retry')
      FOR UPDATE OF c"
 );
+
+/// [`CLAIMED_SQL`] for each (`$1`, `$2`, `$3`), with its place in the list first.
+pub(crate) const CLAIMED_MANY_SQL: &str = "SELECT u.n, c.delivery_id * 16384 + c.chunk_index,
+        c.delivery_id, c.chunk_index, c.status, c.attempts, d.channel, d.chat_id, d.created_at,
+        d.chunk_count
+     FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) WITH ORDINALITY AS u(d, i, token, n)
+          JOIN outbound_delivery_chunks c
+            ON c.delivery_id = u.d AND c.chunk_index = u.i AND c.claim_token = u.token
+          JOIN outbound_deliveries d ON d.id = c.delivery_id
+     WHERE c.status IN ('sending', 'uncertain', 'retry')
+     ORDER BY c.delivery_id, c.chunk_index
+     FOR UPDATE OF c";
 
 /// Chunk (`$1`, `$2`), the one chunk a queued reply has no row for yet included.
 pub(crate) const LOAD_CHUNK_SQL: &str = "SELECT d.id * 16384 + $2::bigint, d.id, $2::bigint,
@@ -76,6 +93,17 @@ pub(crate) const CLAIM_SQL: &str = claim_sql!("FOR UPDATE OF c SKIP LOCKED");
 
 /// [`CLAIM_SQL`] without its row locks: the planted fault `no_claim_locks`.
 const CLAIM_SQL_UNLOCKED: &str = claim_sql!("");
+
+/// Chunks (`$1`, `$2`) `sending` under tokens `$3` until `$4`: how many, and the
+/// transaction's id.
+pub(crate) const MARK_SENDING_MANY_SQL: &str = "WITH m AS (
+         UPDATE outbound_delivery_chunks c
+         SET status = 'sending', attempts = c.attempts + 1, due_at = $4,
+             claim_token = u.token
+         FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS u(d, i, token)
+         WHERE c.delivery_id = u.d AND c.chunk_index = u.i
+         RETURNING 1)
+     SELECT count(*), txid_current_if_assigned() FROM m";
 
 pub(crate) const NEXT_DUE_SQL: &str = "SELECT min(due_at) FROM outbound_delivery_chunks
      WHERE channel_id = $1 AND due_at IS NOT NULL";
@@ -145,6 +173,27 @@ impl ChunkStore for PgTx<'_> {
             .as_ref()
             .map(chunk_ref)
             .transpose()
+    }
+
+    fn claimed_chunks(&self, claims: &[(i64, i64)]) -> Result<Vec<Option<ChunkRef>>> {
+        if claims.len() < 2 {
+            return claims
+                .iter()
+                .map(|(id, token)| self.claimed_chunk(*id, *token))
+                .collect();
+        }
+        let (deliveries, indexes): (Vec<i64>, Vec<i64>) =
+            claims.iter().map(|(id, _)| chunk_key(*id)).unzip();
+        let tokens: Vec<i64> = claims.iter().map(|(_, token)| *token).collect();
+        let mut chunks: Vec<Option<ChunkRef>> = claims.iter().map(|_| None).collect();
+        for r in self.query(CLAIMED_MANY_SQL, &[&deliveries, &indexes, &tokens])? {
+            let n: i64 = r.try_get(0)?;
+            let chunk = chunk_ref_at(&r, 1)?;
+            if let Some(slot) = usize::try_from(n - 1).ok().and_then(|i| chunks.get_mut(i)) {
+                *slot = Some(chunk);
+            }
+        }
+        Ok(chunks)
     }
 
     fn reschedule(
@@ -356,6 +405,20 @@ impl ClaimStore for PgTx<'_> {
             &[&delivery, &index, &lease_until, &token],
         )?;
         Ok(())
+    }
+
+    fn mark_sending_many(&self, chunks: &[(i64, i64)], lease_until: i64) -> Result<()> {
+        if chunks.is_empty() {
+            return Ok(());
+        }
+        let (deliveries, indexes): (Vec<i64>, Vec<i64>) =
+            chunks.iter().map(|(id, _)| chunk_key(*id)).unzip();
+        let tokens: Vec<i64> = chunks.iter().map(|(_, token)| *token).collect();
+        let r = self.query_one(
+            MARK_SENDING_MANY_SQL,
+            &[&deliveries, &indexes, &tokens, &lease_until],
+        )?;
+        self.note_xid(&r, 1)
     }
 
     fn set_due(&self, chunk: i64, due: i64) -> Result<()> {

@@ -27,6 +27,60 @@ macro_rules! history_sql {
 
 pub(crate) const HISTORY_SQL: &str = history_sql!("text");
 
+/// New deliveries (`$1`..`$12`, one array per column) and the chunk rows of those
+/// stored (`$13`..`$17`); a delivery whose caller key another row holds is not stored.
+/// The rows stored, and the transaction's id.
+pub(crate) const INSERT_SQL: &str = "WITH d AS (
+         INSERT INTO outbound_deliveries
+             (id, uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
+              created_at, updated_at, text, metadata, not_before)
+         SELECT id, uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
+                created_at, created_at, text, metadata, not_before
+         FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
+                     $7::text[], $8::bigint[], $9::bigint[], $10::text[], $11::text[],
+                     $12::bigint[])
+              AS u(id, uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
+                   created_at, text, metadata, not_before)
+         ON CONFLICT (channel, idempotency_key) WHERE idempotency_key IS NOT NULL
+         DO NOTHING
+         RETURNING id),
+     c AS (
+         INSERT INTO outbound_delivery_chunks
+             (delivery_id, chunk_index, status, due_at, text, channel_id)
+         SELECT u.d, u.i, 'pending', u.due, u.t, u.ch
+         FROM unnest($13::bigint[], $14::bigint[], $15::bigint[], $16::text[], $17::bigint[])
+              AS u(d, i, due, t, ch)
+         WHERE u.d IN (SELECT id FROM d))
+     SELECT array(SELECT id FROM d), txid_current_if_assigned()";
+
+/// The last chunks (`$1`, `$2`) delivered at `$4` with platform ids `$3`, their
+/// deliveries finalized and copied into the history in the order given: how many were
+/// copied, and the transaction's id.
+pub(crate) const FINALIZE_DELIVERED_SQL: &str = "WITH u AS (
+         SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[])
+             WITH ORDINALITY AS u(d, i, platform_id, n)),
+     c AS (
+         UPDATE outbound_delivery_chunks c
+         SET status = 'delivered', due_at = NULL, claim_token = NULL,
+             platform_message_id = u.platform_id, delivered_at = $4
+         FROM u WHERE c.delivery_id = u.d AND c.chunk_index = u.i),
+     f AS (
+         UPDATE outbound_deliveries d
+         SET status = 'delivered', delivered_count = chunk_count, updated_at = $4,
+             finished_at = $4, finalize_error = NULL
+         FROM u WHERE d.id = u.d
+         RETURNING d.id, d.uid, d.channel, d.chat_id, d.sender, d.text, d.chunk_count,
+                   d.created_at),
+     h AS (
+         INSERT INTO outbound_messages
+             (delivery_id, channel, chat_id, sender, content, chunk_count, created_at,
+              delivered_at)
+         SELECT f.uid, f.channel, f.chat_id, f.sender, f.text, f.chunk_count,
+                f.created_at, $4
+         FROM f JOIN u ON u.d = f.id ORDER BY u.n
+         RETURNING 1)
+     SELECT count(*), txid_current_if_assigned() FROM h";
+
 /// [`HISTORY_SQL`] with the first character cut off: the planted fault
 /// `wrong_finalizations`.
 const HISTORY_SQL_CUT: &str = history_sql!("substr(text, 2)");
@@ -120,51 +174,78 @@ impl DeliveryStore for PgTx<'_> {
     }
 
     fn insert_delivery(&self, row: &NewRow<'_>) -> Result<bool> {
-        let d = row.delivery;
-        // The key's lock does not cover an application's transaction that staged a
-        // reply with the same key (it takes no lock of ours): its row decides.
-        let inserted = self.execute(
-            "INSERT INTO outbound_deliveries
-                 (id, uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
-                  created_at, updated_at, text, metadata, not_before)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9, $10, $11, $12)
-             ON CONFLICT (channel, idempotency_key) WHERE idempotency_key IS NOT NULL
-             DO NOTHING",
+        Ok(self.insert_deliveries(std::slice::from_ref(row))? == [true])
+    }
+
+    fn insert_deliveries(&self, rows: &[NewRow<'_>]) -> Result<Vec<bool>> {
+        let mut ids = Vec::with_capacity(rows.len());
+        let mut uids = Vec::with_capacity(rows.len());
+        let mut channels = Vec::with_capacity(rows.len());
+        let mut chats = Vec::with_capacity(rows.len());
+        let mut senders = Vec::with_capacity(rows.len());
+        let mut keys = Vec::with_capacity(rows.len());
+        let mut statuses = Vec::with_capacity(rows.len());
+        let mut counts = Vec::with_capacity(rows.len());
+        let mut created = Vec::with_capacity(rows.len());
+        let mut texts = Vec::with_capacity(rows.len());
+        let mut metadata = Vec::with_capacity(rows.len());
+        let mut not_before = Vec::with_capacity(rows.len());
+        // The chunk rows, one entry each.
+        let (mut of, mut index, mut due, mut chunk_texts, mut channel_ids) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for row in rows {
+            let d = row.delivery;
+            ids.push(row.row);
+            uids.push(row.uid);
+            channels.push(d.channel.as_str());
+            chats.push(d.chat_id.as_str());
+            senders.push(d.sender.as_deref());
+            keys.push(d.idempotency_key.as_deref());
+            statuses.push(if row.active { "pending" } else { "queued" });
+            counts.push(d.chunks.len() as i64);
+            created.push(row.now);
+            texts.push(d.text.as_str());
+            metadata.push(d.metadata.as_deref());
+            not_before.push(d.not_before);
+            if row.chunk_rows {
+                for (i, text) in d.chunks.iter().enumerate() {
+                    of.push(row.row);
+                    index.push(i as i64);
+                    due.push(if i == 0 { row.head_due } else { None });
+                    // A chunk that is the whole text points at the delivery's copy (NULL).
+                    chunk_texts.push((*text != d.text).then_some(text.as_str()));
+                    channel_ids.push(row.channel_id);
+                }
+            }
+        }
+        let r = self.query_one(
+            INSERT_SQL,
             &[
-                &row.row,
-                &row.uid,
-                &d.channel,
-                &d.chat_id,
-                &d.sender,
-                &d.idempotency_key,
-                &if row.active { "pending" } else { "queued" },
-                &(d.chunks.len() as i64),
-                &row.now,
-                &d.text,
-                &d.metadata,
-                &d.not_before,
+                &ids,
+                &uids,
+                &channels,
+                &chats,
+                &senders,
+                &keys,
+                &statuses,
+                &counts,
+                &created,
+                &texts,
+                &metadata,
+                &not_before,
+                &of,
+                &index,
+                &due,
+                &chunk_texts,
+                &channel_ids,
             ],
         )?;
-        if inserted == 0 {
-            return Ok(false);
-        }
-        if !row.chunk_rows {
-            return Ok(true);
-        }
-        // A chunk that is the whole text points at the delivery's copy (NULL).
-        let texts: Vec<Option<&str>> = d
-            .chunks
-            .iter()
-            .map(|text| (*text != d.text).then_some(text.as_str()))
-            .collect();
-        self.execute(
-            "INSERT INTO outbound_delivery_chunks
-                 (delivery_id, chunk_index, status, due_at, text, channel_id)
-             SELECT $1, i - 1, 'pending', CASE WHEN i = 1 THEN $2::bigint END, t, $3
-             FROM unnest($4::text[]) WITH ORDINALITY AS u(t, i)",
-            &[&row.row, &row.head_due, &row.channel_id, &texts],
-        )?;
-        Ok(true)
+        self.note_xid(&r, 1)?;
+        // The key's lock does not cover an application's transaction that staged a
+        // reply with the same key (it takes no lock of ours): its row decides.
+        let stored: std::collections::HashSet<i64> =
+            r.try_get::<_, Vec<i64>>(0)?.into_iter().collect();
+        Ok(ids.iter().map(|id| stored.contains(id)).collect())
     }
 
     fn next_delivery_row_in(&self, lane: LaneRef<'_>) -> Result<(i64, bool)> {
@@ -300,12 +381,13 @@ impl FinalizeStore for PgTx<'_> {
     fn add_channel_stats(&self, t: &ChannelTally<'_>) -> Result<()> {
         let le = &t.latency_le;
         self.execute(
+            // The row of this connection's shard (see `V3__sharded_stats.sql`).
             "INSERT INTO outbound_channel_stats AS s
-                 (channel, delivered, last_delivered_at, finalized_total, latency_count,
-                  latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s,
+                 (channel, shard, delivered, last_delivered_at, finalized_total,
+                  latency_count, latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s,
                   latency_le_120s, latency_le_600s, latency_le_3600s)
-             VALUES ($1, $3, $2, $3, $3, $4, $5, $6, $7, $8, $9, $10)
-             ON CONFLICT (channel) DO UPDATE
+             VALUES ($1, pg_backend_pid() % 16, $3, $2, $3, $3, $4, $5, $6, $7, $8, $9, $10)
+             ON CONFLICT (channel, shard) DO UPDATE
              SET delivered = s.delivered + $3,
                  last_delivered_at = greatest(s.last_delivered_at, $2),
                  finalized_total = s.finalized_total + $3,

@@ -28,14 +28,23 @@ macro_rules! lane_due {
 /// (`$order` of ids): two seeks of the index of unfinished deliveries, the second only
 /// when the first finds nothing.
 macro_rules! head_sql {
-    ($order:literal) => {
+    ($channel:literal, $chat:literal, $order:literal) => {
         concat!(
             "(SELECT false, id, 0::bigint, NULL::bigint FROM outbound_deliveries
-              WHERE channel = $1 AND chat_id = $2 AND status IN ('pending', 'partial')
-                AND status <> 'delivered' LIMIT 1)
+              WHERE channel = ",
+            $channel,
+            " AND chat_id = ",
+            $chat,
+            "
+                AND status IN ('pending', 'partial') AND status <> 'delivered' LIMIT 1)
              UNION ALL
              (SELECT true, id, delivered_count, not_before FROM outbound_deliveries
-              WHERE channel = $1 AND chat_id = $2 AND status = 'queued' AND status <> 'delivered'
+              WHERE channel = ",
+            $channel,
+            " AND chat_id = ",
+            $chat,
+            "
+                AND status = 'queued' AND status <> 'delivered'
               ORDER BY ",
             $order,
             " LIMIT 1)
@@ -44,10 +53,67 @@ macro_rules! head_sql {
     };
 }
 
-pub(crate) const HEAD_SQL: &str = head_sql!("id");
+pub(crate) const HEAD_SQL: &str = head_sql!("$1", "$2", "id");
 
 /// [`HEAD_SQL`] with the newest queued reply first: the planted fault `out_of_order`.
-const HEAD_SQL_NEWEST_FIRST: &str = head_sql!("id DESC");
+const HEAD_SQL_NEWEST_FIRST: &str = head_sql!("$1", "$2", "id DESC");
+
+/// The head of each lane of `$1`, `$2` (with its place in the list; a lane with
+/// nothing unfinished has no row).
+macro_rules! heads_sql {
+    ($order:literal) => {
+        concat!(
+            "SELECT u.n, h.* FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS u(ch, chat, n)
+             CROSS JOIN LATERAL (",
+            head_sql!("u.ch", "u.chat", $order),
+            ") h"
+        )
+    };
+}
+
+pub(crate) const HEADS_SQL: &str = heads_sql!("id");
+const HEADS_SQL_NEWEST_FIRST: &str = heads_sql!("id DESC");
+
+/// Each lane of `$1`, `$2` as an enqueue into it needs it: whether replies are staged
+/// in it, its head (NULLs if none), the end of its pause or interval; and `$3` row
+/// numbers drawn from the sequence in one go.
+macro_rules! enter_sql {
+    ($order:literal) => {
+        concat!(
+            "WITH r AS MATERIALIZED (
+                 SELECT array_agg(nextval('outbound_deliveries_id_seq') ORDER BY g) AS rows
+                 FROM generate_series(1, $3::bigint) AS g)
+             SELECT u.n, r.rows,
+                    EXISTS (SELECT 1 FROM outbound_deliveries
+                            WHERE channel = u.ch AND chat_id = u.chat AND status = 'new'),
+                    coalesce((SELECT greatest(paused_until, next_send_at) FROM outbound_lanes
+                              WHERE channel = u.ch AND chat_id = u.chat),
+                             -9223372036854775808),
+                    h.*
+             FROM r, unnest($1::text[], $2::text[]) WITH ORDINALITY AS u(ch, chat, n)
+             LEFT JOIN LATERAL (",
+            head_sql!("u.ch", "u.chat", $order),
+            ") h ON true"
+        )
+    };
+}
+
+pub(crate) const ENTER_SQL: &str = enter_sql!("id");
+pub(crate) const ENTER_SQL_NEWEST_FIRST: &str = enter_sql!("id DESC");
+
+/// Head row `r` of [`head_sql!`] from column `at` on.
+pub(crate) fn head_row(r: &postgres::Row, at: usize) -> Result<HeadRow> {
+    if !r.try_get::<_, bool>(at)? {
+        return Ok(HeadRow::Active);
+    }
+    let id = r.try_get(at + 1)?;
+    Ok(HeadRow::Queued(Waiting {
+        id,
+        position: id,
+        head_index: r.try_get(at + 2)?,
+        not_before: r.try_get(at + 3)?,
+    }))
+}
 
 pub(crate) const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
      WHERE channel = $1 AND chat_id = $2 AND status <> 'delivered'
@@ -60,6 +126,25 @@ pub(crate) const PAUSE_DUE_SQL: &str = "UPDATE outbound_delivery_chunks c SET du
      WHERE d.channel = $1 AND d.chat_id = $2 AND d.status <> 'delivered'
        AND c.delivery_id = d.id AND c.chunk_index = d.delivered_count
        AND c.due_at < $3 AND c.status IN ('pending', 'retry')";
+
+/// Makes each delivery `$1` active with its chunk `$2` due at the lane's due time of
+/// `$3` (lane `$4`, `$5`), storing the chunk's row if it has none.
+pub(crate) const ACTIVATE_MANY_SQL: &str = "WITH u AS (
+         SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::bigint[], $4::text[],
+                              $5::text[]) AS u(id, head, earliest, ch, chat)),
+     a AS (
+         UPDATE outbound_deliveries d
+         SET status = CASE WHEN u.head > 0 THEN 'partial' ELSE 'pending' END
+         FROM u WHERE d.id = u.id)
+     INSERT INTO outbound_delivery_chunks
+         (delivery_id, chunk_index, status, due_at, channel_id)
+     SELECT u.id, u.head, 'pending',
+            coalesce((SELECT greatest(u.earliest, l.paused_until, l.next_send_at)
+                      FROM outbound_lanes l
+                      WHERE l.channel = u.ch AND l.chat_id = u.chat), u.earliest),
+            (SELECT id FROM outbound_channels WHERE name = u.ch)
+     FROM u
+     ON CONFLICT (delivery_id, chunk_index) DO UPDATE SET due_at = excluded.due_at";
 
 pub(crate) const QUEUED_ALL_SQL: &str = "SELECT id, channel, chat_id FROM outbound_deliveries
      WHERE status = 'queued' ORDER BY id";
@@ -84,19 +169,30 @@ impl LaneStore for PgTx<'_> {
         } else {
             HEAD_SQL
         };
-        let Some(r) = self.query_opt(sql, &[&lane.channel, &lane.chat_id])? else {
-            return Ok(None);
-        };
-        if !r.try_get::<_, bool>(0)? {
-            return Ok(Some(HeadRow::Active));
+        self.query_opt(sql, &[&lane.channel, &lane.chat_id])?
+            .map(|r| head_row(&r, 0))
+            .transpose()
+    }
+
+    fn lane_heads(&self, lanes: &[LaneRef<'_>]) -> Result<Vec<Option<HeadRow>>> {
+        if lanes.len() < 2 {
+            return lanes.iter().map(|lane| self.lane_head(*lane)).collect();
         }
-        let id = r.try_get(1)?;
-        Ok(Some(HeadRow::Queued(Waiting {
-            id,
-            position: id,
-            head_index: r.try_get(2)?,
-            not_before: r.try_get(3)?,
-        })))
+        let sql = if crate::sabotage::planted("out_of_order") {
+            HEADS_SQL_NEWEST_FIRST
+        } else {
+            HEADS_SQL
+        };
+        let channels: Vec<&str> = lanes.iter().map(|l| l.channel).collect();
+        let chats: Vec<&str> = lanes.iter().map(|l| l.chat_id).collect();
+        let mut heads: Vec<Option<HeadRow>> = lanes.iter().map(|_| None).collect();
+        for r in self.query(sql, &[&channels, &chats])? {
+            let n: i64 = r.try_get(0)?;
+            if let Some(slot) = usize::try_from(n - 1).ok().and_then(|i| heads.get_mut(i)) {
+                *slot = Some(head_row(&r, 1)?);
+            }
+        }
+        Ok(heads)
     }
 
     fn lane_held(&self, lane: LaneRef<'_>) -> Result<Option<i64>> {
@@ -106,27 +202,21 @@ impl LaneStore for PgTx<'_> {
     }
 
     fn activate(&self, waiting: &Waiting, lane: LaneRef<'_>, earliest: i64) -> Result<()> {
+        self.activate_many(&[(waiting.clone(), lane, earliest)])
+    }
+
+    fn activate_many(&self, heads: &[(Waiting, LaneRef<'_>, i64)]) -> Result<()> {
+        if heads.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<i64> = heads.iter().map(|(w, ..)| w.id).collect();
+        let indexes: Vec<i64> = heads.iter().map(|(w, ..)| w.head_index).collect();
+        let earliest: Vec<i64> = heads.iter().map(|(.., e)| *e).collect();
+        let channels: Vec<&str> = heads.iter().map(|(_, l, _)| l.channel).collect();
+        let chats: Vec<&str> = heads.iter().map(|(_, l, _)| l.chat_id).collect();
         self.execute(
-            "UPDATE outbound_deliveries
-             SET status = CASE WHEN $2::bigint > 0 THEN 'partial' ELSE 'pending' END WHERE id = $1",
-            &[&waiting.id, &waiting.head_index],
-        )?;
-        self.execute(
-            concat!(
-                "INSERT INTO outbound_delivery_chunks
-                     (delivery_id, chunk_index, status, due_at, channel_id)
-                 VALUES ($4, $5, 'pending', ",
-                lane_due!("$1", "$2", "$3"),
-                ", (SELECT id FROM outbound_channels WHERE name = $2))
-                 ON CONFLICT (delivery_id, chunk_index) DO UPDATE SET due_at = excluded.due_at"
-            ),
-            &[
-                &earliest,
-                &lane.channel,
-                &lane.chat_id,
-                &waiting.id,
-                &waiting.head_index,
-            ],
+            ACTIVATE_MANY_SQL,
+            &[&ids, &indexes, &earliest, &channels, &chats],
         )?;
         Ok(())
     }

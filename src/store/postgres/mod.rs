@@ -32,7 +32,7 @@ use r2d2_postgres::PostgresConnectionManager;
 
 use crate::error::{Error, Result};
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::{ChannelRow, LaneRef, Locks, StoreTx};
+use crate::store::{ChannelRow, LaneEntry, LaneRef, Locks, StoreTx};
 
 /// The parameters of a statement.
 pub(crate) type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
@@ -68,8 +68,9 @@ impl PgStore {
         })?;
         let target = describe(&config);
         let manager = Manager(PostgresConnectionManager::new(config.clone(), NoTls));
-        // A connection is checked when taken (a server restarted or a connection ended
-        // meanwhile is replaced, not handed out), and dropped when found broken.
+        // A connection idle for a while is checked when taken (a server restarted or
+        // a connection ended meanwhile is replaced, not handed out; see
+        // `Manager::is_valid`), and dropped when found broken.
         let pool = r2d2::Pool::builder()
             .max_size(size)
             .test_on_check_out(true)
@@ -99,6 +100,16 @@ impl PgStore {
             target: self.target.clone(),
             message: e.to_string(),
         })
+    }
+
+    /// Runs `f` on a transaction begun as `kind` on a connection of the pool.
+    pub(crate) fn transaction<T>(
+        &self,
+        kind: Begin,
+        f: impl FnOnce(PgTx<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let mut conn = self.connection()?;
+        f(PgTx::begin(&mut conn, kind)?)
     }
 }
 
@@ -217,11 +228,19 @@ impl r2d2::ManageConnection for Manager {
         Ok(PgConn {
             client,
             statements: HashMap::new(),
+            taken: std::time::Instant::now(),
         })
     }
 
+    /// A connection last taken less than [`TRUSTED_FOR`] ago is handed out as it is (a
+    /// round trip per transaction saved while the outbox is busy); one idle longer is
+    /// asked whether it still works.
     fn is_valid(&self, conn: &mut PgConn) -> std::result::Result<(), postgres::Error> {
-        conn.client.simple_query("").map(drop)
+        if conn.taken.elapsed() >= TRUSTED_FOR {
+            conn.client.simple_query("")?;
+        }
+        conn.taken = std::time::Instant::now();
+        Ok(())
     }
 
     fn has_broken(&self, conn: &mut PgConn) -> bool {
@@ -233,15 +252,45 @@ impl r2d2::ManageConnection for Manager {
 pub(crate) struct PgConn {
     pub(crate) client: postgres::Client,
     statements: HashMap<(usize, usize), Statement>,
+    /// When it was last taken from the pool (or opened).
+    taken: std::time::Instant,
 }
+
+/// How long after its last use a connection is handed out without a check: a server
+/// restart or a connection ended within it fails one transaction (an
+/// [`Error::Connection`], retried as any), instead of costing every transaction a
+/// round trip.
+const TRUSTED_FOR: Duration = Duration::from_millis(500);
 
 /// How a [`PgTx`] begins.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Begin {
-    Write,
-    /// A write of a read-only handle.
-    WriteRefused,
+    /// A write, with the rules' lock taken (exclusive for a change of the rules) and
+    /// their version read under it, in the round trip of its `BEGIN`.
+    Write {
+        change_rules: bool,
+    },
+    /// A write of a read-only handle (the server refuses what it writes).
+    WriteRefused {
+        change_rules: bool,
+    },
     Read,
+}
+
+/// The round trip that begins a write: `BEGIN`, the rules' lock, their version read
+/// after the lock is granted (each statement of a simple query takes its own snapshot,
+/// so a change of the rules committed while this one waited is seen).
+macro_rules! begin_write {
+    ($read_only:literal, $lock:literal) => {
+        concat!(
+            "BEGIN ISOLATION LEVEL READ COMMITTED",
+            $read_only,
+            "; SELECT ",
+            $lock,
+            "(hashtextextended(current_schema() || '/rules', 0));
+             SELECT version FROM outbound_policy WHERE id = 1"
+        )
+    };
 }
 
 /// One transaction on a connection: every primitive of the seam.
@@ -249,6 +298,12 @@ pub(crate) struct PgTx<'c> {
     conn: RefCell<&'c mut PgConn>,
     /// Whether the transaction is still to be ended (rolled back when dropped).
     open: Cell<bool>,
+    /// The rules' lock its `BEGIN` took (exclusively?), if any.
+    rules_locked: Cell<Option<bool>>,
+    /// The rules' version its `BEGIN` read under that lock, until it is asked for.
+    rules_version: Cell<Option<i64>>,
+    /// Its transaction id, once a write returned it (see [`PgTx::note_xid`]).
+    xid: Cell<Option<i64>>,
     dead_letters: RefCell<Vec<(i64, String)>>,
 }
 
@@ -257,16 +312,50 @@ impl<'c> PgTx<'c> {
     /// for a read-only handle, so the server refuses its writes), or a read transaction
     /// that sees one snapshot throughout (REPEATABLE READ, READ ONLY).
     pub(crate) fn begin(conn: &'c mut PgConn, kind: Begin) -> Result<Self> {
-        conn.client.batch_execute(match kind {
-            Begin::Write => "BEGIN ISOLATION LEVEL READ COMMITTED",
-            Begin::WriteRefused => "BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY",
-            Begin::Read => "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY",
-        })?;
-        Ok(PgTx {
-            conn: RefCell::new(conn),
+        let (sql, rules_locked) = match kind {
+            Begin::Write { change_rules } | Begin::WriteRefused { change_rules } => {
+                let refused = matches!(kind, Begin::WriteRefused { .. });
+                let sql = match (refused, change_rules) {
+                    (false, false) => begin_write!("", "pg_advisory_xact_lock_shared"),
+                    (false, true) => begin_write!("", "pg_advisory_xact_lock"),
+                    (true, false) => begin_write!(" READ ONLY", "pg_advisory_xact_lock_shared"),
+                    (true, true) => begin_write!(" READ ONLY", "pg_advisory_xact_lock"),
+                };
+                (sql, Some(change_rules))
+            }
+            Begin::Read => ("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", None),
+        };
+        let tx = PgTx {
             open: Cell::new(true),
+            rules_locked: Cell::new(rules_locked),
+            rules_version: Cell::new(None),
+            xid: Cell::new(None),
             dead_letters: RefCell::new(Vec::new()),
-        })
+            conn: RefCell::new(conn),
+        };
+        let answer = tx.conn.borrow_mut().client.simple_query(sql)?;
+        let version = answer.iter().rev().find_map(|m| match m {
+            postgres::SimpleQueryMessage::Row(row) => row.get(0),
+            _ => None,
+        });
+        // Without it (no row 1), `rules_version` asks again and reports what it finds.
+        tx.rules_version.set(version.and_then(|v| v.parse().ok()));
+        Ok(tx)
+    }
+
+    /// Keeps the transaction id a write returned in column `i` (its
+    /// `txid_current_if_assigned()`), which saves [`commit_or_lose`](Self::commit_or_lose)
+    /// a round trip. Every write of a transaction has the same id.
+    pub(crate) fn note_xid(&self, row: &Row, i: usize) -> Result<()> {
+        if let Some(xid) = row.try_get::<_, Option<i64>>(i)? {
+            self.xid.set(Some(xid));
+        }
+        Ok(())
+    }
+
+    /// The rules' version read by `BEGIN`, once.
+    pub(crate) fn version_read_at_begin(&self) -> Option<i64> {
+        self.rules_version.take()
     }
 
     /// Commits the transaction; with `announce`, its commit also wakes the idle
@@ -274,12 +363,14 @@ impl<'c> PgTx<'c> {
     /// same round trip. The transaction's id is read first, so that a commit whose
     /// answer is lost can be looked up ([`PgStore::commit`]).
     fn commit_or_lose(self, announce: bool) -> std::result::Result<(), LostCommit> {
-        // None as well in a transaction a failed statement aborted (whose COMMIT is a
-        // rollback) and on a broken connection (whose COMMIT fails at once).
-        let xid = self
-            .query_one(TXID_SQL, &[])
-            .ok()
-            .and_then(|row| row.get::<_, Option<i64>>(0));
+        // Known from a write that returned it, else read now (None as well in a
+        // transaction a failed statement aborted, whose COMMIT is a rollback, and on a
+        // broken connection, whose COMMIT fails at once).
+        let xid = self.xid.get().or_else(|| {
+            self.query_one(TXID_SQL, &[])
+                .ok()
+                .and_then(|row| row.get::<_, Option<i64>>(0))
+        });
         self.open.set(false);
         let mut conn = self.conn.borrow_mut();
         let sql = if announce {
@@ -422,16 +513,38 @@ const LOCK_RULES: &str =
 const LOCK_KEY: &str = "SELECT pg_advisory_xact_lock(hashtextextended(
      current_schema() || '/key/' || length($1::text) || '/' || $1::text || $2::text, 0))";
 
-/// Locks a lane's row, waiting for it; creates it if missing. Writes no new row
-/// version when the row exists (the update's condition is false: only the lock of the
-/// conflicting row is taken).
-const LOCK_LANE: &str = "INSERT INTO outbound_lanes (channel, chat_id) VALUES ($1, $2)
-     ON CONFLICT (channel, chat_id) DO UPDATE SET paused_until = outbound_lanes.paused_until
-     WHERE false";
+/// Locks the lane rows of `$rows` (channel, chat), waiting for them, in the server's
+/// order of lanes (so two transactions never wait for each other in a circle); creates
+/// those missing. Writes no new row version when a row exists (the update's condition
+/// is false: only the lock of the conflicting row is taken). Answers the transaction's
+/// id (a row lock assigns one).
+macro_rules! lock_lanes_sql {
+    ($rows:literal) => {
+        concat!(
+            "WITH l AS (
+                 INSERT INTO outbound_lanes (channel, chat_id) ",
+            $rows,
+            " ON CONFLICT (channel, chat_id) DO UPDATE
+                 SET paused_until = outbound_lanes.paused_until WHERE false
+                 RETURNING 1)
+             SELECT txid_current_if_assigned() FROM (SELECT count(*) FROM l) locked"
+        )
+    };
+}
+
+const LOCK_LANE: &str = lock_lanes_sql!("VALUES ($1, $2)");
+pub(crate) const LOCK_LANES: &str =
+    lock_lanes_sql!("SELECT DISTINCT * FROM unnest($1::text[], $2::text[]) ORDER BY 1, 2");
 
 /// Locks a lane's row unless another transaction holds it.
 const TRY_LOCK_LANE: &str = "SELECT 1 FROM outbound_lanes WHERE channel = $1 AND chat_id = $2
      FOR NO KEY UPDATE SKIP LOCKED";
+/// The lanes of `$1`, `$2` no other transaction holds, locked.
+pub(crate) const TRY_LOCK_LANES: &str = "SELECT l.channel, l.chat_id
+     FROM unnest($1::text[], $2::text[]) AS u(ch, chat)
+     CROSS JOIN LATERAL (
+         SELECT channel, chat_id FROM outbound_lanes WHERE channel = u.ch AND chat_id = u.chat
+         FOR NO KEY UPDATE SKIP LOCKED) l";
 const LANE_EXISTS: &str = "SELECT 1 FROM outbound_lanes WHERE channel = $1 AND chat_id = $2";
 const CREATE_LANE: &str = "INSERT INTO outbound_lanes (channel, chat_id) VALUES ($1, $2)
      ON CONFLICT DO NOTHING";
@@ -447,6 +560,14 @@ const LOCK_CHANNEL_SLOT: &str = "SELECT ch.id, ch.name,
 /// and the rules with advisory locks of the transaction.
 impl Locks for PgTx<'_> {
     fn lock_rules(&self, exclusive: bool) -> Result<()> {
+        if self
+            .rules_locked
+            .get()
+            .is_some_and(|held| held || !exclusive)
+        {
+            // Taken by `BEGIN`.
+            return Ok(());
+        }
         self.query_one(
             if exclusive {
                 LOCK_RULES
@@ -462,16 +583,14 @@ impl Locks for PgTx<'_> {
         if crate::sabotage::planted("no_lane_locks") {
             return Ok(());
         }
-        lanes.sort_unstable();
-        let mut last = None;
-        for lane in lanes.iter() {
-            if last == Some(*lane) {
-                continue;
-            }
-            self.execute(LOCK_LANE, &[&lane.channel, &lane.chat_id])?;
-            last = Some(*lane);
-        }
-        Ok(())
+        let r = if let [lane] = lanes {
+            self.query_one(LOCK_LANE, &[&lane.channel, &lane.chat_id])?
+        } else {
+            let channels: Vec<&str> = lanes.iter().map(|l| l.channel).collect();
+            let chats: Vec<&str> = lanes.iter().map(|l| l.chat_id).collect();
+            self.query_one(LOCK_LANES, &[&channels, &chats])?
+        };
+        self.note_xid(&r, 0)
     }
 
     fn try_lock_lane(&self, lane: LaneRef<'_>) -> Result<bool> {
@@ -489,6 +608,29 @@ impl Locks for PgTx<'_> {
         // nothing unfinished; a lane without its row is rare, and made here.
         self.execute(CREATE_LANE, params)?;
         Ok(self.query_opt(TRY_LOCK_LANE, params)?.is_some())
+    }
+
+    fn try_lock_lanes(&self, lanes: &[LaneRef<'_>]) -> Result<Vec<bool>> {
+        if lanes.len() < 2 || crate::sabotage::planted("no_lane_locks") {
+            return lanes.iter().map(|lane| self.try_lock_lane(*lane)).collect();
+        }
+        let channels: Vec<&str> = lanes.iter().map(|l| l.channel).collect();
+        let chats: Vec<&str> = lanes.iter().map(|l| l.chat_id).collect();
+        let taken: std::collections::HashSet<(String, String)> = self
+            .query(TRY_LOCK_LANES, &[&channels, &chats])?
+            .iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .collect::<Result<_>>()?;
+        lanes
+            .iter()
+            .map(|lane| {
+                if taken.contains(&(lane.channel.to_owned(), lane.chat_id.to_owned())) {
+                    return Ok(true);
+                }
+                // Held by another transaction, or (rarely) without its row.
+                self.try_lock_lane(*lane)
+            })
+            .collect()
     }
 
     fn lock_key(&self, channel: &str, key: &str) -> Result<()> {
@@ -523,6 +665,57 @@ impl StoreTx for PgTx<'_> {
     fn in_transaction(&self) -> bool {
         // An error inside a transaction leaves it to be rolled back, never ended.
         self.open.get()
+    }
+
+    fn enter_lanes(
+        &self,
+        lanes: &[LaneRef<'_>],
+        rows: usize,
+    ) -> Result<(Vec<LaneEntry>, Vec<i64>)> {
+        let sql = if crate::sabotage::planted("out_of_order") {
+            lanes::ENTER_SQL_NEWEST_FIRST
+        } else {
+            lanes::ENTER_SQL
+        };
+        let channels: Vec<&str> = lanes.iter().map(|l| l.channel).collect();
+        let chats: Vec<&str> = lanes.iter().map(|l| l.chat_id).collect();
+        let mut drawn = Vec::new();
+        let mut entries: Vec<Option<LaneEntry>> = lanes.iter().map(|_| None).collect();
+        for r in self.query(sql, &[&channels, &chats, &(rows as i64)])? {
+            drawn = r.try_get::<_, Option<Vec<i64>>>(1)?.unwrap_or_default();
+            let entry = LaneEntry {
+                staged_before: r.try_get(2)?,
+                free_at: r.try_get(3)?,
+                head: match r.try_get::<_, Option<bool>>(4)? {
+                    Some(_) => Some(lanes::head_row(&r, 4)?),
+                    None => None,
+                },
+            };
+            let n: i64 = r.try_get(0)?;
+            if let Some(slot) = usize::try_from(n - 1).ok().and_then(|i| entries.get_mut(i)) {
+                *slot = Some(entry);
+            }
+        }
+        let entries = entries
+            .into_iter()
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Error::invalid("lanes", "a lane read no row"))?;
+        if drawn.len() != rows {
+            return Err(Error::invalid("rows", "the sequence drew too few rows"));
+        }
+        Ok((entries, drawn))
+    }
+
+    fn finalize_delivered(&self, chunks: &[(i64, i64, Option<&str>)], now: i64) -> Result<usize> {
+        let (deliveries, indexes): (Vec<i64>, Vec<i64>) =
+            chunks.iter().map(|(id, ..)| chunk_key(*id)).unzip();
+        let ids: Vec<Option<&str>> = chunks.iter().map(|(.., id)| *id).collect();
+        let r = self.query_one(
+            deliveries::FINALIZE_DELIVERED_SQL,
+            &[&deliveries, &indexes, &ids, &now],
+        )?;
+        self.note_xid(&r, 1)?;
+        Ok(count(&r, 0)? as usize)
     }
 
     fn note_dead_letter(&self, delivery: i64, error: &str) {

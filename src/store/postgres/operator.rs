@@ -157,7 +157,9 @@ impl RetentionStore for PgTx<'_> {
 
     fn forget_delivered(&self, channel: &str, count: i64) -> Result<()> {
         self.execute(
-            "UPDATE outbound_channel_stats SET delivered = delivered - $2 WHERE channel = $1",
+            "INSERT INTO outbound_channel_stats AS s (channel, shard, delivered)
+             VALUES ($1, pg_backend_pid() % 16, -$2::bigint)
+             ON CONFLICT (channel, shard) DO UPDATE SET delivered = s.delivered - $2",
             &[&channel, &count],
         )?;
         Ok(())

@@ -5,11 +5,17 @@
 //! history added after the last ANALYZE, autovacuum off), in the generic plan a
 //! prepared statement settles on.
 
-use super::chunks::{CLAIM_SQL, CLAIMED_SQL, EXPIRED_SQL, LOAD_CHUNK_SQL, NEXT_DUE_SQL};
-use super::deliveries::{HISTORY_SQL, SWEEP_SQL};
-use super::lanes::{HEAD_SQL, HELD_SQL, PAUSE_DUE_SQL, QUEUED_ALL_SQL};
+use super::chunks::{
+    CLAIM_SQL, CLAIMED_MANY_SQL, CLAIMED_SQL, EXPIRED_SQL, LOAD_CHUNK_SQL, MARK_SENDING_MANY_SQL,
+    NEXT_DUE_SQL,
+};
+use super::deliveries::{FINALIZE_DELIVERED_SQL, HISTORY_SQL, INSERT_SQL, SWEEP_SQL};
+use super::lanes::{
+    ACTIVATE_MANY_SQL, ENTER_SQL, HEAD_SQL, HEADS_SQL, HELD_SQL, PAUSE_DUE_SQL, QUEUED_ALL_SQL,
+};
 use super::operator::DEAD_LETTER_CHUNKS_SQL;
 use super::reads::{OPEN_CHUNKS_SQL, OPEN_DELIVERIES_SQL};
+use super::{LOCK_LANES, TRY_LOCK_LANES};
 use crate::enqueue::NewDelivery;
 use crate::options::OutboxOptions;
 use crate::outbox::Outbox;
@@ -26,6 +32,46 @@ const STATEMENTS: &[(&str, &str, &str, bool)] = &[
     ("next due", NEXT_DUE_SQL, "1", false),
     ("expired leases", EXPIRED_SQL, "1, 0", false),
     ("claimed chunk", CLAIMED_SQL, "5, 0, 7", false),
+    (
+        "claimed chunks",
+        CLAIMED_MANY_SQL,
+        "'{5,6}', '{0,0}', '{7,8}'",
+        false,
+    ),
+    (
+        "mark sending",
+        MARK_SENDING_MANY_SQL,
+        "'{5,6}', '{0,0}', '{7,8}', 0",
+        false,
+    ),
+    (
+        "finalize",
+        FINALIZE_DELIVERED_SQL,
+        "'{5,6}', '{0,0}', '{a,b}', 0",
+        false,
+    ),
+    ("lane heads", HEADS_SQL, "'{t,t}', '{c1,c2}'", false),
+    (
+        "activate",
+        ACTIVATE_MANY_SQL,
+        "'{5,6}', '{0,0}', '{0,0}', '{t,t}', '{c1,c2}'",
+        false,
+    ),
+    ("enter lanes", ENTER_SQL, "'{t,t}', '{c1,c2}', 2", false),
+    (
+        "insert",
+        INSERT_SQL,
+        "'{900001}', '{u}', '{t}', '{c1}', '{NULL}', '{k}', '{pending}', '{1}', '{0}', '{x}', \
+         '{NULL}', '{NULL}', '{900001}', '{0}', '{0}', '{NULL}', '{1}'",
+        false,
+    ),
+    ("lock lanes", LOCK_LANES, "'{t,t}', '{c1,c2}'", false),
+    (
+        "try lock lanes",
+        TRY_LOCK_LANES,
+        "'{t,t}', '{c1,c2}'",
+        false,
+    ),
     ("load chunk", LOAD_CHUNK_SQL, "5, 0", false),
     ("lane head", HEAD_SQL, "'t', 'c1'", false),
     ("lane held", HELD_SQL, "'t', 'c1'", false),
@@ -57,10 +103,15 @@ fn json_plan(client: &mut impl postgres::GenericClient, explain: &str) -> serde_
 fn scans(plan: &serde_json::Value, out: &mut Vec<(String, String)>) {
     if let Some(node) = plan.get("Node Type").and_then(|v| v.as_str()) {
         let relation = plan.get("Relation Name").and_then(|v| v.as_str());
-        // The partial indexes of unfinished work are as small as that work.
+        // The partial indexes of unfinished work are as small as that work (staged
+        // replies live until a claim or enqueue starts them).
         let partial = matches!(
             plan.get("Index Name").and_then(|v| v.as_str()),
-            Some("outbound_deliveries_open" | "outbound_delivery_chunks_due")
+            Some(
+                "outbound_deliveries_open"
+                    | "outbound_delivery_chunks_due"
+                    | "outbound_deliveries_staged"
+            )
         );
         let unbounded = matches!(node, "Index Scan" | "Index Only Scan")
             && plan.get("Index Cond").is_none()

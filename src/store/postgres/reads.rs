@@ -13,11 +13,13 @@ use crate::inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::{ChunkGroup, DeliveryGroup, HealthRows, ReadStore, StatsRow};
 
-pub(crate) const STATS_SQL: &str =
-    "SELECT channel, delivered, last_delivered_at, finalized_total, latency_count,
-            latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s,
-            latency_le_120s, latency_le_600s, latency_le_3600s
-     FROM outbound_channel_stats";
+/// Each channel's counters, summed over its rows (see `V3__sharded_stats.sql`).
+pub(crate) const STATS_SQL: &str = "SELECT channel, sum(delivered)::bigint, max(last_delivered_at),
+        sum(finalized_total)::bigint, sum(latency_count)::bigint, sum(latency_sum_ms)::bigint,
+        sum(latency_le_1s)::bigint, sum(latency_le_5s)::bigint, sum(latency_le_30s)::bigint,
+        sum(latency_le_120s)::bigint, sum(latency_le_600s)::bigint,
+        sum(latency_le_3600s)::bigint
+     FROM outbound_channel_stats GROUP BY channel ORDER BY channel";
 
 /// Counted per channel and delivery status, over unfinished deliveries only.
 pub(crate) const OPEN_DELIVERIES_SQL: &str =

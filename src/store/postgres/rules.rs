@@ -11,6 +11,9 @@ const BUMP: &str = "UPDATE outbound_policy SET version = version + 1 WHERE id = 
 
 impl RuleStore for PgTx<'_> {
     fn rules_version(&self) -> Result<i64> {
+        if let Some(version) = self.version_read_at_begin() {
+            return Ok(version);
+        }
         Ok(self
             .query_one("SELECT version FROM outbound_policy WHERE id = 1", &[])?
             .try_get(0)?)
