@@ -7,11 +7,101 @@ mod common;
 use std::time::Duration;
 
 use chunked_outbox::{
-    ChannelPolicy, DeliveryStatus, LaneFailurePolicy, LaneOrder, OutboxOptions, Outcome, Result,
+    ChannelPolicy, ChunkStatus, Claim, DeliveryId, DeliveryStatus, LaneFailurePolicy, LaneOrder,
+    NewDelivery, OutboxOptions, Outcome, Result,
 };
 use common::*;
 
+/// Each delivery's status, chunks delivered, and each chunk's status and whether it is
+/// due (or leased), in enqueue order.
+type Rows = Vec<(DeliveryStatus, u32, Vec<(ChunkStatus, bool, bool)>)>;
+
+fn rows(db: &TestDb, ids: &[DeliveryId]) -> Rows {
+    ids.iter()
+        .map(|id| {
+            let v = view(&db.outbox, *id);
+            let chunks = v
+                .chunks
+                .iter()
+                .map(|c| {
+                    (
+                        c.status,
+                        c.next_attempt_at.is_some(),
+                        c.lease_until.is_some(),
+                    )
+                })
+                .collect();
+            (v.status, v.delivered_count, chunks)
+        })
+        .collect()
+}
+
+/// The claims of a round as (place in enqueue order, chunk index), sorted.
+fn places(ids: &[DeliveryId], claims: &[Claim]) -> Vec<(usize, u32)> {
+    let mut places: Vec<(usize, u32)> = claims
+        .iter()
+        .map(|c| {
+            (
+                ids.iter().position(|id| *id == c.delivery_id).unwrap(),
+                c.index,
+            )
+        })
+        .collect();
+    places.sort_unstable();
+    places
+}
+
 backends! {
+
+    fn batched_writes_leave_the_rows_one_at_a_time_writes_leave() -> Result<()> {
+        // One script on two outboxes: one enqueues and records in batches (which the
+        // stores may write set by set), the other one reply and one outcome at a time.
+        let (batched, single) = (TestDb::default(), TestDb::default());
+        let replies: Vec<NewDelivery> = (0..30)
+            .map(|i| {
+                let chat = format!("c{}", i % 6);
+                if i % 7 == 3 {
+                    NewDelivery::chunked("telegram", chat, format!("r{i}"), [format!("r{i} a"), format!("r{i} b")])
+                } else {
+                    NewDelivery::single("telegram", chat, format!("r{i}"))
+                }
+            })
+            .collect();
+        let (first, rest) = replies.split_at(4);
+        // A first batch, then more replies into the same lanes.
+        let mut batched_ids: Vec<DeliveryId> =
+            batched.outbox.enqueue_batch(first)?.iter().map(|e| e.id).collect();
+        batched_ids.extend(batched.outbox.enqueue_batch(rest)?.iter().map(|e| e.id));
+        let single_ids: Vec<DeliveryId> = replies
+            .iter()
+            .map(|r| Ok(single.outbox.enqueue(r)?.id))
+            .collect::<Result<_>>()?;
+        assert_eq!(rows(&batched, &batched_ids), rows(&single, &single_ids));
+        let mut rounds = 0;
+        loop {
+            let (b, s) = (claim_all(&batched.outbox), claim_all(&single.outbox));
+            assert_eq!(places(&batched_ids, &b), places(&single_ids, &s), "round {rounds}");
+            if b.is_empty() {
+                break;
+            }
+            let recorded = batched.outbox.record_batch(b.iter().map(|c| (c, Outcome::delivered(None))))?;
+            let finalized_b: usize = recorded.into_iter().map(|r| Ok(usize::from(r?.finalized))).sum::<Result<_>>()?;
+            let mut finalized_s = 0;
+            for c in &s {
+                finalized_s += usize::from(single.outbox.record(c, Outcome::delivered(None))?.finalized);
+            }
+            assert_eq!(finalized_b, finalized_s, "round {rounds}");
+            assert_eq!(rows(&batched, &batched_ids), rows(&single, &single_ids), "round {rounds}");
+            rounds += 1;
+        }
+        // Six chats of five replies, a send of each chat a round; four chats have a
+        // reply in two chunks.
+        assert_eq!(rounds, 6);
+        let (hb, hs) = (batched.outbox.health()?.totals, single.outbox.health()?.totals);
+        assert_eq!(hb.delivered_deliveries, 30);
+        assert_eq!(hb, hs);
+        Ok(())
+    }
 
     fn chunk_in_backoff_blocks_the_next_chunk() -> Result<()> {
         let db = TestDb::default();
