@@ -179,25 +179,36 @@ impl Tally {
     /// locks each row until the transaction ends, and two transactions that finalize
     /// replies of the same channels must not wait for each other in a circle.
     pub(crate) fn write(mut self, tx: &dyn StoreTx) -> Result<()> {
-        self.channels.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        for (channel, latest, latencies) in &self.channels {
-            let le = |limit_ms: i64| latencies.iter().filter(|l| **l <= limit_ms).count() as i64;
-            tx.add_channel_stats(&ChannelTally {
-                channel,
-                latest: *latest,
-                count: latencies.len() as i64,
-                latency_sum_ms: latencies.iter().sum(),
-                latency_le: [
-                    le(1_000),
-                    le(5_000),
-                    le(30_000),
-                    le(120_000),
-                    le(600_000),
-                    le(3_600_000),
-                ],
-            })?;
+        for tally in self.channel_tallies() {
+            tx.add_channel_stats(&tally)?;
         }
         Ok(())
+    }
+
+    /// What [`write`](Self::write) adds to each channel's counters, in name order.
+    pub(crate) fn channel_tallies(&mut self) -> Vec<ChannelTally<'_>> {
+        self.channels.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        self.channels
+            .iter()
+            .map(|(channel, latest, latencies)| {
+                let le =
+                    |limit_ms: i64| latencies.iter().filter(|l| **l <= limit_ms).count() as i64;
+                ChannelTally {
+                    channel,
+                    latest: *latest,
+                    count: latencies.len() as i64,
+                    latency_sum_ms: latencies.iter().sum(),
+                    latency_le: [
+                        le(1_000),
+                        le(5_000),
+                        le(30_000),
+                        le(120_000),
+                        le(600_000),
+                        le(3_600_000),
+                    ],
+                }
+            })
+            .collect()
     }
 }
 

@@ -308,6 +308,8 @@ fn delivered_at_once<C: std::borrow::Borrow<Claim>>(
         return Ok(None);
     }
     let mut results = Vec::with_capacity(outcomes.len());
+    // The finalizations counted here are written with them.
+    let mut finalized = Tally::default();
     let mut last_chunks = Vec::new();
     let mut lanes = Vec::new();
     for (((claim, _), chunk), platform_message_id) in outcomes.iter().zip(&chunks).zip(acks) {
@@ -330,7 +332,7 @@ fn delivered_at_once<C: std::borrow::Borrow<Claim>>(
             continue;
         }
         last_chunks.push((chunk.id, chunk.delivery, platform_message_id));
-        tally.add(&chunk.channel, now, (now - chunk.created_at).max(0));
+        finalized.add(&chunk.channel, now, (now - chunk.created_at).max(0));
         lanes.push(chunk.lane());
         results.push(Ok(Recorded {
             finalized: true,
@@ -341,7 +343,7 @@ fn delivered_at_once<C: std::borrow::Borrow<Claim>>(
         .iter()
         .map(|(chunk, delivery, id)| (*chunk, *delivery, id.as_deref()))
         .collect();
-    if tx.finalize_delivered(&last, now)? != last.len() {
+    if tx.finalize_delivered(&last, &finalized.channel_tallies(), now)? != last.len() {
         return Err(Error::invalid(
             "delivery",
             "a delivery to finalize is not stored",

@@ -654,9 +654,16 @@ pub(crate) trait StoreTx:
     }
     /// For each `(chunk, delivery, platform message id)`, the last chunk of its delivery:
     /// [`mark_delivered`](ChunkStore::mark_delivered), [`write_history`](FinalizeStore::write_history)
-    /// and [`mark_finalized`](FinalizeStore::mark_finalized), in one go where the store can (the
-    /// history rows in the order given). How many deliveries were there to copy.
-    fn finalize_delivered(&self, chunks: &[(i64, i64, Option<&str>)], now: i64) -> Result<usize> {
+    /// and [`mark_finalized`](FinalizeStore::mark_finalized); then
+    /// [`add_channel_stats`](FinalizeStore::add_channel_stats) of each tally (in the order
+    /// given: channel name order) — in one go where the store can, the history rows in
+    /// the order given. How many deliveries were there to copy.
+    fn finalize_delivered(
+        &self,
+        chunks: &[(i64, i64, Option<&str>)],
+        tallies: &[ChannelTally<'_>],
+        now: i64,
+    ) -> Result<usize> {
         let mut copied = 0;
         for (chunk, delivery, platform_message_id) in chunks {
             self.mark_delivered(*chunk, *platform_message_id, now)?;
@@ -664,6 +671,9 @@ pub(crate) trait StoreTx:
                 copied += 1;
             }
             self.mark_finalized(*delivery, now)?;
+        }
+        for tally in tallies {
+            self.add_channel_stats(tally)?;
         }
         Ok(copied)
     }

@@ -53,10 +53,48 @@ pub(crate) const INSERT_SQL: &str = "WITH d AS (
          WHERE u.d IN (SELECT id FROM d))
      SELECT array(SELECT id FROM d), txid_current_if_assigned()";
 
+/// Adds finalized replies to channels' counters, each to the row of this connection's
+/// shard (see `V3__sharded_stats.sql`): `$rows` gives (channel, latest, count, latency
+/// sum, the six buckets), in channel name order.
+macro_rules! stats_sql {
+    ($rows:literal) => {
+        concat!(
+            "INSERT INTO outbound_channel_stats AS s
+                 (channel, shard, delivered, last_delivered_at, finalized_total,
+                  latency_count, latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s,
+                  latency_le_120s, latency_le_600s, latency_le_3600s)
+             SELECT channel, pg_backend_pid() % 16, n, latest, n, n, sum_ms, le_1s, le_5s,
+                    le_30s, le_120s, le_600s, le_3600s
+             FROM ",
+            $rows,
+            " AS t(channel, latest, n, sum_ms, le_1s, le_5s, le_30s, le_120s, le_600s, le_3600s)
+             ON CONFLICT (channel, shard) DO UPDATE
+             SET delivered = s.delivered + excluded.delivered,
+                 last_delivered_at = greatest(s.last_delivered_at, excluded.last_delivered_at),
+                 finalized_total = s.finalized_total + excluded.finalized_total,
+                 latency_count = s.latency_count + excluded.latency_count,
+                 latency_sum_ms = s.latency_sum_ms + excluded.latency_sum_ms,
+                 latency_le_1s = s.latency_le_1s + excluded.latency_le_1s,
+                 latency_le_5s = s.latency_le_5s + excluded.latency_le_5s,
+                 latency_le_30s = s.latency_le_30s + excluded.latency_le_30s,
+                 latency_le_120s = s.latency_le_120s + excluded.latency_le_120s,
+                 latency_le_600s = s.latency_le_600s + excluded.latency_le_600s,
+                 latency_le_3600s = s.latency_le_3600s + excluded.latency_le_3600s"
+        )
+    };
+}
+
+const STATS_SQL: &str = stats_sql!(
+    "(VALUES ($1::text, $2::bigint, $3::bigint, $4::bigint,
+      $5::bigint, $6::bigint, $7::bigint, $8::bigint, $9::bigint, $10::bigint))"
+);
+
 /// The last chunks (`$1`, `$2`) delivered at `$4` with platform ids `$3`, their
-/// deliveries finalized and copied into the history in the order given: how many were
-/// copied, and the transaction's id.
-pub(crate) const FINALIZE_DELIVERED_SQL: &str = "WITH u AS (
+/// deliveries finalized and copied into the history in the order given, and the
+/// channels' counters (`$5`..`$14`, as [`stats_sql!`] reads them) added to: how many
+/// were copied, and the transaction's id.
+pub(crate) const FINALIZE_DELIVERED_SQL: &str = concat!(
+    "WITH u AS (
          SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[])
              WITH ORDINALITY AS u(d, i, platform_id, n)),
      c AS (
@@ -78,8 +116,15 @@ pub(crate) const FINALIZE_DELIVERED_SQL: &str = "WITH u AS (
          SELECT f.uid, f.channel, f.chat_id, f.sender, f.text, f.chunk_count,
                 f.created_at, $4
          FROM f JOIN u ON u.d = f.id ORDER BY u.n
-         RETURNING 1)
-     SELECT count(*), txid_current_if_assigned() FROM h";
+         RETURNING 1),
+     s AS (",
+    stats_sql!(
+        "unnest($5::text[], $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[],
+        $10::bigint[], $11::bigint[], $12::bigint[], $13::bigint[], $14::bigint[])"
+    ),
+    ")
+     SELECT count(*), txid_current_if_assigned() FROM h"
+);
 
 /// [`HISTORY_SQL`] with the first character cut off: the planted fault
 /// `wrong_finalizations`.
@@ -381,24 +426,7 @@ impl FinalizeStore for PgTx<'_> {
     fn add_channel_stats(&self, t: &ChannelTally<'_>) -> Result<()> {
         let le = &t.latency_le;
         self.execute(
-            // The row of this connection's shard (see `V3__sharded_stats.sql`).
-            "INSERT INTO outbound_channel_stats AS s
-                 (channel, shard, delivered, last_delivered_at, finalized_total,
-                  latency_count, latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s,
-                  latency_le_120s, latency_le_600s, latency_le_3600s)
-             VALUES ($1, pg_backend_pid() % 16, $3, $2, $3, $3, $4, $5, $6, $7, $8, $9, $10)
-             ON CONFLICT (channel, shard) DO UPDATE
-             SET delivered = s.delivered + $3,
-                 last_delivered_at = greatest(s.last_delivered_at, $2),
-                 finalized_total = s.finalized_total + $3,
-                 latency_count = s.latency_count + $3,
-                 latency_sum_ms = s.latency_sum_ms + $4,
-                 latency_le_1s = s.latency_le_1s + $5,
-                 latency_le_5s = s.latency_le_5s + $6,
-                 latency_le_30s = s.latency_le_30s + $7,
-                 latency_le_120s = s.latency_le_120s + $8,
-                 latency_le_600s = s.latency_le_600s + $9,
-                 latency_le_3600s = s.latency_le_3600s + $10",
+            STATS_SQL,
             &[
                 &t.channel,
                 &t.latest,

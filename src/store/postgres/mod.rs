@@ -706,13 +706,38 @@ impl StoreTx for PgTx<'_> {
         Ok((entries, drawn))
     }
 
-    fn finalize_delivered(&self, chunks: &[(i64, i64, Option<&str>)], now: i64) -> Result<usize> {
+    fn finalize_delivered(
+        &self,
+        chunks: &[(i64, i64, Option<&str>)],
+        tallies: &[crate::store::ChannelTally<'_>],
+        now: i64,
+    ) -> Result<usize> {
         let (deliveries, indexes): (Vec<i64>, Vec<i64>) =
             chunks.iter().map(|(id, ..)| chunk_key(*id)).unzip();
         let ids: Vec<Option<&str>> = chunks.iter().map(|(.., id)| *id).collect();
+        let channels: Vec<&str> = tallies.iter().map(|t| t.channel).collect();
+        let column = |f: fn(&crate::store::ChannelTally<'_>) -> i64| -> Vec<i64> {
+            tallies.iter().map(f).collect()
+        };
+        let bucket = |i: usize| -> Vec<i64> { tallies.iter().map(|t| t.latency_le[i]).collect() };
         let r = self.query_one(
             deliveries::FINALIZE_DELIVERED_SQL,
-            &[&deliveries, &indexes, &ids, &now],
+            &[
+                &deliveries,
+                &indexes,
+                &ids,
+                &now,
+                &channels,
+                &column(|t| t.latest),
+                &column(|t| t.count),
+                &column(|t| t.latency_sum_ms),
+                &bucket(0),
+                &bucket(1),
+                &bucket(2),
+                &bucket(3),
+                &bucket(4),
+                &bucket(5),
+            ],
         )?;
         self.note_xid(&r, 1)?;
         Ok(count(&r, 0)? as usize)

@@ -47,7 +47,8 @@ const STATEMENTS: &[(&str, &str, &str, bool)] = &[
     (
         "finalize",
         FINALIZE_DELIVERED_SQL,
-        "'{5,6}', '{0,0}', '{a,b}', 0",
+        "'{5,6}', '{0,0}', '{a,b}', 0, '{t}', '{0}', '{2}', '{0}', '{2}', '{2}', '{2}', \
+         '{2}', '{2}', '{2}'",
         false,
     ),
     ("lane heads", HEADS_SQL, "'{t,t}', '{c1,c2}'", false),
