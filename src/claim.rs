@@ -10,7 +10,7 @@ use crate::outbox::Outbox;
 use crate::rules::Stored;
 use crate::state::{self, Expired};
 use crate::status::ChunkStatus;
-use crate::store::{ChannelRow, LaneRef, StoreTx};
+use crate::store::{ChannelRow, LaneRef, StoreTx, channel_rows};
 
 /// Most chunks one [`Outbox::claim`] may hand out: one claim transaction holds the
 /// database's write lock, so it must stay short.
@@ -388,27 +388,6 @@ impl ChannelRow {
     }
 }
 
-/// The channel rows of `channels` (every channel, for `None`), with the interval their
-/// stored rules (or the default's) give. Channels the file has never seen have no
-/// chunks and are left out.
-fn channel_rows(tx: &dyn StoreTx, channels: Option<&[&str]>) -> Result<Vec<ChannelRow>> {
-    match channels {
-        None => tx.channels(None),
-        Some(names) => {
-            // A name given twice is one channel: read twice, its due chunks would be
-            // candidates twice, and the same chunk claimed twice in one claim.
-            let mut names = names.to_vec();
-            names.sort_unstable();
-            names.dedup();
-            let mut rows = Vec::with_capacity(names.len());
-            for name in names {
-                rows.extend(tx.channels(Some(name))?);
-            }
-            Ok(rows)
-        }
-    }
-}
-
 /// Claims up to `limit` due chunks in the caller's transaction (see [`Outbox::claim`]).
 ///
 /// Each channel's due chunks are a range of the claim index of its own; the oldest due
@@ -433,7 +412,8 @@ pub(crate) fn claim_in(
     let lease_until = now.saturating_add(duration_ms(outbox.options().lease));
     let mut candidates = Vec::new();
     let mut paced = Vec::new();
-    for channel in channel_rows(tx, channels)? {
+    // Channels the file has never seen have no chunks and are left out.
+    for (channel, due) in tx.due_in_channels(channels, now, limit)? {
         let paced_channel = channel.interval_us > 0;
         // A paced channel's slot is read, decided on and written: held until the claim
         // commits, or skipped if another claim holds it.
@@ -454,7 +434,11 @@ pub(crate) fn claim_in(
         } else {
             limit
         };
-        candidates.extend(tx.due_chunks(&channel, now, take)?);
+        match due {
+            // Read with the channel (no rate, no pause).
+            Some(due) => candidates.extend(due),
+            None => candidates.extend(tx.due_chunks(&channel, now, take)?),
+        }
     }
     candidates.sort_by_key(|c| c.due_at);
     // The lanes of the first `limit` readable candidates are tried in one go (most

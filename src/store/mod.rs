@@ -394,6 +394,29 @@ pub(crate) trait ClaimStore {
     /// Up to `limit` chunks of channel `row` due at `now` or earlier (leases that ran
     /// out included), in due order.
     fn due_chunks(&self, row: &ChannelRow, now: i64, limit: usize) -> Result<Vec<Candidate>>;
+    /// The channels named `names` (every channel, for `None`, in number order; given
+    /// names in name order, a name given twice one channel), each with its [`due_chunks`](Self::due_chunks) (at
+    /// most `limit`) if it has no rate and no pause at `now` — `None` for the others,
+    /// whose slot the claim takes first. In one go where the store can.
+    fn due_in_channels(
+        &self,
+        names: Option<&[&str]>,
+        now: i64,
+        limit: usize,
+    ) -> Result<Vec<(ChannelRow, Option<Vec<Candidate>>)>> {
+        channel_rows(self, names)?
+            .into_iter()
+            .map(|row| {
+                let free = row.interval_us == 0 && row.paused_until.is_none_or(|p| p <= now);
+                let due = if free {
+                    Some(self.due_chunks(&row, now, limit)?)
+                } else {
+                    None
+                };
+                Ok((row, due))
+            })
+            .collect()
+    }
     /// The earliest due time of channel `id`.
     fn next_due(&self, id: i64) -> Result<Option<i64>>;
     /// `sending` under `token` until `lease_until`, one more attempt counted.
@@ -412,6 +435,30 @@ pub(crate) trait ClaimStore {
     fn renew_lease(&self, chunk: i64, token: i64, until: i64) -> Result<bool>;
     /// `sending` chunks of channel `id` whose lease ends at or before `until`.
     fn expired_sending(&self, id: i64, until: i64) -> Result<Vec<ChunkRef>>;
+}
+
+/// The channel rows of `names` (every channel, for `None`), with the interval their
+/// stored rules (or the default's) give. Channels the store has never seen have no
+/// chunks and are left out.
+pub(crate) fn channel_rows<T: ClaimStore + ?Sized>(
+    tx: &T,
+    names: Option<&[&str]>,
+) -> Result<Vec<ChannelRow>> {
+    match names {
+        None => tx.channels(None),
+        Some(names) => {
+            // A name given twice is one channel: read twice, its due chunks would be
+            // candidates twice, and the same chunk claimed twice in one claim.
+            let mut names = names.to_vec();
+            names.sort_unstable();
+            names.dedup();
+            let mut rows = Vec::with_capacity(names.len());
+            for name in names {
+                rows.extend(tx.channels(Some(name))?);
+            }
+            Ok(rows)
+        }
+    }
 }
 
 /// Deliveries: caller keys and new rows.

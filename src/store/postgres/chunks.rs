@@ -76,13 +76,19 @@ pub(crate) const LOAD_CHUNK_SQL: &str = "SELECT d.id * 16384 + $2::bigint, d.id,
 /// order at one time (as on SQLite), `$lock`ed.
 macro_rules! claim_sql {
     ($lock:literal) => {
+        claim_sql!("$1", "true", $lock)
+    };
+    ($channel:literal, $when:literal, $lock:literal) => {
         concat!(
             "SELECT c.delivery_id * 16384 + c.chunk_index, c.delivery_id, c.due_at, c.chunk_index,
                     c.status, c.attempts, d.chat_id, d.created_at, d.chunk_count, d.uid,
                     coalesce(c.text, d.text), d.metadata, c.claim_token IS NOT NULL
              FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
-             WHERE c.channel_id = $1 AND c.due_at IS NOT NULL AND c.due_at <= $2
-             ORDER BY c.due_at, c.delivery_id, c.chunk_index LIMIT $3 ",
+             WHERE c.channel_id = ",
+            $channel,
+            " AND c.due_at IS NOT NULL AND c.due_at <= $2 AND ",
+            $when,
+            " ORDER BY c.due_at, c.delivery_id, c.chunk_index LIMIT $3 ",
             $lock
         )
     };
@@ -93,6 +99,33 @@ pub(crate) const CLAIM_SQL: &str = claim_sql!("FOR UPDATE OF c SKIP LOCKED");
 
 /// [`CLAIM_SQL`] without its row locks: the planted fault `no_claim_locks`.
 const CLAIM_SQL_UNLOCKED: &str = claim_sql!("");
+
+/// The channels named `$1` (every channel, for NULL) as [`channel_row`] reads them,
+/// each with the claim's read of its due chunks (`$2` now, at most `$3`) if it has no
+/// rate and no pause (NULLs when it has none).
+macro_rules! due_in_channels_sql {
+    ($lock:literal) => {
+        concat!(
+            "SELECT ch.*, c.*
+             FROM (SELECT ch.id, ch.name,
+                          coalesce(ch.channel_interval_us, p.channel_interval_us, 0) AS interval_us,
+                          ch.next_send_at_us, ch.paused_until
+                   FROM outbound_channels ch, outbound_policy p
+                   WHERE p.id = 1 AND ($1::text[] IS NULL OR ch.name = ANY ($1::text[]))) ch
+             LEFT JOIN LATERAL (",
+            claim_sql!(
+                "ch.id",
+                "ch.interval_us = 0 AND coalesce(ch.paused_until <= $2, true)",
+                $lock
+            ),
+            ") c ON true
+             ORDER BY ch.id, c.due_at, c.delivery_id, c.chunk_index"
+        )
+    };
+}
+
+pub(crate) const DUE_IN_CHANNELS_SQL: &str = due_in_channels_sql!("FOR UPDATE OF c SKIP LOCKED");
+const DUE_IN_CHANNELS_SQL_UNLOCKED: &str = due_in_channels_sql!("");
 
 /// Chunks (`$1`, `$2`) `sending` under tokens `$3` until `$4`: how many, and the
 /// transaction's id.
@@ -123,37 +156,38 @@ pub(crate) fn channel_row(r: &Row) -> Result<ChannelRow> {
     })
 }
 
-fn candidate(r: &Row, channel: &ChannelRow) -> Result<Candidate> {
+/// A [`Candidate`] of `channel` from the columns of [`claim_sql!`], from `at` on.
+fn candidate(r: &Row, at: usize, channel: &ChannelRow) -> Result<Candidate> {
     let readable = || -> std::result::Result<Readable, String> {
         let err = |e: crate::error::Error| e.to_string();
         let get = |e: postgres::Error| e.to_string();
-        let uid: String = r.try_get(9).map_err(get)?;
+        let uid: String = r.try_get(at + 9).map_err(get)?;
         let uid: DeliveryId = uid
             .parse()
             .map_err(|_| format!("its delivery uid {uid:?} is not a UUID"))?;
         Ok(Readable {
             chunk: ChunkRef {
-                id: r.try_get(0).map_err(get)?,
-                delivery: r.try_get(1).map_err(get)?,
-                index: r.try_get(3).map_err(get)?,
-                status: chunk_status(r, 4).map_err(err)?,
-                attempts: count(r, 5).map_err(err)? as u32,
+                id: r.try_get(at).map_err(get)?,
+                delivery: r.try_get(at + 1).map_err(get)?,
+                index: r.try_get(at + 3).map_err(get)?,
+                status: chunk_status(r, at + 4).map_err(err)?,
+                attempts: count(r, at + 5).map_err(err)? as u32,
                 channel: channel.name.clone(),
-                chat_id: r.try_get(6).map_err(get)?,
-                created_at: r.try_get(7).map_err(get)?,
-                total: r.try_get(8).map_err(get)?,
+                chat_id: r.try_get(at + 6).map_err(get)?,
+                created_at: r.try_get(at + 7).map_err(get)?,
+                total: r.try_get(at + 8).map_err(get)?,
             },
-            suspect: r.try_get(12).map_err(get)?,
+            suspect: r.try_get(at + 12).map_err(get)?,
             uid,
-            text: r.try_get(10).map_err(get)?,
-            metadata: r.try_get(11).map_err(get)?,
+            text: r.try_get(at + 10).map_err(get)?,
+            metadata: r.try_get(at + 11).map_err(get)?,
         })
     };
     Ok(Candidate {
-        chunk: r.try_get(0)?,
-        delivery: r.try_get(1)?,
+        chunk: r.try_get(at)?,
+        delivery: r.try_get(at + 1)?,
         channel_id: channel.id,
-        due_at: r.try_get(2)?,
+        due_at: r.try_get(at + 2)?,
         row: readable(),
     })
 }
@@ -388,8 +422,42 @@ impl ClaimStore for PgTx<'_> {
         };
         self.query(sql, &[&row.id, &now, &limit])?
             .iter()
-            .map(|r| candidate(r, row))
+            .map(|r| candidate(r, 0, row))
             .collect()
+    }
+
+    fn due_in_channels(
+        &self,
+        names: Option<&[&str]>,
+        now: i64,
+        limit: usize,
+    ) -> Result<Vec<(ChannelRow, Option<Vec<Candidate>>)>> {
+        let sql = if crate::sabotage::planted("no_claim_locks") {
+            DUE_IN_CHANNELS_SQL_UNLOCKED
+        } else {
+            DUE_IN_CHANNELS_SQL
+        };
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let mut channels: Vec<(ChannelRow, Option<Vec<Candidate>>)> = Vec::new();
+        for r in self.query(sql, &[&names, &now, &limit])? {
+            let row = channel_row(&r)?;
+            if channels.last().is_none_or(|(last, _)| last.id != row.id) {
+                let read = row.interval_us == 0 && row.paused_until.is_none_or(|p| p <= now);
+                channels.push((row, read.then(Vec::new)));
+            }
+            let Some((row, Some(due))) = channels.last_mut() else {
+                continue;
+            };
+            // A channel with nothing due has one row, of NULLs past its own columns.
+            if r.try_get::<_, Option<i64>>(5)?.is_some() {
+                due.push(candidate(&r, 5, row)?);
+            }
+        }
+        if names.is_some() {
+            // In the order the default gives them.
+            channels.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+        }
+        Ok(channels)
     }
 
     fn next_due(&self, id: i64) -> Result<Option<i64>> {

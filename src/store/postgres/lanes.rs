@@ -76,14 +76,14 @@ const HEADS_SQL_NEWEST_FIRST: &str = heads_sql!("id DESC");
 
 /// Each lane of `$1`, `$2` as an enqueue into it needs it: whether replies are staged
 /// in it, its head (NULLs if none), the end of its pause or interval; and `$3` row
-/// numbers drawn from the sequence in one go.
+/// numbers drawn from the sequence in one go (in the first lane's row only).
 macro_rules! enter_sql {
     ($order:literal) => {
         concat!(
             "WITH r AS MATERIALIZED (
                  SELECT array_agg(nextval('outbound_deliveries_id_seq') ORDER BY g) AS rows
                  FROM generate_series(1, $3::bigint) AS g)
-             SELECT u.n, r.rows,
+             SELECT u.n, CASE WHEN u.n = 1 THEN r.rows END,
                     EXISTS (SELECT 1 FROM outbound_deliveries
                             WHERE channel = u.ch AND chat_id = u.chat AND status = 'new'),
                     coalesce((SELECT greatest(paused_until, next_send_at) FROM outbound_lanes

@@ -682,7 +682,9 @@ impl StoreTx for PgTx<'_> {
         let mut drawn = Vec::new();
         let mut entries: Vec<Option<LaneEntry>> = lanes.iter().map(|_| None).collect();
         for r in self.query(sql, &[&channels, &chats, &(rows as i64)])? {
-            drawn = r.try_get::<_, Option<Vec<i64>>>(1)?.unwrap_or_default();
+            if let Some(rows) = r.try_get::<_, Option<Vec<i64>>>(1)? {
+                drawn = rows;
+            }
             let entry = LaneEntry {
                 staged_before: r.try_get(2)?,
                 free_at: r.try_get(3)?,

@@ -6,8 +6,8 @@
 //! prepared statement settles on.
 
 use super::chunks::{
-    CLAIM_SQL, CLAIMED_MANY_SQL, CLAIMED_SQL, EXPIRED_SQL, LOAD_CHUNK_SQL, MARK_SENDING_MANY_SQL,
-    NEXT_DUE_SQL,
+    CLAIM_SQL, CLAIMED_MANY_SQL, CLAIMED_SQL, DUE_IN_CHANNELS_SQL, EXPIRED_SQL, LOAD_CHUNK_SQL,
+    MARK_SENDING_MANY_SQL, NEXT_DUE_SQL,
 };
 use super::deliveries::{FINALIZE_DELIVERED_SQL, HISTORY_SQL, INSERT_SQL, SWEEP_SQL};
 use super::lanes::{
@@ -29,6 +29,13 @@ const HISTORY: i64 = 100_000;
 /// on the indexes (`PgTx::on_indexes`).
 const STATEMENTS: &[(&str, &str, &str, bool)] = &[
     ("claim", CLAIM_SQL, "1, 0, 64", false),
+    ("due in channels", DUE_IN_CHANNELS_SQL, "NULL, 0, 64", false),
+    (
+        "due in a channel",
+        DUE_IN_CHANNELS_SQL,
+        "'{t}', 0, 64",
+        false,
+    ),
     ("next due", NEXT_DUE_SQL, "1", false),
     ("expired leases", EXPIRED_SQL, "1, 0", false),
     ("claimed chunk", CLAIMED_SQL, "5, 0, 7", false),
