@@ -146,6 +146,14 @@ pub(crate) struct ChannelRow {
     pub paused_until: Option<i64>,
 }
 
+impl ChannelRow {
+    /// Whether the channel has no rate and no pause at `now`: a claim reads its due
+    /// chunks without taking a slot first.
+    pub(crate) fn unpaced_and_free(&self, now: i64) -> bool {
+        self.interval_us == 0 && self.paused_until.is_none_or(|p| p <= now)
+    }
+}
+
 /// A claimable (or lease-expired) chunk read by the claim: its row, or why the row
 /// cannot be read.
 #[derive(Debug)]
@@ -407,8 +415,7 @@ pub(crate) trait ClaimStore {
         channel_rows(self, names)?
             .into_iter()
             .map(|row| {
-                let free = row.interval_us == 0 && row.paused_until.is_none_or(|p| p <= now);
-                let due = if free {
+                let due = if row.unpaced_and_free(now) {
                     Some(self.due_chunks(&row, now, limit)?)
                 } else {
                     None

@@ -442,7 +442,8 @@ impl ClaimStore for PgTx<'_> {
         for r in self.query(sql, &[&names, &now, &limit])? {
             let row = channel_row(&r)?;
             if channels.last().is_none_or(|(last, _)| last.id != row.id) {
-                let read = row.interval_us == 0 && row.paused_until.is_none_or(|p| p <= now);
+                // (The statement read its chunks under the same condition.)
+                let read = row.unpaced_and_free(now);
                 channels.push((row, read.then(Vec::new)));
             }
             let Some((row, Some(due))) = channels.last_mut() else {
