@@ -86,7 +86,8 @@ pub(crate) fn advance_many(
     lanes: &mut Vec<LaneRef<'_>>,
     earliest: i64,
 ) -> Result<()> {
-    if rules.lane_order == LaneOrder::Parallel || lanes.is_empty() {
+    if rules.lane_order == LaneOrder::Parallel {
+        // Every delivery of a parallel lane is active from the start.
         return Ok(());
     }
     lanes.sort_unstable();
