@@ -287,10 +287,12 @@ fn delivered_at_once<C: std::borrow::Borrow<Claim>>(
     let mut seen = std::collections::HashSet::with_capacity(outcomes.len());
     let mut acks = Vec::with_capacity(outcomes.len());
     for (claim, outcome) in outcomes {
-        match trimmed(outcome.clone()) {
+        match outcome {
             Outcome::Delivered {
                 platform_message_id,
-            } if seen.insert(claim.borrow().chunk_id) => acks.push(platform_message_id),
+            } if seen.insert(claim.borrow().chunk_id) => {
+                acks.push(platform_message_id.as_deref());
+            }
             _ => return Ok(None),
         }
     }
@@ -313,6 +315,7 @@ fn delivered_at_once<C: std::borrow::Borrow<Claim>>(
     let mut last_chunks = Vec::new();
     let mut lanes = Vec::new();
     for (((claim, _), chunk), platform_message_id) in outcomes.iter().zip(&chunks).zip(acks) {
+        let platform_message_id = platform_message_id.map(trimmed_id);
         let Some(chunk) = chunk else {
             results.push(Err(Error::StaleClaim {
                 chunk: claim.borrow().chunk_id,
@@ -324,7 +327,7 @@ fn delivered_at_once<C: std::borrow::Borrow<Claim>>(
                 tx,
                 rules,
                 chunk,
-                platform_message_id.as_deref(),
+                platform_message_id,
                 now,
                 true,
                 tally,
@@ -339,11 +342,8 @@ fn delivered_at_once<C: std::borrow::Borrow<Claim>>(
             ..Recorded::settled(ChunkStatus::Delivered)
         }));
     }
-    let last: Vec<(i64, i64, Option<&str>)> = last_chunks
-        .iter()
-        .map(|(chunk, delivery, id)| (*chunk, *delivery, id.as_deref()))
-        .collect();
-    if tx.finalize_delivered(&last, &finalized.channel_tallies(), now)? != last.len() {
+    if tx.finalize_delivered(&last_chunks, &finalized.channel_tallies(), now)? != last_chunks.len()
+    {
         return Err(Error::invalid(
             "delivery",
             "a delivery to finalize is not stored",
@@ -360,15 +360,23 @@ fn trimmed(outcome: Outcome) -> Outcome {
         Outcome::Delivered {
             platform_message_id: Some(id),
         } if id.len() > MAX_PLATFORM_ID_BYTES => {
-            tracing::warn!(
-                bytes = id.len(),
-                kept = MAX_PLATFORM_ID_BYTES,
-                "platform message id too long; keeping its start"
-            );
-            Outcome::delivered(Some(cut_at(&id, MAX_PLATFORM_ID_BYTES).to_owned()))
+            Outcome::delivered(Some(trimmed_id(&id).to_owned()))
         }
         other => other,
     }
+}
+
+/// A platform message id cut to [`MAX_PLATFORM_ID_BYTES`] (see [`trimmed`]).
+fn trimmed_id(id: &str) -> &str {
+    if id.len() <= MAX_PLATFORM_ID_BYTES {
+        return id;
+    }
+    tracing::warn!(
+        bytes = id.len(),
+        kept = MAX_PLATFORM_ID_BYTES,
+        "platform message id too long; keeping its start"
+    );
+    cut_at(id, MAX_PLATFORM_ID_BYTES)
 }
 
 /// The chunk `claim` holds, if the claim still owns it: it carries the claim's token
