@@ -16,10 +16,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use chunked_outbox::{
-    ChunkStatus, Clock, ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome, RecoverScope,
-    Resolution,
-};
+use chunked_outbox::clock::{Clock, ManualClock};
+use chunked_outbox::maintenance::{RecoverScope, Resolution};
+use chunked_outbox::monitoring::ChunkStatus;
+use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 

@@ -6,10 +6,8 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use chunked_outbox::{
-    Backoff, ChannelAdapter, ChannelPolicy, Claim, Dispatcher, Outbox, OutboxOptions, Outcome,
-    RetryPolicy, Splitter,
-};
+use chunked_outbox::rules::{Backoff, ChannelPolicy, RetryPolicy};
+use chunked_outbox::{ChannelAdapter, Claim, Dispatcher, Outbox, OutboxOptions, Outcome, Splitter};
 
 /// Fails every third send with a transient error, like a flaky network.
 struct SimulatedTelegram {
@@ -75,7 +73,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "telegram",
                 chat,
                 &text,
-                &Splitter::new(60, chunked_outbox::LengthUnit::Chars)?,
+                &Splitter::new(60, chunked_outbox::split::LengthUnit::Chars)?,
             )?;
         }
     }

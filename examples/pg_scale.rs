@@ -11,7 +11,8 @@
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use chunked_outbox::{ListFilter, NewDelivery, Outbox, OutboxOptions};
+use chunked_outbox::monitoring::ListFilter;
+use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
 
 /// Unfinished replies beside the history: some pending, some sending.
 const OPEN: usize = 200;
@@ -134,7 +135,10 @@ fn main() {
             });
             let pending = time(|| {
                 outbox
-                    .list(&ListFilter::default().status(chunked_outbox::DeliveryStatus::Pending))
+                    .list(
+                        &ListFilter::default()
+                            .status(chunked_outbox::monitoring::DeliveryStatus::Pending),
+                    )
                     .unwrap();
             });
             let preview = time(|| {

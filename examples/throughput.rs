@@ -12,9 +12,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use chunked_outbox::backends::sqlite::Synchronous;
+use chunked_outbox::dispatch::SendFuture;
 use chunked_outbox::{
     AsyncChannelAdapter, AsyncDispatcher, ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox,
-    OutboxOptions, Outcome, SendFuture, Synchronous,
+    OutboxOptions, Outcome,
 };
 use rusqlite::{Connection, TransactionBehavior, params};
 
@@ -752,7 +754,7 @@ fn platform_drain(replies: u64, chats: u64, server: Option<&str>) -> (f64, u64) 
         None => path.to_str().unwrap().to_owned(),
     };
     let outbox = open_target(&target);
-    let rules = chunked_outbox::ChannelPolicy::default()
+    let rules = chunked_outbox::rules::ChannelPolicy::default()
         .with_lane_interval(CHAT_INTERVAL)
         .with_rate_per_second(PLATFORM_RATE);
     outbox.set_channel_policy("telegram", Some(rules)).unwrap();

@@ -7,9 +7,11 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use chunked_outbox::dispatch::SendFuture;
+use chunked_outbox::rules::{Backoff, ChannelPolicy, RetryPolicy};
 use chunked_outbox::{
-    AsyncChannelAdapter, AsyncDispatcher, Backoff, ChannelPolicy, Claim, NewDelivery, Outbox,
-    OutboxOptions, Outcome, RetryPolicy, SendFuture, Splitter,
+    AsyncChannelAdapter, AsyncDispatcher, Claim, NewDelivery, Outbox, OutboxOptions, Outcome,
+    Splitter,
 };
 
 struct SimulatedMatrix {
@@ -65,7 +67,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let running = dispatcher.start()?;
 
     // Every Outbox call blocks on SQLite; in async code they go to the blocking pool.
-    let splitter = Splitter::new(50, chunked_outbox::LengthUnit::Bytes)?;
+    let splitter = Splitter::new(50, chunked_outbox::split::LengthUnit::Bytes)?;
     for room in ["!ops:example.org", "!dev:example.org"] {
         let text = format!("Deploy finished for {room}.\n\nAll checks passed; nothing to do.");
         outbox

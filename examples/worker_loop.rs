@@ -9,9 +9,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use chunked_outbox::{
-    Backoff, ChannelPolicy, NewDelivery, Outbox, OutboxOptions, Outcome, RetryPolicy,
-};
+use chunked_outbox::rules::{Backoff, ChannelPolicy, RetryPolicy};
+use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::temp_dir().join(format!("chunked-outbox-example-{}", std::process::id()));

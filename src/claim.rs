@@ -24,7 +24,7 @@ pub const MAX_CLAIM_BATCH: usize = 10_000;
 ///
 /// **Drop behaviour:** dropping a claim records nothing. The chunk stays `sending` until
 /// its lease expires; then the next claim or [`Outbox::recover`] treats it like a crash
-/// mid-send, following the channel's [`ReplayPolicy`](crate::ReplayPolicy). Call
+/// mid-send, following the channel's [`ReplayPolicy`](crate::rules::ReplayPolicy). Call
 /// [`release`](Outbox::release) for claims you decide not to start.
 #[derive(Clone, PartialEq, Eq)]
 #[must_use = "a claim left without an outcome holds its chunk until the lease expires"]
@@ -130,15 +130,15 @@ impl Claim {
         }
     }
 
-    /// This chunk's key in [`COMPACT_KEY_LEN`](crate::COMPACT_KEY_LEN) characters, for
+    /// This chunk's key in [`COMPACT_KEY_LEN`](crate::ids::COMPACT_KEY_LEN) characters, for
     /// Discord's `nonce` and other short key fields (see
-    /// [`chunk_compact_key`](crate::chunk_compact_key)).
+    /// [`chunk_compact_key`](crate::ids::chunk_compact_key)).
     pub fn compact_key(&self) -> String {
         crate::ids::chunk_compact_key(&self.delivery_id, self.index)
     }
 
     /// This chunk's key as a UUID, for LINE's `X-Line-Retry-Key` (see
-    /// [`chunk_key_uuid`](crate::chunk_key_uuid)).
+    /// [`chunk_key_uuid`](crate::ids::chunk_key_uuid)).
     pub fn key_uuid(&self) -> uuid::Uuid {
         crate::ids::chunk_key_uuid(&self.delivery_id, self.index)
     }
@@ -198,7 +198,7 @@ impl Outbox {
     /// process every time still exhausts its attempts.
     ///
     /// Only the head chunk of a delivery is ever claimable, and with
-    /// [`LaneOrder::Fifo`](crate::LaneOrder::Fifo) only the active delivery of a lane.
+    /// [`LaneOrder::Fifo`](crate::rules::LaneOrder::Fifo) only the active delivery of a lane.
     /// Concurrent claimers never receive the same chunk.
     ///
     /// A chunk whose previous claim's lease ran out (its process may have crashed on
@@ -285,7 +285,7 @@ impl Outbox {
     /// Settles `sending` chunks whose worker is gone, then finalizes deliveries whose
     /// chunks are all delivered but which were never written to `outbound_messages`.
     ///
-    /// Each abandoned chunk follows its channel's stored [`ReplayPolicy`](crate::ReplayPolicy): `retry` (due
+    /// Each abandoned chunk follows its channel's stored [`ReplayPolicy`](crate::rules::ReplayPolicy): `retry` (due
     /// now) if the channel may replay, `uncertain` otherwise, `failed` if its attempts
     /// are used up. Claiming does the same for expired leases as it meets them, so
     /// calling this is only needed at start-up.
@@ -293,7 +293,9 @@ impl Outbox {
     /// ```
     /// use std::sync::Arc;
     /// use std::time::Duration;
-    /// use chunked_outbox::{ManualClock, NewDelivery, Outbox, OutboxOptions, RecoverScope};
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    /// use chunked_outbox::clock::ManualClock;
+    /// use chunked_outbox::maintenance::RecoverScope;
     ///
     /// let clock = ManualClock::new(1_767_225_600_000);
     /// let outbox = Outbox::open_in_memory(OutboxOptions::default().with_clock(Arc::new(clock.clone())))?;

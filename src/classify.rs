@@ -17,7 +17,7 @@ pub enum ErrorClass {
         retry_after: Option<Duration>,
     },
     /// The send may have reached the platform (a timeout): follow the channel's
-    /// [`ReplayPolicy`](crate::ReplayPolicy).
+    /// [`ReplayPolicy`](crate::rules::ReplayPolicy).
     Ambiguous,
     /// Anything else: worth retrying with backoff.
     Transient,
@@ -99,7 +99,7 @@ pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 ///   and capped at [`MAX_RETRY_AFTER`].
 /// * **Ambiguous**: a timeout (`timed out`, `timeout`, `deadline exceeded`): the request
 ///   may have been written and acted on, so a resend could duplicate it. The channel's
-///   [`ReplayPolicy`](crate::ReplayPolicy) decides.
+///   [`ReplayPolicy`](crate::rules::ReplayPolicy) decides.
 /// * **Transient**: anything else, retried with backoff.
 ///
 /// A typed mapping from the platform's own response beats any text; see
@@ -107,7 +107,7 @@ pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 ///
 /// ```
 /// use std::time::Duration;
-/// use chunked_outbox::{classify_error, ErrorClass};
+/// use chunked_outbox::platforms::{classify_error, ErrorClass};
 ///
 /// assert_eq!(classify_error("Forbidden: bot was blocked by the user"), ErrorClass::Permanent);
 /// assert_eq!(

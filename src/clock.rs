@@ -31,7 +31,7 @@ impl Clock for SystemClock {
 ///
 /// ```
 /// use std::time::Duration;
-/// use chunked_outbox::{Clock, ManualClock};
+/// use chunked_outbox::clock::{Clock, ManualClock};
 ///
 /// let clock = ManualClock::new(1_000);
 /// clock.advance(Duration::from_secs(5));

@@ -411,7 +411,7 @@ impl Outbox {
     /// your commit on, and this crate cannot see that commit on your connection (a
     /// commit hook would replace one the application may have set). Without the call a
     /// dispatcher of this process still finds the reply, at its next
-    /// [poll](crate::DispatcherBuilder::poll_interval) (50 ms by default); a dispatcher
+    /// [poll](crate::dispatch::DispatcherBuilder::poll_interval) (50 ms by default); a dispatcher
     /// of another process notices the commit the same way.
     ///
     /// ```

@@ -110,7 +110,7 @@ pub enum Error {
     /// ([`Outbox::set_finalization`](crate::Outbox::set_finalization)) refused a reply
     /// whose chunks all reached the chat: a constraint, trigger or type of the
     /// application's table. The reply stays
-    /// [`Unfinalized`](crate::DeliveryStatus::Unfinalized); fix the table (or the
+    /// [`Unfinalized`](crate::monitoring::DeliveryStatus::Unfinalized); fix the table (or the
     /// statement), then finalize it again.
     #[error(
         "the application's finalization statement refused delivery {delivery}: {message}; every chunk reached the chat, and the reply stays unfinalized until the statement takes it"
@@ -158,15 +158,15 @@ pub enum Error {
         path: PathBuf,
     },
 
-    /// A stored rule (see [`Policy`](crate::Policy)) differs from the one given in the
+    /// A stored rule (see [`Rules`](crate::rules::Rules)) differs from the one given in the
     /// options: each process on a file follows the file's rules, so a different one is
     /// refused rather than followed by one process only. Change the stored rule
-    /// ([`Outbox::set_policy`](crate::Outbox::set_policy),
+    /// ([`Outbox::set_rules`](crate::Outbox::set_rules),
     /// [`Outbox::set_channel_policy`](crate::Outbox::set_channel_policy), `outbox config
     /// set`), drop it from the options, or open with
     /// [`OutboxOptions::with_policy_update`](crate::OutboxOptions::with_policy_update).
     #[error(
-        "the file stores {rule} = {stored}, but these options give {given}; change the stored rule (Outbox::set_policy, `outbox config set`) or open with OutboxOptions::with_policy_update(true)"
+        "the file stores {rule} = {stored}, but these options give {given}; change the stored rule (Outbox::set_rules, `outbox config set`) or open with OutboxOptions::with_policy_update(true)"
     )]
     PolicyConflict {
         /// Which rule.

@@ -150,7 +150,7 @@ impl From<i64> for ChunkId {
 /// Which outbox handle holds (or last held) a claim: the high half of its fencing
 /// token, random per [`Outbox`](crate::Outbox) handle.
 ///
-/// [`ChunkView::claimant`](crate::ChunkView::claimant) shows it for `sending` chunks and
+/// [`ChunkView::claimant`](crate::monitoring::ChunkView::claimant) shows it for `sending` chunks and
 /// for chunks whose lease ran out while their send was unsettled (`uncertain`, or
 /// `retry` on a replayable channel): it names the process that may still report an
 /// outcome for them, or that died holding them. [`Outbox::claimant`](crate::Outbox::claimant)
@@ -197,7 +197,8 @@ impl fmt::Debug for ClaimantId {
 /// LINE's retry key) turn a replay into a no-op.
 ///
 /// ```
-/// # use chunked_outbox::{chunk_idempotency_key, DeliveryId};
+/// # use chunked_outbox::ids::chunk_idempotency_key;
+/// # use chunked_outbox::DeliveryId;
 /// let id: DeliveryId = "01890a5d-ac96-774b-bcce-b302099a8057".parse().unwrap();
 /// assert_eq!(chunk_idempotency_key(&id, 1), "01890a5d-ac96-774b-bcce-b302099a8057:2");
 /// ```
@@ -215,7 +216,8 @@ pub const COMPACT_KEY_LEN: usize = 24;
 /// carries the same one), and as unique: it encodes the same two values, losslessly.
 ///
 /// ```
-/// # use chunked_outbox::{chunk_compact_key, DeliveryId};
+/// # use chunked_outbox::ids::chunk_compact_key;
+/// # use chunked_outbox::DeliveryId;
 /// let id: DeliveryId = "01890a5d-ac96-774b-bcce-b302099a8057".parse().unwrap();
 /// assert_eq!(chunk_compact_key(&id, 1), "AYkKXayWd0u8zrMCCZqAVwAB");
 /// ```
@@ -235,7 +237,8 @@ pub fn chunk_compact_key(delivery: &DeliveryId, index: u32) -> String {
 /// is stable and differs per chunk.
 ///
 /// ```
-/// # use chunked_outbox::{chunk_key_uuid, DeliveryId};
+/// # use chunked_outbox::ids::chunk_key_uuid;
+/// # use chunked_outbox::DeliveryId;
 /// let id: DeliveryId = "01890a5d-ac96-774b-bcce-b302099a8057".parse().unwrap();
 /// assert_eq!(chunk_key_uuid(&id, 1), chunk_key_uuid(&id, 1));
 /// assert_ne!(chunk_key_uuid(&id, 1), chunk_key_uuid(&id, 2));

@@ -19,7 +19,7 @@
 use crate::clock::duration_ms;
 use crate::error::Result;
 use crate::rules::{LaneFailurePolicy, LaneOrder};
-use crate::rules::{Policy, Stored};
+use crate::rules::{Rules, Stored};
 use crate::store::{HeadRow, LaneRef, StoreTx, Waiting};
 
 /// Where a lane stands for scheduling purposes.
@@ -33,14 +33,14 @@ pub(crate) enum LaneHead {
 }
 
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
-pub(crate) fn head(tx: &dyn StoreTx, rules: &Policy, lane: LaneRef<'_>) -> Result<LaneHead> {
+pub(crate) fn head(tx: &dyn StoreTx, rules: &Rules, lane: LaneRef<'_>) -> Result<LaneHead> {
     head_of(tx, rules, lane, tx.lane_head(lane)?)
 }
 
 /// [`head`], from the lane's first unfinished delivery as read.
 pub(crate) fn head_of(
     tx: &dyn StoreTx,
-    rules: &Policy,
+    rules: &Rules,
     lane: LaneRef<'_>,
     first: Option<HeadRow>,
 ) -> Result<LaneHead> {
@@ -64,7 +64,7 @@ pub(crate) fn head_of(
 /// deliveries are active from the start.
 pub(crate) fn advance(
     tx: &dyn StoreTx,
-    rules: &Policy,
+    rules: &Rules,
     lane: LaneRef<'_>,
     earliest: i64,
 ) -> Result<()> {
@@ -82,7 +82,7 @@ pub(crate) fn advance(
 /// the first's activation).
 pub(crate) fn advance_many(
     tx: &dyn StoreTx,
-    rules: &Policy,
+    rules: &Rules,
     lanes: &mut Vec<LaneRef<'_>>,
     earliest: i64,
 ) -> Result<()> {
@@ -143,7 +143,7 @@ pub(crate) fn note_send(
 /// for FIFO lanes, and activated if the lane is free.
 pub(crate) fn rejoin(
     tx: &dyn StoreTx,
-    rules: &Policy,
+    rules: &Rules,
     delivery: i64,
     lane: LaneRef<'_>,
     earliest: i64,
@@ -161,8 +161,8 @@ pub(crate) fn rejoin(
 /// new rules give it. Its caller holds the rules exclusively, so no lane changes under it.
 pub(crate) fn follow_rule_change(
     tx: &dyn StoreTx,
-    before: &Policy,
-    after: &Policy,
+    before: &Rules,
+    after: &Rules,
     now: i64,
 ) -> Result<()> {
     if before.lane_order == after.lane_order && before.lane_failure == after.lane_failure {

@@ -42,26 +42,28 @@
 //! flight, renews their leases, catches adapter panics and records each outcome before
 //! its next send — most applications run one instead of this loop.
 //!
-//! # What else is here
+//! # Where things are
 //!
-//! * [`Dispatcher`] (threads) and [`AsyncDispatcher`] (feature `tokio`) run the loop
-//!   above against [`ChannelAdapter`]s, one per channel, with events
-//!   ([`DispatchEvent`]) for finalized replies and dead letters.
-//! * Ready adapters (features `teloxide`, `serenity`, `slack-morphism`, see
-//!   `adapters`) and typed mappings of the platforms' answers ([`platforms`]).
-//! * [`Splitter`]: platform presets, grapheme-safe cuts, code fences and Telegram HTML
-//!   kept whole.
-//! * Monitoring: [`Outbox::health`] with [`Health::to_prometheus`] and
-//!   [`Health::verdict`]; an HTTP [`monitoring::Endpoint`] (`/metrics`, `/healthz`,
-//!   `/health.json`) to mount in the application's server; and with feature `metrics`
-//!   counters and histograms through the `metrics` facade ([`telemetry`]).
-//! * A PostgreSQL store (feature `postgres`) for applications on several hosts:
-//!   [`Outbox::connect`], wake-ups across hosts, and replies enqueued inside the
-//!   application's own transaction ([`app_transaction`]; with features
-//!   `tokio-postgres` and `sqlx` for those clients).
-//! * The `outbox` tool (feature `cli`, on by default): `health`, `serve`, `list`, `show`,
-//!   `requeue`, `resolve`, `cancel`, `purge`, `config`, `migrate`, and the `demo` and
-//!   `torture` that show the guarantees below.
+//! The crate root holds what every application touches: [`Outbox`] and its
+//! [`OutboxOptions`], [`NewDelivery`], [`Claim`] and [`Outcome`], [`Error`], the
+//! [`Splitter`], and the dispatchers ([`Dispatcher`], and [`AsyncDispatcher`] with the
+//! feature `tokio`) with their adapter traits. The rest, by what you look for:
+//!
+//! | module | what is in it |
+//! |---|---|
+//! | [`platforms`] | ready adapters (features `teloxide`, `serenity`, `slack-morphism`) and the mappings of each platform's answers to an [`Outcome`] |
+//! | [`dispatch`] | the dispatchers' builders, handles, events and reports |
+//! | [`rules`] | the rules stored in the file: lane order, retries, replay, pacing, the finalization statement |
+//! | [`monitoring`] | health snapshots and their verdicts, an HTTP endpoint, the `metrics` names, the views of `list` and `delivery` |
+//! | [`maintenance`] | recovering dead workers' sends, settling uncertain chunks, purging |
+//! | [`backends`] | SQLite or PostgreSQL: which to pick, what differs, each one's settings |
+//! | [`limits`] | the bounds input is held to |
+//! | [`split`], [`ids`], [`clock`] | the splitter's units and markup; chunk keys and ids; injectable time |
+//!
+//! The `outbox` tool (feature `cli`, on by default) inspects and repairs an outbox:
+//! `health`, `serve`, `list`, `show`, `requeue`, `resolve`, `cancel`, `purge`, `config`,
+//! `migrate`; `outbox-lab` runs the `demo` and the `torture` that show the guarantees
+//! below.
 //!
 //! # Chunk states
 //!
@@ -83,11 +85,11 @@
 //! * **Nothing is lost.** An enqueue that returned `Ok` survives any crash of the
 //!   process. Rows leave only through [`Outbox::purge`].
 //! * **Order.** Chunk *k+1* of a delivery is never handed out before chunk *k* is
-//!   delivered. With [`LaneOrder::Fifo`] (the default) one delivery per chat is in flight
-//!   at a time, so replies leave in enqueue order; [`LaneFailurePolicy`] says what
+//!   delivered. With [`LaneOrder::Fifo`](rules::LaneOrder::Fifo) (the default) one delivery per chat is in flight
+//!   at a time, so replies leave in enqueue order; [`LaneFailurePolicy`](rules::LaneFailurePolicy) says what
 //!   happens when the head fails for good.
 //! * **One key per chunk.** Every send of a chunk carries the same idempotency key,
-//!   derived only by [`chunk_idempotency_key`].
+//!   derived only by [`chunk_idempotency_key`](ids::chunk_idempotency_key).
 //! * **Exactly-once finalization.** A delivery is written to `outbound_messages` in the
 //!   transaction that records its last ack, and `outbound_messages.delivery_id` is UNIQUE.
 //! * **Fenced claims.** Every outcome checks the claim's token: a worker whose lease
@@ -104,16 +106,16 @@
 //!
 //! What the outbox cannot promise is that a platform without idempotent sends never
 //! sees a duplicate: when a send may have reached the platform (a timeout after the
-//! request was written, or a crash while `sending`), the channel's [`ReplayPolicy`]
+//! request was written, or a crash while `sending`), the channel's [`ReplayPolicy`](rules::ReplayPolicy)
 //! decides between replaying it (at-least-once) and holding it as `uncertain` for a
 //! decision (at-most-once until resolved).
 //!
 //! # Durability
 //!
 //! The database runs in WAL mode with a busy timeout. With
-//! [`Synchronous::Normal`] (the default) every committed transaction survives a crash of
+//! [`Synchronous::Normal`](backends::sqlite::Synchronous::Normal) (the default) every committed transaction survives a crash of
 //! the process; a power loss may lose the last few commits but never corrupts the file.
-//! [`Synchronous::Full`] also survives power loss, at the cost of an fsync per commit.
+//! [`Synchronous::Full`](backends::sqlite::Synchronous::Full) also survives power loss, at the cost of an fsync per commit.
 //! The file is created with mode 0600. Message text is never logged above `debug`.
 //! A background thread runs passive WAL checkpoints so that they rarely fall inside a
 //! commit ([`OutboxOptions::with_background_checkpoints`]).
@@ -133,18 +135,17 @@
 struct ReadmeDoctests;
 
 #[cfg(any(feature = "teloxide", feature = "serenity", feature = "slack-morphism"))]
-pub mod adapters;
-#[cfg(feature = "postgres")]
-pub mod app_transaction;
+mod adapters;
+pub mod backends;
 mod claim;
 mod classify;
-mod clock;
-mod dispatch;
+pub mod clock;
+mod dispatcher;
 mod enqueue;
 mod error;
 mod finalize;
 mod health;
-mod ids;
+pub mod ids;
 mod inspect;
 mod lane;
 pub mod monitoring;
@@ -154,53 +155,324 @@ mod outbox;
 mod outcome;
 pub mod platforms;
 mod retention;
-mod rules;
+pub mod rules;
 #[doc(hidden)]
 pub mod sabotage;
-mod split;
+pub mod split;
 mod state;
 mod status;
 mod step;
 mod store;
-pub mod telemetry;
+mod telemetry;
 
-pub use claim::{Claim, RecoverScope, RecoveryReport};
-pub use classify::{ErrorClass, classify_error};
-pub use clock::{Clock, ManualClock, SystemClock};
+// What every application touches. The rest is grouped in the modules below, by what a
+// user looks for.
+pub use claim::Claim;
 #[cfg(feature = "tokio")]
-pub use dispatch::tokio::{
-    AsyncChannelAdapter, AsyncDispatcher, AsyncDispatcherBuilder, RunningAsyncDispatcher,
-    SendFuture,
-};
-pub use dispatch::{
-    ChannelAdapter, DispatchEvent, DispatchStats, Dispatcher, DispatcherBuilder, RunningDispatcher,
-    ShutdownReport,
-};
+pub use dispatcher::tokio::{AsyncChannelAdapter, AsyncDispatcher};
+pub use dispatcher::{ChannelAdapter, Dispatcher};
 pub use enqueue::{Enqueued, NewDelivery};
 pub use error::{Error, Result};
-pub use finalize::FINALIZE_PARAMETERS;
-pub use health::{ChannelHealth, Health, LATENCY_BUCKETS, LatencyHistogram};
-pub use ids::{
-    COMPACT_KEY_LEN, ChunkId, ClaimantId, DeliveryId, chunk_compact_key, chunk_idempotency_key,
-    chunk_key_uuid,
-};
-pub use inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
-pub use operator::Resolution;
-pub use options::{OutboxOptions, Synchronous};
+pub use ids::DeliveryId;
+pub use options::OutboxOptions;
 pub use outbox::Outbox;
 pub use outcome::Outcome;
-pub use retention::PurgeReport;
-pub use rules::{
-    Backoff, ChannelPolicy, LaneFailurePolicy, LaneOrder, Policy, ReplayPolicy, RetryPolicy,
-};
-/// The rusqlite this crate is built with: [`Outbox::enqueue_in`] takes its
-/// `Connection`, so an application names the same version through this re-export.
-pub use rusqlite;
-pub use split::{LengthUnit, Markup, Splitter};
+pub use split::Splitter;
 pub use state::Recorded;
-pub use status::{ChunkStatus, DeliveryStatus};
-pub use store::sqlite::connection::StorageSettings;
-pub use store::sqlite::schema::SCHEMA_VERSION;
+
+/// Running the claim → send → record loop: the dispatchers, their builders and
+/// handles, the adapter traits, and what a run reports.
+///
+/// [`Dispatcher`] runs the loop on threads, for CLI agents and simple bots;
+/// [`AsyncDispatcher`] (feature `tokio`) runs it as tasks for async engines. Both take
+/// one adapter per channel ([`ChannelAdapter`], [`AsyncChannelAdapter`]); ready ones for
+/// teloxide, serenity and slack-morphism are in [`platforms`](crate::platforms#ready-adapters).
+pub mod dispatch {
+    #[cfg(feature = "tokio")]
+    pub use crate::dispatcher::tokio::{
+        AsyncChannelAdapter, AsyncDispatcher, AsyncDispatcherBuilder, RunningAsyncDispatcher,
+        SendFuture,
+    };
+    pub use crate::dispatcher::{
+        ChannelAdapter, DispatchEvent, DispatchStats, Dispatcher, DispatcherBuilder,
+        RunningDispatcher, ShutdownReport,
+    };
+}
+
+/// What an operator runs on a live outbox: settling the sends of dead workers, settling
+/// uncertain chunks, purging finished rows. Each is also a command of the `outbox` tool.
+pub mod maintenance {
+    pub use crate::claim::{RecoverScope, RecoveryReport};
+    pub use crate::operator::Resolution;
+    pub use crate::retention::PurgeReport;
+}
+
+// The names the crate root held before 0.2, kept (hidden, deprecated) so code written
+// against them still builds; each says where the name lives now.
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::maintenance::RecoverScope"
+)]
+pub type RecoverScope = maintenance::RecoverScope;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::maintenance::RecoveryReport"
+)]
+pub type RecoveryReport = maintenance::RecoveryReport;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::maintenance::Resolution"
+)]
+pub type Resolution = maintenance::Resolution;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::maintenance::PurgeReport"
+)]
+pub type PurgeReport = maintenance::PurgeReport;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::platforms::ErrorClass"
+)]
+pub type ErrorClass = platforms::ErrorClass;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::clock::ManualClock"
+)]
+pub type ManualClock = clock::ManualClock;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::clock::SystemClock"
+)]
+pub type SystemClock = clock::SystemClock;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::dispatch::RunningDispatcher"
+)]
+pub type RunningDispatcher = dispatch::RunningDispatcher;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::dispatch::DispatchEvent"
+)]
+pub type DispatchEvent = dispatch::DispatchEvent;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::dispatch::DispatchStats"
+)]
+pub type DispatchStats = dispatch::DispatchStats;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::dispatch::ShutdownReport"
+)]
+pub type ShutdownReport = dispatch::ShutdownReport;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::monitoring::ChannelHealth"
+)]
+pub type ChannelHealth = monitoring::ChannelHealth;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::monitoring::Health"
+)]
+pub type Health = monitoring::Health;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::monitoring::LatencyHistogram"
+)]
+pub type LatencyHistogram = monitoring::LatencyHistogram;
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::ids::ChunkId")]
+pub type ChunkId = ids::ChunkId;
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::ids::ClaimantId")]
+pub type ClaimantId = ids::ClaimantId;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::monitoring::ChunkView"
+)]
+pub type ChunkView = monitoring::ChunkView;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::monitoring::CorruptRow"
+)]
+pub type CorruptRow = monitoring::CorruptRow;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::monitoring::DeliveryView"
+)]
+pub type DeliveryView = monitoring::DeliveryView;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::monitoring::ListFilter"
+)]
+pub type ListFilter = monitoring::ListFilter;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::monitoring::ChunkStatus"
+)]
+pub type ChunkStatus = monitoring::ChunkStatus;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::monitoring::DeliveryStatus"
+)]
+pub type DeliveryStatus = monitoring::DeliveryStatus;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::backends::sqlite::Synchronous"
+)]
+pub type Synchronous = backends::sqlite::Synchronous;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::backends::sqlite::StorageSettings"
+)]
+pub type StorageSettings = backends::sqlite::StorageSettings;
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::rules::Backoff")]
+pub type Backoff = rules::Backoff;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::rules::ChannelPolicy"
+)]
+pub type ChannelPolicy = rules::ChannelPolicy;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::rules::LaneFailurePolicy"
+)]
+pub type LaneFailurePolicy = rules::LaneFailurePolicy;
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::rules::LaneOrder")]
+pub type LaneOrder = rules::LaneOrder;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::rules::ReplayPolicy"
+)]
+pub type ReplayPolicy = rules::ReplayPolicy;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::rules::RetryPolicy"
+)]
+pub type RetryPolicy = rules::RetryPolicy;
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::split::LengthUnit")]
+pub type LengthUnit = split::LengthUnit;
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::split::Markup")]
+pub type Markup = split::Markup;
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::rules::Rules")]
+pub type Policy = rules::Rules;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::dispatch::DispatcherBuilder"
+)]
+pub type DispatcherBuilder<A = dyn ChannelAdapter> = dispatch::DispatcherBuilder<A>;
+#[cfg(feature = "tokio")]
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::dispatch::AsyncDispatcherBuilder"
+)]
+pub type AsyncDispatcherBuilder = dispatch::AsyncDispatcherBuilder;
+#[cfg(feature = "tokio")]
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::dispatch::RunningAsyncDispatcher"
+)]
+pub type RunningAsyncDispatcher = dispatch::RunningAsyncDispatcher;
+#[cfg(feature = "tokio")]
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::dispatch::SendFuture"
+)]
+pub type SendFuture<'a, T> = dispatch::SendFuture<'a, T>;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::rules::FINALIZE_PARAMETERS"
+)]
+pub const FINALIZE_PARAMETERS: &[&str] = rules::FINALIZE_PARAMETERS;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::monitoring::LATENCY_BUCKETS"
+)]
+pub const LATENCY_BUCKETS: [u64; 6] = monitoring::LATENCY_BUCKETS;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::ids::COMPACT_KEY_LEN"
+)]
+pub const COMPACT_KEY_LEN: usize = ids::COMPACT_KEY_LEN;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::backends::sqlite::SCHEMA_VERSION"
+)]
+pub const SCHEMA_VERSION: i64 = backends::sqlite::SCHEMA_VERSION;
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::platforms::classify_error"
+)]
+pub fn classify_error(text: &str) -> platforms::ErrorClass {
+    platforms::classify_error(text)
+}
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::ids::chunk_idempotency_key"
+)]
+pub fn chunk_idempotency_key(delivery: &DeliveryId, index: u32) -> String {
+    ids::chunk_idempotency_key(delivery, index)
+}
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::ids::chunk_compact_key"
+)]
+pub fn chunk_compact_key(delivery: &DeliveryId, index: u32) -> String {
+    ids::chunk_compact_key(delivery, index)
+}
+#[doc(hidden)]
+#[deprecated(
+    since = "0.2.0",
+    note = "moved: use chunked_outbox::ids::chunk_key_uuid"
+)]
+pub fn chunk_key_uuid(delivery: &DeliveryId, index: u32) -> uuid::Uuid {
+    ids::chunk_key_uuid(delivery, index)
+}
+#[doc(hidden)]
+pub use backends::sqlite::rusqlite;
+#[doc(hidden)]
+pub use clock::Clock;
 
 /// The bounds the outbox holds input and waits to. Input beyond one is refused with
 /// [`Error::InvalidInput`] before anything is written, except where an item says it is

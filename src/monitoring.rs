@@ -8,8 +8,8 @@
 //! type and a body, so it needs no HTTP crate of its own.
 //!
 //! ```
-//! use chunked_outbox::monitoring::{Endpoint, Thresholds};
 //! use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+//! use chunked_outbox::monitoring::{Endpoint, Thresholds};
 //!
 //! let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
 //! outbox.enqueue(&NewDelivery::single("telegram", "42", "hello"))?;
@@ -37,12 +37,47 @@
 //! ```
 //!
 //! (`tests/monitoring.rs` runs exactly this against a real HTTP client.)
+//!
+//! # What else is here
+//!
+//! [`Health`] is what [`Outbox::health`](crate::Outbox::health) reads, with its
+//! Prometheus text ([`Health::to_prometheus`]) and its verdict; [`DeliveryView`] and
+//! [`ChunkView`] are what [`Outbox::list`](crate::Outbox::list) and
+//! [`Outbox::delivery`](crate::Outbox::delivery) read, in the states [`DeliveryStatus`] and
+//! [`ChunkStatus`].
+//!
+//! # Metrics
+//!
+//! Counters and histograms through the `metrics` facade (feature `metrics`), so they
+//! land in whatever recorder the application installed (a Prometheus exporter, StatsD,
+//! OpenTelemetry ...). Without the feature, or without a recorder, each call is a no-op.
+//!
+//! | name | kind | labels | what |
+//! |---|---|---|---|
+//! | `outbox_enqueued_total` | counter | `channel` | deliveries stored by `enqueue` and `enqueue_batch` (not re-enqueues of a caller key; `enqueue_in` commits in the caller's transaction, so it is not counted) |
+//! | `outbox_sends_total` | counter | `channel` | sends started by a dispatcher |
+//! | `outbox_outcomes_total` | counter | `channel`, `outcome` | outcomes recorded: `delivered`, `transient`, `permanent`, `rate_limited`, `channel_rate_limited`, `ambiguous` |
+//! | `outbox_finalized_total` | counter | `channel` | replies finalized (every chunk delivered, history written) |
+//! | `outbox_retries_total` | counter | `channel` | chunks put back for a retry |
+//! | `outbox_uncertain_total` | counter | `channel` | chunks held as possibly sent |
+//! | `outbox_dead_letters_total` | counter | `channel` | chunks failed for good |
+//! | `outbox_panics_total` | counter | — | adapter panics, recorded as ambiguous sends |
+//! | `outbox_send_timeouts_total` | counter | — | sends that outlived the send timeout |
+//! | `outbox_record_errors_total` | counter | — | outcomes that could not be recorded |
+//! | `outbox_dropped_outcomes_total` | counter | — | known outcomes given up after a lease of retries (alert on it) |
+//! | `outbox_send_duration_seconds` | histogram | `channel` | from a chunk's claim to its recorded outcome: the send plus one commit |
+//! | `outbox_reply_latency_seconds` | histogram | `channel` | from enqueue to finalization of a reply: the chat bot's delivery SLO |
+//!
+//! The counters count events, so purging history never lowers them.
+
+pub use crate::health::{ChannelHealth, Health, LATENCY_BUCKETS, LatencyHistogram};
+pub use crate::inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
+pub use crate::status::{ChunkStatus, DeliveryStatus};
 
 use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::health::Health;
 use crate::outbox::Outbox;
 
 /// When a snapshot warns or fails. The defaults are those of `outbox health`: fail on
@@ -150,8 +185,8 @@ impl Health {
     /// Judges the snapshot by `thresholds`.
     ///
     /// ```
-    /// use chunked_outbox::monitoring::{Level, Thresholds};
     /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome};
+    /// use chunked_outbox::monitoring::{Level, Thresholds};
     ///
     /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
     /// outbox.enqueue(&NewDelivery::single("telegram", "42", "hello"))?;

@@ -47,7 +47,8 @@ impl Outbox {
     /// [`requeue_chunk`](Self::requeue_chunk)).
     ///
     /// ```
-    /// use chunked_outbox::{DeliveryStatus, NewDelivery, Outbox, OutboxOptions, Outcome};
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome};
+    /// use chunked_outbox::monitoring::DeliveryStatus;
     ///
     /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
     /// let id = outbox.enqueue(&NewDelivery::single("slack", "C1", "hi"))?.id;
@@ -103,7 +104,9 @@ impl Outbox {
     /// Settles a chunk held as `uncertain` (see [`Resolution`]).
     ///
     /// ```
-    /// use chunked_outbox::{ChunkStatus, NewDelivery, Outbox, OutboxOptions, Outcome, Resolution};
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome};
+    /// use chunked_outbox::maintenance::Resolution;
+    /// use chunked_outbox::monitoring::ChunkStatus;
     ///
     /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
     /// outbox.enqueue(&NewDelivery::single("telegram", "42", "hi"))?;
@@ -179,16 +182,29 @@ impl Outbox {
         })
     }
 
-    /// Marks every unacknowledged dead letter (of one channel, or of all for `None`) as
-    /// seen. They stay listed (and requeueable) until purged, but no longer count as
-    /// unacknowledged in health, and a lane blocked by one
-    /// ([`LaneFailurePolicy::Block`](crate::LaneFailurePolicy::Block)) moves on. Returns
-    /// how many were acknowledged.
+    /// The old name of [`dismiss_dead_letters`](Self::dismiss_dead_letters) ("ack" is
+    /// what a delivered chunk gets).
+    ///
+    /// # Errors
+    ///
+    /// As [`dismiss_dead_letters`](Self::dismiss_dead_letters).
+    #[doc(hidden)]
+    #[deprecated(since = "0.2.0", note = "renamed: use Outbox::dismiss_dead_letters")]
+    pub fn acknowledge_dead_letters(&self, channel: Option<&str>) -> Result<u64> {
+        self.dismiss_dead_letters(channel)
+    }
+
+    /// Dismisses every dead letter not dismissed yet (of one channel, or of all for
+    /// `None`): an operator has seen it. Dismissed dead letters stay listed (and
+    /// requeueable) until purged, but no longer count in health's
+    /// `unacknowledged_dead_letters`, and a lane blocked by one
+    /// ([`LaneFailurePolicy::Block`](crate::rules::LaneFailurePolicy::Block)) moves on. Returns
+    /// how many were dismissed. (`outbox dismiss-dead-letters`.)
     ///
     /// # Errors
     ///
     /// Database errors; nothing is changed then.
-    pub fn acknowledge_dead_letters(&self, channel: Option<&str>) -> Result<u64> {
+    pub fn dismiss_dead_letters(&self, channel: Option<&str>) -> Result<u64> {
         self.write_and_wake(|tx, rules| {
             let now = self.options().now_ms();
             // One write that decides nothing; the lanes it frees are locked before their
@@ -227,7 +243,8 @@ impl Outbox {
     /// finish, then edit or delete it on the platform if it must not stand.
     ///
     /// ```
-    /// use chunked_outbox::{DeliveryStatus, NewDelivery, Outbox, OutboxOptions};
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    /// use chunked_outbox::monitoring::DeliveryStatus;
     ///
     /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
     /// let first = outbox.enqueue(&NewDelivery::single("telegram", "42", "Working on it..."))?;

@@ -40,12 +40,12 @@ impl Synchronous {
 /// `synchronous`, lease, readers, size cap, checkpoints, clock — apply to this handle
 /// only. **Rules whose effects are stored** — lane order, lane failure policy, retry
 /// policy, channel rules — live in the file, so every process acts on the same rows by
-/// the same rules ([`Policy`](crate::Policy)). A rule given here that the file does not
+/// the same rules ([`Rules`](crate::rules::Rules)). A rule given here that the file does not
 /// store yet (nobody declared it: a new file, one from before rules were stored, one
 /// created by the `outbox` tool) is stored; one the file stores is checked, where a
 /// difference is [`Error::PolicyConflict`] unless
 /// [`with_policy_update`](Self::with_policy_update) says to replace it. Change them
-/// on a running outbox with [`Outbox::set_policy`](crate::Outbox::set_policy) and
+/// on a running outbox with [`Outbox::set_rules`](crate::Outbox::set_rules) and
 /// [`Outbox::set_channel_policy`](crate::Outbox::set_channel_policy), or with `outbox
 /// config set`.
 ///
@@ -68,7 +68,9 @@ impl Synchronous {
 ///
 /// ```
 /// use std::time::Duration;
-/// use chunked_outbox::{ChannelPolicy, OutboxOptions, Synchronous};
+/// use chunked_outbox::OutboxOptions;
+/// use chunked_outbox::backends::sqlite::Synchronous;
+/// use chunked_outbox::rules::ChannelPolicy;
 ///
 /// let options = OutboxOptions::default()
 ///     .with_synchronous(Synchronous::Full)
@@ -271,7 +273,7 @@ impl OutboxOptions {
     /// Passive WAL checkpoints on a background thread at this interval, so that the
     /// checkpoint rarely falls inside a commit (which then stalls for an fsync). SQLite's
     /// automatic checkpoint stays on as the bound under sustained writes, at
-    /// [`BACKGROUND_AUTOCHECKPOINT_PAGES`](crate::StorageSettings::BACKGROUND_AUTOCHECKPOINT_PAGES)
+    /// [`BACKGROUND_AUTOCHECKPOINT_PAGES`](crate::backends::sqlite::StorageSettings::BACKGROUND_AUTOCHECKPOINT_PAGES)
     /// instead of 1000. `None` leaves checkpoints to it alone, at SQLite's default.
     /// Files only. Default 100 ms.
     pub fn with_background_checkpoints(mut self, every: Option<Duration>) -> Self {
@@ -279,7 +281,7 @@ impl OutboxOptions {
         self
     }
 
-    /// Whether these options declare any stored rule (see [`Policy`](crate::Policy)).
+    /// Whether these options declare any stored rule (see [`Rules`](crate::rules::Rules)).
     pub(crate) fn declares_rules(&self) -> bool {
         self.lane_order.is_some()
             || self.lane_failure.is_some()

@@ -14,7 +14,7 @@ use crate::finalize;
 use crate::ids::{ClaimantId, DeliveryId};
 use crate::lane;
 use crate::options::OutboxOptions;
-use crate::rules::{self, ChannelPolicy, FileRules, Policy, RetryPolicy, Stored};
+use crate::rules::{self, ChannelPolicy, FileRules, RetryPolicy, Rules, Stored};
 use crate::store::sqlite::checkpoint::Checkpointer;
 use crate::store::sqlite::connection::{self, StorageSettings};
 use crate::store::sqlite::schema;
@@ -107,7 +107,7 @@ impl Outbox {
     /// switched to WAL only once its schema is in place, so a file whose upgrade fails
     /// keeps its journal mode.
     ///
-    /// The stored rules ([`Policy`]) given in `options` are stored where the file has
+    /// The stored rules ([`Rules`]) given in `options` are stored where the file has
     /// none yet (nobody declared them) and checked against the file's otherwise.
     ///
     /// # Errors
@@ -287,23 +287,43 @@ impl Outbox {
         Ok(outbox)
     }
 
-    /// The rules stored in the file (see [`Policy`]), as every process on it follows
+    /// The rules stored in the file (see [`Rules`]), as every process on it follows
     /// them.
     ///
     /// # Errors
     ///
     /// Database errors.
-    pub fn policy(&self) -> Result<Policy> {
+    pub fn rules(&self) -> Result<Rules> {
         self.read(|tx| Ok(tx.load_rules()?.policy))
+    }
+
+    /// The old name of [`rules`](Self::rules).
+    ///
+    /// # Errors
+    ///
+    /// As [`rules`](Self::rules).
+    #[deprecated(since = "0.2.0", note = "renamed: use Outbox::rules")]
+    pub fn policy(&self) -> Result<Rules> {
+        self.rules()
+    }
+
+    /// The old name of [`set_rules`](Self::set_rules).
+    ///
+    /// # Errors
+    ///
+    /// As [`set_rules`](Self::set_rules).
+    #[deprecated(since = "0.2.0", note = "renamed: use Outbox::set_rules")]
+    pub fn set_policy(&self, rules: Rules) -> Result<()> {
+        self.set_rules(rules)
     }
 
     /// Replaces the file-wide stored rules — lane order, lane failure policy, retry
     /// policy, default channel rules — and the rules of every channel named in
     /// `policy.channels` (a channel left out keeps its own). Every process on the file
     /// follows them from its next write on. Rows already stored move with the change: a
-    /// switch to [`LaneOrder::Parallel`](crate::LaneOrder::Parallel) starts every reply
+    /// switch to [`LaneOrder::Parallel`](crate::rules::LaneOrder::Parallel) starts every reply
     /// that was queued behind another, and a switch to
-    /// [`LaneFailurePolicy::Skip`](crate::LaneFailurePolicy::Skip) lets lanes blocked by
+    /// [`LaneFailurePolicy::Skip`](crate::rules::LaneFailurePolicy::Skip) lets lanes blocked by
     /// a held head move on. (A switch to FIFO lets the replies already under way in a
     /// chat finish; new ones queue.)
     ///
@@ -313,13 +333,14 @@ impl Outbox {
     /// undeclared, free for the first process that gives it.
     ///
     /// ```
-    /// use chunked_outbox::{LaneOrder, Outbox, OutboxOptions};
+    /// use chunked_outbox::{Outbox, OutboxOptions};
+    /// use chunked_outbox::rules::LaneOrder;
     ///
     /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
-    /// let mut policy = outbox.policy()?;
-    /// policy.lane_order = LaneOrder::Parallel;
-    /// outbox.set_policy(policy)?;
-    /// assert_eq!(outbox.policy()?.lane_order, LaneOrder::Parallel);
+    /// let mut rules = outbox.rules()?;
+    /// rules.lane_order = LaneOrder::Parallel;
+    /// outbox.set_rules(rules)?;
+    /// assert_eq!(outbox.rules()?.lane_order, LaneOrder::Parallel);
     /// # Ok::<(), chunked_outbox::Error>(())
     /// ```
     ///
@@ -327,7 +348,7 @@ impl Outbox {
     ///
     /// [`Error::InvalidInput`] for an invalid retry policy; database errors (nothing is
     /// changed then).
-    pub fn set_policy(&self, policy: Policy) -> Result<()> {
+    pub fn set_rules(&self, policy: Rules) -> Result<()> {
         policy.retry.validate()?;
         rules::check_default_channel(&policy.default_channel)?;
         for rules in policy.channels.values() {
@@ -390,11 +411,11 @@ impl Outbox {
     /// [`recover`](Self::recover), the `outbox` tool — runs the same statement.
     ///
     /// Values are bound by name, never interpolated; the names are
-    /// [`FINALIZE_PARAMETERS`](crate::FINALIZE_PARAMETERS). The statement is checked
+    /// [`FINALIZE_PARAMETERS`](crate::rules::FINALIZE_PARAMETERS). The statement is checked
     /// against the file's schema when it is set. If the application's table refuses a
     /// reply when it runs (a constraint, a trigger, a row with that id already), that
     /// reply alone is set aside: its chunks stay delivered, nothing of its finalization
-    /// is written, it becomes [`Unfinalized`](crate::DeliveryStatus::Unfinalized) with
+    /// is written, it becomes [`Unfinalized`](crate::monitoring::DeliveryStatus::Unfinalized) with
     /// the statement's message ([`Recorded::finalize_error`](crate::Recorded::finalize_error),
     /// health, `outbox show`), its chat moves on, and every other outcome of the same
     /// transaction is recorded. [`recover`](Self::recover) or
@@ -720,7 +741,7 @@ impl Outbox {
     ) -> Result<T> {
         let within = |tx: &dyn StoreTx| -> Result<T> {
             tx.lock_rules(change_rules)?;
-            let rules = self.rules(tx)?;
+            let rules = self.current_rules(tx)?;
             f(tx, &rules)
         };
         match &self.inner.backend {
@@ -774,7 +795,7 @@ impl Outbox {
 
     /// The stored rules, read again if another handle (or process) changed them since
     /// this handle last read them: one single-row read per transaction otherwise.
-    fn rules(&self, tx: &dyn StoreTx) -> Result<Arc<Stored>> {
+    fn current_rules(&self, tx: &dyn StoreTx) -> Result<Arc<Stored>> {
         let version = tx.rules_version()?;
         let mut cached = self.inner.stored.lock().unwrap_or_else(|e| e.into_inner());
         if cached.version != version {

@@ -159,13 +159,14 @@ impl Outbox {
     /// Records a failed send described only by its error text, classified by
     /// [`classify_error`]: a permanent failure (dead letter), a rate limit (the lane
     /// paused, the attempt refunded), an ambiguous send (the channel's
-    /// [`ReplayPolicy`](crate::ReplayPolicy) decides) or a transient failure (retried
+    /// [`ReplayPolicy`](crate::rules::ReplayPolicy) decides) or a transient failure (retried
     /// with backoff). So the chunk may well be retried; the name says what is recorded,
     /// not what becomes of it. An adapter that has the platform's answer should map it
     /// with [`platforms`](crate::platforms) instead.
     ///
     /// ```
-    /// use chunked_outbox::{ChunkStatus, NewDelivery, Outbox, OutboxOptions};
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    /// use chunked_outbox::monitoring::ChunkStatus;
     ///
     /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
     /// outbox.enqueue(&NewDelivery::single("telegram", "42", "hello"))?;

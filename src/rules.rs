@@ -1,4 +1,4 @@
-//! The rules whose effects are stored, and their stored form: lane order, lane failure
+//! The rules whose effects are stored ([`Rules`], what [`Outbox::rules`](crate::Outbox::rules) reads), and their stored form: lane order, lane failure
 //! policy, the retry policy, and per channel the replay policy, lane interval,
 //! channel-wide rate and retry policy. Every rule type lives here; the options only
 //! declare them.
@@ -7,6 +7,8 @@
 //! reads the same rules, so they all act on the same rows the same way. Each handle
 //! keeps the rules it last read and reads them again when `outbound_policy.version`
 //! changed (any process changing a rule bumps it), at the start of its next write.
+
+pub use crate::finalize::FINALIZE_PARAMETERS;
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -62,7 +64,7 @@ pub enum LaneFailurePolicy {
     #[default]
     Skip,
     /// The lane waits until the failed delivery is requeued, resolved or acknowledged
-    /// ([`Outbox::acknowledge_dead_letters`](crate::Outbox::acknowledge_dead_letters)). Strict order, at the cost of a stalled chat.
+    /// ([`Outbox::dismiss_dead_letters`](crate::Outbox::dismiss_dead_letters)). Strict order, at the cost of a stalled chat.
     Block,
 }
 
@@ -111,7 +113,7 @@ impl Backoff {
 ///
 /// ```
 /// use std::time::Duration;
-/// use chunked_outbox::{Backoff, RetryPolicy};
+/// use chunked_outbox::rules::{Backoff, RetryPolicy};
 ///
 /// let fast = RetryPolicy::default()
 ///     .with_backoff(Backoff::Schedule(vec![Duration::from_millis(100)]))
@@ -258,7 +260,7 @@ impl RetryPolicy {
 ///
 /// ```
 /// use std::time::Duration;
-/// use chunked_outbox::ChannelPolicy;
+/// use chunked_outbox::rules::ChannelPolicy;
 ///
 /// // Telegram: no way to deduplicate, about 1 message/s per chat and 30/s per bot.
 /// let telegram = ChannelPolicy::default()
@@ -357,7 +359,7 @@ impl ChannelPolicy {
 }
 
 /// Refuses default channel rules that carry a retry policy of their own: the file-wide
-/// retry policy ([`Policy::retry`], [`OutboxOptions::with_retry`](crate::OutboxOptions::with_retry))
+/// retry policy ([`Rules::retry`], [`OutboxOptions::with_retry`](crate::OutboxOptions::with_retry))
 /// is the one for channels without rules of their own, and the file keeps no second one.
 pub(crate) fn check_default_channel(rules: &ChannelPolicy) -> Result<()> {
     rules.validate()?;
@@ -365,17 +367,22 @@ pub(crate) fn check_default_channel(rules: &ChannelPolicy) -> Result<()> {
         return Err(Error::invalid(
             "default channel rules",
             "they carry a retry policy, which the file does not keep for the default channel: \
-             give it as the file-wide retry policy (OutboxOptions::with_retry, Policy::retry), \
+             give it as the file-wide retry policy (OutboxOptions::with_retry, Rules::retry), \
              which every channel without rules of its own follows",
         ));
     }
     Ok(())
 }
 
-/// The rules stored in an outbox file (see [`Outbox::policy`](crate::Outbox::policy)).
+/// The old name of [`Rules`].
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "renamed: use chunked_outbox::rules::Rules")]
+pub type Policy = Rules;
+
+/// The rules stored in an outbox file (see [`Outbox::rules`](crate::Outbox::rules)).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[non_exhaustive]
-pub struct Policy {
+pub struct Rules {
     /// How deliveries to one chat are ordered.
     pub lane_order: LaneOrder,
     /// What a FIFO lane does when its head fails for good or is held.
@@ -388,9 +395,9 @@ pub struct Policy {
     pub channels: BTreeMap<String, ChannelPolicy>,
 }
 
-impl Default for Policy {
+impl Default for Rules {
     fn default() -> Self {
-        Policy {
+        Rules {
             lane_order: LaneOrder::Fifo,
             lane_failure: LaneFailurePolicy::Skip,
             retry: RetryPolicy::default(),
@@ -400,7 +407,7 @@ impl Default for Policy {
     }
 }
 
-impl Policy {
+impl Rules {
     /// The rules that apply to `channel`: its own, or the default.
     pub fn channel(&self, channel: &str) -> &ChannelPolicy {
         self.channels.get(channel).unwrap_or(&self.default_channel)
@@ -417,7 +424,7 @@ impl Policy {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Stored {
     pub version: i64,
-    pub policy: Policy,
+    pub policy: Rules,
     /// The application's finalization statement, if one is set.
     pub finalize_sql: Option<String>,
     pub declared: FileRules,
@@ -454,19 +461,19 @@ pub(crate) struct FileColumns<'a> {
 impl FileColumns<'_> {
     /// The rules they store (a rule nobody declared reads as its default; no channel
     /// rules yet), and which of them are declared.
-    pub(crate) fn policy(&self) -> Result<(Policy, FileRules)> {
+    pub(crate) fn policy(&self) -> Result<(Rules, FileRules)> {
         let declared = FileRules {
             lane_order: self.lane_order.is_some(),
             lane_failure: self.lane_failure.is_some(),
             retry: self.retry.is_some(),
             default_channel: self.replay.is_some(),
         };
-        let defaults = Policy::default();
+        let defaults = Rules::default();
         let default_channel = match self.replay {
             Some(replay) => channel_from_columns(replay, self.lane_ms, self.channel_us, None)?,
             None => defaults.default_channel,
         };
-        let policy = Policy {
+        let policy = Rules {
             lane_order: self
                 .lane_order
                 .map_or(Ok(defaults.lane_order), parse_lane_order)?,

@@ -60,7 +60,8 @@ impl LengthUnit {
 /// Splits text into chunks of at most `limit` units.
 ///
 /// ```
-/// use chunked_outbox::{LengthUnit, Splitter};
+/// use chunked_outbox::Splitter;
+/// use chunked_outbox::split::LengthUnit;
 ///
 /// let splitter = Splitter::new(20, LengthUnit::Chars)?;
 /// let chunks = splitter.split("First paragraph.\n\nSecond one, a bit longer.")?;
@@ -119,7 +120,8 @@ impl Splitter {
     /// The same splitter for text in `markup`.
     ///
     /// ```
-    /// use chunked_outbox::{LengthUnit, Markup, Splitter};
+    /// use chunked_outbox::Splitter;
+    /// use chunked_outbox::split::{LengthUnit, Markup};
     ///
     /// let html = Splitter::new(25, LengthUnit::Utf16)?.with_markup(Markup::TelegramHtml);
     /// let chunks = html.split("<b>bold words that go on and on</b> plain")?;

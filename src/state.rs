@@ -51,7 +51,7 @@ pub struct Recorded {
     pub finalized: bool,
     /// When this ack delivered the last chunk but the application's finalization
     /// statement refused the reply: what the statement met. The reply is then
-    /// [`Unfinalized`](crate::DeliveryStatus::Unfinalized) (its chunks stay delivered),
+    /// [`Unfinalized`](crate::monitoring::DeliveryStatus::Unfinalized) (its chunks stay delivered),
     /// and the rest of the transaction was recorded as usual.
     pub finalize_error: Option<String>,
 }

@@ -64,7 +64,7 @@ status_enum! {
         Failed = "failed",
         /// The platform accepted it.
         Delivered = "delivered",
-        /// It may have been sent; held until resolved (see [`ReplayPolicy::Hold`](crate::ReplayPolicy::Hold)).
+        /// It may have been sent; held until resolved (see [`ReplayPolicy::Hold`](crate::rules::ReplayPolicy::Hold)).
         Uncertain = "uncertain",
     }
 }

@@ -11,11 +11,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chunked_outbox::adapters::serenity::DiscordAdapter;
-use chunked_outbox::{
-    ChannelPolicy, ChunkStatus, DeliveryId, DeliveryStatus, ManualClock, NewDelivery, Outbox,
-    OutboxOptions,
-};
+use chunked_outbox::clock::ManualClock;
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
+use chunked_outbox::platforms::discord::serenity::DiscordAdapter;
+use chunked_outbox::rules::ChannelPolicy;
+use chunked_outbox::{DeliveryId, NewDelivery, Outbox, OutboxOptions};
 use common::emulator;
 use serde_json::{Value, json};
 
@@ -246,7 +246,7 @@ async fn every_documented_answer_becomes_the_right_outcome() {
         .send_message(&api.http(TOKEN), full_key)
         .await;
     assert!(matches!(
-        chunked_outbox::adapters::serenity::outcome(refused),
+        chunked_outbox::platforms::discord::serenity::outcome(refused),
         chunked_outbox::Outcome::Permanent { error } if error.contains("50035")
     ));
 

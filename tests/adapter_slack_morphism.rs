@@ -9,8 +9,9 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chunked_outbox::adapters::slack_morphism::SlackAdapter;
-use chunked_outbox::{ChunkStatus, DeliveryId, DeliveryStatus, NewDelivery, Outbox, OutboxOptions};
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
+use chunked_outbox::platforms::slack::slack_morphism::SlackAdapter;
+use chunked_outbox::{DeliveryId, NewDelivery, Outbox, OutboxOptions};
 use common::emulator;
 use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::{Value, json};

@@ -9,8 +9,9 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chunked_outbox::adapters::teloxide::TelegramAdapter;
-use chunked_outbox::{ChunkStatus, DeliveryStatus, NewDelivery, Outbox, OutboxOptions};
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
+use chunked_outbox::platforms::telegram::teloxide::TelegramAdapter;
+use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
 use common::emulator;
 use serde_json::{Value, json};
 

@@ -5,9 +5,9 @@ mod common;
 
 use std::time::Duration;
 
-use chunked_outbox::{
-    ChunkStatus, DeliveryId, DeliveryStatus, Error, LaneOrder, OutboxOptions, Outcome, Result,
-};
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
+use chunked_outbox::rules::LaneOrder;
+use chunked_outbox::{DeliveryId, Error, OutboxOptions, Outcome, Result};
 use common::*;
 
 /// Asserts that `cancel` refuses with [`Error::CancelTooLate`] naming `status` and
@@ -283,7 +283,7 @@ backends! {
         let queued = enqueue(ob, "1", &["queued"]);
         ob.cancel(queued)?;
         ob.cancel(pending)?;
-        let report = ob.recover(chunked_outbox::RecoverScope::AllSending)?;
+        let report = ob.recover(chunked_outbox::maintenance::RecoverScope::AllSending)?;
         assert_eq!(report.finalized, 0);
         for id in [pending, queued] {
             assert_eq!(view(ob, id).status, DeliveryStatus::Cancelled);

@@ -9,10 +9,10 @@ use std::collections::HashSet;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use chunked_outbox::{
-    ChannelPolicy, ChunkStatus, Claim, DeliveryStatus, Error, NewDelivery, OutboxOptions, Outcome,
-    RecoverScope, Result,
-};
+use chunked_outbox::maintenance::RecoverScope;
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
+use chunked_outbox::rules::ChannelPolicy;
+use chunked_outbox::{Claim, Error, NewDelivery, OutboxOptions, Outcome, Result};
 use common::*;
 
 /// `options` with Telegram replayable and a 10 s lease: an expired claim is sent again.
@@ -147,7 +147,7 @@ backends! {
 
     fn rate_limit_pauses_the_lane_without_using_an_attempt() -> Result<()> {
         let db =
-            TestDb::new(OutboxOptions::default().with_lane_order(chunked_outbox::LaneOrder::Parallel));
+            TestDb::new(OutboxOptions::default().with_lane_order(chunked_outbox::rules::LaneOrder::Parallel));
         let ob = &db.outbox;
         let a = enqueue(ob, "busy", &["a"]);
         let b = enqueue(ob, "busy", &["b"]);
@@ -186,7 +186,7 @@ backends! {
 
     fn enqueue_into_a_paused_lane_waits_for_the_pause() -> Result<()> {
         let db =
-            TestDb::new(OutboxOptions::default().with_lane_order(chunked_outbox::LaneOrder::Parallel));
+            TestDb::new(OutboxOptions::default().with_lane_order(chunked_outbox::rules::LaneOrder::Parallel));
         let ob = &db.outbox;
         enqueue(ob, "c", &["a"]);
         let claim = claim_one(ob);
@@ -208,7 +208,7 @@ backends! {
     /// pause ends: the lease expiry alone does not make it due.
     fn an_expired_lease_in_a_paused_lane_waits_for_the_pause() -> Result<()> {
         let db = TestDb::new(replayable(
-            OutboxOptions::default().with_lane_order(chunked_outbox::LaneOrder::Parallel),
+            OutboxOptions::default().with_lane_order(chunked_outbox::rules::LaneOrder::Parallel),
         ));
         let ob = &db.outbox;
         let slow = enqueue(ob, "c", &["a"]);
@@ -369,7 +369,7 @@ backends! {
 
     fn eight_threads_never_receive_the_same_chunk() -> Result<()> {
         let db =
-            TestDb::new(OutboxOptions::default().with_lane_order(chunked_outbox::LaneOrder::Parallel));
+            TestDb::new(OutboxOptions::default().with_lane_order(chunked_outbox::rules::LaneOrder::Parallel));
         let total = 2_000;
         for i in 0..total {
             enqueue(&db.outbox, &format!("chat-{}", i % 50), &["x"]);
@@ -418,7 +418,7 @@ backends! {
 
     fn record_batch_settles_each_claim_and_refuses_only_stale_ones() -> Result<()> {
         let db =
-            TestDb::new(OutboxOptions::default().with_lane_order(chunked_outbox::LaneOrder::Parallel));
+            TestDb::new(OutboxOptions::default().with_lane_order(chunked_outbox::rules::LaneOrder::Parallel));
         let ob = &db.outbox;
         for chat in ["1", "2", "3"] {
             enqueue(ob, chat, &["x"]);
@@ -553,7 +553,7 @@ backends! {
     /// `RetryPolicy::max_age`: a delivery older than it is failed instead of retried, both
     /// when an outcome asks for a retry and when a due chunk is claimed.
     fn deliveries_older_than_the_maximum_age_are_failed_not_retried() -> Result<()> {
-        let retry = chunked_outbox::RetryPolicy::default()
+        let retry = chunked_outbox::rules::RetryPolicy::default()
             .with_max_age(Some(Duration::from_secs(3600)))
             .with_max_attempts(100);
         let db = TestDb::new(OutboxOptions::default().with_retry(retry));
@@ -676,7 +676,7 @@ backends! {
         let db = TestDb::default();
         let ob = &db.outbox;
         let id = enqueue(ob, "1", &["refused forever"]);
-        let max_attempts = ob.policy()?.retry.max_attempts;
+        let max_attempts = ob.rules()?.retry.max_attempts;
         let limited = || Outcome::RateLimited {
             retry_after: Duration::from_secs(1),
             error: "429".into(),
@@ -698,7 +698,7 @@ backends! {
         let claim = claim_after(&db, Duration::from_secs(1));
         assert_eq!(ob.record(&claim, limited())?.status, ChunkStatus::Failed);
         let v = view(ob, id);
-        assert_eq!(v.status, chunked_outbox::DeliveryStatus::Failed);
+        assert_eq!(v.status, chunked_outbox::monitoring::DeliveryStatus::Failed);
         let error = v.chunks[0].last_error.clone().unwrap();
         let times = chunked_outbox::limits::MAX_REFUNDED_RATE_LIMITS + max_attempts;
         assert!(

@@ -40,6 +40,20 @@ fn outbox_without_db() -> Command {
     cmd
 }
 
+/// The test lab (`demo`, `torture`, `stress`) on `db`.
+fn lab(db: &Path) -> Command {
+    let mut cmd = lab_without_db();
+    cmd.arg("--db").arg(db);
+    cmd
+}
+
+/// The test lab with no database named: its harnesses make their own.
+fn lab_without_db() -> Command {
+    let mut cmd = Command::cargo_bin("outbox-lab").expect("binary");
+    cmd.env_remove("OUTBOX_DB");
+    cmd
+}
+
 fn stdout(cmd: &mut Command) -> (i32, String) {
     let out = cmd.output().expect("run");
     (
@@ -99,7 +113,7 @@ fn read_only_commands_never_create_a_database() {
         vec!["show", "01890a5d-ac96-774b-bcce-b302099a8057"],
         vec!["requeue", "--failed"],
         vec!["resolve", "1", "--resend"],
-        vec!["ack-dead-letters"],
+        vec!["dismiss-dead-letters"],
         vec!["purge", "--older-than", "7d"],
         vec!["recover"],
     ] {
@@ -349,7 +363,7 @@ fn repair_commands() -> Result<()> {
     assert!(err.contains(&format!("{chunk} is delivered")), "{err}");
 
     let (_, out) = stdout(outbox(&path).arg("ack-dead-letters"));
-    assert_eq!(out.trim(), "acknowledged 0 dead letters");
+    assert_eq!(out.trim(), "dismissed 0 dead letters");
     let (_, out) = stdout(outbox(&path).arg("recover"));
     assert!(
         out.contains("held uncertain 1"),
@@ -413,7 +427,7 @@ fn cancel_withdraws_an_unstarted_reply_and_refuses_a_started_one() -> Result<()>
     );
     assert_eq!(
         view(&db.outbox, started).status,
-        chunked_outbox::DeliveryStatus::Partial
+        chunked_outbox::monitoring::DeliveryStatus::Partial
     );
     let out = outbox(&path)
         .args(["cancel", &sending.to_string()])
@@ -453,7 +467,7 @@ fn migrate_leaves_an_applications_history_table_as_it_was() {
     let version: i64 = app
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .unwrap();
-    assert_eq!(version, chunked_outbox::SCHEMA_VERSION);
+    assert_eq!(version, chunked_outbox::backends::sqlite::SCHEMA_VERSION);
 }
 
 #[test]
@@ -463,7 +477,10 @@ fn migrate_creates_and_is_idempotent() {
     for _ in 0..2 {
         let (code, out) = stdout(outbox(&path).arg("migrate"));
         assert_eq!(code, 0);
-        let version = format!("schema version {}", chunked_outbox::SCHEMA_VERSION);
+        let version = format!(
+            "schema version {}",
+            chunked_outbox::backends::sqlite::SCHEMA_VERSION
+        );
         assert!(out.contains(&version), "{out}");
     }
     assert!(path.exists());
@@ -481,7 +498,7 @@ fn the_demo_refuses_files_an_earlier_run_left_beside_its_database() {
         "demo.claimants.log",
     ] {
         std::fs::write(dir.path().join(left), b"").unwrap();
-        let out = outbox(&db)
+        let out = lab(&db)
             .args(["demo", "--replies", "3", "--chats", "1", "--crashes", "0"])
             .output()
             .unwrap();
@@ -493,7 +510,7 @@ fn the_demo_refuses_files_an_earlier_run_left_beside_its_database() {
     }
     // A finished run leaves no stop signal behind, so the next run at a new path is not
     // stopped by it either.
-    let out = outbox(&db)
+    let out = lab(&db)
         .args(["demo", "--replies", "3", "--chats", "1", "--crashes", "0"])
         .output()
         .unwrap();
@@ -510,7 +527,7 @@ fn the_demo_refuses_files_an_earlier_run_left_beside_its_database() {
 fn small_demo_proves_the_invariants() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("demo.db");
-    let v = json_verdict(outbox(&db).args([
+    let v = json_verdict(lab(&db).args([
         "demo",
         "--json",
         "--replies",
@@ -528,7 +545,7 @@ fn small_demo_proves_the_invariants() {
         "chunks",
         "delivered",
         "failed",
-        "uncertain",
+        "uncertain_left",
         "elapsed_ms",
     ] {
         assert!(v[field].is_u64(), "{field} missing: {last}");
@@ -539,8 +556,8 @@ fn small_demo_proves_the_invariants() {
         "out_of_order",
         "missing_finalizations",
         "wrong_finalizations",
-        "duplicates_unexplained",
-        "uncertain",
+        "unexplained_duplicates",
+        "uncertain_left",
     ] {
         assert_eq!(v[zero], 0, "{zero}: {last}");
     }
@@ -554,7 +571,7 @@ fn small_demo_proves_the_invariants() {
 
 #[test]
 fn torture_survives_twenty_kills() {
-    let v = json_verdict(outbox_without_db().args(["torture", "--kills", "25", "--seed", "17"]));
+    let v = json_verdict(lab_without_db().args(["torture", "--kills", "25", "--seed", "17"]));
     let text = v.to_string();
     assert_eq!(v["kills"], 25);
     assert_eq!(v["seed"], 17);
@@ -578,7 +595,7 @@ fn torture_survives_twenty_kills() {
 
 #[test]
 fn contention_reaches_no_caller_and_claims_nothing_twice() {
-    let v = json_verdict(outbox_without_db().args([
+    let v = json_verdict(lab_without_db().args([
         "stress",
         "--dispatchers",
         "4",
@@ -667,10 +684,10 @@ fn commands_other_than_migrate_never_upgrade_a_schema() {
 
 #[test]
 fn config_show_lists_every_stored_rule_and_config_set_changes_them() {
-    let db = TestDb::new(
-        chunked_outbox::OutboxOptions::default()
-            .with_channel("discord", chunked_outbox::ChannelPolicy::replayable()),
-    );
+    let db = TestDb::new(chunked_outbox::OutboxOptions::default().with_channel(
+        "discord",
+        chunked_outbox::rules::ChannelPolicy::replayable(),
+    ));
     let _ = enqueue(&db.outbox, "42", &["x"]);
     let path = db.path();
     let (code, json) = stdout(outbox(&path).args(["config", "show", "--json"]));
@@ -701,15 +718,18 @@ fn config_show_lists_every_stored_rule_and_config_set_changes_them() {
     let (code, out) = stdout(outbox(&path).args(["config", "set", "--lane-order", "parallel"]));
     assert_eq!(code, 0, "{out}");
     // The library reads what the tool stored.
-    let policy = db.outbox.policy().unwrap();
-    assert_eq!(policy.lane_order, chunked_outbox::LaneOrder::Parallel);
+    let policy = db.outbox.rules().unwrap();
+    assert_eq!(
+        policy.lane_order,
+        chunked_outbox::rules::LaneOrder::Parallel
+    );
     let telegram = policy.channel("telegram");
     assert_eq!(telegram.lane_interval, Duration::from_secs(1));
     // 30/s is stored as 33,334 µs between sends: rounded so as never to exceed it.
     assert_eq!(telegram.channel_interval, Duration::from_micros(33_334));
     assert_eq!(
         policy.channel("discord").replay,
-        chunked_outbox::ReplayPolicy::Replay
+        chunked_outbox::rules::ReplayPolicy::Replay
     );
     let (_, json) = stdout(outbox(&path).args(["config", "show", "--json"]));
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
@@ -859,8 +879,8 @@ fn filters_by_caller_key_and_channel_and_a_health_that_exits_zero() -> Result<()
         (1, &serde_json::json!(keyed.to_string()))
     );
 
-    let (_, out) = stdout(outbox(&path).args(["ack-dead-letters", "--channel", "slack"]));
-    assert_eq!(out.trim(), "acknowledged 0 dead letters");
+    let (_, out) = stdout(outbox(&path).args(["dismiss-dead-letters", "--channel", "slack"]));
+    assert_eq!(out.trim(), "dismissed 0 dead letters");
     let (_, out) = stdout(outbox(&path).args(["requeue", "--failed", "--channel", "slack"]));
     assert_eq!(out.trim(), "requeued 0 deliveries");
     let (_, out) = stdout(outbox(&path).args(["requeue", "--failed", "--channel", "telegram"]));
@@ -921,8 +941,11 @@ fn tables_fit_one_hundred_columns() -> Result<()> {
 fn the_tools_repairs_follow_the_files_rules() -> Result<()> {
     let db = TestDb::new(
         chunked_outbox::OutboxOptions::default()
-            .with_lane_order(chunked_outbox::LaneOrder::Parallel)
-            .with_channel("discord", chunked_outbox::ChannelPolicy::replayable())
+            .with_lane_order(chunked_outbox::rules::LaneOrder::Parallel)
+            .with_channel(
+                "discord",
+                chunked_outbox::rules::ChannelPolicy::replayable(),
+            )
             .with_lease(Duration::from_secs(10)),
     );
     let dead = enqueue(&db.outbox, "c", &["x"]);
@@ -946,7 +969,7 @@ fn the_tools_repairs_follow_the_files_rules() -> Result<()> {
     assert_eq!((code, out.trim()), (0, "requeued 1 delivery"));
     assert_eq!(
         view(&db.outbox, dead).status,
-        chunked_outbox::DeliveryStatus::Pending
+        chunked_outbox::monitoring::DeliveryStatus::Pending
     );
     let (_, out) = stdout(outbox(&path).arg("recover"));
     assert!(
@@ -1090,7 +1113,7 @@ fn every_command_works_on_a_postgresql_outbox() -> Result<()> {
     assert_eq!(claim_all(&app).len(), 1, "the requeued reply is due again");
     let (code, out) = stdout(outbox(db).args(["config", "set", "--max-attempts", "9"]));
     assert_eq!(code, 0, "{out}");
-    assert_eq!(app.policy()?.retry.max_attempts, 9);
+    assert_eq!(app.rules()?.retry.max_attempts, 9);
     let (code, out) = stdout(outbox(db).args(["purge", "--older-than", "7d", "--dry-run"]));
     assert_eq!(code, 0, "{out}");
 
@@ -1121,8 +1144,8 @@ fn torture_and_demo_run_on_postgresql() {
         return;
     };
     let db = Path::new(&url);
-    let torture = json_verdict(outbox(db).args(["torture", "--kills", "8", "--seed", "3"]));
-    let demo = json_verdict(outbox(db).args(["demo", "--replies", "40", "--json"]));
+    let torture = json_verdict(lab(db).args(["torture", "--kills", "8", "--seed", "3"]));
+    let demo = json_verdict(lab(db).args(["demo", "--replies", "40", "--json"]));
     for (name, verdict) in [("torture", &torture), ("demo", &demo)] {
         assert!(
             verdict["deliveries"].as_u64().unwrap() > 0,

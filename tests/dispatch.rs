@@ -13,9 +13,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use chunked_outbox::dispatch::{DispatchEvent, DispatchStats};
+use chunked_outbox::rules::ChannelPolicy;
 use chunked_outbox::{
-    ChannelAdapter, ChannelPolicy, Claim, DispatchEvent, DispatchStats, Dispatcher, NewDelivery,
-    Outbox, OutboxOptions, Outcome, Result,
+    ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome, Result,
 };
 use common::*;
 
@@ -35,7 +36,7 @@ type Script = dyn Fn(&Claim) -> Outcome + Send + Sync;
 /// accepted chunk, stamped with the outbox's (manual) clock.
 #[derive(Clone)]
 struct Platform {
-    clock: chunked_outbox::ManualClock,
+    clock: chunked_outbox::clock::ManualClock,
     script: Arc<Script>,
     attempts: Arc<Mutex<Vec<String>>>,
     received: Arc<Mutex<Vec<Received>>>,
@@ -67,7 +68,7 @@ impl Platform {
                 chat: claim.chat_id.clone(),
                 text: claim.text.clone(),
                 key: claim.idempotency_key.clone(),
-                at_ms: chunked_outbox::Clock::now_ms(&self.clock),
+                at_ms: chunked_outbox::clock::Clock::now_ms(&self.clock),
             });
         }
         outcome
@@ -95,7 +96,7 @@ impl ChannelAdapter for Platform {
 
 #[cfg(feature = "tokio")]
 impl chunked_outbox::AsyncChannelAdapter for Platform {
-    fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::SendFuture<'a, Outcome> {
+    fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::dispatch::SendFuture<'a, Outcome> {
         Box::pin(async move {
             tokio::task::yield_now().await;
             self.answer(claim)
@@ -207,7 +208,7 @@ fn lane_order_under_random_transient_failures<F: Flavour>() -> Result<()> {
     // letter, and the lane would rightly move on without it).
     let db = TestDb::new(
         OutboxOptions::default()
-            .with_retry(chunked_outbox::RetryPolicy::default().with_max_attempts(100)),
+            .with_retry(chunked_outbox::rules::RetryPolicy::default().with_max_attempts(100)),
     );
     let rng = Mutex::new(fastrand::Rng::with_seed(42));
     let platform = Platform::new(&db, move |_| {
@@ -301,7 +302,7 @@ fn ambiguous_holds_or_replays_by_policy<F: Flavour>() -> Result<()> {
     );
     assert_eq!(
         view(&db.outbox, held).chunks[0].status,
-        chunked_outbox::ChunkStatus::Uncertain
+        chunked_outbox::monitoring::ChunkStatus::Uncertain
     );
     assert_eq!(
         matrix.attempts_for(&format!("{replayed}:1")),
@@ -310,7 +311,7 @@ fn ambiguous_holds_or_replays_by_policy<F: Flavour>() -> Result<()> {
     );
     assert_eq!(
         view(&db.outbox, replayed).status,
-        chunked_outbox::DeliveryStatus::Delivered
+        chunked_outbox::monitoring::DeliveryStatus::Delivered
     );
     Ok(())
 }
@@ -520,7 +521,7 @@ fn events_report_each_finalized_reply_and_each_dead_letter_once<F: Flavour>() ->
 /// `on_event` once each too: a reply older than the maximum age, and a chunk whose
 /// lease ran out on its last attempt (the poison chunk that crashed its worker).
 fn events_report_the_dead_letters_the_claim_makes<F: Flavour>() -> Result<()> {
-    let retry = chunked_outbox::RetryPolicy::default()
+    let retry = chunked_outbox::rules::RetryPolicy::default()
         .with_max_attempts(1)
         .with_max_age(Some(Duration::from_secs(60)));
     let db = TestDb::new(OutboxOptions::default().with_retry(retry));
@@ -622,7 +623,9 @@ impl ChannelAdapter for Gate {
 #[cfg(feature = "tokio")]
 mod tokio_running {
     use super::*;
-    use chunked_outbox::{AsyncChannelAdapter, AsyncDispatcher, SendFuture};
+    use chunked_outbox::AsyncChannelAdapter;
+    use chunked_outbox::AsyncDispatcher;
+    use chunked_outbox::dispatch::SendFuture;
 
     /// Holds every send until released, like a slow platform.
     #[derive(Clone)]
@@ -728,14 +731,14 @@ mod tokio_running {
                 .start()?;
             let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
             let status = |id| outbox.delivery(id).map(|d| d.map(|d| d.status));
-            while status(ok)? != Some(chunked_outbox::DeliveryStatus::Delivered) {
+            while status(ok)? != Some(chunked_outbox::monitoring::DeliveryStatus::Delivered) {
                 assert!(
                     tokio::time::Instant::now() < deadline,
                     "batch {batch}: the send that answers was never recorded"
                 );
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            while status(lost)? != Some(chunked_outbox::DeliveryStatus::Uncertain) {
+            while status(lost)? != Some(chunked_outbox::monitoring::DeliveryStatus::Uncertain) {
                 assert!(
                     tokio::time::Instant::now() < deadline,
                     "batch {batch}: the lost send was not held uncertain"

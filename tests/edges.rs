@@ -5,9 +5,8 @@ mod common;
 
 use std::time::Duration;
 
-use chunked_outbox::{
-    Backoff, ChannelPolicy, Error, NewDelivery, Outbox, OutboxOptions, RetryPolicy,
-};
+use chunked_outbox::rules::{Backoff, ChannelPolicy, RetryPolicy};
+use chunked_outbox::{Error, NewDelivery, Outbox, OutboxOptions};
 use common::*;
 
 /// Has `db`'s handle, its copy of the rules current, register a channel inside the
@@ -32,14 +31,15 @@ fn roll_back_a_registration(db: &TestDb) -> chunked_outbox::Result<Outbox> {
 /// SQLite only: enqueue_in takes an SQLite connection's transaction.
 #[test]
 fn enqueue_in_follows_rules_changed_by_another_process() -> chunked_outbox::Result<()> {
-    use chunked_outbox::{DeliveryStatus, LaneOrder};
+    use chunked_outbox::monitoring::DeliveryStatus;
+    use chunked_outbox::rules::LaneOrder;
     let db = TestDb::default();
     let ob = &db.outbox;
     enqueue(ob, "warm", &["x"]); // the handle's copy: FIFO
     let other = db.reopen(OutboxOptions::default());
-    let mut policy = other.policy()?;
+    let mut policy = other.rules()?;
     policy.lane_order = LaneOrder::Parallel;
-    other.set_policy(policy)?;
+    other.set_rules(policy)?;
     let mut app = db.raw();
     let tx = app.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
     let first = ob
@@ -85,13 +85,14 @@ fn a_rolled_back_enqueue_in_leaves_no_rules_behind() -> chunked_outbox::Result<(
 /// SQLite only: enqueue_in takes an SQLite connection's transaction.
 #[test]
 fn a_rule_change_is_seen_after_a_rolled_back_enqueue_in() -> chunked_outbox::Result<()> {
-    use chunked_outbox::{DeliveryStatus, LaneOrder};
+    use chunked_outbox::monitoring::DeliveryStatus;
+    use chunked_outbox::rules::LaneOrder;
     let db = TestDb::default();
     let ob = &db.outbox;
     let other = roll_back_a_registration(&db)?;
-    let mut policy = other.policy()?;
+    let mut policy = other.rules()?;
     policy.lane_order = LaneOrder::Parallel;
-    other.set_policy(policy)?;
+    other.set_rules(policy)?;
     let second = enqueue(ob, "1", &["second"]);
     assert_eq!(
         view(ob, second).status,
@@ -123,18 +124,18 @@ backends! {
     fn a_maximum_age_under_a_millisecond_is_stored_rounded_up() -> chunked_outbox::Result<()> {
         let retry = RetryPolicy::default().with_max_age(Some(Duration::from_micros(500)));
         let db = TestDb::new(OutboxOptions::default().with_retry(retry.clone()));
-        let stored = db.outbox.policy()?.retry;
+        let stored = db.outbox.rules()?.retry;
         assert_eq!(stored.max_age, Some(Duration::from_millis(1)));
         // Every write still works, and so does another handle with the same options.
         enqueue(&db.outbox, "1", &["x"]);
         let again = db.reopen(OutboxOptions::default().with_retry(retry.with_jitter(0.0)));
         again.enqueue(&NewDelivery::single("telegram", "2", "y"))?;
         // Set on a running outbox, the same.
-        let mut policy = db.outbox.policy()?;
+        let mut policy = db.outbox.rules()?;
         policy.retry = policy.retry.with_max_age(Some(Duration::from_nanos(1)));
-        db.outbox.set_policy(policy)?;
+        db.outbox.set_rules(policy)?;
         assert_eq!(
-            again.policy()?.retry.max_age,
+            again.rules()?.retry.max_age,
             Some(Duration::from_millis(1))
         );
         enqueue(&again, "3", &["z"]);
@@ -152,7 +153,7 @@ backends! {
                 || OutboxOptions::default().with_retry(RetryPolicy::default().with_jitter(jitter));
             drop(Outbox::open(&path, options())?);
             let reopened = Outbox::open(&path, options())?;
-            assert_eq!(reopened.policy()?.retry.jitter, jitter);
+            assert_eq!(reopened.rules()?.retry.jitter, jitter);
         }
         Ok(())
     }
@@ -195,15 +196,15 @@ backends! {
         assert!(!path.exists(), "nothing on disk");
         // Through set_policy on an open outbox, the same.
         let outbox = Outbox::open(&path, OutboxOptions::default())?;
-        let mut policy = outbox.policy()?;
+        let mut policy = outbox.rules()?;
         policy.default_channel = policy
             .default_channel
             .with_retry(RetryPolicy::default().with_max_attempts(2));
         assert!(matches!(
-            outbox.set_policy(policy),
+            outbox.set_rules(policy),
             Err(Error::InvalidInput { .. })
         ));
-        assert_eq!(outbox.policy()?.retry_for("any").max_attempts, 5);
+        assert_eq!(outbox.rules()?.retry_for("any").max_attempts, 5);
         Ok(())
     }
 
@@ -272,7 +273,8 @@ backends! {
     /// even after an operator's resend or requeue gave the chunk a fresh attempt budget.
     fn a_possibly_sent_reply_is_not_cancelled_after_a_resend_or_requeue() -> chunked_outbox::Result<()>
     {
-        use chunked_outbox::{Outcome, Resolution};
+        use chunked_outbox::Outcome;
+        use chunked_outbox::maintenance::Resolution;
         let db = TestDb::default();
         let ob = &db.outbox;
         let held = enqueue(ob, "1", &["a", "b"]);

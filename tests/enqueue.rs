@@ -462,7 +462,9 @@ backends! {
     /// sees its chunk: inspection, health, the idempotency check, the operator calls, and
     /// the claim once the head is delivered.
     fn a_queued_reply_of_one_chunk_stores_its_chunk_when_its_lane_reaches_it() -> Result<()> {
-        use chunked_outbox::{ChunkStatus, DeliveryStatus, Resolution};
+        use chunked_outbox::monitoring::ChunkStatus;
+        use chunked_outbox::monitoring::DeliveryStatus;
+        use chunked_outbox::maintenance::Resolution;
         let db = TestDb::default();
         let reply = |text: &str| NewDelivery::single("telegram", "1", text).with_idempotency_key(text);
         let head = db.outbox.enqueue(&reply("first"))?.id;
@@ -510,7 +512,7 @@ backends! {
         // Recovery finalizes what is wholly delivered; no chunk row is not that.
         assert_eq!(
             db.outbox
-                .recover(chunked_outbox::RecoverScope::AllSending)?
+                .recover(chunked_outbox::maintenance::RecoverScope::AllSending)?
                 .finalized,
             0
         );

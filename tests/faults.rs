@@ -91,7 +91,7 @@ fn disk_full_during_ack_keeps_the_claim_valid() -> Result<()> {
     assert_eq!(counts(&path), before, "no half-written ack");
     assert_eq!(
         view(&db.outbox, claim.delivery_id).chunks[0].status,
-        chunked_outbox::ChunkStatus::Sending
+        chunked_outbox::monitoring::ChunkStatus::Sending
     );
     assert_eq!(integrity(&path), "ok");
     // With room again, the same claim (its token is still current) is acked and finalized.

@@ -4,10 +4,9 @@
 
 mod common;
 
-use chunked_outbox::{
-    ChunkStatus, Error, NewDelivery, Outbox, OutboxOptions, Outcome, RecoverScope, Resolution,
-    Result,
-};
+use chunked_outbox::maintenance::{RecoverScope, Resolution};
+use chunked_outbox::monitoring::ChunkStatus;
+use chunked_outbox::{Error, NewDelivery, Outbox, OutboxOptions, Outcome, Result};
 use common::*;
 
 /// The application's history as in `APP_HISTORY`, written from a finalized delivery.
@@ -125,7 +124,7 @@ backends! {
         assert!(refusal.contains(":nope"), "{refusal}");
         assert_eq!(
             view(&db.outbox, id).status,
-            chunked_outbox::DeliveryStatus::Unfinalized
+            chunked_outbox::monitoring::DeliveryStatus::Unfinalized
         );
         Ok(())
     }
@@ -234,7 +233,7 @@ backends! {
         assert!(refusal.to_lowercase().contains("check"), "{refusal}");
         let v = view(outbox, id);
         assert_eq!(v.chunks[0].status, ChunkStatus::Delivered);
-        assert_eq!(v.status, chunked_outbox::DeliveryStatus::Unfinalized);
+        assert_eq!(v.status, chunked_outbox::monitoring::DeliveryStatus::Unfinalized);
         let ours = || -> Result<i64> { Ok(db.int("SELECT count(*) FROM outbound_messages")) };
         assert_eq!(ours()?, 0);
         assert!(matches!(
@@ -253,7 +252,7 @@ backends! {
     /// statement's message, counted in health, its lane moves on; once the application
     /// fixes its table, recovery finalizes it, exactly once.
     fn a_reply_the_statement_refuses_is_set_aside_alone() -> Result<()> {
-        use chunked_outbox::DeliveryStatus;
+        use chunked_outbox::monitoring::DeliveryStatus;
         let db = app_db();
         db.exec(match backend() {
             Backend::Sqlite => {
@@ -338,7 +337,7 @@ backends! {
     /// conflict) is resolved as delivered by the operator without failing: it lands
     /// `unfinalized`, and `finalize_again` writes it once the row is gone.
     fn resolving_a_reply_the_statement_refuses_leaves_it_unfinalized() -> Result<()> {
-        use chunked_outbox::DeliveryStatus;
+        use chunked_outbox::monitoring::DeliveryStatus;
         let db = app_db();
         let ob = &db.outbox;
         let id = enqueue(ob, "77", &["a"]);

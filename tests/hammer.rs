@@ -23,10 +23,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use chunked_outbox::{
-    Backoff, DeliveryStatus, Error, LaneFailurePolicy, LaneOrder, NewDelivery, Outbox,
-    OutboxOptions, Outcome, RetryPolicy,
-};
+use chunked_outbox::monitoring::DeliveryStatus;
+use chunked_outbox::rules::{Backoff, LaneFailurePolicy, LaneOrder, RetryPolicy};
+use chunked_outbox::{Error, NewDelivery, Outbox, OutboxOptions, Outcome};
 use common::*;
 
 const CHATS: usize = 10;

@@ -6,10 +6,11 @@
 
 mod common;
 
-use chunked_outbox::{
-    ChunkId, DeliveryId, Error, LengthUnit, ListFilter, NewDelivery, Outbox, OutboxOptions,
-    Resolution, Splitter,
-};
+use chunked_outbox::ids::ChunkId;
+use chunked_outbox::maintenance::Resolution;
+use chunked_outbox::monitoring::ListFilter;
+use chunked_outbox::split::LengthUnit;
+use chunked_outbox::{DeliveryId, Error, NewDelivery, Outbox, OutboxOptions, Splitter};
 use common::*;
 use proptest::prelude::*;
 

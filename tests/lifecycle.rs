@@ -6,10 +6,10 @@ mod common;
 
 use std::time::Duration;
 
-use chunked_outbox::{
-    ChannelPolicy, ChunkStatus, DeliveryStatus, Health, OutboxOptions, Outcome, RecoverScope,
-    Result,
-};
+use chunked_outbox::maintenance::RecoverScope;
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus, Health};
+use chunked_outbox::rules::ChannelPolicy;
+use chunked_outbox::{OutboxOptions, Outcome, Result};
 use common::*;
 
 fn counts(h: &Health) -> (u64, u64, u64, u64, u64, u64) {
@@ -184,7 +184,7 @@ backends! {
     fn health_tells_what_moves_and_what_waits_for_a_human() -> chunked_outbox::Result<()> {
         let db = TestDb::new(
             chunked_outbox::OutboxOptions::default()
-                .with_lane_failure(chunked_outbox::LaneFailurePolicy::Block),
+                .with_lane_failure(chunked_outbox::rules::LaneFailurePolicy::Block),
         );
         let ob = &db.outbox;
         let totals = |ob: &chunked_outbox::Outbox| {
@@ -222,7 +222,7 @@ backends! {
             (0, 2, 1),
             "nothing moves: all that is left needs a human"
         );
-        ob.acknowledge_dead_letters(None)?;
+        ob.dismiss_dead_letters(None)?;
         assert_eq!(totals(ob), (0, 1, 1));
         let h = ob.health()?;
         assert_eq!(h.channels["telegram"].awaiting_decision, 1);

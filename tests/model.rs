@@ -18,11 +18,11 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use chunked_outbox::{
-    ChannelPolicy, ChunkStatus, Claim, Clock, DeliveryId, DeliveryStatus, Error, ListFilter,
-    ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome, RecoverScope, Resolution,
-    RetryPolicy,
-};
+use chunked_outbox::clock::{Clock, ManualClock};
+use chunked_outbox::maintenance::{RecoverScope, Resolution};
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus, ListFilter};
+use chunked_outbox::rules::{ChannelPolicy, RetryPolicy};
+use chunked_outbox::{Claim, DeliveryId, Error, NewDelivery, Outbox, OutboxOptions, Outcome};
 use common::{Backend, on_backend};
 use proptest::prelude::*;
 
@@ -307,7 +307,7 @@ impl World {
                 assert_eq!(n, failed, "every dead letter was requeued");
             }
             Op::Resolve { pick, delivered } => {
-                let uncertain: Vec<(DeliveryId, chunked_outbox::ChunkId, u32)> = self
+                let uncertain: Vec<(DeliveryId, chunked_outbox::ids::ChunkId, u32)> = self
                     .outbox
                     .list(
                         &ListFilter::default()

@@ -4,8 +4,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use chunked_outbox::clock::ManualClock;
 use chunked_outbox::monitoring::{Level, Thresholds};
-use chunked_outbox::{ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome, Result};
+use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome, Result};
 
 mod common;
 use common::{TestDb, backends, fresh_outbox};

@@ -11,10 +11,12 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chunked_outbox::{
-    ChannelPolicy, ChunkStatus, DeliveryStatus, Error, LaneFailurePolicy, LaneOrder, NewDelivery,
-    Outbox, OutboxOptions, Outcome, RecoverScope, ReplayPolicy, Result, RetryPolicy,
+use chunked_outbox::maintenance::RecoverScope;
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
+use chunked_outbox::rules::{
+    ChannelPolicy, LaneFailurePolicy, LaneOrder, ReplayPolicy, RetryPolicy,
 };
+use chunked_outbox::{Error, NewDelivery, Outbox, OutboxOptions, Outcome, Result};
 use common::*;
 
 fn tool(db: &TestDb) -> Outbox {
@@ -208,9 +210,9 @@ fn a_version_one_file_is_upgraded_with_its_rows() -> Result<()> {
     )?;
     assert_eq!(
         common::raw(&path).query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))?,
-        chunked_outbox::SCHEMA_VERSION
+        chunked_outbox::backends::sqlite::SCHEMA_VERSION
     );
-    let policy = outbox.policy()?;
+    let policy = outbox.rules()?;
     assert_eq!(policy.lane_order, LaneOrder::Fifo);
     assert_eq!(
         policy.lane_failure,
@@ -276,7 +278,7 @@ fn a_version_two_file_keeps_its_history_under_the_new_name() -> Result<()> {
     )?;
     drop(v2);
     let outbox = Outbox::open(&path, OutboxOptions::default())?;
-    assert_eq!(outbox.policy()?.lane_order, LaneOrder::Parallel);
+    assert_eq!(outbox.rules()?.lane_order, LaneOrder::Parallel);
     assert_eq!(tables_named(&path, "messages"), 0);
     let kept: String = common::raw(&path).query_row(
         "SELECT content FROM outbound_messages WHERE delivery_id = 'd'",
@@ -584,11 +586,11 @@ backends! {
             .with_channel_interval(Duration::from_nanos(5_128_500));
         let options = || OutboxOptions::default().with_channel("telegram", rules.clone());
         let db = TestDb::new(options());
-        let stored = db.outbox.policy()?.channel("telegram").clone();
+        let stored = db.outbox.rules()?.channel("telegram").clone();
         assert_eq!(stored.lane_interval, Duration::from_millis(2));
         assert_eq!(stored.channel_interval, Duration::from_micros(5_129));
         let again = db.reopen(options());
-        assert_eq!(again.policy()?.channel("telegram"), &stored);
+        assert_eq!(again.rules()?.channel("telegram"), &stored);
         Ok(())
     }
 
@@ -600,7 +602,7 @@ backends! {
             "telegram",
             Some(ChannelPolicy::default().with_rate_per_second(195.0)),
         )?;
-        let stored = db.outbox.policy()?.channel("telegram").channel_interval;
+        let stored = db.outbox.rules()?.channel("telegram").channel_interval;
         assert_eq!(stored, Duration::from_micros(5_129));
         Ok(())
     }
@@ -610,13 +612,13 @@ backends! {
     fn a_dispatcher_keeps_the_stored_lane_interval() -> Result<()> {
         /// Notes the (manual) time of every send.
         #[derive(Clone)]
-        struct Stamps(chunked_outbox::ManualClock, Arc<std::sync::Mutex<Vec<i64>>>);
+        struct Stamps(chunked_outbox::clock::ManualClock, Arc<std::sync::Mutex<Vec<i64>>>);
         impl chunked_outbox::ChannelAdapter for Stamps {
             fn send(&self, _: &chunked_outbox::Claim) -> Outcome {
                 self.1
                     .lock()
                     .unwrap()
-                    .push(chunked_outbox::Clock::now_ms(&self.0));
+                    .push(chunked_outbox::clock::Clock::now_ms(&self.0));
                 Outcome::delivered(None)
             }
         }
@@ -677,11 +679,11 @@ backends! {
             Err(Error::PolicyConflict { rule, .. }) => assert_eq!(rule, "retry policy"),
             other => panic!("expected a conflict, got {other:?}"),
         }
-        assert_eq!(first.policy()?.retry.max_attempts, 5, "nothing changed");
+        assert_eq!(first.rules()?.retry.max_attempts, 5, "nothing changed");
         let updater = place.open(conflicting.with_policy_update(true))?;
-        assert_eq!(updater.policy()?.retry, retry);
+        assert_eq!(updater.rules()?.retry, retry);
         assert_eq!(
-            first.policy()?.retry.max_attempts,
+            first.rules()?.retry.max_attempts,
             9,
             "every handle reads the update"
         );
@@ -689,7 +691,7 @@ backends! {
         // a handle giving another is refused.
         place.open(OutboxOptions::default().with_lane_order(LaneOrder::Parallel),
         )?;
-        assert_eq!(first.policy()?.lane_order, LaneOrder::Parallel);
+        assert_eq!(first.rules()?.lane_order, LaneOrder::Parallel);
         assert!(matches!(
             place.open(OutboxOptions::default().with_lane_order(LaneOrder::Fifo)
             ),
@@ -699,7 +701,7 @@ backends! {
         let matrix = OutboxOptions::default().with_channel("matrix", ChannelPolicy::replayable());
         place.open(matrix)?;
         assert_eq!(
-            first.policy()?.channel("matrix").replay,
+            first.rules()?.channel("matrix").replay,
             ReplayPolicy::Replay
         );
         Ok(())
@@ -713,15 +715,15 @@ backends! {
         let tool = place.open(OutboxOptions::default())?;
         // An operator changes one rule (as `outbox config set --max-attempts 9` does): that
         // one is declared, the others stay free.
-        let mut policy = tool.policy()?;
+        let mut policy = tool.rules()?;
         policy.retry.max_attempts = 9;
-        tool.set_policy(policy)?;
+        tool.set_rules(policy)?;
         let app = OutboxOptions::default()
             .with_lane_order(LaneOrder::Parallel)
             .with_lane_failure(LaneFailurePolicy::Block)
             .with_default_channel(ChannelPolicy::replayable());
         place.open(app.clone())?;
-        let policy = tool.policy()?;
+        let policy = tool.rules()?;
         assert_eq!(
             (
                 policy.lane_order,
@@ -762,10 +764,10 @@ backends! {
         let first = enqueue(app, "busy", &["a"]);
         let queued = [enqueue(app, "busy", &["b"]), enqueue(app, "busy", &["c"])];
         let operator = tool(&db);
-        let mut policy = operator.policy()?;
+        let mut policy = operator.rules()?;
 
         policy.lane_failure = LaneFailurePolicy::Skip;
-        operator.set_policy(policy.clone())?;
+        operator.set_rules(policy.clone())?;
         let mut due: Vec<_> = claim_all(app).into_iter().map(|c| c.delivery_id).collect();
         due.sort();
         let mut expected = vec![first, behind];
@@ -782,7 +784,7 @@ backends! {
         );
 
         policy.lane_order = LaneOrder::Parallel;
-        operator.set_policy(policy.clone())?;
+        operator.set_rules(policy.clone())?;
         let mut due: Vec<_> = claim_all(app).into_iter().map(|c| c.delivery_id).collect();
         due.sort();
         let mut expected = queued.to_vec();
@@ -790,7 +792,7 @@ backends! {
         assert_eq!(due, expected, "every queued reply started");
 
         policy.lane_order = LaneOrder::Fifo;
-        operator.set_policy(policy)?;
+        operator.set_rules(policy)?;
         let later = enqueue(app, "busy", &["d"]);
         assert_eq!(view(app, later).status, DeliveryStatus::Queued);
         assert!(

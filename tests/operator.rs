@@ -6,10 +6,10 @@ mod common;
 
 use std::time::Duration;
 
-use chunked_outbox::{
-    ChunkId, ChunkStatus, DeliveryId, DeliveryStatus, Error, ListFilter, NewDelivery, Outcome,
-    RecoverScope, Resolution, Result,
-};
+use chunked_outbox::ids::ChunkId;
+use chunked_outbox::maintenance::{RecoverScope, Resolution};
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus, ListFilter};
+use chunked_outbox::{DeliveryId, Error, NewDelivery, Outcome, Result};
 use common::*;
 
 backends! {

@@ -7,9 +7,8 @@ mod common;
 
 use std::time::Duration;
 
-use chunked_outbox::{
-    Backoff, ChannelAdapter, Claim, Dispatcher, Error, Outbox, OutboxOptions, Outcome, RetryPolicy,
-};
+use chunked_outbox::rules::{Backoff, RetryPolicy};
+use chunked_outbox::{ChannelAdapter, Claim, Dispatcher, Error, Outbox, OutboxOptions, Outcome};
 
 fn retry(change: impl FnOnce(&mut RetryPolicy)) -> OutboxOptions {
     let mut policy = RetryPolicy::default();

@@ -6,10 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use chunked_outbox::{
-    ChannelPolicy, ChunkStatus, Claim, DeliveryId, DeliveryStatus, LaneFailurePolicy, LaneOrder,
-    NewDelivery, OutboxOptions, Outcome, Result,
-};
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
+use chunked_outbox::rules::{ChannelPolicy, LaneFailurePolicy, LaneOrder};
+use chunked_outbox::{Claim, DeliveryId, NewDelivery, OutboxOptions, Outcome, Result};
 use common::*;
 
 /// Each delivery's status, chunks delivered, and each chunk's status and whether it is
@@ -227,7 +226,7 @@ backends! {
         assert!(claim_all(ob).is_empty());
 
         // Acknowledge: the operator has seen it; the lane moves on.
-        assert_eq!(ob.acknowledge_dead_letters(None)?, 1);
+        assert_eq!(ob.dismiss_dead_letters(None)?, 1);
         let claim = claim_one(ob);
         assert_eq!(claim.delivery_id, waiting);
         Ok(())
@@ -250,7 +249,7 @@ backends! {
         // Resolved as delivered: the held delivery carries on, then the next one.
         ob.resolve_uncertain(
             claim.chunk_id,
-            chunked_outbox::Resolution::Delivered {
+            chunked_outbox::maintenance::Resolution::Delivered {
                 platform_message_id: None,
             },
         )?;

@@ -7,7 +7,7 @@
 //! no lock of the outbox beyond its row (a busy lane does not hold up its commit, and
 //! an open one does not hold up the lane); a caller key used by two transactions at
 //! once resolves to one reply; lane order is commit order; and each isolation level
-//! behaves as `chunked_outbox::app_transaction` documents.
+//! behaves as `chunked_outbox::backends::postgres` documents.
 #![cfg(feature = "postgres")]
 
 mod common;
@@ -15,9 +15,10 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use chunked_outbox::maintenance::RecoverScope;
+use chunked_outbox::monitoring::DeliveryStatus;
 use chunked_outbox::{
-    ChannelAdapter, Claim, DeliveryStatus, Dispatcher, Enqueued, Error, NewDelivery, Outbox,
-    OutboxOptions, Outcome, RecoverScope,
+    ChannelAdapter, Claim, Dispatcher, Enqueued, Error, NewDelivery, Outbox, OutboxOptions, Outcome,
 };
 use common::postgres::{fresh_schema, server_url, with_search_path};
 

@@ -16,9 +16,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use chunked_outbox::{
-    ChunkStatus, Claim, DeliveryId, Error, NewDelivery, Outbox, OutboxOptions, Outcome,
-};
+use chunked_outbox::monitoring::ChunkStatus;
+use chunked_outbox::{Claim, DeliveryId, Error, NewDelivery, Outbox, OutboxOptions, Outcome};
 use common::postgres::{fresh_schema, server_url, with_search_path};
 use common::proxy::{Cut, Proxy};
 

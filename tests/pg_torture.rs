@@ -23,7 +23,7 @@ fn torture_holds_through_connection_kills_and_server_restarts() {
     let restart = common::postgres::restart_command().expect(
         "the test server was started by scripts/with-postgres, which says how to restart it",
     );
-    let out = Command::cargo_bin("outbox")
+    let out = Command::cargo_bin("outbox-lab")
         .unwrap()
         .arg("--db")
         .arg(Path::new(&url))

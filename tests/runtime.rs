@@ -17,10 +17,13 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use chunked_outbox::clock::ManualClock;
+use chunked_outbox::dispatch::{DispatchStats, DispatcherBuilder, ShutdownReport};
+use chunked_outbox::maintenance::RecoverScope;
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
+use chunked_outbox::rules::{Backoff, ChannelPolicy, RetryPolicy};
 use chunked_outbox::{
-    Backoff, ChannelAdapter, ChannelPolicy, ChunkStatus, Claim, DeliveryStatus, DispatchStats,
-    Dispatcher, DispatcherBuilder, ManualClock, NewDelivery, Outbox, OutboxOptions, Outcome,
-    RecoverScope, Result, RetryPolicy, ShutdownReport,
+    ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome, Result,
 };
 
 type Script = dyn Fn(&Claim) -> Outcome + Send + Sync;
@@ -47,7 +50,7 @@ impl ChannelAdapter for Scripted {
 
 #[cfg(feature = "tokio")]
 impl chunked_outbox::AsyncChannelAdapter for Scripted {
-    fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::SendFuture<'a, Outcome> {
+    fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::dispatch::SendFuture<'a, Outcome> {
         // The scripts block (gates, sleeps): keep them off the runtime's own threads.
         Box::pin(async move { tokio::task::block_in_place(|| (self.script)(claim)) })
     }
@@ -205,10 +208,10 @@ impl Built {
 
 /// A started dispatcher of either flavour.
 enum Running {
-    Blocking(chunked_outbox::RunningDispatcher),
+    Blocking(chunked_outbox::dispatch::RunningDispatcher),
     #[cfg(feature = "tokio")]
     Tokio(
-        chunked_outbox::RunningAsyncDispatcher,
+        chunked_outbox::dispatch::RunningAsyncDispatcher,
         Arc<tokio::runtime::Runtime>,
     ),
 }
@@ -703,12 +706,12 @@ fn a_send_past_its_timeout_is_ambiguous_and_its_late_answer_is_ignored() -> Resu
 #[derive(Debug, Default)]
 struct ArmedClock(std::sync::atomic::AtomicBool);
 
-impl chunked_outbox::Clock for ArmedClock {
+impl chunked_outbox::clock::Clock for ArmedClock {
     fn now_ms(&self) -> i64 {
         if self.0.load(std::sync::atomic::Ordering::SeqCst) {
             panic!("the clock broke");
         }
-        chunked_outbox::SystemClock.now_ms()
+        chunked_outbox::clock::SystemClock.now_ms()
     }
 }
 
@@ -1015,7 +1018,10 @@ mod dropped {
 
     #[cfg(feature = "tokio")]
     impl chunked_outbox::AsyncChannelAdapter for Tracked {
-        fn send<'a>(&'a self, claim: &'a Claim) -> chunked_outbox::SendFuture<'a, Outcome> {
+        fn send<'a>(
+            &'a self,
+            claim: &'a Claim,
+        ) -> chunked_outbox::dispatch::SendFuture<'a, Outcome> {
             chunked_outbox::AsyncChannelAdapter::send(&self.0, claim)
         }
     }

@@ -8,9 +8,8 @@ mod common;
 use std::time::Duration;
 
 use chrono::{TimeZone, Utc};
-use chunked_outbox::{
-    Error, NewDelivery, Outbox, OutboxOptions, Result, SCHEMA_VERSION, StorageSettings, Synchronous,
-};
+use chunked_outbox::backends::sqlite::{SCHEMA_VERSION, StorageSettings, Synchronous};
+use chunked_outbox::{Error, NewDelivery, Outbox, OutboxOptions, Result};
 use common::*;
 
 #[test]
@@ -236,7 +235,7 @@ backends! {
         assert_eq!(db.messages_for(old)?, ["a b"]);
 
         // Once acknowledged, the dead letter goes too.
-        assert_eq!(ob.acknowledge_dead_letters(None)?, 1);
+        assert_eq!(ob.dismiss_dead_letters(None)?, 1);
         assert_eq!(ob.purge(cutoff)?.deliveries, 1);
         assert!(ob.delivery(dead)?.is_none());
 
@@ -294,7 +293,7 @@ fn opening_without_rules_to_declare_takes_no_write_lock() {
     assert!(opened.is_ok(), "{opened:?}");
     let declaring = Outbox::open(
         db.path(),
-        quick().with_lane_order(chunked_outbox::LaneOrder::Parallel),
+        quick().with_lane_order(chunked_outbox::rules::LaneOrder::Parallel),
     );
     assert!(
         matches!(declaring, Err(chunked_outbox::Error::Busy)),

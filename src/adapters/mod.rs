@@ -1,14 +1,5 @@
-//! Ready adapters for the client libraries bot authors use, each behind a feature of
-//! the same name so the core stays lean: they send through the application's existing
-//! client and map that library's error types (never their `Display` text) to an
-//! [`Outcome`](crate::Outcome). Each is tested end to end against an emulated platform
-//! API on 127.0.0.1 that enforces the platform's documented limits.
-//!
-//! | feature | module | platform | client |
-//! |---|---|---|---|
-//! | `teloxide` | [`teloxide`] | Telegram Bot API | `teloxide_core::Bot` |
-//! | `serenity` | [`serenity`] | Discord REST API | `serenity::http::Http` |
-//! | `slack-morphism` | [`slack_morphism`] | Slack Web API | `slack_morphism::SlackClient` |
+//! The ready adapters' implementations; each is public through its platform's module
+//! in [`platforms`](crate::platforms).
 
 #[cfg(feature = "serenity")]
 pub mod serenity;

@@ -5,8 +5,9 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use chunked_outbox::{AsyncDispatcher, ChannelPolicy, Outbox, OutboxOptions};
-//! use chunked_outbox::adapters::serenity::DiscordAdapter;
+//! use chunked_outbox::{AsyncDispatcher, Outbox, OutboxOptions};
+//! use chunked_outbox::platforms::discord::serenity::DiscordAdapter;
+//! use chunked_outbox::rules::ChannelPolicy;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! // Discord drops a resend with the same nonce, so an ambiguous send may be replayed.
@@ -48,7 +49,7 @@
 use std::sync::Arc;
 
 use crate::claim::Claim;
-use crate::dispatch::tokio::{AsyncChannelAdapter, SendFuture};
+use crate::dispatcher::tokio::{AsyncChannelAdapter, SendFuture};
 use crate::outcome::Outcome;
 use crate::platforms::{NoReply, no_reply};
 use serde::Deserialize;

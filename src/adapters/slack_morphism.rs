@@ -5,7 +5,7 @@
 //! ```no_run
 //! use std::sync::Arc;
 //! use chunked_outbox::{AsyncDispatcher, Outbox, OutboxOptions};
-//! use chunked_outbox::adapters::slack_morphism::SlackAdapter;
+//! use chunked_outbox::platforms::slack::slack_morphism::SlackAdapter;
 //! use slack_morphism::prelude::*;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -26,7 +26,7 @@
 //!
 //! Slack cannot deduplicate a post, but a bot can look its messages up
 //! (`conversations.history`): keep the channel's
-//! [`ReplayPolicy::Hold`](crate::ReplayPolicy::Hold) (the default) and settle an
+//! [`ReplayPolicy::Hold`](crate::rules::ReplayPolicy::Hold) (the default) and settle an
 //! uncertain chunk by looking, then
 //! [`resolve_uncertain`](crate::Outbox::resolve_uncertain).
 //!
@@ -48,7 +48,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::claim::Claim;
-use crate::dispatch::tokio::{AsyncChannelAdapter, SendFuture};
+use crate::dispatcher::tokio::{AsyncChannelAdapter, SendFuture};
 use crate::outcome::Outcome;
 use crate::platforms::{NoReply, no_reply, slack};
 use serde::Deserialize;

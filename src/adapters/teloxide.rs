@@ -4,7 +4,7 @@
 //!
 //! ```no_run
 //! use chunked_outbox::{AsyncDispatcher, Outbox, OutboxOptions};
-//! use chunked_outbox::adapters::teloxide::TelegramAdapter;
+//! use chunked_outbox::platforms::telegram::teloxide::TelegramAdapter;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let outbox = Outbox::open("bot.db", OutboxOptions::default())?;
@@ -21,15 +21,15 @@
 //! metadata, if any, is JSON read by [`SendOptions`]: `reply_to_message_id` (applied
 //! to the first chunk, so a long answer replies once), `message_thread_id`,
 //! `parse_mode` (`"HTML"` or `"MarkdownV2"`; split such text with
-//! [`Markup::TelegramHtml`](crate::Markup::TelegramHtml) so no entity is cut)
+//! [`Markup::TelegramHtml`](crate::split::Markup::TelegramHtml) so no entity is cut)
 //! and `disable_notification`.
 //!
 //! teloxide waits 10 seconds before it reads an HTTP 5xx answer: give the dispatcher a
-//! [`send_timeout`](crate::DispatcherBuilder::send_timeout) above that, or
+//! [`send_timeout`](crate::dispatch::DispatcherBuilder::send_timeout) above that, or
 //! such a send is recorded as ambiguous when the timeout ends it.
 //!
 //! Telegram cannot deduplicate a send and cannot be asked whether one arrived: keep the
-//! channel's [`ReplayPolicy::Hold`](crate::ReplayPolicy::Hold) (the default)
+//! channel's [`ReplayPolicy::Hold`](crate::rules::ReplayPolicy::Hold) (the default)
 //! so an ambiguous send waits for a person, or choose `Replay` and accept a rare
 //! duplicate.
 //!
@@ -47,7 +47,7 @@
 //! | `Io` (reading a file to upload, before sending) | `Transient` |
 
 use crate::claim::Claim;
-use crate::dispatch::tokio::{AsyncChannelAdapter, SendFuture};
+use crate::dispatcher::tokio::{AsyncChannelAdapter, SendFuture};
 use crate::outcome::Outcome;
 use crate::platforms::{NoReply, no_reply};
 use serde::Deserialize;

@@ -3,7 +3,13 @@
 //! Discord deduplicates a message by its `nonce` when the request sets
 //! `enforce_nonce: true` (for a few minutes). The nonce allows at most 25 characters:
 //! send [`Claim::compact_key`](crate::Claim::compact_key), not the 38-character full key,
-//! and declare the channel [`ChannelPolicy::replayable`](crate::ChannelPolicy::replayable).
+//! and declare the channel [`ChannelPolicy::replayable`](crate::rules::ChannelPolicy::replayable).
+//!
+//! With the feature `serenity`, `DiscordAdapter` sends through the application's serenity client
+//! and maps that library's error types (module `serenity`).
+
+#[cfg(feature = "serenity")]
+pub use crate::adapters::serenity::{self, DiscordAdapter};
 
 use serde_json::Value;
 
@@ -21,8 +27,8 @@ use crate::outcome::Outcome;
 /// 5xx are `Ambiguous`; a 2xx without an id is `Ambiguous`.
 ///
 /// ```
-/// use chunked_outbox::platforms::{discord, HttpReply};
 /// use chunked_outbox::Outcome;
+/// use chunked_outbox::platforms::{discord, HttpReply};
 ///
 /// let gone = HttpReply::new(404, r#"{"message": "Unknown Channel", "code": 10003}"#);
 /// assert!(matches!(discord::outcome(&gone), Outcome::Permanent { error } if error.contains("10003")));

@@ -3,7 +3,7 @@
 //! The transaction id in the URL makes a send idempotent for the same access token:
 //! use [`Claim::idempotency_key`](crate::Claim::idempotency_key) (URL-encoded) or
 //! [`Claim::compact_key`](crate::Claim::compact_key), and declare the channel
-//! [`ChannelPolicy::replayable`](crate::ChannelPolicy::replayable).
+//! [`ChannelPolicy::replayable`](crate::rules::ChannelPolicy::replayable).
 
 use serde_json::Value;
 
@@ -20,8 +20,8 @@ use crate::outcome::Outcome;
 /// `event_id` is `Ambiguous`.
 ///
 /// ```
-/// use chunked_outbox::platforms::{matrix, HttpReply};
 /// use chunked_outbox::Outcome;
+/// use chunked_outbox::platforms::{HttpReply, matrix};
 ///
 /// let slow_down = HttpReply::new(429,
 ///     r#"{"errcode": "M_LIMIT_EXCEEDED", "error": "Too many requests", "retry_after_ms": 2000}"#);

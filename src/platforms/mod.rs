@@ -1,4 +1,23 @@
-//! Typed mappings from the platforms' own answers to an [`Outcome`].
+//! The platforms: ready adapters for the client libraries bot authors use, and typed
+//! mappings from the platforms' own answers to an [`Outcome`].
+//!
+//! # Ready adapters
+//!
+//! Each sits behind a feature of its name so the core stays lean, sends through the
+//! application's existing client, and maps that library's error types (never their
+//! `Display` text). Each is tested end to end against an emulated platform API on
+//! 127.0.0.1 that enforces the platform's documented limits.
+//!
+//! | feature | adapter | platform | client | key it sends |
+//! |---|---|---|---|---|
+//! | `teloxide` | `telegram::TelegramAdapter` | Telegram Bot API | `teloxide_core::Bot` | none (Telegram has no idempotency key) |
+//! | `serenity` | `discord::DiscordAdapter` | Discord REST API | `serenity::http::Http` | `claim.compact_key()` as `nonce`, `enforce_nonce: true` |
+//! | `slack-morphism` | `slack::SlackAdapter` | Slack Web API | `slack_morphism::SlackClient` | none (look a send up instead) |
+//!
+//! Each reads reply-to, thread and parse mode from the delivery's metadata.
+//!
+//! # Mappings
+//!
 //!
 //! The outbox keeps its promises (no blind resend where a platform cannot deduplicate,
 //! no retry of a permanent error, a rate limit that pauses a chat without using an
@@ -26,18 +45,18 @@
 //! `M_LIMIT_EXCEEDED` (a homeserver limits the bot's account across rooms). Telegram's
 //! answer does not say whether a flood wait is the chat's or the bot's; it is read as
 //! the chat's, and the bot-wide 30 messages/s is kept by the channel's rate
-//! ([`ChannelPolicy::with_rate_per_second`](crate::ChannelPolicy::with_rate_per_second))
+//! ([`ChannelPolicy::with_rate_per_second`](crate::rules::ChannelPolicy::with_rate_per_second))
 //! so that it is not hit.
 //!
 //! A rate limit's wait is capped at [`MAX_RETRY_AFTER`](crate::limits::MAX_RETRY_AFTER); with
 //! none given it is 1 s. `Ambiguous` follows the channel's
-//! [`ReplayPolicy`](crate::ReplayPolicy): `Hold` for Telegram and Slack (they cannot
+//! [`ReplayPolicy`](crate::rules::ReplayPolicy): `Hold` for Telegram and Slack (they cannot
 //! deduplicate), `Replay` for Discord when the send carries
 //! `{"nonce": claim.compact_key(), "enforce_nonce": true}`.
 //!
 //! ```
-//! use chunked_outbox::platforms::{telegram, HttpReply};
 //! use chunked_outbox::Outcome;
+//! use chunked_outbox::platforms::{HttpReply, telegram};
 //!
 //! let reply = HttpReply::new(429, r#"{"ok":false,"error_code":429,
 //!     "description":"Too Many Requests: retry after 35","parameters":{"retry_after":35}}"#);
@@ -51,6 +70,8 @@ use serde_json::Value;
 
 use crate::classify::cap_retry_after;
 use crate::outcome::Outcome;
+
+pub use crate::classify::{ErrorClass, classify_error};
 
 pub mod discord;
 pub mod matrix;

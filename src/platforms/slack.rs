@@ -4,6 +4,12 @@
 //! messages up (`conversations.history` with the message `metadata` it sent): an
 //! uncertain chunk can be settled by asking, then
 //! [`resolve_uncertain`](crate::Outbox::resolve_uncertain).
+//!
+//! With the feature `slack-morphism`, `SlackAdapter` sends through the application's slack-morphism client
+//! and maps that library's error types (module `slack_morphism`).
+
+#[cfg(feature = "slack-morphism")]
+pub use crate::adapters::slack_morphism::{self, SlackAdapter};
 
 use super::{HttpReply, Scope, delivered, rate_limited};
 use crate::outcome::Outcome;
@@ -33,8 +39,8 @@ const TRANSIENT: &[&str] = &[
 /// of the token, which a retry does not fix.
 ///
 /// ```
-/// use chunked_outbox::platforms::{slack, HttpReply};
 /// use chunked_outbox::Outcome;
+/// use chunked_outbox::platforms::{HttpReply, slack};
 ///
 /// let auth = HttpReply::new(200, r#"{"ok": false, "error": "invalid_auth"}"#);
 /// assert!(matches!(slack::outcome(&auth), Outcome::Permanent { .. }));

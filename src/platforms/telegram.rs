@@ -3,6 +3,12 @@
 //! Telegram has no idempotency key and no call that tells whether a message arrived:
 //! an ambiguous send can only be held for a person (`ReplayPolicy::Hold`, the default)
 //! or resent at the risk of a duplicate (`Replay`).
+//!
+//! With the feature `teloxide`, `TelegramAdapter` sends through the application's teloxide client
+//! and maps that library's error types (module `teloxide`).
+
+#[cfg(feature = "teloxide")]
+pub use crate::adapters::teloxide::{self, TelegramAdapter};
 
 use serde_json::Value;
 
@@ -21,8 +27,8 @@ use crate::outcome::Outcome;
 /// included, is `Ambiguous`.
 ///
 /// ```
-/// use chunked_outbox::platforms::{telegram, HttpReply};
 /// use chunked_outbox::Outcome;
+/// use chunked_outbox::platforms::{HttpReply, telegram};
 ///
 /// let blocked = HttpReply::new(403,
 ///     r#"{"ok":false,"error_code":403,"description":"Forbidden: bot was blocked by the user"}"#);

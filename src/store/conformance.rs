@@ -16,7 +16,7 @@ use crate::ids::{CHUNK_STRIDE, DeliveryId};
 use crate::options::OutboxOptions;
 use crate::outbox::Outbox;
 use crate::outcome::Outcome;
-use crate::rules::{ChannelPolicy, FileRules, LaneOrder, Policy};
+use crate::rules::{ChannelPolicy, FileRules, LaneOrder, Rules};
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::{HeadRow, LaneRef, StoreTx};
 
@@ -138,7 +138,7 @@ pub(super) fn a_lane_is_held_by_uncertain_and_unacknowledged_dead_letters(fresh:
         None,
         "lanes apart"
     );
-    ob.acknowledge_dead_letters(None).unwrap();
+    ob.dismiss_dead_letters(None).unwrap();
     assert_eq!(write(&ob, |tx| tx.lane_held(lane("a"))), None);
     let id = enqueue(&ob, "a", "y");
     let claim = claim_one(&ob);
@@ -330,9 +330,9 @@ pub(super) fn channel_numbers_are_stable(fresh: Fresh) {
 pub(super) fn rules_read_back_as_stored(fresh: Fresh) {
     let ob = fresh_at_t0(fresh);
     let v0 = write(&ob, |tx| tx.rules_version());
-    let policy = Policy {
+    let policy = Rules {
         lane_order: LaneOrder::Parallel,
-        ..Policy::default()
+        ..Rules::default()
     };
     let which = FileRules {
         lane_order: true,
@@ -569,7 +569,7 @@ pub(super) fn a_held_delivery_is_queued_again(fresh: Fresh) {
     let claim = claim_one(&ob);
     ob.record(&claim, Outcome::Permanent { error: "no".into() })
         .unwrap();
-    ob.acknowledge_dead_letters(None).unwrap();
+    ob.dismiss_dead_letters(None).unwrap();
     assert!(write(&ob, |tx| tx.queued_deliveries()).is_empty());
     write(&ob, |tx| tx.set_queued(row(&ob, id)));
     let v = view(&ob, id);

@@ -21,7 +21,7 @@
 
 use crate::error::{Error, Result};
 use crate::inspect::{CorruptRow, DeliveryView, ListFilter};
-use crate::rules::{ChannelPolicy, FileRules, Policy, Stored};
+use crate::rules::{ChannelPolicy, FileRules, Rules, Stored};
 use crate::status::{ChunkStatus, DeliveryStatus};
 
 #[cfg(test)]
@@ -267,7 +267,7 @@ pub(crate) trait RuleStore {
     fn load_rules(&self) -> Result<Stored>;
     /// Stores the file-wide rules of `policy` that `which` names (the others keep what
     /// is stored), raising the version.
-    fn store_file_rules(&self, policy: &Policy, which: FileRules) -> Result<()>;
+    fn store_file_rules(&self, policy: &Rules, which: FileRules) -> Result<()>;
     /// Gives `channel` rules of its own, or the default (`None`), raising the version.
     fn store_channel_rules(&self, channel: &str, rules: Option<&ChannelPolicy>) -> Result<()>;
     /// The number of `channel`, registering it on first sight (raising the version).

@@ -12,9 +12,9 @@ pub mod postgres;
 #[cfg(feature = "postgres")]
 pub mod proxy;
 
-use chunked_outbox::{
-    Claim, DeliveryId, DeliveryView, ManualClock, NewDelivery, Outbox, OutboxOptions, Result,
-};
+use chunked_outbox::clock::ManualClock;
+use chunked_outbox::monitoring::DeliveryView;
+use chunked_outbox::{Claim, DeliveryId, NewDelivery, Outbox, OutboxOptions, Result};
 
 /// 2026-01-01T00:00:00Z, a fixed start so failures reproduce.
 pub const T0: i64 = 1_767_225_600_000;
@@ -247,7 +247,7 @@ impl TestDb {
     }
 
     pub fn now_ms(&self) -> i64 {
-        chunked_outbox::Clock::now_ms(&self.clock)
+        chunked_outbox::clock::Clock::now_ms(&self.clock)
     }
 
     pub fn advance(&self, by: Duration) {

@@ -4,8 +4,9 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use chunked_outbox::{
-    Backoff, ChannelPolicy, LaneFailurePolicy, LaneOrder, Outbox, Policy, ReplayPolicy, RetryPolicy,
+use chunked_outbox::Outbox;
+use chunked_outbox::rules::{
+    Backoff, ChannelPolicy, LaneFailurePolicy, LaneOrder, ReplayPolicy, RetryPolicy, Rules,
 };
 use clap::{Args, Subcommand, ValueEnum};
 use serde_json::{Value, json};
@@ -113,7 +114,7 @@ fn parse_max_age(s: &str) -> Result<MaxAge, String> {
 pub fn run(outbox: &Outbox, command: &ConfigCommand) -> CliResult<u8> {
     match command {
         ConfigCommand::Show { json } => {
-            let policy = outbox.policy()?;
+            let policy = outbox.rules()?;
             let channels = known_channels(outbox, &policy)?;
             let finalize = outbox.finalization()?;
             if *json {
@@ -127,7 +128,7 @@ pub fn run(outbox: &Outbox, command: &ConfigCommand) -> CliResult<u8> {
         }
         ConfigCommand::Set(args) => {
             set(outbox, args)?;
-            let policy = outbox.policy()?;
+            let policy = outbox.rules()?;
             let channels = known_channels(outbox, &policy)?;
             let finalize = outbox.finalization()?;
             print!("{}", policy_text(&policy, &channels, finalize.as_deref()));
@@ -137,7 +138,7 @@ pub fn run(outbox: &Outbox, command: &ConfigCommand) -> CliResult<u8> {
 }
 
 /// Every channel the file knows: with rules of its own, or with deliveries.
-fn known_channels(outbox: &Outbox, policy: &Policy) -> CliResult<Vec<String>> {
+fn known_channels(outbox: &Outbox, policy: &Rules) -> CliResult<Vec<String>> {
     let mut names: Vec<String> = policy.channels.keys().cloned().collect();
     names.extend(outbox.health()?.channels.into_keys());
     names.sort();
@@ -156,7 +157,7 @@ fn set(outbox: &Outbox, args: &SetArgs) -> CliResult<()> {
         || args.backoff.is_some()
         || args.jitter.is_some()
         || args.max_age.is_some();
-    let mut policy = outbox.policy()?;
+    let mut policy = outbox.rules()?;
     if let Some(name) = &args.channel {
         if args.inherit {
             if channel_rule_given || retry_given {
@@ -197,7 +198,7 @@ fn set(outbox: &Outbox, args: &SetArgs) -> CliResult<()> {
     change_retry(&mut policy.retry, args);
     // Channels keep their own rules: only the file-wide ones change here.
     policy.channels.clear();
-    outbox.set_policy(policy)?;
+    outbox.set_rules(policy)?;
     Ok(())
 }
 
@@ -276,7 +277,7 @@ fn replay_word(r: ReplayPolicy) -> &'static str {
     }
 }
 
-fn policy_text(p: &Policy, channels: &[String], finalize: Option<&str>) -> String {
+fn policy_text(p: &Rules, channels: &[String], finalize: Option<&str>) -> String {
     let order = match p.lane_order {
         LaneOrder::Parallel => "parallel",
         _ => "fifo",
@@ -364,7 +365,7 @@ fn channel_json(c: &ChannelPolicy) -> Value {
     })
 }
 
-fn policy_json(p: &Policy, channels: &[String]) -> Value {
+fn policy_json(p: &Rules, channels: &[String]) -> Value {
     let mut per_channel = serde_json::Map::new();
     for name in channels {
         let mut rules = channel_json(p.channel(name));
@@ -372,7 +373,7 @@ fn policy_json(p: &Policy, channels: &[String]) -> Value {
         per_channel.insert(name.clone(), rules);
     }
     json!({
-        "schema_version": chunked_outbox::SCHEMA_VERSION,
+        "schema_version": chunked_outbox::backends::sqlite::SCHEMA_VERSION,
         "lane_order": match p.lane_order { LaneOrder::Parallel => "parallel", _ => "fifo" },
         "lane_failure": match p.lane_failure { LaneFailurePolicy::Block => "block", _ => "skip" },
         "retry": retry_json(&p.retry),

@@ -1,5 +1,5 @@
-//! `outbox`: inspect and repair a chunked-outbox database, read its health for
-//! monitoring, and run the demo.
+//! `outbox`: inspect and repair a chunked-outbox database, and read its health for
+//! monitoring. (The demo and the crash harnesses are `outbox-lab`'s.)
 //!
 //! Commands that only read (`health`, `list`, `show`, `config show`) open the file
 //! read-only: they create nothing, change no schema and switch no journal mode, and
@@ -7,22 +7,18 @@
 //! schema; only `migrate` creates a file or brings its schema up to date.
 
 mod config;
-mod demo;
 mod render;
 mod serve;
-mod sim;
 mod target;
-mod torture;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use chunked_outbox::monitoring::{self, Level};
-use chunked_outbox::{
-    DeliveryId, DeliveryStatus, Error, ListFilter, Outbox, OutboxOptions, RecoverScope, Resolution,
-};
+use chunked_outbox::maintenance::{RecoverScope, Resolution};
+use chunked_outbox::monitoring::{self, DeliveryStatus, Level, ListFilter};
+use chunked_outbox::{DeliveryId, Error, Outbox, OutboxOptions};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::render::clean;
@@ -86,8 +82,10 @@ enum Command {
         #[arg(long, requires = "delivered", conflicts_with = "resend")]
         platform_id: Option<String>,
     },
-    /// Acknowledge dead letters (health stops failing on them; they stay listed).
-    AckDeadLetters {
+    /// Dismiss dead letters: they have been seen (health stops failing on them; they stay
+    /// listed and requeueable).
+    #[command(alias = "ack-dead-letters")]
+    DismissDeadLetters {
         /// Only this channel's dead letters.
         #[arg(long)]
         channel: Option<String>,
@@ -117,22 +115,6 @@ enum Command {
     /// Create the database if needed and bring its schema up to date (the only command
     /// that changes a schema).
     Migrate,
-    /// The main job: a simulated chat engine, a flaky platform, real crashes, a verdict.
-    Demo(demo::DemoArgs),
-    /// Internal: the demo's worker process.
-    #[command(hide = true)]
-    DemoWorker(demo::WorkerArgs),
-    /// Crash-test this machine: SIGKILL producer, dispatcher and maintenance processes
-    /// at random moments, restart them, and verify the invariants (JSON verdict).
-    Torture(torture::TortureArgs),
-    /// Internal: a process under torture.
-    #[command(hide = true)]
-    TortureRole(torture::RoleArgs),
-    /// Contention run: dispatcher processes, an enqueuer and a health reader on one file.
-    Stress(torture::StressArgs),
-    /// Internal: a process of the stress run.
-    #[command(hide = true)]
-    StressRole(torture::StressRoleArgs),
 }
 
 #[derive(Args)]
@@ -368,9 +350,9 @@ fn run(cli: Cli) -> CliResult<u8> {
             println!("delivery {id} is cancelled");
             Ok(0)
         }
-        Command::AckDeadLetters { channel } => {
-            let n = open_for_repair(db)?.acknowledge_dead_letters(channel.as_deref())?;
-            println!("acknowledged {}", plural(n, "dead letter", "dead letters"));
+        Command::DismissDeadLetters { channel } => {
+            let n = open_for_repair(db)?.dismiss_dead_letters(channel.as_deref())?;
+            println!("dismissed {}", plural(n, "dead letter", "dead letters"));
             Ok(0)
         }
         Command::Purge {
@@ -424,7 +406,7 @@ fn run(cli: Cli) -> CliResult<u8> {
                 Target::File(path) => println!(
                     "{} is at schema version {}",
                     path.display(),
-                    chunked_outbox::SCHEMA_VERSION
+                    chunked_outbox::backends::sqlite::SCHEMA_VERSION
                 ),
                 Target::Postgres(_) => println!(
                     "{} is at this build's PostgreSQL schema version",
@@ -433,12 +415,6 @@ fn run(cli: Cli) -> CliResult<u8> {
             }
             Ok(0)
         }
-        Command::Demo(args) => demo::run(db, &args),
-        Command::DemoWorker(args) => demo::worker(&args),
-        Command::Torture(args) => torture::run(db, &args),
-        Command::TortureRole(args) => torture::role(&args),
-        Command::Stress(args) => torture::stress(db, &args),
-        Command::StressRole(args) => torture::stress_role(&args),
     }
 }
 

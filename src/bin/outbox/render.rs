@@ -5,7 +5,7 @@
 use std::fmt::Write;
 
 use chrono::{DateTime, SecondsFormat, Utc};
-use chunked_outbox::{ChannelHealth, DeliveryStatus, DeliveryView, Health};
+use chunked_outbox::monitoring::{ChannelHealth, DeliveryStatus, DeliveryView, Health};
 use comfy_table::{ColumnConstraint, ContentArrangement, Table, presets};
 
 /// The widest a table may be.

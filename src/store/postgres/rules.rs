@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use super::PgTx;
 use crate::error::Result;
-use crate::rules::{self, ChannelPolicy, FileColumns, FileRules, Policy, Stored};
+use crate::rules::{self, ChannelPolicy, FileColumns, FileRules, Rules, Stored};
 use crate::store::RuleStore;
 
 const BUMP: &str = "UPDATE outbound_policy SET version = version + 1 WHERE id = 1";
@@ -64,7 +64,7 @@ impl RuleStore for PgTx<'_> {
         })
     }
 
-    fn store_file_rules(&self, policy: &Policy, which: FileRules) -> Result<()> {
+    fn store_file_rules(&self, policy: &Rules, which: FileRules) -> Result<()> {
         let d = &policy.default_channel;
         self.execute(
             "UPDATE outbound_policy

@@ -7,7 +7,7 @@ use rusqlite::{OptionalExtension, params};
 
 use super::tx::Tx;
 use crate::error::Result;
-use crate::rules::{ChannelPolicy, FileColumns, FileRules, Policy, Stored};
+use crate::rules::{ChannelPolicy, FileColumns, FileRules, Rules, Stored};
 use crate::store::{ChannelRow, LaneRef, Locks, RuleStore, StoreTx};
 
 /// Every write transaction is `BEGIN IMMEDIATE`: it holds the database's one write lock
@@ -143,7 +143,7 @@ impl RuleStore for Tx<'_> {
         })
     }
 
-    fn store_file_rules(&self, rules: &Policy, which: FileRules) -> Result<()> {
+    fn store_file_rules(&self, rules: &Rules, which: FileRules) -> Result<()> {
         let d = &rules.default_channel;
         self.prepare_cached(
             "UPDATE outbound_policy

@@ -12,9 +12,7 @@
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use chunked_outbox::{
-    ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome,
-};
+use chunked_outbox::{ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome};
 use peers_pg_bench_common::{self as common, progress, Args, Pg, Record, Timer};
 use postgres::{Client, NoTls};
 

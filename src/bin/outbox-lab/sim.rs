@@ -1,4 +1,4 @@
-//! The simulated world shared by `outbox demo` and `outbox torture`: three platforms
+//! The simulated world shared by `outbox-lab demo` and `outbox-lab torture`: three platforms
 //! that fail in the ways real ones do and record what they accept in their own SQLite
 //! file, replies of realistic shapes, and the operator who settles uncertain chunks.
 //!
@@ -12,11 +12,11 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use chunked_outbox::maintenance::Resolution;
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus, ListFilter};
 use chunked_outbox::platforms::{self, HttpReply};
-use chunked_outbox::{
-    Backoff, ChannelAdapter, ChannelPolicy, ChunkStatus, Claim, DeliveryStatus, LaneFailurePolicy,
-    ListFilter, Outbox, OutboxOptions, Outcome, Resolution, RetryPolicy, Splitter,
-};
+use chunked_outbox::rules::{Backoff, ChannelPolicy, LaneFailurePolicy, RetryPolicy};
+use chunked_outbox::{ChannelAdapter, Claim, Outbox, OutboxOptions, Outcome, Splitter};
 use rusqlite::{Connection, OptionalExtension, params};
 
 use crate::CliResult;
@@ -521,7 +521,7 @@ pub fn settle_like_an_operator(
             }
         }
     }
-    outbox.acknowledge_dead_letters(None)?;
+    outbox.dismiss_dead_letters(None)?;
     // Every dead letter still stored, acknowledged ones included, before anything can
     // purge them: the verdict tells a purged dead letter from a lost reply by this.
     let dead = ListFilter::default()

@@ -1,4 +1,4 @@
-//! `outbox torture`: crash-consistency on this machine. A producer process enqueues,
+//! `outbox-lab torture`: crash-consistency on this machine. A producer process enqueues,
 //! two dispatcher processes send through the simulated platforms, a maintenance process
 //! recovers, settles uncertain chunks as an operator could (asking the platform where
 //! it can be asked, resending by policy where it cannot), acknowledges, purges and
@@ -6,7 +6,7 @@
 //! restarted. At the end the invariants are checked against what the platforms
 //! recorded in their own file, which no role reads.
 //!
-//! `outbox stress` is the contention run: several dispatcher processes, an enqueuer and
+//! `outbox-lab stress` is the contention run: several dispatcher processes, an enqueuer and
 //! a health reader on one file, with every caller-visible error counted.
 
 use std::collections::{HashMap, HashSet};
@@ -17,9 +17,10 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use chunked_outbox::maintenance::RecoverScope;
 use chunked_outbox::{
     ChannelAdapter, Claim, DeliveryId, Dispatcher, Error, NewDelivery, Outbox, OutboxOptions,
-    Outcome, RecoverScope,
+    Outcome,
 };
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -31,7 +32,7 @@ use crate::sim::{
 };
 use crate::target::Target;
 
-/// Options of `outbox torture`.
+/// Options of `outbox-lab torture`.
 #[derive(Args)]
 pub struct TortureArgs {
     /// SIGKILLs to deliver (each followed by a restart).
@@ -554,19 +555,19 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
         };
         v.chunks += u64::from(chunks);
         let keys: Vec<String> = (0..chunks)
-            .map(|i| chunked_outbox::chunk_idempotency_key(id, i))
+            .map(|i| chunked_outbox::ids::chunk_idempotency_key(id, i))
             .collect();
         let got = keys.iter().filter(|k| arrived.contains(k.as_str())).count() as u32;
         match (&finalized, stored.as_ref().map(|d| d.status)) {
             (Some(_), _) => v.lost += u64::from(chunks - got),
-            (None, Some(chunked_outbox::DeliveryStatus::Failed)) => {
+            (None, Some(chunked_outbox::monitoring::DeliveryStatus::Failed)) => {
                 if chat_is_gone(&chat_of(seed, *n).1) {
                     v.dead_letters += 1;
                 } else {
                     v.unexpected_dead_letters += 1;
                 }
             }
-            (None, Some(chunked_outbox::DeliveryStatus::Uncertain)) => {}
+            (None, Some(chunked_outbox::monitoring::DeliveryStatus::Uncertain)) => {}
             (None, _) if got == chunks => v.missing_finalizations += 1,
             (None, _) => v.lost += 1,
         }
@@ -584,12 +585,12 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
     let h = outbox.health()?;
     v.uncertain_left = h.totals.uncertain_chunks;
     if v.uncertain_left > 0 {
-        let filter = chunked_outbox::ListFilter::default()
-            .status(chunked_outbox::DeliveryStatus::Uncertain)
+        let filter = chunked_outbox::monitoring::ListFilter::default()
+            .status(chunked_outbox::monitoring::DeliveryStatus::Uncertain)
             .limit(10_000);
         for d in outbox.list(&filter)? {
             for c in outbox.delivery(d.id)?.into_iter().flat_map(|d| d.chunks) {
-                if let (chunked_outbox::ChunkStatus::Uncertain, Some(claimant)) =
+                if let (chunked_outbox::monitoring::ChunkStatus::Uncertain, Some(claimant)) =
                     (c.status, c.claimant)
                 {
                     held_at_end
@@ -628,7 +629,7 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
 
 // ------------------------------------------------------------------ contention ----
 
-/// Options of `outbox stress`.
+/// Options of `outbox-lab stress`.
 #[derive(Args)]
 pub struct StressArgs {
     /// Dispatcher processes.

@@ -1,9 +1,9 @@
-//! `outbox demo`: a simulated chat engine sends thousands of replies through flaky
+//! `outbox-lab demo`: a simulated chat engine sends thousands of replies through flaky
 //! simulated platforms; a worker process is killed with SIGKILL mid-flight and
 //! restarted; an operator settles what the crashes left uncertain the way a real one
 //! could; at the end the platforms' own records prove the invariants.
 //!
-//! The worker (`outbox demo-worker`, hidden) runs a [`Dispatcher`] whose adapters play
+//! The worker (`outbox-lab demo-worker`, hidden) runs a [`Dispatcher`] whose adapters play
 //! the platforms. Each platform writes what it accepts to its own SQLite file,
 //! separate from the outbox, so the verdict is read from what the "users" received —
 //! and only the verdict reads it.
@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use chunked_outbox::{DeliveryStatus, Dispatcher, NewDelivery, Outbox, RecoverScope};
+use chunked_outbox::maintenance::RecoverScope;
+use chunked_outbox::monitoring::DeliveryStatus;
+use chunked_outbox::{Dispatcher, NewDelivery, Outbox};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -25,7 +27,7 @@ use crate::sim::{
 };
 use crate::target::Target;
 
-/// Options of `outbox demo`.
+/// Options of `outbox-lab demo`.
 #[derive(Args)]
 pub struct DemoArgs {
     /// Replies the simulated chat engine sends.
@@ -170,7 +172,7 @@ struct Summary {
     /// one accepts (a nonce too long, a message over its limit), or a refusal was misread.
     unexpected_dead_letters: u64,
     /// Chunks still uncertain at the end.
-    uncertain: u64,
+    uncertain_left: u64,
     /// Chunks of delivered replies that never arrived, and replies that ended unsettled.
     lost: u64,
     out_of_order: u64,
@@ -178,9 +180,9 @@ struct Summary {
     missing_finalizations: u64,
     /// `outbound_messages` rows that are not what was enqueued, or for replies not delivered.
     wrong_finalizations: u64,
-    duplicates_deduplicated: u64,
+    replays_deduplicated: u64,
     duplicates_by_policy: u64,
-    duplicates_unexplained: u64,
+    unexplained_duplicates: u64,
     settled_by_lookup: u64,
     resent_blind: u64,
     max_uncertain_per_kill: u64,
@@ -456,9 +458,9 @@ impl Summary {
             && self.out_of_order == 0
             && self.missing_finalizations == 0
             && self.wrong_finalizations == 0
-            && self.duplicates_unexplained == 0
+            && self.unexplained_duplicates == 0
             && self.max_uncertain_per_kill <= self.max_sends_in_flight
-            && self.uncertain == 0
+            && self.uncertain_left == 0
     }
 }
 
@@ -473,16 +475,16 @@ fn verify(
     let h = outbox.health()?;
     s.delivered = h.totals.delivered_deliveries;
     s.failed = h.totals.failed_deliveries;
-    s.uncertain = h.totals.uncertain_chunks;
+    s.uncertain_left = h.totals.uncertain_chunks;
 
     let record = PlatformRecord::read(&open_platform(&files.platform)?)?;
     let operator = OperatorLog::read(&std::fs::read_to_string(&files.operator_log)?);
     let arrived = record.keys();
     let d = record.duplicates(&operator.blind);
     (
-        s.duplicates_deduplicated,
+        s.replays_deduplicated,
         s.duplicates_by_policy,
-        s.duplicates_unexplained,
+        s.unexplained_duplicates,
     ) = (d.deduplicated, d.by_policy, d.unexplained);
     let mut rows = files.db.history()?;
 
@@ -545,12 +547,12 @@ fn print_verdict(s: &Summary) {
     println!("verification, read from what the simulated platforms received:");
     println!(
         "  {} deliveries {}: delivered {}, dead letters {} ({} to chats that still exist), uncertain {}",
-        mark(s.uncertain == 0 && s.unexpected_dead_letters == 0),
+        mark(s.uncertain_left == 0 && s.unexpected_dead_letters == 0),
         s.deliveries,
         s.delivered,
         s.failed,
         s.unexpected_dead_letters,
-        s.uncertain
+        s.uncertain_left
     );
     println!(
         "  {} lost chunks: {} (of {} enqueued)",
@@ -565,9 +567,9 @@ fn print_verdict(s: &Summary) {
     );
     println!(
         "  {} duplicate sends nobody decided on: {} (deduplicated by discord's nonce: {}; caused by resending on telegram, which cannot be asked: {})",
-        mark(s.duplicates_unexplained == 0),
-        s.duplicates_unexplained,
-        s.duplicates_deduplicated,
+        mark(s.unexplained_duplicates == 0),
+        s.unexplained_duplicates,
+        s.replays_deduplicated,
         s.duplicates_by_policy
     );
     println!(

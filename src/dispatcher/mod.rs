@@ -53,18 +53,19 @@ pub use builder::{DispatcherBuilder, ShutdownReport};
 /// stable idempotency key and the attempt number — and reports a typed [`Outcome`].
 /// It should bound its own I/O with a timeout: a dispatcher shuts down only once
 /// in-flight sends return (or set
-/// [`send_timeout`](crate::DispatcherBuilder::send_timeout)). A panic is caught and
+/// [`send_timeout`](crate::dispatch::DispatcherBuilder::send_timeout)). A panic is caught and
 /// recorded as an [`Outcome::Ambiguous`] send; the worker carries on.
 ///
 /// How the channel's chunks are treated — whether a possibly-sent chunk may be
 /// replayed, how fast its chats and the channel may be sent to, its retry policy — is
 /// not the adapter's to say: those rules are stored in the outbox file
-/// ([`ChannelPolicy`](crate::ChannelPolicy)), so that every process on the file follows
+/// ([`ChannelPolicy`](crate::rules::ChannelPolicy)), so that every process on the file follows
 /// the same ones.
 ///
 /// ```
 /// use std::time::Duration;
-/// use chunked_outbox::{ChannelAdapter, ChannelPolicy, Claim, Dispatcher, Outbox, OutboxOptions, Outcome};
+/// use chunked_outbox::{ChannelAdapter, Claim, Dispatcher, Outbox, OutboxOptions, Outcome};
+/// use chunked_outbox::rules::ChannelPolicy;
 ///
 /// struct Matrix;
 ///
@@ -97,7 +98,7 @@ impl<T: ChannelAdapter + ?Sized> ChannelAdapter for std::sync::Arc<T> {
 pub(crate) const MAX_IN_FLIGHT: usize = 1024;
 
 /// What a dispatcher reports to the application as it happens (see
-/// [`DispatcherBuilder::on_event`](crate::DispatcherBuilder::on_event)).
+/// [`DispatcherBuilder::on_event`](crate::dispatch::DispatcherBuilder::on_event)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DispatchEvent {
@@ -878,7 +879,7 @@ mod tests {
         let core = &shared.core;
         let outbox = &core.outbox;
         outbox
-            .set_channel_policy("t", Some(crate::ChannelPolicy::replayable()))
+            .set_channel_policy("t", Some(crate::rules::ChannelPolicy::replayable()))
             .unwrap();
         let crashed = Run::default();
         assert_eq!(core.step(&crashed, &mut Vec::new(), 3).unwrap().len(), 3);
@@ -927,7 +928,7 @@ mod tests {
         let core = &shared.core;
         let outbox = &core.outbox;
         outbox
-            .set_channel_policy("t", Some(crate::ChannelPolicy::replayable()))
+            .set_channel_policy("t", Some(crate::rules::ChannelPolicy::replayable()))
             .unwrap();
         assert_eq!(
             core.step(&Run::default(), &mut Vec::new(), 1)

@@ -33,7 +33,8 @@ pub type SendFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// the blocking trait.
 ///
 /// ```
-/// use chunked_outbox::{AsyncChannelAdapter, SendFuture, Claim, Outcome};
+/// use chunked_outbox::{AsyncChannelAdapter, Claim, Outcome};
+/// use chunked_outbox::dispatch::SendFuture;
 ///
 /// struct Discord;
 ///
@@ -110,7 +111,7 @@ impl Outbox {
 }
 
 /// Builds an [`AsyncDispatcher`]; the settings are those of
-/// [`DispatcherBuilder`](crate::DispatcherBuilder).
+/// [`DispatcherBuilder`](crate::dispatch::DispatcherBuilder).
 pub type AsyncDispatcherBuilder = DispatcherBuilder<dyn AsyncChannelAdapter>;
 
 impl DispatcherBuilder<dyn AsyncChannelAdapter> {
@@ -128,7 +129,7 @@ impl DispatcherBuilder<dyn AsyncChannelAdapter> {
     ///
     /// # Errors
     ///
-    /// As [`DispatcherBuilder::build`](crate::DispatcherBuilder::build).
+    /// As [`DispatcherBuilder::build`](crate::dispatch::DispatcherBuilder::build).
     pub fn build(self) -> Result<AsyncDispatcher> {
         let shared = self.into_shared()?;
         Ok(AsyncDispatcher { shared })
@@ -143,7 +144,8 @@ impl DispatcherBuilder<dyn AsyncChannelAdapter> {
 ///
 /// ```
 /// use std::time::Duration;
-/// use chunked_outbox::{AsyncChannelAdapter, AsyncDispatcher, Claim, NewDelivery, Outbox, OutboxOptions, Outcome, SendFuture};
+/// use chunked_outbox::{AsyncChannelAdapter, AsyncDispatcher, Claim, NewDelivery, Outbox, OutboxOptions, Outcome};
+/// use chunked_outbox::dispatch::SendFuture;
 ///
 /// struct Matrix;
 /// impl AsyncChannelAdapter for Matrix {

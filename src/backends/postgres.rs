@@ -119,7 +119,7 @@ impl Outbox {
     /// Enqueues `delivery` inside the application's own transaction on the outbox's
     /// database, with the blocking [`postgres`] client: it is stored if and when that
     /// transaction commits, and the commit wakes the dispatchers of every process.
-    /// See [the module](crate::app_transaction) for what the transaction holds and how
+    /// See [the module](crate::backends::postgres) for what the transaction holds and how
     /// each isolation level behaves.
     ///
     /// ```no_run

@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::outbox::Outbox;
 
 /// Builds a [`Dispatcher`](crate::Dispatcher) (or, as
-/// [`AsyncDispatcherBuilder`](crate::AsyncDispatcherBuilder), an async one): register
+/// [`AsyncDispatcherBuilder`](crate::dispatch::AsyncDispatcherBuilder), an async one): register
 /// one adapter per channel, then `build`.
 pub struct DispatcherBuilder<A: ?Sized = dyn ChannelAdapter> {
     pub(crate) outbox: Outbox,
@@ -82,7 +82,8 @@ impl<A: ?Sized> DispatcherBuilder<A> {
     ///
     /// ```
     /// use std::sync::mpsc;
-    /// use chunked_outbox::{ChannelAdapter, Claim, DispatchEvent, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome};
+    /// use chunked_outbox::{ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome};
+    /// use chunked_outbox::dispatch::DispatchEvent;
     ///
     /// struct Accept;
     /// impl ChannelAdapter for Accept {

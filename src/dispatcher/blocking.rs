@@ -37,7 +37,7 @@ impl DispatcherBuilder<dyn ChannelAdapter> {
 ///
 /// [`start`](Self::start) runs it on worker threads; [`run_once`](Self::run_once) runs
 /// one claim-send-record round on the calling thread (deterministic, for tests with a
-/// [`ManualClock`](crate::ManualClock)). A dispatcher can be started again after a
+/// [`ManualClock`](crate::clock::ManualClock)). A dispatcher can be started again after a
 /// shutdown.
 ///
 /// ```
@@ -549,7 +549,7 @@ impl Drop for RunningDispatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dispatch::tests::Accept;
+    use crate::dispatcher::tests::Accept;
 
     /// Round 1 with `sends` queued and `sleeping` idle threads.
     fn round(sends: usize, sleeping: usize) -> Round {
