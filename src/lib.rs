@@ -130,9 +130,30 @@
 // with the feature it needs.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-#[cfg(doctest)]
+// Every Rust block of the README and the documents compiles and runs as a doctest (the
+// README's quick start needs the Telegram adapter; `tests/readme.rs` also builds it as
+// a project of its own and runs it against an emulated Bot API).
+#[cfg(all(doctest, feature = "teloxide"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/GUIDE.md")]
+struct GuideDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/MIGRATING.md")]
+struct MigratingDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/GUARANTEES.md")]
+struct GuaranteesDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/OPERATING.md")]
+struct OperatingDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/PLATFORMS.md")]
+struct PlatformsDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/PERFORMANCE.md")]
+struct PerformanceDoctests;
 
 #[cfg(any(feature = "teloxide", feature = "serenity", feature = "slack-morphism"))]
 mod adapters;

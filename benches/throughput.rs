@@ -4,7 +4,7 @@
 //! stated). Ratios against the floors and the models are what to compare across
 //! machines; absolute figures drift with the machine's load.
 //!
-//! Run: `cargo run --release --features tokio --example throughput -- [--quick]`
+//! Run: `cargo bench --features tokio --bench throughput -- [--quick]`
 //!
 //! The last line is one JSON object.
 
