@@ -53,21 +53,10 @@ impl BotApi {
     }
 }
 
-fn answer(mut request: tiny_http::Request, log: &Mutex<Vec<Received>>) {
-    let body = emulator::json_body(&mut request);
-    if !request
-        .url()
-        .eq_ignore_ascii_case(&format!("/bot{TOKEN}/sendMessage"))
-    {
-        let unauthorized = json!({"ok": false, "error_code": 401, "description": "Unauthorized"});
-        return emulator::respond(request, 401, &unauthorized.to_string(), &[]);
-    }
-    let chat = match &body["chat_id"] {
-        Value::Number(n) => n.to_string(),
-        Value::String(s) => s.clone(),
-        _ => String::new(),
+fn answer(request: tiny_http::Request, log: &Mutex<Vec<Received>>) {
+    let Some((request, body, chat, text)) = emulator::telegram_send(request, TOKEN) else {
+        return;
     };
-    let text = body["text"].as_str().unwrap_or_default().to_owned();
     let error = |status: u16, description: &str, parameters: Option<Value>| {
         let mut e = json!({"ok": false, "error_code": status, "description": description});
         if let Some(p) = parameters {

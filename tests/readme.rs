@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::emulator;
-use serde_json::{Value, json};
+use serde_json::json;
 
 const TOKEN: &str = "123:README";
 const CHAT: &str = "4242";
@@ -83,20 +83,10 @@ fn dependencies(readme: &str) -> String {
 /// What the emulated Bot API accepted: (chat, text), in arrival order.
 type Sent = Mutex<Vec<(String, String)>>;
 
-fn answer(mut request: tiny_http::Request, sent: &Sent) {
-    let body = emulator::json_body(&mut request);
-    if !request
-        .url()
-        .eq_ignore_ascii_case(&format!("/bot{TOKEN}/sendMessage"))
-    {
-        let unauthorized = json!({"ok": false, "error_code": 401, "description": "Unauthorized"});
-        return emulator::respond(request, 401, &unauthorized.to_string(), &[]);
-    }
-    let chat = match &body["chat_id"] {
-        Value::Number(n) => n.to_string(),
-        other => other.as_str().unwrap_or_default().to_owned(),
+fn answer(request: tiny_http::Request, sent: &Sent) {
+    let Some((request, _, chat, text)) = emulator::telegram_send(request, TOKEN) else {
+        return;
     };
-    let text = body["text"].as_str().unwrap_or_default().to_owned();
     if text.encode_utf16().count() > 4096 {
         let long = json!({"ok": false, "error_code": 400, "description": "Bad Request: message is too long"});
         return emulator::respond(request, 400, &long.to_string(), &[]);

@@ -52,6 +52,31 @@ pub fn json_body(request: &mut tiny_http::Request) -> serde_json::Value {
     serde_json::from_str(&raw).unwrap_or(serde_json::Value::Null)
 }
 
+/// A Bot API `sendMessage` for `token`: the request with its JSON body, chat id (as
+/// text) and text. Any other request is answered 401, as Telegram answers a bad token,
+/// and gives `None`.
+pub fn telegram_send(
+    mut request: tiny_http::Request,
+    token: &str,
+) -> Option<(tiny_http::Request, serde_json::Value, String, String)> {
+    let body = json_body(&mut request);
+    if !request
+        .url()
+        .eq_ignore_ascii_case(&format!("/bot{token}/sendMessage"))
+    {
+        let unauthorized =
+            serde_json::json!({"ok": false, "error_code": 401, "description": "Unauthorized"});
+        respond(request, 401, &unauthorized.to_string(), &[]);
+        return None;
+    }
+    let chat = match &body["chat_id"] {
+        serde_json::Value::Number(n) => n.to_string(),
+        other => other.as_str().unwrap_or_default().to_owned(),
+    };
+    let text = body["text"].as_str().unwrap_or_default().to_owned();
+    Some((request, body, chat, text))
+}
+
 /// The value of a request header, if present.
 pub fn header(request: &tiny_http::Request, name: &'static str) -> Option<String> {
     request
