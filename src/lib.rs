@@ -1,5 +1,6 @@
 //! A durable outbox for outbound chat replies, split into independently retried chunks
-//! and stored in SQLite before the first network call.
+//! and stored — in SQLite, or PostgreSQL for several hosts — before the first network
+//! call.
 //!
 //! A chat engine hands the outbox a logical message ("the reply to user 42 on
 //! Telegram") already split into chunks that fit the platform. The outbox stores it,
