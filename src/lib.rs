@@ -137,24 +137,21 @@
 #[cfg(all(doctest, feature = "teloxide"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
-#[cfg(doctest)]
-#[doc = include_str!("../docs/GUIDE.md")]
-struct GuideDoctests;
-#[cfg(doctest)]
-#[doc = include_str!("../docs/MIGRATING.md")]
-struct MigratingDoctests;
-#[cfg(doctest)]
-#[doc = include_str!("../docs/GUARANTEES.md")]
-struct GuaranteesDoctests;
-#[cfg(doctest)]
-#[doc = include_str!("../docs/OPERATING.md")]
-struct OperatingDoctests;
-#[cfg(doctest)]
-#[doc = include_str!("../docs/PLATFORMS.md")]
-struct PlatformsDoctests;
-#[cfg(doctest)]
-#[doc = include_str!("../docs/PERFORMANCE.md")]
-struct PerformanceDoctests;
+macro_rules! doctests {
+    ($($name:ident: $path:literal),* $(,)?) => {$(
+        #[cfg(doctest)]
+        #[doc = include_str!($path)]
+        struct $name;
+    )*};
+}
+doctests!(
+    GuideDoctests: "../docs/GUIDE.md",
+    MigratingDoctests: "../docs/MIGRATING.md",
+    GuaranteesDoctests: "../docs/GUARANTEES.md",
+    OperatingDoctests: "../docs/OPERATING.md",
+    PlatformsDoctests: "../docs/PLATFORMS.md",
+    PerformanceDoctests: "../docs/PERFORMANCE.md",
+);
 
 #[cfg(any(feature = "teloxide", feature = "serenity", feature = "slack-morphism"))]
 mod adapters;
