@@ -166,8 +166,8 @@ fn several_handles_on_one_file_share_the_schema() -> Result<()> {
 /// if the background checkpointer never runs (here its interval is an hour). With it
 /// running, a checkpointer preempted while it holds SQLite's checkpoint lock makes the
 /// writer skip its own checkpoint for as long as that lasts, so on a busy machine the
-/// WAL can overshoot the threshold by the writes of that stall (69 MB seen under
-/// `../shared/tools/under-load`, against 41 MB): a scheduling figure, not a bound.
+/// WAL can overshoot the threshold by the writes of that stall (69 MB seen on a
+/// machine under load, against 41 MB): a scheduling figure, not a bound.
 #[test]
 fn the_wal_stays_bounded_under_sustained_writes() -> Result<()> {
     let db = TestDb::new(
