@@ -59,12 +59,17 @@ fn the_old_root_names_are_the_new_items() {
 #[test]
 fn the_old_method_names_do_what_the_new_ones_do() -> chunked_outbox::Result<()> {
     let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
-    let mut rules: chunked_outbox::Policy = outbox.policy()?;
-    rules.lane_order = chunked_outbox::LaneOrder::Parallel;
-    outbox.set_policy(rules)?;
+    let mut rules = outbox.rules()?;
+    rules.lane_order = chunked_outbox::rules::LaneOrder::Parallel;
+    outbox.set_rules(rules)?;
+    // The old names read and write the same stored rules.
+    let mut old: chunked_outbox::Policy = outbox.policy()?;
+    assert_eq!(old.lane_order, chunked_outbox::LaneOrder::Parallel);
+    old.lane_order = chunked_outbox::LaneOrder::Fifo;
+    outbox.set_policy(old)?;
     assert_eq!(
         outbox.rules()?.lane_order,
-        chunked_outbox::rules::LaneOrder::Parallel
+        chunked_outbox::rules::LaneOrder::Fifo
     );
 
     outbox.enqueue(&NewDelivery::single("telegram", "42", "hello"))?;
