@@ -5,8 +5,8 @@
 //! send [`Claim::compact_key`](crate::Claim::compact_key), not the 38-character full key,
 //! and declare the channel [`ChannelPolicy::replayable`](crate::rules::ChannelPolicy::replayable).
 //!
-//! With the feature `serenity`, `DiscordAdapter` sends through the application's serenity client
-//! and maps that library's error types (module `serenity`).
+//! With the feature `serenity`, `DiscordAdapter` sends through the application's
+//! serenity client and maps that library's error types (module `serenity`).
 
 #[cfg(feature = "serenity")]
 pub use crate::adapters::serenity::{self, DiscordAdapter};

@@ -5,8 +5,8 @@
 //! uncertain chunk can be settled by asking, then
 //! [`resolve_uncertain`](crate::Outbox::resolve_uncertain).
 //!
-//! With the feature `slack-morphism`, `SlackAdapter` sends through the application's slack-morphism client
-//! and maps that library's error types (module `slack_morphism`).
+//! With the feature `slack-morphism`, `SlackAdapter` sends through the application's
+//! slack-morphism client and maps that library's error types (module `slack_morphism`).
 
 #[cfg(feature = "slack-morphism")]
 pub use crate::adapters::slack_morphism::{self, SlackAdapter};

@@ -4,8 +4,8 @@
 //! an ambiguous send can only be held for a person (`ReplayPolicy::Hold`, the default)
 //! or resent at the risk of a duplicate (`Replay`).
 //!
-//! With the feature `teloxide`, `TelegramAdapter` sends through the application's teloxide client
-//! and maps that library's error types (module `teloxide`).
+//! With the feature `teloxide`, `TelegramAdapter` sends through the application's
+//! teloxide client and maps that library's error types (module `teloxide`).
 
 #[cfg(feature = "teloxide")]
 pub use crate::adapters::teloxide::{self, TelegramAdapter};
