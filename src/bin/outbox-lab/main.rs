@@ -4,8 +4,10 @@
 //! crash and contention harnesses. None of it is linked into the library or the
 //! `outbox` tool: the simulated platforms live here only.
 
-// The tool's own modules the harnesses share: where an outbox is, and how a health
-// snapshot and an error print (the lab uses part of each).
+// The tool's own modules the harnesses share: how a command ends, where an outbox is,
+// and how a health snapshot and an error print (the lab uses part of each).
+#[path = "../outbox/exit.rs"]
+mod exit;
 #[path = "../outbox/render.rs"]
 #[allow(dead_code)]
 mod render;
@@ -23,7 +25,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::render::clean;
+pub(crate) use exit::CliResult;
 
 /// The demo and the crash harnesses of chunked-outbox.
 #[derive(Parser)]
@@ -59,34 +61,16 @@ enum Command {
     StressRole(torture::StressRoleArgs),
 }
 
-/// Exit status when the harness could not do its job, usage errors included (a verdict
-/// that fails exits 1).
-const EXIT_ERROR: u8 = 3;
-
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
-        Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(if e.use_stderr() { EXIT_ERROR } else { 0 });
+    exit::main(|cli: Cli| {
+        let db = cli.db.as_deref();
+        match cli.command {
+            Command::Demo(args) => demo::run(db, &args),
+            Command::DemoWorker(args) => demo::worker(&args),
+            Command::Torture(args) => torture::run(db, &args),
+            Command::TortureRole(args) => torture::role(&args),
+            Command::Stress(args) => torture::stress(db, &args),
+            Command::StressRole(args) => torture::stress_role(&args),
         }
-    };
-    let db = cli.db.as_deref();
-    let ran = match cli.command {
-        Command::Demo(args) => demo::run(db, &args),
-        Command::DemoWorker(args) => demo::worker(&args),
-        Command::Torture(args) => torture::run(db, &args),
-        Command::TortureRole(args) => torture::role(&args),
-        Command::Stress(args) => torture::stress(db, &args),
-        Command::StressRole(args) => torture::stress_role(&args),
-    };
-    match ran {
-        Ok(code) => ExitCode::from(code),
-        Err(e) => {
-            eprintln!("error: {}", clean(&e.to_string()));
-            ExitCode::from(EXIT_ERROR)
-        }
-    }
+    })
 }
-
-pub(crate) type CliResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;

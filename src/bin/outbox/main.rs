@@ -7,6 +7,7 @@
 //! schema; only `migrate` creates a file or brings its schema up to date.
 
 mod config;
+mod exit;
 mod render;
 mod serve;
 mod target;
@@ -23,6 +24,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::render::clean;
 use crate::target::Target;
+
+pub(crate) use exit::CliResult;
 
 /// Inspect, repair and monitor a chunked-outbox database.
 #[derive(Parser)]
@@ -215,28 +218,9 @@ fn cutoff(s: &str) -> Result<Cutoff, String> {
         .ok_or_else(|| format!("{s:?} reaches further back than any date; give a smaller age"))
 }
 
-/// Exit status when the tool could not do its job (Nagios' "unknown"), usage errors
-/// included.
-const EXIT_ERROR: u8 = 3;
-
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
-        Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(if e.use_stderr() { EXIT_ERROR } else { 0 });
-        }
-    };
-    match run(cli) {
-        Ok(code) => ExitCode::from(code),
-        Err(e) => {
-            eprintln!("error: {}", clean(&e.to_string()));
-            ExitCode::from(EXIT_ERROR)
-        }
-    }
+    exit::main(run)
 }
-
-pub(crate) type CliResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 fn run(cli: Cli) -> CliResult<u8> {
     let db = cli.db.as_deref();
