@@ -162,41 +162,14 @@ fn full_scans(url: &str) -> Vec<String> {
         } else {
             format!("EXPLAIN (FORMAT JSON) EXECUTE p{i}({args})")
         };
-        let plan = json_plan(&mut tx, &execute);
-        let mut nodes = Vec::new();
-        scans(&plan[0]["Plan"], &mut nodes);
-        for (node, relation) in nodes {
-            let ours = relation.starts_with("outbound_")
-                && !matches!(
-                    relation.as_str(),
-                    "outbound_policy" | "outbound_channels" | "outbound_channel_stats"
-                );
-            if matches!(node.as_str(), "Seq Scan" | "Full Index Scan") && ours {
-                found.push(format!("{name}: {node} on {relation}"));
-            }
-        }
+        whole_reads(name, &json_plan(&mut tx, &execute), &mut found);
         tx.rollback().unwrap();
     }
     found
 }
 
-/// An outbox with `HISTORY` delivered replies and a few unfinished ones, its tables'
-/// statistics taken before the history was added (`stale`) or after.
-fn fixture(stale: bool) -> Option<String> {
-    let url = server::fresh_schema_url()?;
-    let outbox = Outbox::connect(&url, OutboxOptions::default()).unwrap();
-    let mut client = postgres::Client::connect(&url, postgres::NoTls).unwrap();
-    if stale {
-        client
-            .batch_execute(
-                "ALTER TABLE outbound_deliveries SET (autovacuum_enabled = off);
-                 ALTER TABLE outbound_delivery_chunks SET (autovacuum_enabled = off);
-                 ALTER TABLE outbound_messages SET (autovacuum_enabled = off);
-                 ALTER TABLE outbound_lanes SET (autovacuum_enabled = off);
-                 ANALYZE",
-            )
-            .unwrap();
-    }
+/// Adds a few unfinished replies and `HISTORY` delivered ones.
+fn grow(outbox: &Outbox, client: &mut postgres::Client) {
     for chat in 0..20 {
         outbox
             .enqueue(&NewDelivery::single("t", format!("c{chat}"), "x"))
@@ -224,8 +197,32 @@ fn fixture(stale: bool) -> Option<String> {
             &[&HISTORY],
         )
         .unwrap();
+}
+
+/// The outbox's own tables (a bare `ANALYZE` would also analyze the schemas of the
+/// tests running beside this one, and change their plans under them).
+const ANALYZE_OUTBOX: &str =
+    "ANALYZE outbound_deliveries, outbound_delivery_chunks, outbound_messages, outbound_lanes";
+
+/// Statistics taken now and kept: autovacuum off for the outbox's tables, then ANALYZE.
+const FREEZE_STATISTICS: &str = "ALTER TABLE outbound_deliveries SET (autovacuum_enabled = off);
+     ALTER TABLE outbound_delivery_chunks SET (autovacuum_enabled = off);
+     ALTER TABLE outbound_messages SET (autovacuum_enabled = off);
+     ALTER TABLE outbound_lanes SET (autovacuum_enabled = off);
+     ANALYZE outbound_deliveries, outbound_delivery_chunks, outbound_messages, outbound_lanes";
+
+/// An outbox with `HISTORY` delivered replies and a few unfinished ones, its tables'
+/// statistics taken before the history was added (`stale`) or after.
+fn fixture(stale: bool) -> Option<String> {
+    let url = server::fresh_schema_url()?;
+    let outbox = Outbox::connect(&url, OutboxOptions::default()).unwrap();
+    let mut client = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    if stale {
+        client.batch_execute(FREEZE_STATISTICS).unwrap();
+    }
+    grow(&outbox, &mut client);
     if !stale {
-        client.batch_execute("ANALYZE").unwrap();
+        client.batch_execute(ANALYZE_OUTBOX).unwrap();
     }
     Some(url)
 }
@@ -244,6 +241,63 @@ fn no_statement_reads_a_whole_table_with_fresh_or_stale_statistics() {
             if stale { "stale" } else { "fresh" }
         );
     }
+}
+
+/// The sequential scans and whole-index scans of outbox tables in `plan`.
+fn whole_reads(name: &str, plan: &serde_json::Value, found: &mut Vec<String>) {
+    let mut nodes = Vec::new();
+    scans(&plan[0]["Plan"], &mut nodes);
+    for (node, relation) in nodes {
+        let ours = relation.starts_with("outbound_")
+            && !matches!(
+                relation.as_str(),
+                "outbound_policy" | "outbound_channels" | "outbound_channel_stats"
+            );
+        if matches!(node.as_str(), "Seq Scan" | "Full Index Scan") && ours {
+            found.push(format!("{name}: {node} on {relation}"));
+        }
+    }
+}
+
+/// A write's generic plan is made once per connection and kept until the statistics of
+/// its tables change. Made on empty tables (a new outbox) it may read whole indexes —
+/// everything costs nothing there — so it must not outlive them: once the tables have
+/// grown and are analyzed (autovacuum analyzes a table after 50 changed rows and 10 %
+/// of it), every write's cached plan is made again and reads through the indexes.
+#[test]
+fn write_plans_made_on_empty_tables_are_made_again_once_the_tables_grow() {
+    let Some(url) = server::fresh_schema_url() else {
+        return;
+    };
+    let outbox = Outbox::connect(&url, OutboxOptions::default()).unwrap();
+    let mut client = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    client.batch_execute(FREEZE_STATISTICS).unwrap();
+    let explain = |client: &mut postgres::Client, found: &mut Vec<String>| {
+        let mut tx = client.transaction().unwrap();
+        tx.batch_execute(super::WRITE_PLANNING).unwrap();
+        for (i, (name, _, args, _)) in STATEMENTS.iter().enumerate() {
+            let execute = if args.is_empty() {
+                format!("EXPLAIN (FORMAT JSON) EXECUTE w{i}")
+            } else {
+                format!("EXPLAIN (FORMAT JSON) EXECUTE w{i}({args})")
+            };
+            whole_reads(name, &json_plan(&mut tx, &execute), found);
+        }
+        tx.rollback().unwrap();
+    };
+    for (i, (_, sql, _, _)) in STATEMENTS.iter().enumerate() {
+        client
+            .batch_execute(&format!("PREPARE w{i} AS {sql}"))
+            .unwrap();
+    }
+    // Plan (and cache) every statement on the empty tables, then grow them as
+    // autovacuum would see them grow.
+    explain(&mut client, &mut Vec::new());
+    grow(&outbox, &mut client);
+    client.batch_execute(ANALYZE_OUTBOX).unwrap();
+    let mut found = Vec::new();
+    explain(&mut client, &mut found);
+    assert!(found.is_empty(), "{found:#?}");
 }
 
 /// The check can fail: a statement that filters the history by an unindexed column
