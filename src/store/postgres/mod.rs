@@ -466,20 +466,27 @@ impl<'c> PgTx<'c> {
     /// rows must go through their index and look up each one's chunks, even when the
     /// planner's statistics are stale (a table that grew by a million delivered rows
     /// since it was last analyzed still looks as if most of it were unfinished).
+    ///
+    /// In a write, which prices them out throughout (`write_planning!`), the statement
+    /// is planned for its values instead of run with its generic plan: these are the
+    /// maintenance statements (a purge's batch, the finalization sweep, requeues), whose
+    /// cutoffs and limits decide which index pays (a purge's generic plan took twice as
+    /// long beside 1M delivered rows, `examples/pg_scale`).
     pub(crate) fn on_indexes<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        if self.rules_locked.get().is_some() {
-            // A write plans so throughout (`write_planning!`).
-            return f();
-        }
-        self.batch(
+        let write = self.rules_locked.get().is_some();
+        self.batch(if write {
+            "SET LOCAL plan_cache_mode = auto"
+        } else {
             "SET LOCAL enable_seqscan = off; SET LOCAL enable_mergejoin = off;
-             SET LOCAL enable_hashjoin = off",
-        )?;
+             SET LOCAL enable_hashjoin = off"
+        })?;
         let value = f()?;
-        self.batch(
+        self.batch(if write {
+            "SET LOCAL plan_cache_mode = force_generic_plan"
+        } else {
             "SET LOCAL enable_seqscan TO DEFAULT; SET LOCAL enable_mergejoin TO DEFAULT;
-             SET LOCAL enable_hashjoin TO DEFAULT",
-        )?;
+             SET LOCAL enable_hashjoin TO DEFAULT"
+        })?;
         Ok(value)
     }
 
