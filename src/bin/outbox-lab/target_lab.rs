@@ -106,9 +106,7 @@ mod pg {
 #[cfg(not(feature = "postgres"))]
 mod pg {
     use super::*;
-
-    const NO_POSTGRES: &str = "this build has no PostgreSQL support: \
-         build it with `--features postgres`";
+    use crate::target::NO_POSTGRES;
 
     pub fn history(_: &str) -> CliResult<HashMap<String, (String, u32)>> {
         Err(NO_POSTGRES.into())

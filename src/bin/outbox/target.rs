@@ -67,12 +67,14 @@ mod pg {
     }
 }
 
+/// What a build without the `postgres` feature says to a PostgreSQL `--db`.
+#[cfg(not(feature = "postgres"))]
+pub const NO_POSTGRES: &str = "this build has no PostgreSQL support: \
+     build it with `--features postgres`";
+
 #[cfg(not(feature = "postgres"))]
 mod pg {
     use super::*;
-
-    pub(crate) const NO_POSTGRES: &str = "this build has no PostgreSQL support: \
-         build it with `--features postgres`";
 
     pub fn connect(_: &str, _: OutboxOptions) -> CliResult<Outbox> {
         Err(NO_POSTGRES.into())
