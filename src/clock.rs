@@ -15,6 +15,15 @@ use chrono::{DateTime, Utc};
 pub trait Clock: Send + Sync + Debug {
     /// Milliseconds since the Unix epoch.
     fn now_ms(&self) -> i64;
+
+    /// Whether this clock tells the time of day as its host sees it, moving by itself
+    /// (the default). On a store shared by several hosts (PostgreSQL) such a clock is
+    /// corrected by the server's, so that hosts whose clocks disagree act on one time.
+    /// A clock that moves only when told to ([`ManualClock`]) answers `false`: its
+    /// reading *is* the outbox's time, as a test sets it.
+    fn is_wall_clock(&self) -> bool {
+        true
+    }
 }
 
 /// The system's wall clock.
@@ -61,6 +70,47 @@ impl Clock for ManualClock {
     fn now_ms(&self) -> i64 {
         self.0.load(Ordering::SeqCst)
     }
+
+    fn is_wall_clock(&self) -> bool {
+        false
+    }
+}
+
+/// The system's clock off by a fixed amount: a host whose clock runs ahead or behind,
+/// for trying what a deployment's skewed clocks do.
+///
+/// ```
+/// use std::time::Duration;
+/// use chunked_outbox::clock::{Clock, SkewedClock, SystemClock};
+///
+/// let ahead = SkewedClock::ahead(Duration::from_secs(120));
+/// assert!(ahead.now_ms() >= SystemClock.now_ms() + 119_000);
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct SkewedClock {
+    by_ms: i64,
+}
+
+impl SkewedClock {
+    /// A clock `by` ahead of the system's.
+    pub fn ahead(by: Duration) -> Self {
+        SkewedClock {
+            by_ms: duration_ms(by),
+        }
+    }
+
+    /// A clock `by` behind the system's.
+    pub fn behind(by: Duration) -> Self {
+        SkewedClock {
+            by_ms: -duration_ms(by),
+        }
+    }
+}
+
+impl Clock for SkewedClock {
+    fn now_ms(&self) -> i64 {
+        SystemClock.now_ms().saturating_add(self.by_ms)
+    }
 }
 
 /// A duration in whole milliseconds, saturating instead of overflowing.
@@ -76,4 +126,110 @@ pub(crate) fn to_datetime(ms: i64) -> DateTime<Utc> {
     } else {
         DateTime::<Utc>::MAX_UTC
     })
+}
+
+/// The time of a handle on a store shared by several hosts (PostgreSQL): the server's
+/// clock, as the handle's own clock carries it forward.
+///
+/// Every time the rules store or compare (leases, due times, a reply's age, pacing,
+/// purge cutoffs) is read from here, so every host acts on one clock whatever its own
+/// says: a host 90 s ahead takes over no live lease, one 2 minutes behind dead-letters
+/// no fresh reply for its age. A wall clock ([`Clock::is_wall_clock`]) is corrected by
+/// the offset to the server's, measured when the handle connects and again at every
+/// write (the server's time comes back in the round trip of its `BEGIN`); the offset
+/// moves when the new measure differs by more than its error (half the round trip), so
+/// an NTP step or a suspended host is followed within one write. A clock that moves only
+/// when told to is the outbox's time as given, so tests stay deterministic.
+#[derive(Debug)]
+pub(crate) struct ServerTime {
+    local: Arc<dyn Clock>,
+    /// Server time minus the handle's clock, in milliseconds (0 for a clock not
+    /// corrected).
+    offset: AtomicI64,
+}
+
+impl ServerTime {
+    pub(crate) fn new(local: Arc<dyn Clock>) -> Self {
+        ServerTime {
+            local,
+            offset: AtomicI64::new(0),
+        }
+    }
+
+    /// The handle's own clock, for bracketing a reading of the server's.
+    pub(crate) fn local_ms(&self) -> i64 {
+        self.local.now_ms()
+    }
+
+    /// The server's clock read `server` while this handle's read from `before` to
+    /// `after` (the round trip that carried the reading).
+    pub(crate) fn observe(&self, server: i64, before: i64, after: i64) {
+        if !self.local.is_wall_clock() {
+            return;
+        }
+        let half = (after - before).max(0) / 2;
+        let sample = server - (before + half);
+        if (sample - self.offset.load(Ordering::Acquire)).abs() > half + 1 {
+            self.offset.store(sample, Ordering::Release);
+        }
+    }
+}
+
+impl Clock for ServerTime {
+    fn now_ms(&self) -> i64 {
+        self.local
+            .now_ms()
+            .saturating_add(self.offset.load(Ordering::Acquire))
+    }
+
+    fn is_wall_clock(&self) -> bool {
+        self.local.is_wall_clock()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wall clock the test moves.
+    #[derive(Debug)]
+    struct Wall(ManualClock);
+    impl Clock for Wall {
+        fn now_ms(&self) -> i64 {
+            self.0.now_ms()
+        }
+    }
+
+    #[test]
+    fn a_wall_clock_carries_the_servers_time_and_follows_its_steps() {
+        let host = ManualClock::new(1_000_000);
+        let time = ServerTime::new(Arc::new(Wall(host.clone())));
+        // The server is 90 s ahead; the reading took 10 ms.
+        time.observe(1_090_005, 1_000_000, 1_000_010);
+        assert_eq!(time.now_ms(), 1_090_000);
+        host.advance(Duration::from_millis(500));
+        assert_eq!(
+            time.now_ms(),
+            1_090_500,
+            "the host's clock carries it forward"
+        );
+        // A reading within its own error moves nothing.
+        time.observe(1_090_508, 1_000_500, 1_000_510);
+        assert_eq!(time.now_ms(), 1_090_500);
+        // The host's clock stepped back 30 s (NTP): the next reading follows.
+        host.set(970_510);
+        time.observe(1_090_515, 970_510, 970_520);
+        assert_eq!(time.now_ms(), 1_090_510);
+    }
+
+    #[test]
+    fn a_manual_clock_is_the_time_as_given() {
+        let clock = ManualClock::new(5_000);
+        let time = ServerTime::new(Arc::new(clock.clone()));
+        time.observe(1_090_000, 5_000, 5_010);
+        assert_eq!(time.now_ms(), 5_000);
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(time.now_ms(), 6_000);
+        assert!(!time.is_wall_clock());
+    }
 }

@@ -267,7 +267,17 @@ impl Outbox {
     fn connect_postgres(url: &str, options: OutboxOptions, read_only: bool) -> Result<Outbox> {
         use crate::store::postgres::{Begin, PgStore, PgTx, schema as pg_schema};
         options.validate()?;
-        let store = PgStore::connect(url, options.readers + 1, options.busy_timeout, read_only)?;
+        // Every time the rules store or compare is the server's (see `ServerTime`).
+        let time = Arc::new(crate::clock::ServerTime::new(options.clock.clone()));
+        let store = PgStore::connect(
+            url,
+            options.readers + 1,
+            options.busy_timeout,
+            read_only,
+            time.clone(),
+        )?;
+        let mut options = options;
+        options.clock = time;
         let (id_salt, stored) = {
             let mut conn = store.connection()?;
             if read_only {

@@ -24,15 +24,24 @@ pub(crate) mod statement;
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use postgres::types::ToSql;
 use postgres::{NoTls, Row, Statement};
 use r2d2_postgres::PostgresConnectionManager;
 
+use crate::clock::ServerTime;
 use crate::error::{Error, Result};
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::{ChannelRow, LaneEntry, LaneRef, Locks, StoreTx};
+
+/// The server's clock in milliseconds since the epoch, as a column.
+macro_rules! server_ms {
+    () => {
+        "(extract(epoch FROM clock_timestamp()) * 1000)::int8"
+    };
+}
 
 /// The parameters of a statement.
 pub(crate) type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
@@ -49,6 +58,8 @@ pub(crate) struct PgStore {
     pub(crate) target: String,
     /// Every transaction is READ ONLY: the server refuses a write.
     pub(crate) read_only: bool,
+    /// The handle's time: the server's clock, read again at every write's `BEGIN`.
+    pub(crate) time: Arc<ServerTime>,
 }
 
 impl PgStore {
@@ -59,6 +70,7 @@ impl PgStore {
         size: u32,
         timeout: std::time::Duration,
         read_only: bool,
+        time: Arc<ServerTime>,
     ) -> Result<Self> {
         let config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
             Error::invalid(
@@ -84,13 +96,24 @@ impl PgStore {
             quoted_schema: String::new(),
             target,
             read_only,
+            time,
         };
-        // Opened now: a wrong address or password is an error of `connect`.
-        store.quoted_schema = store
-            .connection()?
-            .client
-            .query_one("SELECT quote_ident(coalesce(current_schema(), ''))", &[])?
-            .try_get(0)?;
+        // Opened now: a wrong address or password is an error of `connect`. The same
+        // round trip aligns the handle's time with the server's.
+        let mut conn = store.connection()?;
+        let before = store.time.local_ms();
+        let row = conn.client.query_one(
+            concat!(
+                "SELECT quote_ident(coalesce(current_schema(), '')), ",
+                server_ms!()
+            ),
+            &[],
+        )?;
+        store
+            .time
+            .observe(row.try_get(1)?, before, store.time.local_ms());
+        store.quoted_schema = row.try_get(0)?;
+        drop(conn);
         Ok(store)
     }
 
@@ -109,7 +132,12 @@ impl PgStore {
         f: impl FnOnce(PgTx<'_>) -> Result<T>,
     ) -> Result<T> {
         let mut conn = self.connection()?;
-        f(PgTx::begin(&mut conn, kind)?)
+        let before = self.time.local_ms();
+        let tx = PgTx::begin(&mut conn, kind)?;
+        if let Some(server) = tx.server_ms.get() {
+            self.time.observe(server, before, self.time.local_ms());
+        }
+        f(tx)
     }
 }
 
@@ -310,7 +338,9 @@ macro_rules! begin_write {
             "; SELECT ",
             $lock,
             "(hashtextextended(current_schema() || '/rules', 0));
-             SELECT version FROM outbound_policy WHERE id = 1"
+             SELECT version, ",
+            server_ms!(),
+            " FROM outbound_policy WHERE id = 1"
         )
     };
 }
@@ -326,6 +356,8 @@ pub(crate) struct PgTx<'c> {
     rules_version: Cell<Option<i64>>,
     /// Its transaction id, once a write returned it (see [`PgTx::note_xid`]).
     xid: Cell<Option<i64>>,
+    /// The server's clock as its `BEGIN` read it (writes only).
+    server_ms: Cell<Option<i64>>,
     dead_letters: RefCell<Vec<(i64, String)>>,
 }
 
@@ -352,16 +384,19 @@ impl<'c> PgTx<'c> {
             rules_locked: Cell::new(rules_locked),
             rules_version: Cell::new(None),
             xid: Cell::new(None),
+            server_ms: Cell::new(None),
             dead_letters: RefCell::new(Vec::new()),
             conn: RefCell::new(conn),
         };
         let answer = tx.conn.borrow_mut().client.simple_query(sql)?;
-        let version = answer.iter().rev().find_map(|m| match m {
-            postgres::SimpleQueryMessage::Row(row) => row.get(0),
+        let row = answer.iter().rev().find_map(|m| match m {
+            postgres::SimpleQueryMessage::Row(row) => Some(row),
             _ => None,
         });
+        let column = |i: usize| row.and_then(|r| r.get(i)).and_then(|v| v.parse().ok());
         // Without it (no row 1), `rules_version` asks again and reports what it finds.
-        tx.rules_version.set(version.and_then(|v| v.parse().ok()));
+        tx.rules_version.set(column(0));
+        tx.server_ms.set(column(1));
         Ok(tx)
     }
 
