@@ -291,9 +291,12 @@ fn delivered_at_once<C: std::borrow::Borrow<Claim>>(
         match outcome {
             Outcome::Delivered {
                 platform_message_id,
-            } if seen.insert(claim.borrow().chunk_id) => {
+            } if seen.insert(claim.borrow().chunk_id)
+                && platform_message_id.as_deref().is_none_or(storable_as_is) =>
+            {
                 acks.push(platform_message_id.as_deref());
             }
+            // (an id to cut or mend takes the general path: `trimmed`)
             _ => return Ok(None),
         }
     }
@@ -316,7 +319,6 @@ fn delivered_at_once<C: std::borrow::Borrow<Claim>>(
     let mut last_chunks = Vec::new();
     let mut lanes = Vec::new();
     for (((claim, _), chunk), platform_message_id) in outcomes.iter().zip(&chunks).zip(acks) {
-        let platform_message_id = platform_message_id.map(trimmed_id);
         let Some(chunk) = chunk else {
             results.push(Err(Error::StaleClaim {
                 chunk: claim.borrow().chunk_id,
@@ -354,29 +356,32 @@ fn delivered_at_once<C: std::borrow::Borrow<Claim>>(
     Ok(Some(results))
 }
 
+/// Whether a platform message id is stored as it came (see [`trimmed`]).
+fn storable_as_is(id: &str) -> bool {
+    id.len() <= MAX_PLATFORM_ID_BYTES && !id.contains('\0')
+}
+
 /// The outcome with a platform message id cut to [`MAX_PLATFORM_ID_BYTES`]: an ack is
 /// never refused for an id too long to keep.
 fn trimmed(outcome: Outcome) -> Outcome {
     match outcome {
         Outcome::Delivered {
             platform_message_id: Some(id),
-        } if id.len() > MAX_PLATFORM_ID_BYTES => {
-            Outcome::delivered(Some(trimmed_id(&id).to_owned()))
-        }
+        } if !storable_as_is(&id) => Outcome::delivered(Some(trimmed_id(&id).to_owned())),
         other => other,
     }
 }
 
-/// A platform message id cut to [`MAX_PLATFORM_ID_BYTES`] (see [`trimmed`]).
+/// A platform message id cut to [`MAX_PLATFORM_ID_BYTES`] (see [`trimmed`]; the store
+/// mends what it cannot hold: [`state::deliver`]).
 fn trimmed_id(id: &str) -> &str {
-    if id.len() <= MAX_PLATFORM_ID_BYTES {
-        return id;
+    if id.len() > MAX_PLATFORM_ID_BYTES {
+        tracing::warn!(
+            bytes = id.len(),
+            kept = MAX_PLATFORM_ID_BYTES,
+            "platform message id too long; keeping its start"
+        );
     }
-    tracing::warn!(
-        bytes = id.len(),
-        kept = MAX_PLATFORM_ID_BYTES,
-        "platform message id too long; keeping its start"
-    );
     cut_at(id, MAX_PLATFORM_ID_BYTES)
 }
 

@@ -196,7 +196,8 @@ pub(crate) fn reschedule(
     due: i64,
     error: Option<&str>,
 ) -> Result<()> {
-    tx.reschedule(chunk.id, status, attempts, due, error.map(truncate_error))
+    let error = error.map(storable_error);
+    tx.reschedule(chunk.id, status, attempts, due, error.as_deref())
 }
 
 /// Marks a chunk delivered and moves its delivery on: the next chunk becomes due, or
@@ -212,7 +213,8 @@ pub(crate) fn deliver(
     active: bool,
     tally: &mut Tally,
 ) -> Result<Recorded> {
-    tx.mark_delivered(chunk.id, platform_message_id, now)?;
+    let platform_message_id = platform_message_id.map(storable);
+    tx.mark_delivered(chunk.id, platform_message_id.as_deref(), now)?;
     if chunk.index + 1 >= chunk.total {
         let refused = finalize::finalize(
             tx,
@@ -283,7 +285,8 @@ pub(crate) fn set_held(
     error: &str,
     now: i64,
 ) -> Result<()> {
-    let error = truncate_error(error);
+    let error = storable_error(error);
+    let error = error.as_ref();
     tx.set_chunk_aside(chunk.id, status, error, false)?;
     if status == ChunkStatus::Failed {
         tx.note_dead_letter(chunk.delivery, error);
@@ -303,7 +306,8 @@ pub(crate) fn set_aside_corrupt(
     reason: &str,
     now: i64,
 ) -> Result<()> {
-    let reason = truncate_error(reason);
+    let reason = storable_error(reason);
+    let reason = reason.as_ref();
     tracing::warn!(chunk, delivery, reason, "setting aside an unreadable row");
     tx.note_dead_letter(delivery, reason);
     // The claim that met the row did not know its lane: it moves the lane on only if
@@ -377,7 +381,8 @@ pub(crate) fn rejoin_lane(
     earliest: i64,
     error: Option<&str>,
 ) -> Result<()> {
-    tx.set_retry_unscheduled(chunk.id, attempts, error.map(truncate_error))?;
+    let error = error.map(storable_error);
+    tx.set_retry_unscheduled(chunk.id, attempts, error.as_deref())?;
     lane::rejoin(tx, &rules.policy, chunk.delivery, chunk.lane(), earliest)
 }
 
@@ -419,8 +424,21 @@ pub(crate) fn expect_status(
     }
 }
 
-fn truncate_error(error: &str) -> &str {
-    cut_at(error, MAX_ERROR_BYTES)
+/// Error text as every store keeps it: at most [`MAX_ERROR_BYTES`], and no NUL
+/// character (PostgreSQL's text cannot hold one; it shows as U+FFFD).
+fn storable_error(error: &str) -> std::borrow::Cow<'_, str> {
+    storable(cut_at(error, MAX_ERROR_BYTES))
+}
+
+/// `text` without NUL characters, which PostgreSQL's text cannot hold (a write of one
+/// fails): each becomes U+FFFD, the replacement character. Text from a platform (an
+/// error message, a message id) is kept for people to read, never compared.
+pub(crate) fn storable(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.contains('\0') {
+        std::borrow::Cow::Owned(text.replace('\0', "\u{FFFD}"))
+    } else {
+        std::borrow::Cow::Borrowed(text)
+    }
 }
 
 /// The longest prefix of `text` of at most `max` bytes that ends on a character

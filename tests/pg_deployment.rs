@@ -15,7 +15,9 @@ use chunked_outbox::clock::{Clock, SkewedClock, SystemClock};
 use chunked_outbox::maintenance::RecoverScope;
 use chunked_outbox::monitoring::ChunkStatus;
 use chunked_outbox::rules::RetryPolicy;
-use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+use chunked_outbox::{
+    ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome,
+};
 use common::postgres::fresh_schema_url;
 
 /// A host on schema `url` whose clock is `clock`.
@@ -83,4 +85,80 @@ fn a_host_behind_neither_ages_replies_nor_waits_for_work() {
         "a host 90 s behind did not see work that is due"
     );
     c.ack(&claims[0], None).unwrap();
+}
+
+/// The platform of [`a_round_keeps_every_outcome_the_store_can_hold`]: its answer per
+/// chat.
+struct Answers;
+
+impl ChannelAdapter for Answers {
+    fn send(&self, claim: &Claim) -> Outcome {
+        match claim.chat_id.as_str() {
+            "nul-id" => Outcome::delivered(Some("id\0x".into())),
+            "nul-error" => Outcome::Transient {
+                error: "bad\0gateway".into(),
+            },
+            "poison" => Outcome::delivered(Some("poison".into())),
+            _ => Outcome::delivered(Some("fine".into())),
+        }
+    }
+}
+
+/// A NUL in an outcome's platform id or error text (PostgreSQL's text cannot hold one)
+/// is stored as U+FFFD; and an outcome the store refuses (here a trigger of the
+/// application's refuses one id) costs only that outcome, never the others of its round.
+#[test]
+fn a_round_keeps_every_outcome_the_store_can_hold() {
+    let url = url();
+    let outbox = Outbox::connect(&url, OutboxOptions::default()).unwrap();
+    let mut admin = admin(&url);
+    admin
+        .batch_execute(
+            "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.platform_message_id = 'poison' THEN
+                     RAISE EXCEPTION 'the application refuses this id';
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER refuse_poison BEFORE UPDATE ON outbound_delivery_chunks
+                 FOR EACH ROW EXECUTE FUNCTION refuse_poison();",
+        )
+        .unwrap();
+    let chats = ["nul-id", "nul-error", "poison", "plain"];
+    let ids: Vec<_> = chats
+        .iter()
+        .map(|chat| {
+            outbox
+                .enqueue(&NewDelivery::single("t", *chat, "hello"))
+                .unwrap()
+                .id
+        })
+        .collect();
+    let dispatcher = Dispatcher::builder(outbox.clone())
+        .batch_size(8)
+        .adapter("t", Answers)
+        .build()
+        .unwrap();
+    assert_eq!(dispatcher.run_once().unwrap(), 4);
+
+    let chunk = |i: usize| outbox.delivery(ids[i]).unwrap().unwrap().chunks.remove(0);
+    let nul_id = chunk(0);
+    assert_eq!(nul_id.status, ChunkStatus::Delivered);
+    assert_eq!(nul_id.platform_message_id.as_deref(), Some("id\u{FFFD}x"));
+    let nul_error = chunk(1);
+    assert_eq!(nul_error.status, ChunkStatus::Retry);
+    assert_eq!(nul_error.last_error.as_deref(), Some("bad\u{FFFD}gateway"));
+    assert_eq!(
+        chunk(2).status,
+        ChunkStatus::Sending,
+        "the refused outcome is left to its lease"
+    );
+    assert_eq!(chunk(3).status, ChunkStatus::Delivered);
+    assert_eq!(dispatcher.stats().dropped, 1);
+}
+
+/// A direct connection to the schema of `url`.
+fn admin(url: &str) -> postgres::Client {
+    postgres::Client::connect(url, postgres::NoTls).unwrap()
 }

@@ -475,7 +475,7 @@ impl Core {
         let _turn = run.claim_turn.lock().unwrap_or_else(|e| e.into_inner());
         let (busy, suspect_in_flight) = run.in_flight_besides(done);
         // While a suspect is in flight, this process sends nothing beside it.
-        let mut limit = if suspect_in_flight { 0 } else { limit };
+        let limit = if suspect_in_flight { 0 } else { limit };
         if done.is_empty() && limit == 0 {
             return Ok(Vec::new());
         }
@@ -485,12 +485,27 @@ impl Core {
             Isolation::Alone
         };
         let channels = self.channel_names();
+        self.record_and_claim(run, done, &channels, limit, isolation)
+    }
+
+    /// [`step`](Self::step) once its turn is taken: the outcomes in `done` recorded (with
+    /// a claim of up to `limit`), retried while the store is busy, full or out of reach.
+    /// A batch the store refuses outright (a value it cannot hold, a constraint) is
+    /// recorded again one outcome at a time, so only the outcome it refuses is dropped.
+    fn record_and_claim(
+        &self,
+        run: &Run,
+        done: &mut Vec<(Claim, Outcome)>,
+        channels: &[&str],
+        mut limit: usize,
+        isolation: Isolation,
+    ) -> Result<Vec<Claim>> {
         let mut pause = Duration::from_millis(2);
         let give_up = Instant::now() + self.outbox.options().lease;
         loop {
             match self
                 .outbox
-                .record_and_claim(done, &channels, limit, isolation)
+                .record_and_claim(done, channels, limit, isolation)
             {
                 Ok(step) => {
                     if limit > 0 {
@@ -525,6 +540,13 @@ impl Core {
                     warn!(error = %e, outcomes = done.len(), retry_in_ms = pause.as_millis() as u64, "could not record outcomes yet; retrying");
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(Duration::from_millis(500));
+                }
+                Err(e) if done.len() > 1 && refused(&e) => {
+                    warn!(error = %e, outcomes = done.len(), "the store refused the outcomes together; recording each alone");
+                    for one in std::mem::take(done) {
+                        self.record_and_claim(run, &mut vec![one], channels, 0, isolation)?;
+                    }
+                    return Ok(Vec::new());
                 }
                 Err(e) => {
                     add(&self.counters.dropped, done.len() as u64);
@@ -767,6 +789,18 @@ pub(crate) fn keep_leases(core: &Core, run: &Run) {
             return;
         }
         renew_due(core, run);
+    }
+}
+
+/// Whether the store refused a write for what it held (a value it cannot keep, a
+/// constraint), not for its own state (busy, full, out of reach), so the same write
+/// would fail again however long it waited.
+fn refused(e: &Error) -> bool {
+    match e {
+        Error::Sqlite(_) => true,
+        #[cfg(feature = "postgres")]
+        Error::Postgres(_) => true,
+        _ => false,
     }
 }
 
