@@ -263,8 +263,18 @@ impl Outbox {
     }
 
     /// [`connect`](Self::connect), or with `read_only` [`connect_read_only`](Self::connect_read_only).
+    ///
+    /// Called from async code, it runs off the runtime's worker (see
+    /// `store::postgres::runtime`), as every call of the PostgreSQL store does.
     #[cfg(feature = "postgres")]
     fn connect_postgres(url: &str, options: OutboxOptions, read_only: bool) -> Result<Outbox> {
+        crate::store::postgres::runtime::off_runtime(|| {
+            Outbox::connect_postgres_here(url, options, read_only)
+        })
+    }
+
+    #[cfg(feature = "postgres")]
+    fn connect_postgres_here(url: &str, options: OutboxOptions, read_only: bool) -> Result<Outbox> {
         use crate::store::postgres::{Begin, PgStore, PgTx, schema as pg_schema};
         options.validate()?;
         // Every time the rules store or compare is the server's (see `ServerTime`).
@@ -286,7 +296,7 @@ impl Outbox {
                 pg_schema::migrate(&mut conn, options.upgrade_schema)?;
             }
             let salt = pg_schema::id_salt(&mut conn)?;
-            let tx = PgTx::begin(&mut conn, Begin::Read)?;
+            let tx = PgTx::begin(&mut conn, Begin::Read, &store.bounds)?;
             (salt, tx.load_rules()?)
         };
         let options = options.with_background_checkpoints(None);
@@ -726,14 +736,20 @@ impl Outbox {
     /// connection, READ COMMITTED on a PostgreSQL connection of the pool — with the
     /// stored rules as they stand in that transaction; commits if it returns `Ok`, rolls
     /// back otherwise.
-    pub(crate) fn write<T>(&self, f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>) -> Result<T> {
+    pub(crate) fn write<T: Send>(
+        &self,
+        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T> + Send,
+    ) -> Result<T> {
         self.transact(false, false, f)
     }
 
     /// As [`write`](Self::write) for a change of the stored rules: the rules held
     /// exclusively, so no other write acts on the rules it replaces; then wakes this
     /// process's dispatchers.
-    fn change_rules(&self, f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<()>) -> Result<()> {
+    fn change_rules(
+        &self,
+        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<()> + Send,
+    ) -> Result<()> {
         self.transact(true, true, f)?;
         self.wake();
         Ok(())
@@ -743,11 +759,11 @@ impl Outbox {
     /// them) and read as they stand in it, `f`, then the commit — on PostgreSQL with a
     /// notification to every listening process if `announce`.
     #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
-    fn transact<T>(
+    fn transact<T: Send>(
         &self,
         change_rules: bool,
         announce: bool,
-        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>,
+        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T> + Send,
     ) -> Result<T> {
         let within = |tx: &dyn StoreTx| -> Result<T> {
             tx.lock_rules(change_rules)?;
@@ -817,9 +833,9 @@ impl Outbox {
     /// As [`write`](Self::write), then wakes the idle dispatchers of this process
     /// and (on PostgreSQL, by a notification sent with the commit) of every other
     /// process on the outbox: for writes that can make work due.
-    pub(crate) fn write_and_wake<T>(
+    pub(crate) fn write_and_wake<T: Send>(
         &self,
-        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>,
+        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T> + Send,
     ) -> Result<T> {
         let value = self.transact(false, true, f)?;
         self.wake();
@@ -829,9 +845,9 @@ impl Outbox {
     /// As [`write_and_wake`](Self::write_and_wake), waking this process's dispatchers
     /// only: for a dispatcher's own round, whose claim in the same transaction takes
     /// what its outcomes made due (other hosts find the rest when they next look).
-    pub(crate) fn write_and_wake_here<T>(
+    pub(crate) fn write_and_wake_here<T: Send>(
         &self,
-        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T>,
+        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T> + Send,
     ) -> Result<T> {
         let value = self.write(f)?;
         self.wake();
@@ -840,7 +856,10 @@ impl Outbox {
 
     /// Runs `f` on a read-only connection (the writer, for an in-memory outbox), inside
     /// one read transaction so that everything `f` reads is one consistent snapshot.
-    pub(crate) fn read<T>(&self, f: impl FnOnce(&dyn StoreTx) -> Result<T>) -> Result<T> {
+    pub(crate) fn read<T: Send>(
+        &self,
+        f: impl FnOnce(&dyn StoreTx) -> Result<T> + Send,
+    ) -> Result<T> {
         match &self.inner.backend {
             Backend::Sqlite(_) => self.read_sqlite("read", |tx| f(tx)),
             #[cfg(feature = "postgres")]

@@ -9,16 +9,17 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chunked_outbox::clock::{Clock, SkewedClock, SystemClock};
 use chunked_outbox::maintenance::RecoverScope;
 use chunked_outbox::monitoring::ChunkStatus;
 use chunked_outbox::rules::RetryPolicy;
 use chunked_outbox::{
-    ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome,
+    ChannelAdapter, Claim, Dispatcher, Error, NewDelivery, Outbox, OutboxOptions, Outcome,
 };
-use common::postgres::fresh_schema_url;
+use common::postgres::{fresh_schema, fresh_schema_url, server_url, with_search_path};
+use common::proxy::{Cut, Proxy};
 
 /// A host on schema `url` whose clock is `clock`.
 fn host(url: &str, clock: impl Clock + 'static, options: OutboxOptions) -> Outbox {
@@ -161,4 +162,192 @@ fn a_round_keeps_every_outcome_the_store_can_hold() {
 /// A direct connection to the schema of `url`.
 fn admin(url: &str) -> postgres::Client {
     postgres::Client::connect(url, postgres::NoTls).unwrap()
+}
+
+/// A write to a chat whose lane another session holds fails with `Error::Busy` after
+/// the busy timeout, instead of waiting without limit.
+#[test]
+fn the_busy_timeout_bounds_a_wait_for_a_lane() {
+    let url = url();
+    let options = OutboxOptions::default().with_busy_timeout(Duration::from_millis(300));
+    let outbox = Outbox::connect(&url, options).unwrap();
+    outbox
+        .enqueue(&NewDelivery::single("t", "held", "first"))
+        .unwrap();
+    let mut holder = admin(&url);
+    let mut tx = holder.transaction().unwrap();
+    tx.execute(
+        "SELECT 1 FROM outbound_lanes WHERE channel = 't' AND chat_id = 'held' FOR UPDATE",
+        &[],
+    )
+    .unwrap();
+    let (done, waited) = std::sync::mpsc::channel();
+    let writer = outbox.clone();
+    let started = Instant::now();
+    std::thread::spawn(move || {
+        let _ = done.send(writer.enqueue(&NewDelivery::single("t", "held", "second")));
+    });
+    let result = waited
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the write still waited for the lane after 20 s");
+    assert!(matches!(result, Err(Error::Busy)), "{result:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    tx.rollback().unwrap();
+    // The lane is free again: the write goes through.
+    outbox
+        .enqueue(&NewDelivery::single("t", "held", "second"))
+        .unwrap();
+}
+
+/// A host whose network is cut in the middle of a transaction (its commit falls into a
+/// hole, and nothing says so) holds its lane for seconds, not until TCP notices: the
+/// server ends the session left idle inside the transaction, another host's write to
+/// the lane goes through, and the cut host is told the transaction did not happen.
+#[test]
+fn a_transaction_cut_off_by_the_network_frees_its_lane_in_seconds() {
+    let proxy = Proxy::start().expect("the PostgreSQL test server");
+    let schema = fresh_schema().unwrap();
+    let options = OutboxOptions::default().with_busy_timeout(Duration::from_millis(500));
+    let cut = Outbox::connect(&proxy.url(&schema, "cut-host"), options).unwrap();
+    let direct_url = with_search_path(&server_url().unwrap(), &schema);
+    let other = Outbox::connect(&direct_url, OutboxOptions::default()).unwrap();
+    other
+        .enqueue(&NewDelivery::single("t", "c", "first"))
+        .unwrap();
+
+    proxy.cut_next_commit(Cut::SwallowCommit);
+    let (told, cut_result) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = told.send(cut.enqueue(&NewDelivery::single("t", "c", "lost")));
+    });
+    // Wait until the commit fell into the hole: the lane is held from then on.
+    let started = Instant::now();
+    while !proxy.commit_cut() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "no commit came"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (done, other_result) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(other.enqueue(&NewDelivery::single("t", "c", "after")));
+    });
+    let after = other_result
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the lane was still held 30 s after the network cut");
+    after.expect("the other host's write, once the lane was freed");
+    let lost = cut_result
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the cut host still waited 30 s after the cut");
+    assert!(
+        matches!(lost, Err(Error::Connection { .. })),
+        "the cut host is told its transaction did not happen: {lost:?}"
+    );
+}
+
+/// `outbox migrate` prints where the outbox is without the password, given either way.
+#[test]
+fn the_tool_prints_no_password() {
+    let url = url();
+    for (url, secret) in [
+        (format!("{url}&password=hunter2-param"), "hunter2-param"),
+        (
+            url.replacen("postgresql://", "postgresql://postgres:hunter2-user@", 1),
+            "hunter2-user",
+        ),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
+            .args(["--db", &url, "migrate"])
+            .output()
+            .unwrap();
+        let printed = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{printed}");
+        assert!(printed.contains("***"), "{printed}");
+        assert!(
+            !printed.contains(secret),
+            "the password was printed: {printed}"
+        );
+    }
+}
+
+/// A server that cannot be reached fails at once, with the OS's reason and the target
+/// as given, not after the pool's whole timeout with "error connecting to server".
+#[test]
+fn a_wrong_address_fails_at_once_and_says_why() {
+    let options = OutboxOptions::default().with_busy_timeout(Duration::from_secs(30));
+    for (url, target, reason) in [
+        (
+            "postgresql://127.0.0.1:1/x",
+            "postgres://127.0.0.1:1/x",
+            "refused",
+        ),
+        (
+            "postgresql:///x?host=/nowhere",
+            "postgres:///x?host=/nowhere&port=5432",
+            "No such file or directory",
+        ),
+    ] {
+        let started = Instant::now();
+        let err = Outbox::connect(url, options.clone()).unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{url}: failed after {:?}",
+            started.elapsed()
+        );
+        let Error::Connection {
+            target: shown,
+            message,
+        } = &err
+        else {
+            panic!("{url}: {err:?}");
+        };
+        assert_eq!(shown, target);
+        assert!(message.contains(reason), "{url}: {message}");
+    }
+}
+
+/// What an async bot does with the outbox on a runtime's thread: connect, call it, and
+/// drop the last handle.
+fn used_from_async_code(url: String) {
+    let outbox = Outbox::connect(&url, OutboxOptions::default()).expect("connect");
+    let id = outbox
+        .enqueue(&NewDelivery::single("t", "c", "hello"))
+        .unwrap()
+        .id;
+    assert!(outbox.delivery(id).unwrap().is_some());
+    assert_eq!(outbox.health().unwrap().totals.pending_chunks, 1);
+    drop(outbox);
+}
+
+/// On a current-thread runtime (`#[tokio::main(flavor = "current_thread")]`).
+#[test]
+fn an_async_bot_connects_uses_and_drops_the_outbox_on_one_thread() {
+    let url = url();
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async move { used_from_async_code(url) });
+}
+
+/// On a multi-thread runtime (`#[tokio::main]`), and through the async calls.
+#[test]
+fn an_async_bot_connects_uses_and_drops_the_outbox_on_many_threads() {
+    let url = url();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async move {
+            used_from_async_code(url.clone());
+            let outbox = Outbox::connect(&url, OutboxOptions::default()).unwrap();
+            let reply = NewDelivery::single("t", "c2", "async");
+            assert!(outbox.enqueue_async(reply).await.unwrap().created);
+        });
 }

@@ -85,7 +85,7 @@ impl Outbox {
         f: impl FnOnce(&Outbox) -> T + Send + 'static,
     ) -> T {
         let outbox = self.clone();
-        match tokio::task::spawn_blocking(move || f(&outbox)).await {
+        match tokio::task::spawn_blocking(move || on_blocking_pool(|| f(&outbox))).await {
             Ok(value) => value,
             Err(join) => std::panic::resume_unwind(join.into_panic()),
         }
@@ -205,7 +205,7 @@ impl AsyncDispatcher {
             return tokio::task::block_in_place(|| f(&self.shared));
         }
         let shared = self.shared.clone();
-        match tokio::task::spawn_blocking(move || f(&shared)).await {
+        match tokio::task::spawn_blocking(move || on_blocking_pool(|| f(&shared))).await {
             Ok(value) => value,
             Err(join) => std::panic::resume_unwind(join.into_panic()),
         }
@@ -494,4 +494,13 @@ impl Drop for RunningAsyncDispatcher {
     fn drop(&mut self) {
         self.request_shutdown();
     }
+}
+
+/// Runs `f`, database work on a thread of tokio's blocking pool, where the PostgreSQL
+/// store's client may run as it is (see `store::postgres::runtime`).
+fn on_blocking_pool<T>(f: impl FnOnce() -> T) -> T {
+    #[cfg(feature = "postgres")]
+    return crate::store::postgres::runtime::on_blocking_pool(f);
+    #[cfg(not(feature = "postgres"))]
+    f()
 }

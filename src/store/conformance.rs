@@ -38,7 +38,10 @@ fn fresh_at_t0(fresh: Fresh) -> Outbox {
 }
 
 /// Runs `f` in one write transaction of `ob`'s store.
-fn write<T>(ob: &Outbox, f: impl FnOnce(&dyn StoreTx) -> crate::error::Result<T>) -> T {
+fn write<T: Send>(
+    ob: &Outbox,
+    f: impl FnOnce(&dyn StoreTx) -> crate::error::Result<T> + Send,
+) -> T {
     ob.write(|tx, _| f(tx)).unwrap()
 }
 

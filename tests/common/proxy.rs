@@ -1,8 +1,8 @@
 //! A loopback proxy between the outbox and the test server that can lose a
 //! connection at the worst moments: right after a `COMMIT` reached the server (the
 //! transaction committed, its answer is lost), right before (the server rolls it
-//! back), or every connection at once, and refuse new ones for a while (a network
-//! that is down).
+//! back), swallow a commit and all after it (a network cut nobody reports), or every
+//! connection at once, and refuse new ones for a while (a network that is down).
 //!
 //! It reads the client's side of the protocol message by message (a startup message,
 //! then a type byte and a length per message), so it cuts exactly at a commit sent as
@@ -24,6 +24,10 @@ pub enum Cut {
     AfterCommit,
     /// Cut the connection instead of passing it on.
     BeforeCommit,
+    /// Swallow it, and everything the client sends after it, without closing anything:
+    /// the client's messages fall into a hole (a network cut that nobody reports) while
+    /// what the server says still reaches the client.
+    SwallowCommit,
 }
 
 #[derive(Default)]
@@ -238,6 +242,11 @@ fn serve(mut client: Stream, mut server: Stream, state: &State) {
         };
         if armed == Some(Cut::BeforeCommit) {
             return cut(&client, &server);
+        }
+        if armed == Some(Cut::SwallowCommit) {
+            state.cut.fetch_add(1, Ordering::SeqCst);
+            while client.read(&mut [0u8; 4096]).is_ok_and(|n| n > 0) {}
+            return close(&client, &server);
         }
         if armed == Some(Cut::AfterCommit) {
             // The client's side first, so no answer can reach it, then the commit.

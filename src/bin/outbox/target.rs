@@ -30,10 +30,7 @@ impl Target {
     pub fn describe(&self) -> String {
         match self {
             Target::File(path) => path.display().to_string(),
-            Target::Postgres(url) => match url.split_once('@') {
-                Some((_, rest)) => format!("postgres://…@{rest}"),
-                None => url.clone(),
-            },
+            Target::Postgres(url) => chunked_outbox::backends::redact_url(url),
         }
     }
 

@@ -19,6 +19,7 @@ pub(crate) mod operator;
 mod plans;
 pub(crate) mod reads;
 pub(crate) mod rules;
+pub(crate) mod runtime;
 pub(crate) mod schema;
 pub(crate) mod statement;
 
@@ -48,7 +49,7 @@ pub(crate) type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
 
 /// The pool of connections to the outbox's database: writes and reads alike.
 pub(crate) struct PgStore {
-    pool: r2d2::Pool<Manager>,
+    pool: Pool,
     /// Where the pool connects, for the listener's own connection.
     pub(crate) config: postgres::Config,
     /// The schema the outbox's tables are in (the first of the URL's `search_path`),
@@ -60,6 +61,26 @@ pub(crate) struct PgStore {
     pub(crate) read_only: bool,
     /// The handle's time: the server's clock, read again at every write's `BEGIN`.
     pub(crate) time: Arc<ServerTime>,
+    /// What bounds every transaction's waits (see [`bounds`]).
+    pub(crate) bounds: String,
+}
+
+/// The settings that bound a transaction's waits, set in the round trip of its `BEGIN`
+/// (for the transaction only, so nothing leaks to other clients of a pooler):
+///
+/// - `lock_timeout`, the busy timeout: a write that waits longer for a lane, a caller
+///   key or the rules fails with [`Error::Busy`] instead of waiting without limit;
+/// - `idle_in_transaction_session_timeout`, twice the busy timeout and at least 2 s:
+///   a transaction of this crate never waits between its statements, so a session
+///   left idle inside one has lost its client (a process frozen or killed, a network
+///   cut) and the server ends it, freeing the lanes it held, in seconds, not when TCP
+///   at last notices (hours by default).
+pub(crate) fn bounds(busy_timeout: Duration) -> String {
+    let lock = busy_timeout.as_millis().max(1);
+    let idle = (2 * busy_timeout.as_millis()).max(2_000);
+    format!(
+        "SET LOCAL lock_timeout = {lock}; SET LOCAL idle_in_transaction_session_timeout = {idle}"
+    )
 }
 
 impl PgStore {
@@ -72,14 +93,26 @@ impl PgStore {
         read_only: bool,
         time: Arc<ServerTime>,
     ) -> Result<Self> {
-        let config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
+        let mut config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
             Error::invalid(
                 "database url",
-                format!("{url:?} is not a PostgreSQL URL: {e}"),
+                format!(
+                    "{} is not a PostgreSQL URL: {e}",
+                    crate::backends::redact_url(url)
+                ),
             )
         })?;
+        noticing_cuts(&mut config, timeout);
         let target = describe(&config);
         let manager = Manager(PostgresConnectionManager::new(config.clone(), NoTls));
+        // The first connection is made here, not by the pool: a wrong address, a refused
+        // login or a missing socket fails at once with what the OS or the server said
+        // (the pool would retry until its timeout and keep only "error connecting").
+        let mut first =
+            r2d2::ManageConnection::connect(&manager).map_err(|e| Error::Connection {
+                target: target.clone(),
+                message: with_causes(&e),
+            })?;
         // A connection idle for a while is checked when taken (a server restarted or
         // a connection ended meanwhile is replaced, not handed out; see
         // `Manager::is_valid`), and dropped when found broken.
@@ -90,6 +123,7 @@ impl PgStore {
             .connection_timeout(timeout)
             .thread_pool(crate::outbox::pool_upkeep())
             .build_unchecked(manager);
+        let pool = Pool(Some(pool));
         let mut store = PgStore {
             pool,
             config,
@@ -97,12 +131,11 @@ impl PgStore {
             target,
             read_only,
             time,
+            bounds: bounds(timeout),
         };
-        // Opened now: a wrong address or password is an error of `connect`. The same
-        // round trip aligns the handle's time with the server's.
-        let mut conn = store.connection()?;
+        // The same round trip aligns the handle's time with the server's.
         let before = store.time.local_ms();
-        let row = conn.client.query_one(
+        let row = first.client.query_one(
             concat!(
                 "SELECT quote_ident(coalesce(current_schema(), '')), ",
                 server_ms!()
@@ -113,7 +146,6 @@ impl PgStore {
             .time
             .observe(row.try_get(1)?, before, store.time.local_ms());
         store.quoted_schema = row.try_get(0)?;
-        drop(conn);
         Ok(store)
     }
 
@@ -126,18 +158,42 @@ impl PgStore {
     }
 
     /// Runs `f` on a transaction begun as `kind` on a connection of the pool.
-    pub(crate) fn transaction<T>(
+    pub(crate) fn transaction<T: Send>(
         &self,
         kind: Begin,
-        f: impl FnOnce(PgTx<'_>) -> Result<T>,
+        f: impl FnOnce(PgTx<'_>) -> Result<T> + Send,
     ) -> Result<T> {
-        let mut conn = self.connection()?;
-        let before = self.time.local_ms();
-        let tx = PgTx::begin(&mut conn, kind)?;
-        if let Some(server) = tx.server_ms.get() {
-            self.time.observe(server, before, self.time.local_ms());
+        runtime::off_runtime(|| {
+            let mut conn = self.connection()?;
+            let before = self.time.local_ms();
+            let tx = PgTx::begin(&mut conn, kind, &self.bounds)?;
+            if let Some(server) = tx.server_ms.get() {
+                self.time.observe(server, before, self.time.local_ms());
+            }
+            f(tx)
+        })
+    }
+}
+
+/// The pool, dropped off any async runtime: each connection's client drops a runtime
+/// of its own (see [`runtime`]).
+struct Pool(Option<r2d2::Pool<Manager>>);
+
+impl std::ops::Deref for Pool {
+    type Target = r2d2::Pool<Manager>;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+            .as_ref()
+            .expect("the pool is taken only when it is dropped")
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        if let Some(pool) = self.0.take() {
+            runtime::off_runtime(move || drop(pool));
         }
-        f(tx)
     }
 }
 
@@ -223,22 +279,60 @@ impl PgStore {
     }
 }
 
-/// Host, port and database of a connection string, never its password.
+/// Host, port and database of a connection string, never its password:
+/// `postgres://db.internal:5432/chat`, or for a Unix socket
+/// `postgres:///chat?host=/run/postgresql&port=5432`.
 fn describe(config: &postgres::Config) -> String {
-    let host = config
-        .get_hosts()
-        .first()
-        .map(|h| match h {
-            postgres::config::Host::Tcp(name) => name.clone(),
-            #[cfg(unix)]
-            postgres::config::Host::Unix(path) => path.display().to_string(),
-        })
-        .unwrap_or_else(|| "localhost".into());
     let port = config.get_ports().first().copied().unwrap_or(5432);
-    format!(
-        "postgres://{host}:{port}/{}",
-        config.get_dbname().unwrap_or("")
-    )
+    let db = config.get_dbname().unwrap_or("");
+    match config.get_hosts().first() {
+        #[cfg(unix)]
+        Some(postgres::config::Host::Unix(path)) => {
+            format!("postgres:///{db}?host={}&port={port}", path.display())
+        }
+        Some(postgres::config::Host::Tcp(name)) => format!("postgres://{name}:{port}/{db}"),
+        None => format!("postgres://localhost:{port}/{db}"),
+    }
+}
+
+/// An error with every cause it carries ("error connecting to server: Connection
+/// refused (os error 111)"), not only its first line.
+fn with_causes(err: &dyn std::error::Error) -> String {
+    let mut message = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        source = cause.source();
+    }
+    message
+}
+
+/// Sets what the URL leaves at its default so that a connection cut without a word
+/// (a host gone, a network down) is noticed in seconds: TCP keepalives after 10 s idle,
+/// every 5 s, 3 of them; data unacknowledged for 15 s ends the connection
+/// (`tcp_user_timeout`); and a connect waits at most the busy timeout (at least 1 s).
+/// The server frees a lost client's locks sooner still (see [`bounds`]).
+fn noticing_cuts(config: &mut postgres::Config, busy_timeout: Duration) {
+    config.keepalives(true);
+    if config.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
+        config.keepalives_idle(Duration::from_secs(10));
+    }
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(Duration::from_secs(5));
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(3);
+    }
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(Duration::from_secs(15));
+    }
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(busy_timeout.max(Duration::from_secs(1)));
+    }
 }
 
 /// Opens connections for the pool, set up for this workload: no JIT and no parallel
@@ -330,17 +424,17 @@ pub(crate) const WRITE_PLANNING: &str = write_planning!();
 /// own snapshot, so a change of the rules committed while this one waited is seen).
 macro_rules! begin_write {
     ($read_only:literal, $lock:literal) => {
-        concat!(
-            "BEGIN ISOLATION LEVEL READ COMMITTED",
-            $read_only,
-            "; ",
-            write_planning!(),
-            "; SELECT ",
-            $lock,
-            "(hashtextextended(current_schema() || '/rules', 0));
+        (
+            concat!("BEGIN ISOLATION LEVEL READ COMMITTED", $read_only),
+            concat!(
+                write_planning!(),
+                "; SELECT ",
+                $lock,
+                "(hashtextextended(current_schema() || '/rules', 0));
              SELECT version, ",
-            server_ms!(),
-            " FROM outbound_policy WHERE id = 1"
+                server_ms!(),
+                " FROM outbound_policy WHERE id = 1"
+            ),
         )
     };
 }
@@ -365,8 +459,11 @@ impl<'c> PgTx<'c> {
     /// Begins a write transaction (READ COMMITTED, with the rules' locks; READ ONLY
     /// for a read-only handle, so the server refuses its writes), or a read transaction
     /// that sees one snapshot throughout (REPEATABLE READ, READ ONLY).
-    pub(crate) fn begin(conn: &'c mut PgConn, kind: Begin) -> Result<Self> {
-        let (sql, rules_locked) = match kind {
+    ///
+    /// `bounds` (see [`PgStore::bounds`]) runs right after `BEGIN`, in the same round
+    /// trip, before any lock is waited for.
+    pub(crate) fn begin(conn: &'c mut PgConn, kind: Begin, bounds: &str) -> Result<Self> {
+        let ((begin, rest), rules_locked) = match kind {
             Begin::Write { change_rules } | Begin::WriteRefused { change_rules } => {
                 let refused = matches!(kind, Begin::WriteRefused { .. });
                 let sql = match (refused, change_rules) {
@@ -377,8 +474,13 @@ impl<'c> PgTx<'c> {
                 };
                 (sql, Some(change_rules))
             }
-            Begin::Read => ("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", None),
+            Begin::Read => (
+                ("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", ""),
+                None,
+            ),
         };
+        let sql = format!("{begin}; {bounds}; {rest}");
+        let sql = sql.trim_end_matches("; ");
         let tx = PgTx {
             open: Cell::new(true),
             rules_locked: Cell::new(rules_locked),
@@ -393,7 +495,10 @@ impl<'c> PgTx<'c> {
             postgres::SimpleQueryMessage::Row(row) => Some(row),
             _ => None,
         });
-        let column = |i: usize| row.and_then(|r| r.get(i)).and_then(|v| v.parse().ok());
+        let column = |i: usize| {
+            row.and_then(|r| r.try_get(i).ok().flatten())
+                .and_then(|v| v.parse().ok())
+        };
         // Without it (no row 1), `rules_version` asks again and reports what it finds.
         tx.rules_version.set(column(0));
         tx.server_ms.set(column(1));
@@ -773,6 +878,12 @@ impl StoreTx for PgTx<'_> {
         if drawn.len() != rows {
             return Err(Error::invalid("rows", "the sequence drew too few rows"));
         }
+        if crate::sabotage::planted("no_lane_locks") {
+            // The window the lane's lock closes (its head read, the new head not yet
+            // committed) held open as on a slow machine, so that the hammer meets the
+            // planted race in every run rather than in some.
+            std::thread::sleep(Duration::from_millis(20));
+        }
         Ok((entries, drawn))
     }
 
@@ -849,7 +960,8 @@ pub(crate) fn map_error(err: postgres::Error) -> Error {
 }
 
 /// Whether the connection is gone: closed, failed at the socket, or ended by the
-/// server (terminated, shut down, not accepting connections yet).
+/// server (terminated, shut down, not accepting connections yet, idle too long inside
+/// a transaction).
 fn connection_lost(err: &postgres::Error) -> bool {
     use postgres::error::SqlState;
     match err.code() {
@@ -858,6 +970,8 @@ fn connection_lost(err: &postgres::Error) -> bool {
                 || *code == SqlState::ADMIN_SHUTDOWN
                 || *code == SqlState::CRASH_SHUTDOWN
                 || *code == SqlState::CANNOT_CONNECT_NOW
+                // The server ended a session idle in a transaction (see `bounds`).
+                || *code == SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT
         }
         None => err.is_closed() || is_io(err),
     }
