@@ -736,6 +736,13 @@ fn start_staged(
     s: &crate::store::Staged,
     now: i64,
 ) -> Result<()> {
+    // A row this build cannot start (written by an older `outbound_enqueue`, or by hand)
+    // is set aside as unreadable rows are, once, not met again by every claim.
+    if let Err(e) = s.delivery.validate() {
+        let reason = format!("a staged reply that cannot be started: {e}");
+        let chunk = s.row * crate::ids::CHUNK_STRIDE;
+        return crate::state::set_aside_corrupt(tx, rules, chunk, s.row, &reason, now);
+    }
     // Cancelled meanwhile: nothing to start.
     if !tx.take_staged(s.row)? {
         return Ok(());

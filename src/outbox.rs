@@ -21,6 +21,12 @@ use crate::store::sqlite::schema;
 use crate::store::sqlite::tx::Tx;
 use crate::store::{RuleStore, StoreTx};
 
+/// How often a claim of a handle that hears no notification looks for replies staged
+/// by applications' transactions unasked (PostgreSQL; see
+/// [`Outbox::take_staged_hint`]): the dispatchers' default poll interval.
+#[cfg(feature = "postgres")]
+pub(crate) const STAGED_LOOK: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A durable outbox on one SQLite database ([`open`](Self::open)) or, with the feature
 /// `postgres`, in a PostgreSQL database ([`connect`](Self::connect)). Cheap to clone;
 /// `Send + Sync`.
@@ -49,6 +55,12 @@ struct Inner {
     /// first dispatcher or claim of this handle.
     #[cfg(feature = "postgres")]
     listener: std::sync::OnceLock<Option<crate::store::postgres::listen::Listener>>,
+    /// PostgreSQL: when a claim of this handle last looked for staged replies unasked
+    /// (ms after `opened`; see [`Outbox::take_staged_hint`]).
+    #[cfg(feature = "postgres")]
+    staged_looked: std::sync::atomic::AtomicI64,
+    #[cfg(feature = "postgres")]
+    opened: std::time::Instant,
     options: OutboxOptions,
     /// This database's salt for delivery uids (see [`DeliveryId::for_row`]).
     id_salt: i64,
@@ -501,9 +513,39 @@ impl Outbox {
         self.inner.claimant.token(seq)
     }
 
-    /// Whether staged replies may be waiting, cleared (see `staged_hint`).
+    /// Whether staged replies may be waiting, cleared (see `staged_hint`): said by a
+    /// notification, or — on PostgreSQL, when this handle hears none (notifications
+    /// off behind a transaction pooler, or its listener down) — once a
+    /// [`STAGED_LOOK`] has passed since a claim last looked, so every claim loop finds
+    /// staged replies within it.
     pub(crate) fn take_staged_hint(&self) -> bool {
-        self.inner.staged_hint.swap(false, Ordering::AcqRel)
+        self.inner.staged_hint.swap(false, Ordering::AcqRel) || self.staged_look_due()
+    }
+
+    /// Whether a claim of this handle, which hears no notification, should look for
+    /// staged replies now (see [`take_staged_hint`](Self::take_staged_hint)).
+    fn staged_look_due(&self) -> bool {
+        #[cfg(feature = "postgres")]
+        if let Backend::Postgres(_) = &self.inner.backend {
+            let heard = self
+                .inner
+                .listener
+                .get()
+                .and_then(|l| l.as_ref())
+                .is_some_and(|l| l.state.healthy());
+            if heard {
+                return false;
+            }
+            let now = crate::clock::duration_ms(self.inner.opened.elapsed());
+            let last = self.inner.staged_looked.load(Ordering::Acquire);
+            return now - last >= crate::clock::duration_ms(STAGED_LOOK)
+                && self
+                    .inner
+                    .staged_looked
+                    .compare_exchange(last, now, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok();
+        }
+        false
     }
 
     /// Whether staged replies may be waiting (the next claim should look).
@@ -652,6 +694,10 @@ impl Outbox {
                 notifier: Arc::default(),
                 #[cfg(feature = "postgres")]
                 listener: std::sync::OnceLock::new(),
+                #[cfg(feature = "postgres")]
+                staged_looked: std::sync::atomic::AtomicI64::new(0),
+                #[cfg(feature = "postgres")]
+                opened: std::time::Instant::now(),
                 options,
                 id_salt,
                 claimant: ClaimantId::random(),

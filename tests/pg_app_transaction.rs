@@ -570,3 +570,121 @@ fn sqlx_transactions_commit_and_roll_back_their_reply() {
         DeliveryStatus::Delivered
     );
 }
+
+/// Without notifications (`with_listen(false)`, as behind PgBouncer), a claim loop
+/// still starts a reply staged after its first claim, within a poll interval.
+#[test]
+fn a_claim_loop_without_notifications_starts_a_staged_reply() {
+    let place = Place::new().expect("the PostgreSQL test server");
+    let outbox = Outbox::connect(&place.url, OutboxOptions::default().with_listen(false)).unwrap();
+    assert!(drain(&outbox).is_empty());
+    let mut app = place.app();
+    committed(&outbox, &mut app, &reply("c1", "staged"));
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let sent = drain(&outbox);
+        if !sent.is_empty() {
+            assert_eq!(sent, ["staged"]);
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "a claim loop without notifications never started the staged reply"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Two transactions that stage replies to one chat have them sent in the order they
+/// committed, not the order they called the function.
+#[test]
+fn staged_replies_of_one_chat_go_out_in_commit_order() {
+    let place = Place::new().expect("the PostgreSQL test server");
+    let outbox = place.outbox();
+    let mut first_caller = place.app();
+    let mut second_caller = place.app();
+    let mut called_first = first_caller.transaction().unwrap();
+    outbox
+        .enqueue_in_pg(&mut called_first, &reply("c1", "committed second"))
+        .unwrap();
+    let mut called_second = second_caller.transaction().unwrap();
+    outbox
+        .enqueue_in_pg(&mut called_second, &reply("c1", "committed first"))
+        .unwrap();
+    called_second.commit().unwrap();
+    called_first.commit().unwrap();
+    assert_eq!(drain(&outbox), ["committed first", "committed second"]);
+}
+
+/// `outbound_enqueue` called by any client refuses what the crate's validation
+/// refuses, with SQLSTATE 22023 and the reason, and leaves nothing; a staged row that
+/// still cannot be started (written around the function) is set aside once, visible
+/// in health and the list, and every other reply goes out.
+#[test]
+fn a_staged_reply_the_crate_refuses_never_stops_the_others() {
+    let place = Place::new().expect("the PostgreSQL test server");
+    let outbox = place.outbox();
+    let mut app = place.app();
+    let call =
+        "SELECT * FROM outbound_enqueue('t', 'c1', NULL, NULL, 'x', $1, NULL, NULL, 0, 0, 0)";
+    let too_many: Vec<String> = vec!["x".into(); 20_000];
+    let blank: Vec<String> = vec!["x".into(), "  ".into()];
+    let none: Vec<String> = Vec::new();
+    for (chunks, reason) in [
+        (&too_many, "20000 chunks"),
+        (&blank, "empty or whitespace"),
+        (&none, "at least one chunk"),
+    ] {
+        let err = app.query(call, &[chunks]).unwrap_err();
+        let db = err.as_db_error().expect("the server's refusal");
+        assert_eq!(db.code().code(), "22023");
+        assert!(db.message().contains(reason), "{}", db.message());
+    }
+    // Written around the function: a row no claim can start.
+    app.batch_execute(
+        "INSERT INTO outbound_deliveries (id, uid, channel, chat_id, status, chunk_count,
+             created_at, updated_at, text, new_chunks)
+         SELECT nextval('outbound_deliveries_id_seq'), '00000000-0000-7000-8000-000000000001',
+                't', 'c2', 'new', 20000, 0, 0, 'x', array_fill('x'::text, ARRAY[20000])",
+    )
+    .unwrap();
+    outbox.enqueue(&reply("c3", "fine")).unwrap();
+    assert_eq!(drain(&outbox), ["fine"]);
+    assert_eq!(
+        drain(&outbox),
+        Vec::<String>::new(),
+        "retried at every claim"
+    );
+    let health = outbox.health().unwrap();
+    assert_eq!(health.totals.corrupt_deliveries, 1);
+    let corrupt = outbox.corrupt_rows().unwrap();
+    assert_eq!(corrupt.len(), 1);
+    assert!(
+        corrupt[0].reason.contains("cannot be started"),
+        "{corrupt:?}"
+    );
+    let failed = outbox
+        .list(&chunked_outbox::monitoring::ListFilter::default().status(DeliveryStatus::Failed))
+        .unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].chat_id, "c2");
+}
+
+/// `list` filtered by `queued` shows the staged replies an unfiltered list shows as
+/// queued.
+#[test]
+fn a_queued_filter_lists_staged_replies() {
+    let place = Place::new().expect("the PostgreSQL test server");
+    let outbox = place.outbox();
+    let mut app = place.app();
+    let staged = committed(&outbox, &mut app, &reply("c1", "staged")).id;
+    let all = outbox
+        .list(&chunked_outbox::monitoring::ListFilter::default())
+        .unwrap();
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].status, DeliveryStatus::Queued);
+    let queued = outbox
+        .list(&chunked_outbox::monitoring::ListFilter::default().status(DeliveryStatus::Queued))
+        .unwrap();
+    assert_eq!(queued.iter().map(|v| v.id).collect::<Vec<_>>(), [staged]);
+}

@@ -308,7 +308,7 @@ impl DeliveryStore for PgTx<'_> {
         self.query(
             concat!(
                 staged_select!(),
-                " WHERE status = 'new' ORDER BY id LIMIT $1"
+                " WHERE status = 'new' ORDER BY staged_order NULLS FIRST, id LIMIT $1"
             ),
             &[&limit],
         )?
@@ -321,7 +321,8 @@ impl DeliveryStore for PgTx<'_> {
         self.query(
             concat!(
                 staged_select!(),
-                " WHERE channel = $1 AND chat_id = $2 AND status = 'new' ORDER BY id"
+                " WHERE channel = $1 AND chat_id = $2 AND status = 'new'
+                 ORDER BY staged_order NULLS FIRST, id"
             ),
             &[&lane.channel, &lane.chat_id],
         )?

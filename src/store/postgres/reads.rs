@@ -89,7 +89,11 @@ impl ReadStore for PgTx<'_> {
         let mut values: Vec<&(dyn ToSql + Sync)> = Vec::new();
         if let Some(status) = &status {
             values.push(status);
-            sql.push_str(&format!(" AND status = ${}", values.len()));
+            // A reply staged by an application's transaction shows as queued.
+            sql.push_str(&format!(
+                " AND (status = ${n} OR (${n} = 'queued' AND status = 'new'))",
+                n = values.len()
+            ));
             if filter.status != Some(DeliveryStatus::Delivered) {
                 sql.push_str(" AND status <> 'delivered'");
             }
