@@ -97,6 +97,7 @@ pub struct OutboxOptions {
     pub(crate) lane_failure: Option<LaneFailurePolicy>,
     pub(crate) policy_update: bool,
     pub(crate) listen: bool,
+    pub(crate) transaction_pooler: bool,
 }
 
 impl Default for OutboxOptions {
@@ -118,6 +119,7 @@ impl Default for OutboxOptions {
             lane_failure: None,
             policy_update: false,
             listen: true,
+            transaction_pooler: false,
         }
     }
 }
@@ -247,11 +249,42 @@ impl OutboxOptions {
 
     /// PostgreSQL: whether dispatchers are woken by the commits of other processes and
     /// hosts (`LISTEN`/`NOTIFY`, on a connection of each handle that runs a dispatcher)
-    /// or only find their work at each poll. Turn it off behind a pooler in
-    /// transaction mode (PgBouncer), which cannot keep a `LISTEN`. Default on; no
-    /// effect on SQLite, where other processes' commits are seen at each poll.
+    /// or only find their work at each poll. Behind a pooler in transaction mode, which
+    /// cannot keep a `LISTEN`, it is off ([`with_transaction_pooler`](Self::with_transaction_pooler)).
+    /// Default on; no effect on SQLite, where other processes' commits are seen at each
+    /// poll.
     pub fn with_listen(mut self, listen: bool) -> Self {
         self.listen = listen;
+        self
+    }
+
+    /// PostgreSQL: the URL names a pooler in transaction mode (PgBouncer's
+    /// `pool_mode = transaction`), which hands each transaction whichever server
+    /// connection is free. The handle then keeps nothing on a server connection beyond
+    /// one transaction: statements are prepared in the transaction that runs them, every
+    /// setting is `SET LOCAL`, wake-ups come from polls (no `LISTEN`), and it never
+    /// migrates the schema (a migration's lock outlives its transaction): run `outbox
+    /// migrate` (or connect once) through a direct connection when a new version
+    /// arrives; until then a handle through the pooler is
+    /// [`Error::SchemaTooOld`](crate::Error::SchemaTooOld). Behind PgBouncer the URL
+    /// cannot name the schema (PgBouncer refuses the `options` parameter): give the
+    /// role a default instead, `ALTER ROLE bot SET search_path = outbox`. A session
+    /// pooler, or a direct connection, needs none of this. Default off.
+    ///
+    /// ```no_run
+    /// use chunked_outbox::{Outbox, OutboxOptions};
+    ///
+    /// // Once per deploy, on a direct connection: the schema at this build's version.
+    /// Outbox::connect("postgres://bot@db.internal:5432/chat", OutboxOptions::default())?;
+    /// // Every process, through PgBouncer in transaction mode.
+    /// let outbox = Outbox::connect(
+    ///     "postgres://bot@pgbouncer.internal:6432/chat",
+    ///     OutboxOptions::default().with_transaction_pooler(true),
+    /// )?;
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    pub fn with_transaction_pooler(mut self, pooler: bool) -> Self {
+        self.transaction_pooler = pooler;
         self
     }
 

@@ -296,18 +296,26 @@ impl Outbox {
             options.readers + 1,
             options.busy_timeout,
             read_only,
+            options.transaction_pooler,
             time.clone(),
         )?;
         let mut options = options;
         options.clock = time;
         let (id_salt, stored) = {
             let mut conn = store.connection()?;
-            if read_only {
-                pg_schema::require_current(&mut conn)?;
+            let salt = if read_only || options.transaction_pooler {
+                // Behind a transaction pooler: checked in one transaction, so its
+                // statements meet one server connection; never migrated (see
+                // `OutboxOptions::with_transaction_pooler`).
+                conn.client.batch_execute("BEGIN")?;
+                let checked = pg_schema::require_current(&mut conn)
+                    .and_then(|()| pg_schema::id_salt(&mut conn));
+                conn.client.batch_execute("ROLLBACK")?;
+                checked?
             } else {
                 pg_schema::migrate(&mut conn, options.upgrade_schema)?;
-            }
-            let salt = pg_schema::id_salt(&mut conn)?;
+                pg_schema::id_salt(&mut conn)?
+            };
             let tx = PgTx::begin(&mut conn, Begin::Read, &store.bounds)?;
             (salt, tx.load_rules()?)
         };
@@ -611,7 +619,7 @@ impl Outbox {
         pg: &crate::store::postgres::PgStore,
     ) -> Result<Option<Arc<crate::store::postgres::listen::ListenState>>> {
         use crate::store::postgres::listen;
-        if !self.inner.options.listen {
+        if !self.inner.options.listen || self.inner.options.transaction_pooler {
             return Ok(None);
         }
         if let Some(running) = self.inner.listener.get() {

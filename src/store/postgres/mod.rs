@@ -70,6 +70,8 @@ pub(crate) struct PgStore {
 ///
 /// - `lock_timeout`, the busy timeout: a write that waits longer for a lane, a caller
 ///   key or the rules fails with [`Error::Busy`] instead of waiting without limit;
+/// - no JIT and no parallel plans: short transactional statements, where a
+///   misestimate should cost a loop, not a compile or a worker start;
 /// - `idle_in_transaction_session_timeout`, twice the busy timeout and at least 2 s:
 ///   a transaction of this crate never waits between its statements, so a session
 ///   left idle inside one has lost its client (a process frozen or killed, a network
@@ -79,7 +81,8 @@ pub(crate) fn bounds(busy_timeout: Duration) -> String {
     let lock = busy_timeout.as_millis().max(1);
     let idle = (2 * busy_timeout.as_millis()).max(2_000);
     format!(
-        "SET LOCAL lock_timeout = {lock}; SET LOCAL idle_in_transaction_session_timeout = {idle}"
+        "SET LOCAL lock_timeout = {lock}; SET LOCAL idle_in_transaction_session_timeout = {idle};
+         SET LOCAL jit = off; SET LOCAL max_parallel_workers_per_gather = 0"
     )
 }
 
@@ -91,6 +94,7 @@ impl PgStore {
         size: u32,
         timeout: std::time::Duration,
         read_only: bool,
+        pooled: bool,
         time: Arc<ServerTime>,
     ) -> Result<Self> {
         let mut config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
@@ -104,7 +108,10 @@ impl PgStore {
         })?;
         noticing_cuts(&mut config, timeout);
         let target = describe(&config);
-        let manager = Manager(PostgresConnectionManager::new(config.clone(), NoTls));
+        let manager = Manager {
+            inner: PostgresConnectionManager::new(config.clone(), NoTls),
+            pooled,
+        };
         // The first connection is made here, not by the pool: a wrong address, a refused
         // login or a missing socket fails at once with what the OS or the server said
         // (the pool would retry until its timeout and keep only "error connecting").
@@ -133,19 +140,23 @@ impl PgStore {
             time,
             bounds: bounds(timeout),
         };
-        // The same round trip aligns the handle's time with the server's.
+        // The same round trip aligns the handle's time with the server's (a simple
+        // query: one message, which a transaction pooler passes whole).
         let before = store.time.local_ms();
-        let row = first.client.query_one(
-            concat!(
-                "SELECT quote_ident(coalesce(current_schema(), '')), ",
-                server_ms!()
-            ),
-            &[],
-        )?;
-        store
-            .time
-            .observe(row.try_get(1)?, before, store.time.local_ms());
-        store.quoted_schema = row.try_get(0)?;
+        let answer = first.client.simple_query(concat!(
+            "SELECT quote_ident(coalesce(current_schema(), '')), ",
+            server_ms!()
+        ))?;
+        let after = store.time.local_ms();
+        let row = answer.iter().find_map(|m| match m {
+            postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        });
+        let column = |i: usize| row.and_then(|r| r.try_get(i).ok().flatten());
+        if let Some(server) = column(1).and_then(|v| v.parse().ok()) {
+            store.time.observe(server, before, after);
+        }
+        store.quoted_schema = column(0).unwrap_or_default().to_owned();
         Ok(store)
     }
 
@@ -260,8 +271,16 @@ impl PgStore {
             let status = self.connection().and_then(|mut conn| {
                 Ok(conn
                     .client
-                    .query_one("SELECT txid_status($1)", &[&xid])?
-                    .get::<_, Option<String>>(0))
+                    // (a simple query: a transaction pooler passes it whole)
+                    .simple_query(&format!("SELECT txid_status({xid})"))?
+                    .iter()
+                    .find_map(|m| match m {
+                        postgres::SimpleQueryMessage::Row(row) => {
+                            Some(row.try_get(0).ok().flatten().map(str::to_owned))
+                        }
+                        _ => None,
+                    })
+                    .flatten())
             });
             match status.as_ref().map(|s| s.as_deref()) {
                 Ok(Some("committed")) => return Some(true),
@@ -335,22 +354,25 @@ fn noticing_cuts(config: &mut postgres::Config, busy_timeout: Duration) {
     }
 }
 
-/// Opens connections for the pool, set up for this workload: no JIT and no parallel
-/// plans (short transactional statements, where a misestimate should cost a loop, not
-/// a compile or a worker start).
-pub(crate) struct Manager(PostgresConnectionManager<NoTls>);
+/// Opens connections for the pool.
+pub(crate) struct Manager {
+    inner: PostgresConnectionManager<NoTls>,
+    /// Connections go through a pooler in transaction mode (see [`PgConn::pooled`]).
+    pooled: bool,
+}
 
 impl r2d2::ManageConnection for Manager {
     type Connection = PgConn;
     type Error = postgres::Error;
 
     fn connect(&self) -> std::result::Result<PgConn, postgres::Error> {
-        let mut client = self.0.connect()?;
-        client.batch_execute("SET jit = off; SET max_parallel_workers_per_gather = 0")?;
+        // Nothing is set for the session: behind a transaction pooler another client
+        // would get it. What a transaction needs it sets itself (see `bounds`).
         Ok(PgConn {
-            client,
+            client: self.inner.connect()?,
             statements: HashMap::new(),
             taken: std::time::Instant::now(),
+            pooled: self.pooled,
         })
     }
 
@@ -374,8 +396,23 @@ impl r2d2::ManageConnection for Manager {
 pub(crate) struct PgConn {
     pub(crate) client: postgres::Client,
     statements: HashMap<(usize, usize), Statement>,
+    /// Through a pooler in transaction mode: the statements prepared in a transaction
+    /// are closed before it ends (the next one may run on another server connection,
+    /// where a name kept here would be unknown, or another client's).
+    pooled: bool,
     /// When it was last taken from the pool (or opened).
     taken: std::time::Instant,
+}
+
+impl PgConn {
+    /// Behind a transaction pooler, closes the statements this transaction prepared
+    /// (the messages go out before its `COMMIT` or `ROLLBACK`, on its server
+    /// connection); otherwise keeps them for the connection's next transactions.
+    fn forget_statements(&mut self) {
+        if self.pooled {
+            self.statements.clear();
+        }
+    }
 }
 
 /// How long after its last use a connection is handed out without a check: a server
@@ -535,6 +572,7 @@ impl<'c> PgTx<'c> {
         });
         self.open.set(false);
         let mut conn = self.conn.borrow_mut();
+        conn.forget_statements();
         let sql = if announce {
             listen::COMMIT_ANNOUNCED
         } else {
@@ -639,8 +677,10 @@ impl<'c> PgTx<'c> {
 impl Drop for PgTx<'_> {
     fn drop(&mut self) {
         if self.open.get() {
+            let mut conn = self.conn.borrow_mut();
+            conn.forget_statements();
             // A failed rollback leaves a broken connection, which the pool drops.
-            let _ = self.conn.borrow_mut().client.batch_execute("ROLLBACK");
+            let _ = conn.client.batch_execute("ROLLBACK");
         }
     }
 }
