@@ -351,3 +351,45 @@ fn an_async_bot_connects_uses_and_drops_the_outbox_on_many_threads() {
             assert!(outbox.enqueue_async(reply).await.unwrap().created);
         });
 }
+
+/// Rolling deploys: a process that keeps running while a newer build migrates the
+/// schema writes nothing more (its statements may rely on what the migration changed):
+/// each write fails with `SchemaTooNew` and changes nothing, while it can still read.
+/// docs/OPERATING.md says what to do: stop the older processes, migrate, start the
+/// newer ones.
+#[test]
+fn an_older_process_writes_nothing_once_a_newer_build_migrated() {
+    let url = url();
+    let older = Outbox::connect(&url, OutboxOptions::default()).unwrap();
+    older
+        .enqueue(&NewDelivery::single("t", "c", "before"))
+        .unwrap();
+    // A newer build's migration, as it records itself.
+    admin(&url)
+        .batch_execute(
+            "INSERT INTO outbound_schema_history (version, name, applied_on, checksum)
+             VALUES (99, 'from_a_newer_build', now()::text, '0')",
+        )
+        .unwrap();
+    for err in [
+        older
+            .enqueue(&NewDelivery::single("t", "c", "after"))
+            .map(|_| ())
+            .unwrap_err(),
+        older.claim(1).map(|_| ()).unwrap_err(),
+    ] {
+        assert!(
+            matches!(err, Error::SchemaTooNew { found: 99, .. }),
+            "{err:?}"
+        );
+    }
+    let all = older
+        .list(&chunked_outbox::monitoring::ListFilter::default())
+        .unwrap();
+    assert_eq!(all.len(), 1, "the refused write changed nothing");
+    // A newer handle is what connects now; an older one is refused at once.
+    assert!(matches!(
+        Outbox::connect(&url, OutboxOptions::default()),
+        Err(Error::SchemaTooNew { .. })
+    ));
+}

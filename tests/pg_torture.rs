@@ -17,6 +17,26 @@ use assert_cmd::Command;
 
 #[test]
 fn torture_holds_through_connection_kills_and_server_restarts() {
+    torture_with(None);
+}
+
+/// The same with one dispatcher process's clock 2 minutes ahead (300 leases of the
+/// torture's 400 ms) ...
+#[test]
+fn torture_holds_with_a_dispatcher_host_two_minutes_ahead() {
+    torture_with(Some("2m"));
+}
+
+/// ... and 2 minutes behind.
+#[test]
+fn torture_holds_with_a_dispatcher_host_two_minutes_behind() {
+    torture_with(Some("-2m"));
+}
+
+fn torture_with(skew: Option<&str>) {
+    // One run at a time: each restarts the one test server.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let Some(url) = common::postgres::server_url() else {
         return;
     };
@@ -41,6 +61,7 @@ fn torture_holds_through_connection_kills_and_server_restarts() {
             "--restart-command",
             &restart,
         ])
+        .args(skew.map(|s| format!("--skew={s}")))
         .output()
         .unwrap();
     let text = String::from_utf8(out.stdout).unwrap();

@@ -17,6 +17,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use chunked_outbox::clock::SkewedClock;
 use chunked_outbox::maintenance::RecoverScope;
 use chunked_outbox::{
     ChannelAdapter, Claim, DeliveryId, Dispatcher, Error, NewDelivery, Outbox, OutboxOptions,
@@ -63,6 +64,23 @@ pub struct TortureArgs {
     /// restart`).
     #[arg(long)]
     restart_command: Option<String>,
+    /// The clock of the first dispatcher process (and each of its restarts) this far
+    /// ahead of the others', or behind with a leading `-`: `--skew 2m`, `--skew=-2m`.
+    /// A host whose clock is off must change nothing the verdict sees.
+    #[arg(long, value_parser = parse_skew, allow_hyphen_values = true)]
+    skew: Option<i64>,
+}
+
+/// A signed duration in milliseconds: `2m` ahead, `-2m` behind.
+fn parse_skew(text: &str) -> Result<i64, String> {
+    let (sign, magnitude) = match text.strip_prefix('-') {
+        Some(rest) => (-1, rest),
+        None => (1, text.strip_prefix('+').unwrap_or(text)),
+    };
+    let d = humantime::parse_duration(magnitude).map_err(|e| e.to_string())?;
+    i64::try_from(d.as_millis())
+        .map(|ms| sign * ms)
+        .map_err(|_| format!("{text}: too large"))
 }
 
 /// The roles of the processes under torture.
@@ -89,6 +107,9 @@ pub struct RoleArgs {
     /// Which start of a role this process is (dispatchers log it with their claimant).
     #[arg(long, default_value_t = 0)]
     generation: u64,
+    /// This process's clock is off by this many milliseconds (see `--skew`).
+    #[arg(long, allow_hyphen_values = true)]
+    skew_ms: Option<i64>,
 }
 
 /// The verdict, printed as one JSON line. Every check can fail: each was seen failing
@@ -155,7 +176,17 @@ fn stop_path(dir: &Path) -> PathBuf {
     dir.join("stop")
 }
 
-fn spawn(role: Role, dir: &Path, seed: u64, replies: u64, generation: u64) -> CliResult<Child> {
+fn spawn(
+    role: Role,
+    dir: &Path,
+    seed: u64,
+    replies: u64,
+    generation: u64,
+    skew_ms: Option<i64>,
+) -> CliResult<Child> {
+    let skew: Vec<String> = skew_ms
+        .map(|ms| vec!["--skew-ms".into(), ms.to_string()])
+        .unwrap_or_default();
     Ok(Command::new(std::env::current_exe()?)
         .args(["torture-role", "--role"])
         .arg(format!("{role:?}").to_lowercase())
@@ -169,10 +200,26 @@ fn spawn(role: Role, dir: &Path, seed: u64, replies: u64, generation: u64) -> Cl
             "--generation",
             &generation.to_string(),
         ])
+        .args(skew)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()?)
+}
+
+/// The processes under torture; those still running when the run ends early (an
+/// error of the run itself) are killed, not left behind holding its output open.
+struct Roles(Vec<Child>);
+
+impl Drop for Roles {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
 }
 
 /// The chat a reply goes to: a function of the seed and its number, so the verifier
@@ -225,11 +272,21 @@ fn retrying<T>(mut f: impl FnMut() -> chunked_outbox::Result<T>) -> chunked_outb
     }
 }
 
-/// Opens the outbox under torture, waiting for a server that is restarting.
-fn open_outbox(dir: &Path) -> CliResult<Outbox> {
+/// Opens the outbox under torture, waiting for a server that is restarting; on a
+/// host whose clock is `skew_ms` off, if given.
+fn open_outbox(dir: &Path, skew_ms: Option<i64>) -> CliResult<Outbox> {
     let give_up = Instant::now() + Duration::from_secs(60);
+    let options = match skew_ms {
+        Some(ms) if ms < 0 => torture_options().with_clock(std::sync::Arc::new(
+            SkewedClock::behind(Duration::from_millis(ms.unsigned_abs())),
+        )),
+        Some(ms) => torture_options().with_clock(std::sync::Arc::new(SkewedClock::ahead(
+            Duration::from_millis(ms as u64),
+        ))),
+        None => torture_options(),
+    };
     loop {
-        match outbox_target(dir).open(torture_options()) {
+        match outbox_target(dir).open(options.clone()) {
             Err(e)
                 if Instant::now() < give_up && e.downcast_ref::<Error>().is_some_and(transient) =>
             {
@@ -293,11 +350,24 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         Role::Dispatcher,
         Role::Maintenance,
     ];
-    let mut children: Vec<Child> = roles
-        .iter()
-        .enumerate()
-        .map(|(i, r)| spawn(*r, &dir, args.seed + i as u64, replies, i as u64))
-        .collect::<CliResult<_>>()?;
+    // The first dispatcher's host (roles[1]) has the skewed clock, if any.
+    let skew_of = |i: usize| if i == 1 { args.skew } else { None };
+    let mut children = Roles(
+        roles
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                spawn(
+                    *r,
+                    &dir,
+                    args.seed + i as u64,
+                    replies,
+                    i as u64,
+                    skew_of(i),
+                )
+            })
+            .collect::<CliResult<_>>()?,
+    );
     let mut generations: Vec<u64> = (0..roles.len() as u64).collect();
     let mut killed_dispatchers = Vec::new();
     let mut rng = fastrand::Rng::with_seed(args.seed);
@@ -328,7 +398,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
             4..8 => 0,
             _ => 3,
         };
-        let child = &mut children[victim];
+        let child = &mut children.0[victim];
         child.kill()?;
         child.wait()?;
         if roles[victim] == Role::Dispatcher {
@@ -342,15 +412,22 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         } else {
             args.seed.wrapping_add(generation)
         };
-        *child = spawn(roles[victim], &dir, seed, replies, generation)?;
+        *child = spawn(
+            roles[victim],
+            &dir,
+            seed,
+            replies,
+            generation,
+            skew_of(victim),
+        )?;
     }
 
     // No more kills: let everything settle, then stop the roles.
-    let outbox = open_outbox(&dir)?;
+    let outbox = open_outbox(&dir, None)?;
     let deadline = Instant::now() + args.settle_timeout;
     loop {
         std::thread::sleep(Duration::from_millis(50));
-        let producer_done = children[0].try_wait()?.is_some_and(|s| s.success());
+        let producer_done = children.0[0].try_wait()?.is_some_and(|s| s.success());
         let h = retrying(|| outbox.health())?;
         let t = &h.totals;
         if producer_done
@@ -368,7 +445,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         }
     }
     std::fs::write(stop_path(&dir), b"")?;
-    for child in &mut children {
+    for child in &mut children.0 {
         child.wait()?;
     }
 
@@ -401,7 +478,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
 pub fn role(args: &RoleArgs) -> CliResult<u8> {
     let platform = args.dir.join("platform.db");
     let stop = stop_path(&args.dir);
-    let outbox = open_outbox(&args.dir)?;
+    let outbox = open_outbox(&args.dir, args.skew_ms)?;
     match args.role {
         Role::Producer => produce(&outbox, &args.dir, args.seed, args.replies),
         Role::Dispatcher => {

@@ -181,6 +181,12 @@ impl PgStore {
             if let Some(server) = tx.server_ms.get() {
                 self.time.observe(server, before, self.time.local_ms());
             }
+            // A newer build migrated the schema while this process ran: its statements
+            // may rely on what the migration changed, so it writes nothing more.
+            let supported = schema::latest_version();
+            if let Some(found) = tx.schema_version.get().filter(|v| *v > supported) {
+                return Err(Error::SchemaTooNew { found, supported });
+            }
             f(tx)
         })
     }
@@ -470,7 +476,8 @@ macro_rules! begin_write {
                 "(hashtextextended(current_schema() || '/rules', 0));
              SELECT version, ",
                 server_ms!(),
-                " FROM outbound_policy WHERE id = 1"
+                ", (SELECT max(version) FROM outbound_schema_history)
+             FROM outbound_policy WHERE id = 1"
             ),
         )
     };
@@ -489,6 +496,8 @@ pub(crate) struct PgTx<'c> {
     xid: Cell<Option<i64>>,
     /// The server's clock as its `BEGIN` read it (writes only).
     server_ms: Cell<Option<i64>>,
+    /// The schema's version as its `BEGIN` read it (writes only).
+    schema_version: Cell<Option<i64>>,
     dead_letters: RefCell<Vec<(i64, String)>>,
 }
 
@@ -524,6 +533,7 @@ impl<'c> PgTx<'c> {
             rules_version: Cell::new(None),
             xid: Cell::new(None),
             server_ms: Cell::new(None),
+            schema_version: Cell::new(None),
             dead_letters: RefCell::new(Vec::new()),
             conn: RefCell::new(conn),
         };
@@ -539,6 +549,7 @@ impl<'c> PgTx<'c> {
         // Without it (no row 1), `rules_version` asks again and reports what it finds.
         tx.rules_version.set(column(0));
         tx.server_ms.set(column(1));
+        tx.schema_version.set(column(2));
         Ok(tx)
     }
 

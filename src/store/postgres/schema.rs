@@ -12,12 +12,15 @@ mod embedded {
 
 /// The schema version this build writes.
 pub(crate) fn latest_version() -> i64 {
-    embedded::migrations::runner()
-        .get_migrations()
-        .iter()
-        .map(|m| i64::from(m.version()))
-        .max()
-        .unwrap_or(0)
+    static LATEST: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *LATEST.get_or_init(|| {
+        embedded::migrations::runner()
+            .get_migrations()
+            .iter()
+            .map(|m| i64::from(m.version()))
+            .max()
+            .unwrap_or(0)
+    })
 }
 
 /// refinery's record of applied migrations, in the outbox's schema.
