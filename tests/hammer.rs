@@ -23,6 +23,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use chunked_outbox::clock::SkewedClock;
 use chunked_outbox::monitoring::DeliveryStatus;
 use chunked_outbox::rules::{Backoff, LaneFailurePolicy, LaneOrder, RetryPolicy};
 use chunked_outbox::{Error, NewDelivery, Outbox, OutboxOptions, Outcome};
@@ -352,6 +353,11 @@ fn drain(outbox: &Outbox, log_path: &Path) -> usize {
 /// Runs the hammer in `PROCESSES` child processes on `db` for `seconds`, with `fault`
 /// planted in them (if any), drains, and verifies.
 fn run(db: &TestDb, seconds: u64, fault: Option<&str>) -> Findings {
+    run_skewed(db, seconds, fault, None)
+}
+
+/// As [`run`], with the second process's clock `skew_ms` off (ahead if positive).
+fn run_skewed(db: &TestDb, seconds: u64, fault: Option<&str>, skew_ms: Option<i64>) -> Findings {
     db.exec(APP_TABLE);
     db.outbox.set_finalization(Some(INTO_APP)).unwrap();
     let log_path = db.dir.path().join("platform.log");
@@ -371,6 +377,9 @@ fn run(db: &TestDb, seconds: u64, fault: Option<&str>) -> Findings {
                 .env_remove("OUTBOX_SABOTAGE");
             if let Some(fault) = fault {
                 child.env("OUTBOX_SABOTAGE", fault);
+            }
+            if let Some(ms) = skew_ms.filter(|_| process == 1) {
+                child.env("HAMMER_SKEW_MS", ms.to_string());
             }
             child.spawn().expect("spawn a hammering process")
         })
@@ -397,7 +406,16 @@ fn hammer_process() {
         return;
     };
     let var = |name: &str| std::env::var(name).unwrap();
-    let outbox = open_target(&target, options()).unwrap();
+    let options = match std::env::var("HAMMER_SKEW_MS").map(|ms| ms.parse::<i64>().unwrap()) {
+        Ok(ms) if ms < 0 => options().with_clock(std::sync::Arc::new(SkewedClock::behind(
+            Duration::from_millis(ms.unsigned_abs()),
+        ))),
+        Ok(ms) => options().with_clock(std::sync::Arc::new(SkewedClock::ahead(
+            Duration::from_millis(ms as u64),
+        ))),
+        Err(_) => options(),
+    };
+    let outbox = open_target(&target, options).unwrap();
     hammer(
         &outbox,
         var("HAMMER_PROCESS").parse().unwrap(),
@@ -419,6 +437,20 @@ backends! {
         let db = TestDb::on_system_clock(options());
         assert_eq!(run(&db, seconds(), None), Findings::default());
     }
+}
+
+/// On PostgreSQL, hosts whose clocks disagree act on the server's: the hammer keeps
+/// every promise with one process's clock 2 minutes ahead, and with it 2 minutes behind.
+#[cfg(feature = "postgres")]
+#[test]
+fn the_lane_hammer_keeps_every_promise_with_a_host_two_minutes_off() {
+    on_backend(Backend::Postgres, || {
+        for skew_ms in [120_000, -120_000] {
+            let db = TestDb::on_system_clock(options());
+            let findings = run_skewed(&db, seconds(), None, Some(skew_ms));
+            assert_eq!(findings, Findings::default(), "skew {skew_ms} ms");
+        }
+    });
 }
 
 /// Each verdict of the hammer can fail: with a lock of the PostgreSQL store planted
