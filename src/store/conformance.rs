@@ -1059,6 +1059,96 @@ pub(super) fn idle_lanes_are_forgotten(fresh: Fresh) {
     );
 }
 
+/// The batched reads a store packs into single statements read what the primitive
+/// they batch reads one at a time: each lane's head, each claim's chunk, and each
+/// channel's due chunks (with the channels whose rate or pause keeps them out).
+pub(super) fn batched_reads_agree_with_one_at_a_time(fresh: Fresh) {
+    let ob = fresh_at_t0(fresh);
+    for (chat, text) in [
+        ("a", "a1"),
+        ("a", "a2"),
+        ("b", "b1"),
+        ("c", "c1"),
+        ("c", "c2"),
+    ] {
+        enqueue(&ob, chat, text);
+    }
+    ob.enqueue(&NewDelivery::single("u", "d", "other channel"))
+        .unwrap();
+    let held = claim_one(&ob);
+    write(&ob, |tx| {
+        let lanes = [lane("a"), lane("b"), lane("c"), lane("nobody")];
+        let one_by_one: Vec<_> = lanes
+            .iter()
+            .map(|l| tx.lane_head(*l))
+            .collect::<crate::error::Result<_>>()?;
+        assert_eq!(tx.lane_heads(&lanes)?, one_by_one, "lane_heads");
+        assert!(one_by_one.iter().any(Option::is_some));
+
+        let claims = [
+            (held.chunk_id.0, held.token),
+            (held.chunk_id.0, held.token + 1),
+            (held.chunk_id.0 + CHUNK_STRIDE, 1),
+        ];
+        let one_by_one: Vec<_> = claims
+            .iter()
+            .map(|(id, token)| tx.claimed_chunk(*id, *token))
+            .collect::<crate::error::Result<_>>()?;
+        assert_eq!(tx.claimed_chunks(&claims)?, one_by_one, "claimed_chunks");
+        assert!(one_by_one[0].is_some() && one_by_one[1].is_none());
+
+        let seen = |due: Vec<(
+            crate::store::ChannelRow,
+            Option<Vec<crate::store::Candidate>>,
+        )>| {
+            due.into_iter()
+                .map(|(row, chunks)| {
+                    let chunks = chunks.map(|c| {
+                        c.iter()
+                            .map(|c| (c.chunk, c.delivery, c.due_at, c.row.is_ok()))
+                            .collect::<Vec<_>>()
+                    });
+                    (row, chunks)
+                })
+                .collect::<Vec<_>>()
+        };
+        for paused in [false, true] {
+            if paused {
+                tx.pause_channel("t", T0 + 1_000)?;
+            }
+            for names in [None, Some(&["t", "u"][..]), Some(&["u"][..])] {
+                for limit in [1, 10] {
+                    let composed = crate::store::channel_rows(tx, names)?
+                        .into_iter()
+                        .map(|row| {
+                            let due = if row.unpaced_and_free(T0) {
+                                Some(tx.due_chunks(&row, T0, limit)?)
+                            } else {
+                                None
+                            };
+                            Ok((row, due))
+                        })
+                        .collect::<crate::error::Result<Vec<_>>>()?;
+                    assert_eq!(
+                        seen(tx.due_in_channels(names, T0, limit)?),
+                        seen(composed),
+                        "due_in_channels {names:?} {limit} paused {paused}"
+                    );
+                }
+            }
+        }
+
+        // The only writer takes every lane it tries, batched or not.
+        let batched = tx.try_lock_lanes(&lanes)?;
+        let single: Vec<bool> = lanes
+            .iter()
+            .map(|l| tx.try_lock_lane(*l))
+            .collect::<crate::error::Result<_>>()?;
+        assert_eq!(batched, single, "try_lock_lanes");
+        Ok(())
+    });
+}
+
 /// Makes one test of each contract for a store.
 macro_rules! conformance {
     ($store:ident, $fresh:expr) => {
@@ -1101,6 +1191,7 @@ macro_rules! conformance {
                 deliveries_are_viewed_listed_and_reported,
                 idle_lanes_are_forgotten,
                 the_only_writer_holds_every_lock,
+                batched_reads_agree_with_one_at_a_time,
             );
         }
     };
