@@ -121,19 +121,40 @@ fn run(command: &mut Command, limit: Duration) -> std::process::Output {
     child.wait_with_output().unwrap()
 }
 
-/// Builds the quick start as its own project; the binary's path.
-fn build_quick_start(project: &Path) -> PathBuf {
-    let example = blocks(README, "rust")
+/// The quick start's outbox, and what its "same API" table says to write instead for
+/// PostgreSQL (the server from `DATABASE_URL`).
+const OPEN: &str = r#"Outbox::open("replies.db", OutboxOptions::default())?"#;
+const CONNECT: &str =
+    r#"Outbox::connect(&std::env::var("DATABASE_URL")?, OutboxOptions::default())?"#;
+
+/// Builds the quick start as its own project — with `postgres`, its outbox swapped for
+/// a PostgreSQL one and the crate's `postgres` feature added — and returns the binary.
+fn build_quick_start(project: &Path, postgres: bool) -> PathBuf {
+    let mut example = blocks(README, "rust")
         .into_iter()
         .next()
-        .expect("a Rust block");
+        .expect("a Rust block")
+        .to_owned();
+    let mut dependencies = dependencies(README);
+    if postgres {
+        assert!(example.contains(OPEN), "the quick start opens {OPEN}");
+        example = example.replace(OPEN, CONNECT);
+        let line = dependencies
+            .lines()
+            .find(|l| l.starts_with("chunked-outbox = "))
+            .expect("the crate's own line")
+            .to_owned();
+        dependencies = dependencies.replace(
+            &line,
+            &line.replace("features = [", "features = [\"postgres\", "),
+        );
+    }
     std::fs::create_dir_all(project.join("src")).unwrap();
     std::fs::write(project.join("src/main.rs"), example).unwrap();
     std::fs::write(
         project.join("Cargo.toml"),
         format!(
-            "[package]\nname = \"readme-quick-start\"\nversion = \"0.0.0\"\nedition = \"2024\"\npublish = false\n\n[workspace]\n\n{}",
-            dependencies(README)
+            "[package]\nname = \"readme-quick-start\"\nversion = \"0.0.0\"\nedition = \"2024\"\npublish = false\n\n[workspace]\n\n{dependencies}",
         ),
     )
     .unwrap();
@@ -143,7 +164,11 @@ fn build_quick_start(project: &Path) -> PathBuf {
         project.join("Cargo.lock"),
     )
     .unwrap();
-    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("readme-quick-start");
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join(if postgres {
+        "readme-quick-start-postgres"
+    } else {
+        "readme-quick-start"
+    });
     let built = run(
         Command::new(env!("CARGO"))
             .args(["build", "--quiet", "--manifest-path"])
@@ -162,13 +187,55 @@ fn build_quick_start(project: &Path) -> PathBuf {
 #[test]
 fn the_readme_quick_start_builds_and_delivers_its_reply_once() {
     let project = tempfile::tempdir().unwrap();
-    let binary = build_quick_start(project.path());
+    let binary = build_quick_start(project.path(), false);
+    let history = |project: &Path| {
+        let db = rusqlite::Connection::open(project.join("replies.db")).unwrap();
+        db.query_row(
+            "SELECT count(*), max(content), max(chunk_count) FROM outbound_messages",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap()
+    };
+    delivers_its_reply_once(project.path(), &binary, &[], history);
+}
+
+/// The same on PostgreSQL, as the README's "same API" table invites: `Outbox::connect`
+/// in `#[tokio::main]`, used and dropped there.
+#[cfg(feature = "postgres")]
+#[test]
+fn the_readme_quick_start_runs_on_postgresql() {
+    let url = common::postgres::fresh_schema_url().expect("the PostgreSQL test server");
+    let project = tempfile::tempdir().unwrap();
+    let binary = build_quick_start(project.path(), true);
+    let history = |_: &Path| {
+        let mut db = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let r = db
+            .query_one(
+                "SELECT count(*), max(content), max(chunk_count)::int8 FROM outbound_messages",
+                &[],
+            )
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    delivers_its_reply_once(project.path(), &binary, &[("DATABASE_URL", &url)], history);
+}
+
+/// Runs the quick start twice against the emulated Bot API: the reply arrives in parts,
+/// in order, is the one row of the history, and the second run sends nothing.
+fn delivers_its_reply_once(
+    project: &Path,
+    binary: &Path,
+    env: &[(&str, &str)],
+    history: impl Fn(&Path) -> (i64, String, i64),
+) {
     let sent: Arc<Sent> = Arc::default();
     let api = format!("{}/", emulator::serve(sent.clone(), answer));
     let quick_start = || {
         let out = run(
-            Command::new(&binary)
-                .current_dir(project.path())
+            Command::new(binary)
+                .current_dir(project)
+                .envs(env.iter().copied())
                 .env("TELOXIDE_TOKEN", TOKEN)
                 .env("TELOXIDE_API_URL", &api)
                 .env("CHAT_ID", CHAT),
@@ -193,14 +260,7 @@ fn the_readme_quick_start_builds_and_delivers_its_reply_once() {
     );
 
     // What the chat shows, in order, is the reply the history holds, once.
-    let db = rusqlite::Connection::open(project.path().join("replies.db")).unwrap();
-    let (rows, content, parts): (i64, String, i64) = db
-        .query_row(
-            "SELECT count(*), max(content), max(chunk_count) FROM outbound_messages",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-        )
-        .unwrap();
+    let (rows, content, parts) = history(project);
     assert_eq!(rows, 1);
     assert_eq!(parts as usize, received.len());
     let shown: String = received.iter().map(|(_, text)| text.as_str()).collect();
