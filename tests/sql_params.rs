@@ -18,6 +18,7 @@ const ALLOWED: &[&str] = &[
     "pragma",                    // a pragma name from the crate's own list
     "wanted",                    // a page count the crate computed (pragmas take no parameters)
     "quoted_schema",             // the outbox's schema, quoted as an identifier by the server
+    "xid",                       // a transaction id (an integer) the server returned
 ];
 
 const SQL_WORDS: &[&str] = &[

@@ -44,6 +44,19 @@ macro_rules! server_ms {
     };
 }
 
+/// Column `i` of the last row a simple query answered, if it has one and it is not
+/// NULL.
+fn simple_column(answer: &[postgres::SimpleQueryMessage], i: usize) -> Option<&str> {
+    answer
+        .iter()
+        .rev()
+        .find_map(|m| match m {
+            postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        })
+        .and_then(|row| row.try_get(i).ok().flatten())
+}
+
 /// The parameters of a statement.
 pub(crate) type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
 
@@ -148,15 +161,10 @@ impl PgStore {
             server_ms!()
         ))?;
         let after = store.time.local_ms();
-        let row = answer.iter().find_map(|m| match m {
-            postgres::SimpleQueryMessage::Row(row) => Some(row),
-            _ => None,
-        });
-        let column = |i: usize| row.and_then(|r| r.try_get(i).ok().flatten());
-        if let Some(server) = column(1).and_then(|v| v.parse().ok()) {
+        if let Some(server) = simple_column(&answer, 1).and_then(|v| v.parse().ok()) {
             store.time.observe(server, before, after);
         }
-        store.quoted_schema = column(0).unwrap_or_default().to_owned();
+        store.quoted_schema = simple_column(&answer, 0).unwrap_or_default().to_owned();
         Ok(store)
     }
 
@@ -278,15 +286,8 @@ impl PgStore {
                 Ok(conn
                     .client
                     // (a simple query: a transaction pooler passes it whole)
-                    .simple_query(&format!("SELECT txid_status({xid})"))?
-                    .iter()
-                    .find_map(|m| match m {
-                        postgres::SimpleQueryMessage::Row(row) => {
-                            Some(row.try_get(0).ok().flatten().map(str::to_owned))
-                        }
-                        _ => None,
-                    })
-                    .flatten())
+                    .simple_query(&format!("SELECT txid_status({xid})"))
+                    .map(|answer| simple_column(&answer, 0).map(str::to_owned))?)
             });
             match status.as_ref().map(|s| s.as_deref()) {
                 Ok(Some("committed")) => return Some(true),
@@ -538,14 +539,7 @@ impl<'c> PgTx<'c> {
             conn: RefCell::new(conn),
         };
         let answer = tx.conn.borrow_mut().client.simple_query(sql)?;
-        let row = answer.iter().rev().find_map(|m| match m {
-            postgres::SimpleQueryMessage::Row(row) => Some(row),
-            _ => None,
-        });
-        let column = |i: usize| {
-            row.and_then(|r| r.try_get(i).ok().flatten())
-                .and_then(|v| v.parse().ok())
-        };
+        let column = |i: usize| simple_column(&answer, i).and_then(|v| v.parse().ok());
         // Without it (no row 1), `rules_version` asks again and reports what it finds.
         tx.rules_version.set(column(0));
         tx.server_ms.set(column(1));

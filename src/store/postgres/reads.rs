@@ -91,8 +91,9 @@ impl ReadStore for PgTx<'_> {
             values.push(status);
             // A reply staged by an application's transaction shows as queued.
             sql.push_str(&format!(
-                " AND (status = ${n} OR (${n} = 'queued' AND status = 'new'))",
-                n = values.len()
+                " AND (status = ${} OR (${} = 'queued' AND status = 'new'))",
+                values.len(),
+                values.len()
             ));
             if filter.status != Some(DeliveryStatus::Delivered) {
                 sql.push_str(" AND status <> 'delivered'");
