@@ -223,6 +223,36 @@ mod tests {
     }
 
     #[test]
+    fn the_offset_moves_only_beyond_the_readings_error() {
+        let time = ServerTime::new(Arc::new(Wall(ManualClock::new(0))));
+        // Readings that took 10 ms: each is off by up to 5 ms, plus 1 for rounding.
+        time.observe(1_005, 0, 10);
+        assert_eq!(time.now_ms(), 1_000);
+        time.observe(1_011, 0, 10);
+        assert_eq!(time.now_ms(), 1_000, "6 ms off is within the error");
+        time.observe(1_012, 0, 10);
+        assert_eq!(time.now_ms(), 1_007, "7 ms off is beyond it");
+    }
+
+    #[test]
+    fn a_skewed_clock_runs_ahead_or_behind_the_systems() {
+        let by = Duration::from_secs(120);
+        let before = SystemClock.now_ms();
+        let ahead = SkewedClock::ahead(by).now_ms();
+        let behind = SkewedClock::behind(by).now_ms();
+        let after = SystemClock.now_ms();
+        assert!(
+            (before + 120_000..=after + 120_000).contains(&ahead),
+            "{ahead}"
+        );
+        assert!(
+            (before - 120_000..=after - 120_000).contains(&behind),
+            "{behind}"
+        );
+        assert!(SkewedClock::behind(by).is_wall_clock());
+    }
+
+    #[test]
     fn a_manual_clock_is_the_time_as_given() {
         let clock = ManualClock::new(5_000);
         let time = ServerTime::new(Arc::new(clock.clone()));

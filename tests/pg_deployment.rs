@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use chunked_outbox::clock::{Clock, SkewedClock, SystemClock};
 use chunked_outbox::maintenance::RecoverScope;
 use chunked_outbox::monitoring::ChunkStatus;
-use chunked_outbox::rules::RetryPolicy;
+use chunked_outbox::rules::{ChannelPolicy, RetryPolicy};
 use chunked_outbox::{
     ChannelAdapter, Claim, Dispatcher, Error, NewDelivery, Outbox, OutboxOptions, Outcome,
 };
@@ -35,7 +35,11 @@ fn url() -> String {
 #[test]
 fn a_host_ahead_takes_over_no_live_lease() {
     let url = url();
-    let lease = OutboxOptions::default().with_lease(Duration::from_secs(60));
+    // A channel that may replay: a host that thinks the lease ended claims the chunk
+    // again (on one that holds ambiguous sends it would be made uncertain).
+    let lease = OutboxOptions::default()
+        .with_lease(Duration::from_secs(60))
+        .with_channel("t", ChannelPolicy::replayable());
     let a = host(&url, SystemClock, lease.clone());
     let b = host(&url, SkewedClock::ahead(Duration::from_secs(90)), lease);
 
