@@ -680,3 +680,84 @@ fn a_queued_filter_lists_staged_replies() {
         .unwrap();
     assert_eq!(queued.iter().map(|v| v.id).collect::<Vec<_>>(), [staged]);
 }
+
+/// The SQL function and the crate refuse the same replies: each limit the crate
+/// states (`chunked_outbox::limits`) holds in `outbound_enqueue` too, at one byte or
+/// one chunk past it, and what is exactly at it is accepted by both. The limits are
+/// written twice (Rust and the V4 migration); this ties them.
+#[test]
+fn the_function_and_the_crate_refuse_the_same_replies() {
+    use chunked_outbox::limits::{
+        MAX_CHANNEL_BYTES, MAX_CHAT_ID_BYTES, MAX_CHUNKS, MAX_KEY_BYTES, MAX_METADATA_BYTES,
+    };
+    let place = Place::new().expect("the PostgreSQL test server");
+    let outbox = place.outbox();
+    // The function's calls in a schema of their own: the crate's rows never meet them.
+    let elsewhere = Place::new().unwrap();
+    drop(elsewhere.outbox());
+    let mut app = elsewhere.app();
+    let call = "SELECT * FROM outbound_enqueue($1, $2, NULL, $3, $4, $5, $6, NULL, 0, 0, 0)";
+    let at = |n: usize| "x".repeat(n);
+    // (what, channel, chat, key, chunks, metadata) at a limit, then one past it. Only
+    // the key case gives a key: replies without one are never taken for each other.
+    type Case = (
+        &'static str,
+        String,
+        String,
+        Option<String>,
+        Vec<String>,
+        Option<String>,
+    );
+    let base = |what| -> Case { (what, "t".into(), "c".into(), None, vec!["x".into()], None) };
+    let mut cases: Vec<(Case, Case)> = Vec::new();
+    for n in [
+        MAX_CHANNEL_BYTES,
+        MAX_CHAT_ID_BYTES,
+        MAX_KEY_BYTES,
+        MAX_METADATA_BYTES,
+    ] {
+        let (mut ok, mut over) = (base("limit"), base("limit"));
+        match n {
+            _ if n == MAX_CHANNEL_BYTES => (ok.1, over.1) = (at(n), at(n + 1)),
+            _ if n == MAX_CHAT_ID_BYTES => (ok.2, over.2) = (at(n), at(n + 1)),
+            _ if n == MAX_KEY_BYTES => (ok.3, over.3) = (Some(at(n)), Some(at(n + 1))),
+            _ => (ok.5, over.5) = (Some(at(n)), Some(at(n + 1))),
+        }
+        cases.push((ok, over));
+    }
+    let (mut ok, mut over) = (base("chunks"), base("chunks"));
+    (ok.4, over.4) = (
+        vec!["x".into(); MAX_CHUNKS],
+        vec!["x".into(); MAX_CHUNKS + 1],
+    );
+    cases.push((ok, over));
+    for (i, (ok, over)) in cases.into_iter().enumerate() {
+        for (case, accepted) in [(ok, true), (over, false)] {
+            let (_, channel, chat, key, chunks, metadata) = case;
+            let mut d = NewDelivery::chunked(&channel, &chat, chunks.join(" "), chunks.iter());
+            if let Some(k) = &key {
+                d = d.with_idempotency_key(k);
+            }
+            if let Some(m) = &metadata {
+                d = d.with_metadata(m);
+            }
+            let crate_says = outbox.enqueue(&d);
+            let sql_says = app.query(
+                call,
+                &[&channel, &chat, &key, &chunks.join(" "), &chunks, &metadata],
+            );
+            assert_eq!(
+                crate_says.is_ok(),
+                accepted,
+                "crate, case {i}: {crate_says:?}"
+            );
+            match sql_says {
+                Ok(_) => assert!(accepted, "the function accepted case {i} the crate refuses"),
+                Err(e) => {
+                    assert!(!accepted, "the function refused case {i}: {e}");
+                    assert_eq!(e.as_db_error().map(|d| d.code().code()), Some("22023"));
+                }
+            }
+        }
+    }
+}
