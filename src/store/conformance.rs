@@ -18,7 +18,7 @@ use crate::outbox::Outbox;
 use crate::outcome::Outcome;
 use crate::rules::{ChannelPolicy, FileRules, LaneOrder, Rules};
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::{HeadRow, LaneRef, StoreTx};
+use crate::store::{ChannelTally, HeadRow, LaneRef, NewRow, StoreTx};
 
 /// The time every contract starts at, ms.
 const T0: i64 = 1_767_225_600_000;
@@ -565,10 +565,22 @@ pub(super) fn activation_and_later_chunks_are_due_through_the_lane(fresh: Fresh)
 }
 
 /// A held delivery put back in its lane is queued, unfinished and unacknowledged, and
-/// listed with its lane among the queued ones.
+/// listed with its lane among the queued ones; activated again, it goes on from its
+/// first undelivered chunk, `partial`.
 pub(super) fn a_held_delivery_is_queued_again(fresh: Fresh) {
     let ob = fresh_at_t0(fresh);
-    let id = enqueue(&ob, "a", "x");
+    let id = ob
+        .enqueue(&NewDelivery::chunked("t", "a", "x y", ["x", "y"]))
+        .unwrap()
+        .id;
+    let claim = claim_one(&ob);
+    ob.record(
+        &claim,
+        Outcome::Delivered {
+            platform_message_id: None,
+        },
+    )
+    .unwrap();
     let claim = claim_one(&ob);
     ob.record(&claim, Outcome::Permanent { error: "no".into() })
         .unwrap();
@@ -588,6 +600,10 @@ pub(super) fn a_held_delivery_is_queued_again(fresh: Fresh) {
         ),
         (row(&ob, id), "t", "a")
     );
+    let waiting = write(&ob, |tx| tx.waiting(row(&ob, id)));
+    assert_eq!(waiting.head_index, 1, "its first undelivered chunk");
+    write(&ob, |tx| tx.activate(&waiting, lane("a"), T0));
+    assert_eq!(view(&ob, id).status, DeliveryStatus::Partial);
 }
 
 /// A channel's pause holds its slot and never shortens; its slot is set as given.
@@ -1149,6 +1165,259 @@ pub(super) fn batched_reads_agree_with_one_at_a_time(fresh: Fresh) {
     });
 }
 
+/// Runs `mine` (a store's own version of a batched primitive) and `composed` (its
+/// composition of the one-at-a-time primitives) from the same rows, each undone after:
+/// both return the same and leave the same rows, which differ from the rows before.
+fn same_both_ways<R: PartialEq + std::fmt::Debug>(
+    tx: &dyn StoreTx,
+    what: &str,
+    mine: impl Fn() -> crate::error::Result<R>,
+    composed: impl Fn() -> crate::error::Result<R>,
+) -> crate::error::Result<()> {
+    let before = tx.table_rows()?;
+    let run = |f: &dyn Fn() -> crate::error::Result<R>| -> crate::error::Result<(R, Vec<String>)> {
+        tx.begin_nested()?;
+        let returned = f()?;
+        let rows = tx.table_rows()?;
+        tx.end_nested(false)?;
+        Ok((returned, rows))
+    };
+    let (returned, rows) = run(&mine)?;
+    let (expected, expected_rows) = run(&composed)?;
+    assert_eq!(returned, expected, "{what}: what it returned");
+    assert_ne!(rows, before, "{what} wrote nothing");
+    assert_eq!(rows, expected_rows, "{what}: the rows it left");
+    assert_eq!(tx.table_rows()?, before, "{what}: undone");
+    Ok(())
+}
+
+/// The batched writes (`insert_deliveries`, `mark_sending_many`, `finalize_delivered`,
+/// `activate_many`) leave the rows their composition of one-at-a-time writes leaves.
+pub(super) fn batched_writes_leave_the_rows_one_at_a_time_leaves(fresh: Fresh) {
+    let ob = fresh_at_t0(fresh);
+    let a1 = enqueue(&ob, "a", "a1");
+    enqueue(&ob, "a", "a2");
+    let b1 = enqueue(&ob, "b", "b1");
+    let b2 = ob
+        .enqueue(&NewDelivery::chunked("t", "b", "b2b2", ["b2", "b2"]))
+        .unwrap()
+        .id;
+    let c1 = ob
+        .enqueue(&NewDelivery::chunked("t", "c", "c1c1", ["c1", "c1"]).with_sender("bot"))
+        .unwrap()
+        .id;
+    let claims = ob.claim(10).unwrap();
+    assert_eq!(claims.len(), 3, "the head of each lane");
+    let chunk = |id: DeliveryId, index: i64| row(&ob, id) * CHUNK_STRIDE + index;
+    write(&ob, |tx| {
+        let pending = [(chunk(c1, 1), 7), (chunk(b2, 0), 8)];
+        same_both_ways(
+            tx,
+            "mark_sending_many",
+            || tx.mark_sending_many(&pending, T0 + 30_000),
+            || crate::store::composed::mark_sending_many(tx, &pending, T0 + 30_000),
+        )?;
+
+        let channel_id = tx.channel_number("t")?;
+        let first = tx.next_delivery_row()?;
+        let replies = [
+            NewDelivery::single("t", "d", "d1"),
+            NewDelivery::single("t", "d", "d2"),
+            NewDelivery::chunked("t", "e", "e1e1", ["e1", "e1"])
+                .with_idempotency_key("k-e")
+                .with_metadata("{}")
+                .not_before(crate::clock::to_datetime(T0 + 5_000)),
+            NewDelivery::chunked("t", "e", "e2e2", ["e2", "e2"]),
+        ];
+        let uids: Vec<String> = (first..)
+            .take(replies.len())
+            .map(|r| ob.new_delivery_id(r, T0).to_string())
+            .collect();
+        let rows: Vec<NewRow<'_>> = [
+            (true, Some(T0), true),
+            (false, None, false),
+            (true, Some(T0 + 5_000), true),
+            (false, None, true),
+        ]
+        .into_iter()
+        .enumerate()
+        .map(|(i, (active, head_due, chunk_rows))| NewRow {
+            row: first + i as i64,
+            uid: &uids[i],
+            delivery: &replies[i],
+            channel_id,
+            active,
+            now: T0,
+            head_due,
+            chunk_rows,
+        })
+        .collect();
+        same_both_ways(
+            tx,
+            "insert_deliveries",
+            || tx.insert_deliveries(&rows),
+            || crate::store::composed::insert_deliveries(tx, &rows),
+        )?;
+
+        let acks = [
+            (chunk(a1, 0), row(&ob, a1), Some("p-a1")),
+            (chunk(b1, 0), row(&ob, b1), None),
+        ];
+        let tallies = [ChannelTally {
+            channel: "t",
+            latest: T0,
+            count: 2,
+            latency_sum_ms: 10,
+            latency_le: [1, 2, 2, 2, 2, 2],
+        }];
+        same_both_ways(
+            tx,
+            "finalize_delivered",
+            || tx.finalize_delivered(&acks, &tallies, T0),
+            || crate::store::composed::finalize_delivered(tx, &acks, &tallies, T0),
+        )?;
+
+        // With a1 and b1 finished, a2 (its chunk row stored now) and b2 head their lanes.
+        crate::store::composed::finalize_delivered(tx, &acks, &tallies, T0)?;
+        tx.pause_lane(lane("b"), T0 + 60_000)?;
+        let lanes = [lane("a"), lane("b")];
+        let heads: Vec<_> = tx
+            .lane_heads(&lanes)?
+            .into_iter()
+            .zip(lanes)
+            .zip([T0, T0 + 5_000])
+            .map(|((head, lane), earliest)| match head {
+                Some(HeadRow::Queued(w)) => (w, lane, earliest),
+                other => panic!("expected a queued head, got {other:?}"),
+            })
+            .collect();
+        same_both_ways(
+            tx,
+            "activate_many",
+            || tx.activate_many(&heads),
+            || crate::store::composed::activate_many(tx, &heads),
+        )
+    });
+}
+
+/// An enqueue's entry into lanes (`enter_lanes`, `next_delivery_row_in`) reads what the
+/// one-at-a-time reads say, replies staged in a lane included, and draws fresh rows in
+/// ascending order.
+pub(super) fn lanes_are_entered_as_their_reads_say(fresh: Fresh) {
+    let ob = fresh_at_t0(fresh);
+    enqueue(&ob, "a", "a1");
+    enqueue(&ob, "a", "a2");
+    let b1 = enqueue(&ob, "b", "b1");
+    let claim = claim_one(&ob);
+    ob.record(
+        &claim,
+        Outcome::Delivered {
+            platform_message_id: None,
+        },
+    )
+    .unwrap();
+    write(&ob, |tx| {
+        tx.pause_lane(lane("b"), T0 + 60_000)?;
+        let staged = tx.stage(&NewDelivery::single("t", "c", "staged"), T0)?;
+        let lanes = [lane("a"), lane("b"), lane("c"), lane("nobody")];
+        let before = tx.next_delivery_row()?;
+        let (entries, rows) = tx.enter_lanes(&lanes, 3)?;
+        let (expected, later) = crate::store::composed::enter_lanes(tx, &lanes, 3)?;
+        assert_eq!(entries, expected, "enter_lanes");
+        assert_eq!(entries[2].staged_before, staged.is_some());
+        assert_eq!(entries[1].free_at, T0 + 60_000, "lane b is paused");
+        assert!(
+            matches!(entries[0].head, Some(HeadRow::Active)),
+            "{entries:?}"
+        );
+        assert!(
+            rows[0] >= before && rows[0] > row(&ob, b1),
+            "{rows:?} after {before}"
+        );
+        assert!(rows.windows(2).all(|r| r[0] < r[1]), "{rows:?}");
+        assert!(
+            later[0] >= rows[0] && later.len() == 3,
+            "{later:?} after {rows:?}"
+        );
+        for l in lanes {
+            let (row, staged_before) = tx.next_delivery_row_in(l)?;
+            let (_, expected) = crate::store::composed::next_delivery_row_in(tx, l)?;
+            assert_eq!(staged_before, expected, "next_delivery_row_in {l:?}");
+            assert!(row >= rows[0], "a fresh row");
+        }
+        Ok(())
+    });
+}
+
+/// Replies staged by an application's transaction are listed oldest first, per lane,
+/// taken once, and found by the row they were staged as after they are stored as
+/// another. A store without staged replies lists none and takes none.
+pub(super) fn staged_replies_are_listed_taken_and_renumbered(fresh: Fresh) {
+    let ob = fresh_at_t0(fresh);
+    enqueue(&ob, "a", "enqueued");
+    write(&ob, |tx| {
+        let replies = [("a", "s1"), ("b", "s2"), ("a", "s3")]
+            .map(|(chat, text)| NewDelivery::single("t", chat, text).with_idempotency_key(text));
+        let mut uids = Vec::new();
+        for d in &replies {
+            match tx.stage(d, T0)? {
+                Some(uid) => uids.push(uid),
+                None => {
+                    assert!(tx.staged(10)?.is_empty());
+                    assert!(tx.staged_in_lane(lane("a"))?.is_empty());
+                    assert!(!tx.take_staged(1)?);
+                    return Ok(());
+                }
+            }
+        }
+        let seen = |staged: Vec<crate::store::Staged>| {
+            staged
+                .into_iter()
+                .map(|s| (s.uid, s.delivery))
+                .collect::<Vec<_>>()
+        };
+        let all: Vec<_> = uids.iter().cloned().zip(replies.iter().cloned()).collect();
+        let staged = tx.staged(10)?;
+        let old = staged[0].row;
+        assert_eq!(seen(staged), all, "staged");
+        assert_eq!(seen(tx.staged(2)?), all[..2], "staged, at most 2");
+        assert_eq!(
+            seen(tx.staged_in_lane(lane("a"))?),
+            [all[0].clone(), all[2].clone()],
+            "staged in lane a"
+        );
+        assert!(tx.staged_in_lane(lane("c"))?.is_empty());
+
+        assert!(tx.take_staged(old)?, "taken");
+        assert!(!tx.take_staged(old)?, "taken once");
+        assert_eq!(seen(tx.staged(10)?), all[1..], "the rest");
+        assert_eq!(tx.find_by_key("t", "s1")?, None, "taken with its row");
+
+        // Stored again as a new row of its lane, it is found by the row it was staged as.
+        let new = tx.next_delivery_row()?;
+        tx.insert_delivery(&NewRow {
+            row: new,
+            uid: &uids[0],
+            delivery: &replies[0],
+            channel_id: tx.channel_number("t")?,
+            active: false,
+            now: T0,
+            head_due: None,
+            chunk_rows: true,
+        })?;
+        assert_eq!(
+            tx.delivery_state(old, &uids[0])?,
+            None,
+            "not yet renumbered"
+        );
+        tx.note_renumbered(old, new)?;
+        let state = tx.delivery_state(old, &uids[0])?;
+        assert_eq!(state.map(|s| s.0), Some(new), "renumbered");
+        assert_eq!(tx.stored_content(old)?.text, "s1");
+        Ok(())
+    });
+}
+
 /// Makes one test of each contract for a store.
 macro_rules! conformance {
     ($store:ident, $fresh:expr) => {
@@ -1192,6 +1461,9 @@ macro_rules! conformance {
                 idle_lanes_are_forgotten,
                 the_only_writer_holds_every_lock,
                 batched_reads_agree_with_one_at_a_time,
+                batched_writes_leave_the_rows_one_at_a_time_leaves,
+                lanes_are_entered_as_their_reads_say,
+                staged_replies_are_listed_taken_and_renumbered,
             );
         }
     };

@@ -98,7 +98,7 @@ pub(crate) enum HeadRow {
     Queued(Waiting),
 }
 
-/// A lane as an enqueue finds it, under its lock (see [`LaneStore::lane_entries`]).
+/// A lane as an enqueue finds it, under its lock (see [`StoreTx::enter_lanes`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct LaneEntry {
     /// Replies applications staged in the lane wait to go first.
@@ -303,10 +303,7 @@ pub(crate) trait LaneStore {
     /// [`activate`](Self::activate) of each `(waiting, lane, earliest)` (one delivery
     /// per lane), in one go where the store can.
     fn activate_many(&self, heads: &[(Waiting, LaneRef<'_>, i64)]) -> Result<()> {
-        for (waiting, lane, earliest) in heads {
-            self.activate(waiting, *lane, *earliest)?;
-        }
-        Ok(())
+        composed::activate_many(self, heads)
     }
     /// Makes chunk `index` of `delivery` due at [`lane_due_time`](Self::lane_due_time)
     /// of `earliest`.
@@ -431,10 +428,7 @@ pub(crate) trait ClaimStore {
     /// [`mark_sending`](Self::mark_sending) of each `(chunk, token)`, in one go where
     /// the store can.
     fn mark_sending_many(&self, chunks: &[(i64, i64)], lease_until: i64) -> Result<()> {
-        for (chunk, token) in chunks {
-            self.mark_sending(*chunk, lease_until, *token)?;
-        }
-        Ok(())
+        composed::mark_sending_many(self, chunks, lease_until)
     }
     /// Due at `due` (a chunk whose lane is not free yet).
     fn set_due(&self, chunk: i64, due: i64) -> Result<()>;
@@ -482,13 +476,13 @@ pub(crate) trait DeliveryStore {
     /// As [`next_delivery_row`](Self::next_delivery_row) for a delivery of `lane`
     /// (whose lock the caller holds), and whether replies [`staged`](Self::staged) in
     /// that lane wait to go before it.
-    fn next_delivery_row_in(&self, _lane: LaneRef<'_>) -> Result<(i64, bool)> {
-        Ok((self.next_delivery_row()?, false))
+    fn next_delivery_row_in(&self, lane: LaneRef<'_>) -> Result<(i64, bool)> {
+        composed::next_delivery_row_in(self, lane)
     }
     /// [`insert_delivery`](Self::insert_delivery) of each row, in one go where the
     /// store can.
     fn insert_deliveries(&self, rows: &[NewRow<'_>]) -> Result<Vec<bool>> {
-        rows.iter().map(|row| self.insert_delivery(row)).collect()
+        composed::insert_deliveries(self, rows)
     }
     /// Stores a delivery (`pending` if active, else `queued`) and, if `chunk_rows`, its
     /// chunks, the head chunk of an active one due at `head_due`. False (nothing
@@ -683,6 +677,17 @@ pub(crate) trait StoreTx:
     fn note_dead_letter(&self, delivery: i64, error: &str);
     /// The dead letters noted so far, taken.
     fn take_dead_letters(&self) -> Vec<(i64, String)>;
+    /// Every row of the outbox's own tables, each as text, sorted: what two ways of
+    /// writing the same thing must both leave (the conformance suite compares them).
+    #[cfg(test)]
+    fn table_rows(&self) -> Result<Vec<String>>;
+    /// Stages `d` at `now` as an application's own transaction does (see
+    /// [`staged`](DeliveryStore::staged)); its uid. `None` from a store without staged
+    /// replies.
+    #[cfg(test)]
+    fn stage(&self, _d: &crate::enqueue::NewDelivery, _now: i64) -> Result<Option<String>> {
+        Ok(None)
+    }
     /// Each lane as an enqueue into it needs it, and `rows` row numbers drawn
     /// ascending as [`next_delivery_row`](DeliveryStore::next_delivery_row) draws them
     /// (the rows of the deliveries the caller stores, in that order), in one go where
@@ -693,18 +698,7 @@ pub(crate) trait StoreTx:
         lanes: &[LaneRef<'_>],
         rows: usize,
     ) -> Result<(Vec<LaneEntry>, Vec<i64>)> {
-        let entries = lanes
-            .iter()
-            .map(|lane| {
-                Ok(LaneEntry {
-                    staged_before: false,
-                    head: self.lane_head(*lane)?,
-                    free_at: self.lane_due_time(*lane, i64::MIN)?,
-                })
-            })
-            .collect::<Result<_>>()?;
-        let first = self.next_delivery_row()?;
-        Ok((entries, (first..).take(rows).collect()))
+        composed::enter_lanes(self, lanes, rows)
     }
     /// For each `(chunk, delivery, platform message id)`, the last chunk of its delivery:
     /// [`mark_delivered`](ChunkStore::mark_delivered), [`write_history`](FinalizeStore::write_history)
@@ -718,16 +712,93 @@ pub(crate) trait StoreTx:
         tallies: &[ChannelTally<'_>],
         now: i64,
     ) -> Result<usize> {
+        composed::finalize_delivered(self, chunks, tallies, now)
+    }
+}
+
+/// Each batched primitive composed of the one-at-a-time ones: what a store that has no
+/// version of its own does, and what the conformance suite compares a store's own
+/// version with (the same rows must result).
+pub(crate) mod composed {
+    use super::*;
+
+    /// [`LaneStore::activate_many`].
+    pub(crate) fn activate_many<T: LaneStore + ?Sized>(
+        tx: &T,
+        heads: &[(Waiting, LaneRef<'_>, i64)],
+    ) -> Result<()> {
+        for (waiting, lane, earliest) in heads {
+            tx.activate(waiting, *lane, *earliest)?;
+        }
+        Ok(())
+    }
+
+    /// [`ClaimStore::mark_sending_many`].
+    pub(crate) fn mark_sending_many<T: ClaimStore + ?Sized>(
+        tx: &T,
+        chunks: &[(i64, i64)],
+        lease_until: i64,
+    ) -> Result<()> {
+        for (chunk, token) in chunks {
+            tx.mark_sending(*chunk, lease_until, *token)?;
+        }
+        Ok(())
+    }
+
+    /// [`DeliveryStore::next_delivery_row_in`]: staged replies of the lane go first.
+    pub(crate) fn next_delivery_row_in<T: DeliveryStore + ?Sized>(
+        tx: &T,
+        lane: LaneRef<'_>,
+    ) -> Result<(i64, bool)> {
+        let staged_before = !tx.staged_in_lane(lane)?.is_empty();
+        Ok((tx.next_delivery_row()?, staged_before))
+    }
+
+    /// [`DeliveryStore::insert_deliveries`].
+    pub(crate) fn insert_deliveries<T: DeliveryStore + ?Sized>(
+        tx: &T,
+        rows: &[NewRow<'_>],
+    ) -> Result<Vec<bool>> {
+        rows.iter().map(|row| tx.insert_delivery(row)).collect()
+    }
+
+    /// [`StoreTx::enter_lanes`].
+    pub(crate) fn enter_lanes<T: LaneStore + DeliveryStore + ?Sized>(
+        tx: &T,
+        lanes: &[LaneRef<'_>],
+        rows: usize,
+    ) -> Result<(Vec<LaneEntry>, Vec<i64>)> {
+        let entries = lanes
+            .iter()
+            .map(|lane| {
+                Ok(LaneEntry {
+                    staged_before: !tx.staged_in_lane(*lane)?.is_empty(),
+                    head: tx.lane_head(*lane)?,
+                    free_at: tx.lane_due_time(*lane, i64::MIN)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        let first = tx.next_delivery_row()?;
+        Ok((entries, (first..).take(rows).collect()))
+    }
+
+    /// [`StoreTx::finalize_delivered`].
+    pub(crate) fn finalize_delivered<T: ChunkStore + FinalizeStore + ?Sized>(
+        tx: &T,
+        chunks: &[(i64, i64, Option<&str>)],
+        tallies: &[ChannelTally<'_>],
+        now: i64,
+    ) -> Result<usize> {
         let mut copied = 0;
         for (chunk, delivery, platform_message_id) in chunks {
-            self.mark_delivered(*chunk, *platform_message_id, now)?;
-            if self.write_history(*delivery, now)? {
+            tx.mark_delivered(*chunk, *platform_message_id, now)?;
+            if tx.write_history(*delivery, now)? {
                 copied += 1;
             }
-            self.mark_finalized(*delivery, now)?;
+            tx.mark_finalized(*delivery, now)?;
         }
         for tally in tallies {
-            self.add_channel_stats(tally)?;
+            tx.add_channel_stats(tally)?;
         }
         Ok(copied)
     }

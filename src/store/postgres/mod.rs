@@ -978,6 +978,51 @@ impl StoreTx for PgTx<'_> {
     fn take_dead_letters(&self) -> Vec<(i64, String)> {
         std::mem::take(&mut self.dead_letters.borrow_mut())
     }
+
+    #[cfg(test)]
+    fn table_rows(&self) -> Result<Vec<String>> {
+        const TABLES: &[&str] = &[
+            "SELECT 'deliveries ' || t::text FROM outbound_deliveries t",
+            "SELECT 'chunks ' || t::text FROM outbound_delivery_chunks t",
+            // Its identity column counts on past an undone insert: its order stands in.
+            "SELECT 'messages ' || row_number() OVER (ORDER BY id) || ' '
+                    || (delivery_id, channel, chat_id, sender, content, chunk_count,
+                        created_at, delivered_at)::text
+             FROM outbound_messages",
+            "SELECT 'stats ' || t::text FROM outbound_channel_stats t",
+            "SELECT 'policy ' || t::text FROM outbound_policy t",
+            "SELECT 'channels ' || t::text FROM outbound_channels t",
+            "SELECT 'lanes ' || t::text FROM outbound_lanes t",
+            "SELECT 'renumbered ' || t::text FROM outbound_renumbered t",
+        ];
+        let mut rows = Vec::new();
+        for sql in TABLES {
+            for r in self.query(sql, &[])? {
+                rows.push(r.try_get(0)?);
+            }
+        }
+        rows.sort();
+        Ok(rows)
+    }
+
+    #[cfg(test)]
+    fn stage(&self, d: &crate::enqueue::NewDelivery, now: i64) -> Result<Option<String>> {
+        let r = self.query_one(
+            "SELECT uid FROM outbound_enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, 0, 0)",
+            &[
+                &d.channel,
+                &d.chat_id,
+                &d.sender,
+                &d.idempotency_key,
+                &d.text,
+                &d.chunks,
+                &d.metadata,
+                &d.not_before,
+                &now,
+            ],
+        )?;
+        Ok(Some(r.try_get(0)?))
+    }
 }
 
 /// Maps the PostgreSQL failures a caller can act on to their own variants.

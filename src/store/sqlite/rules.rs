@@ -63,6 +63,35 @@ impl StoreTx for Tx<'_> {
     fn take_dead_letters(&self) -> Vec<(i64, String)> {
         Tx::take_dead_letters(self)
     }
+
+    #[cfg(test)]
+    fn table_rows(&self) -> Result<Vec<String>> {
+        const TABLES: &[&str] = &[
+            "SELECT 'deliveries', * FROM outbound_deliveries",
+            "SELECT 'chunks', * FROM outbound_delivery_chunks",
+            "SELECT 'messages', row_number() OVER (ORDER BY id), delivery_id, channel, chat_id,
+                    sender, content, chunk_count, created_at, delivered_at
+             FROM outbound_messages",
+            "SELECT 'stats', * FROM outbound_channel_stats",
+            "SELECT 'policy', * FROM outbound_policy",
+            "SELECT 'channels', * FROM outbound_channels",
+            "SELECT 'lanes', * FROM outbound_lanes",
+        ];
+        let mut rows = Vec::new();
+        for sql in TABLES {
+            let mut statement = self.prepare(sql)?;
+            let width = statement.column_count();
+            let mut found = statement.query([])?;
+            while let Some(row) = found.next()? {
+                let values = (0..width)
+                    .map(|i| Ok(format!("{:?}", row.get_ref(i)?)))
+                    .collect::<Result<Vec<_>>>()?;
+                rows.push(values.join(" "));
+            }
+        }
+        rows.sort();
+        Ok(rows)
+    }
 }
 
 impl RuleStore for Tx<'_> {
