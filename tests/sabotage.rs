@@ -42,10 +42,10 @@ fn check(fault: &str) {
     // A kill must land while a dispatcher holds more sends than its bound: likelier
     // with more kills, which a busy machine (the other faults' runs beside this one)
     // needs.
-    let kills = if fault == "max_uncertain_per_kill" {
-        "90"
+    let (kills, crashes) = if fault == "max_uncertain_per_kill" {
+        ("90", "6")
     } else {
-        "30"
+        ("30", "2")
     };
     let harnesses: [(&str, &[&str]); 2] = [
         (
@@ -70,7 +70,7 @@ fn check(fault: &str) {
                 "--chats",
                 "60",
                 "--crashes",
-                "2",
+                crashes,
                 "--seed",
                 "3",
                 "--settle-timeout",

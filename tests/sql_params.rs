@@ -19,6 +19,8 @@ const ALLOWED: &[&str] = &[
     "wanted",                    // a page count the crate computed (pragmas take no parameters)
     "quoted_schema",             // the outbox's schema, quoted as an identifier by the server
     "xid",                       // a transaction id (an integer) the server returned
+    "lock_ms",                   // a timeout in ms the crate computed (an integer)
+    "idle_ms",                   // ditto
 ];
 
 const SQL_WORDS: &[&str] = &[

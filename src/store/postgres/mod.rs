@@ -8,7 +8,10 @@
 //! are taken with `SKIP LOCKED`.
 //!
 //! Each connection keeps the statements it prepared, by the address of their `'static`
-//! text, so a statement is parsed and planned once per connection.
+//! text, so a statement is parsed and planned once per connection. Behind a transaction
+//! pooler, where the next transaction may run on another server connection, it keeps
+//! only each statement's parameter types and sends the statement unnamed with its
+//! values: one round trip, and no name left on the server.
 
 pub(crate) mod chunks;
 pub(crate) mod deliveries;
@@ -28,7 +31,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use postgres::types::ToSql;
+use postgres::types::{ToSql, Type};
 use postgres::{NoTls, Row, Statement};
 use r2d2_postgres::PostgresConnectionManager;
 
@@ -79,7 +82,8 @@ pub(crate) struct PgStore {
 }
 
 /// The settings that bound a transaction's waits, set in the round trip of its `BEGIN`
-/// (for the transaction only, so nothing leaks to other clients of a pooler):
+/// (for the transaction only, so nothing leaks to other clients of a pooler; one
+/// statement, which costs a fraction of a `SET LOCAL` each):
 ///
 /// - `lock_timeout`, the busy timeout: a write that waits longer for a lane, a caller
 ///   key or the rules fails with [`Error::Busy`] instead of waiting without limit;
@@ -91,11 +95,13 @@ pub(crate) struct PgStore {
 ///   cut) and the server ends it, freeing the lanes it held, in seconds, not when TCP
 ///   at last notices (hours by default).
 pub(crate) fn bounds(busy_timeout: Duration) -> String {
-    let lock = busy_timeout.as_millis().max(1);
-    let idle = (2 * busy_timeout.as_millis()).max(2_000);
+    let lock_ms = busy_timeout.as_millis().max(1);
+    let idle_ms = (2 * busy_timeout.as_millis()).max(2_000);
     format!(
-        "SET LOCAL lock_timeout = {lock}; SET LOCAL idle_in_transaction_session_timeout = {idle};
-         SET LOCAL jit = off; SET LOCAL max_parallel_workers_per_gather = 0"
+        "SELECT set_config('lock_timeout', '{lock_ms}', true),
+                set_config('idle_in_transaction_session_timeout', '{idle_ms}', true),
+                set_config('jit', 'off', true),
+                set_config('max_parallel_workers_per_gather', '0', true)"
     )
 }
 
@@ -378,6 +384,7 @@ impl r2d2::ManageConnection for Manager {
         Ok(PgConn {
             client: self.inner.connect()?,
             statements: HashMap::new(),
+            types: HashMap::new(),
             taken: std::time::Instant::now(),
             pooled: self.pooled,
         })
@@ -403,23 +410,25 @@ impl r2d2::ManageConnection for Manager {
 pub(crate) struct PgConn {
     pub(crate) client: postgres::Client,
     statements: HashMap<(usize, usize), Statement>,
-    /// Through a pooler in transaction mode: the statements prepared in a transaction
-    /// are closed before it ends (the next one may run on another server connection,
-    /// where a name kept here would be unknown, or another client's).
+    /// Through a pooler in transaction mode, instead: the parameter types of each
+    /// statement (the same on every server connection), learned by preparing it once;
+    /// it then runs unnamed (a statement kept by name would be unknown on the next
+    /// transaction's server connection, or another client's).
+    types: HashMap<(usize, usize), Arc<[Type]>>,
     pooled: bool,
     /// When it was last taken from the pool (or opened).
     taken: std::time::Instant,
 }
 
-impl PgConn {
-    /// Behind a transaction pooler, closes the statements this transaction prepared
-    /// (the messages go out before its `COMMIT` or `ROLLBACK`, on its server
-    /// connection); otherwise keeps them for the connection's next transactions.
-    fn forget_statements(&mut self) {
-        if self.pooled {
-            self.statements.clear();
-        }
-    }
+/// How a statement of the crate runs on a connection (see [`PgConn::types`]).
+enum Prepared {
+    Named(Statement),
+    Unnamed(Arc<[Type]>),
+}
+
+/// `params` with the types the statement takes.
+fn typed<'p>(params: Params<'p>, types: &[Type]) -> Vec<(&'p (dyn ToSql + Sync), Type)> {
+    params.iter().copied().zip(types.iter().cloned()).collect()
 }
 
 /// How long after its last use a connection is handed out without a check: a server
@@ -454,16 +463,21 @@ pub(crate) enum Begin {
 /// new outbox) can still read whole indexes; autovacuum's first analysis of the grown
 /// table replaces it (`plans.rs` shows that it does). Reads keep the server's choice:
 /// an inspection's optional filters want plans made for their values.
+///
+/// (More columns of the [`bounds`] statement.)
 macro_rules! write_planning {
     () => {
-        "SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off;
-         SET LOCAL enable_mergejoin = off; SET LOCAL enable_hashjoin = off"
+        ", set_config('plan_cache_mode', 'force_generic_plan', true),
+           set_config('enable_seqscan', 'off', true),
+           set_config('enable_mergejoin', 'off', true),
+           set_config('enable_hashjoin', 'off', true)"
     };
 }
 #[cfg(test)]
-pub(crate) const WRITE_PLANNING: &str = write_planning!();
+pub(crate) const WRITE_PLANNING: &str = concat!("SELECT 0", write_planning!());
 
-/// The round trip that begins a write: `BEGIN`, how it plans, the rules' lock, their
+/// The round trip that begins a write: `BEGIN`, the [`bounds`] and how it plans (one
+/// statement: this is the rest of it), the rules' lock, their
 /// version read after the lock is granted (each statement of a simple query takes its
 /// own snapshot, so a change of the rules committed while this one waited is seen).
 macro_rules! begin_write {
@@ -507,8 +521,8 @@ impl<'c> PgTx<'c> {
     /// for a read-only handle, so the server refuses its writes), or a read transaction
     /// that sees one snapshot throughout (REPEATABLE READ, READ ONLY).
     ///
-    /// `bounds` (see [`PgStore::bounds`]) runs right after `BEGIN`, in the same round
-    /// trip, before any lock is waited for.
+    /// `bounds` (see [`bounds`]) runs right after `BEGIN`, in the same round trip,
+    /// before any lock is waited for.
     pub(crate) fn begin(conn: &'c mut PgConn, kind: Begin, bounds: &str) -> Result<Self> {
         let ((begin, rest), rules_locked) = match kind {
             Begin::Write { change_rules } | Begin::WriteRefused { change_rules } => {
@@ -526,8 +540,7 @@ impl<'c> PgTx<'c> {
                 None,
             ),
         };
-        let sql = format!("{begin}; {bounds}; {rest}");
-        let sql = sql.trim_end_matches("; ");
+        let sql = format!("{begin}; {bounds}{rest}");
         let tx = PgTx {
             open: Cell::new(true),
             rules_locked: Cell::new(rules_locked),
@@ -538,8 +551,12 @@ impl<'c> PgTx<'c> {
             dead_letters: RefCell::new(Vec::new()),
             conn: RefCell::new(conn),
         };
-        let answer = tx.conn.borrow_mut().client.simple_query(sql)?;
-        let column = |i: usize| simple_column(&answer, i).and_then(|v| v.parse().ok());
+        let answer = tx.conn.borrow_mut().client.simple_query(&sql)?;
+        // A write's last row is its rules' version; a read's, its bounds: nothing to keep.
+        let column = |i: usize| {
+            rules_locked?;
+            simple_column(&answer, i).and_then(|v| v.parse().ok())
+        };
         // Without it (no row 1), `rules_version` asks again and reports what it finds.
         tx.rules_version.set(column(0));
         tx.server_ms.set(column(1));
@@ -577,7 +594,6 @@ impl<'c> PgTx<'c> {
         });
         self.open.set(false);
         let mut conn = self.conn.borrow_mut();
-        conn.forget_statements();
         let sql = if announce {
             listen::COMMIT_ANNOUNCED
         } else {
@@ -601,36 +617,63 @@ impl<'c> PgTx<'c> {
         }
     }
 
-    /// The prepared statement of `sql` on this connection.
-    fn statement(&self, sql: &'static str) -> Result<Statement> {
+    /// How `sql` runs on this connection: its prepared statement, or behind a
+    /// transaction pooler its parameter types (see [`PgConn::types`]).
+    fn statement(&self, sql: &'static str) -> Result<Prepared> {
         let mut conn = self.conn.borrow_mut();
         let key = (sql.as_ptr() as usize, sql.len());
+        if conn.pooled {
+            if let Some(types) = conn.types.get(&key) {
+                return Ok(Prepared::Unnamed(types.clone()));
+            }
+            // Closed when dropped: the message goes out with the next statement, on
+            // this transaction's server connection.
+            let types: Arc<[Type]> = conn.client.prepare(sql)?.params().into();
+            conn.types.insert(key, types.clone());
+            return Ok(Prepared::Unnamed(types));
+        }
         if let Some(stmt) = conn.statements.get(&key) {
-            return Ok(stmt.clone());
+            return Ok(Prepared::Named(stmt.clone()));
         }
         let stmt = conn.client.prepare(sql)?;
         conn.statements.insert(key, stmt.clone());
-        Ok(stmt)
+        Ok(Prepared::Named(stmt))
     }
 
     pub(crate) fn query(&self, sql: &'static str, params: Params<'_>) -> Result<Vec<Row>> {
-        let stmt = self.statement(sql)?;
-        Ok(self.conn.borrow_mut().client.query(&stmt, params)?)
+        let prepared = self.statement(sql)?;
+        let client = &mut self.conn.borrow_mut().client;
+        Ok(match prepared {
+            Prepared::Named(stmt) => client.query(&stmt, params)?,
+            Prepared::Unnamed(types) => client.query_typed(sql, &typed(params, &types))?,
+        })
     }
 
     pub(crate) fn query_opt(&self, sql: &'static str, params: Params<'_>) -> Result<Option<Row>> {
-        let stmt = self.statement(sql)?;
-        Ok(self.conn.borrow_mut().client.query_opt(&stmt, params)?)
+        let prepared = self.statement(sql)?;
+        let client = &mut self.conn.borrow_mut().client;
+        Ok(match prepared {
+            Prepared::Named(stmt) => client.query_opt(&stmt, params)?,
+            Prepared::Unnamed(types) => client.query_typed_opt(sql, &typed(params, &types))?,
+        })
     }
 
     pub(crate) fn query_one(&self, sql: &'static str, params: Params<'_>) -> Result<Row> {
-        let stmt = self.statement(sql)?;
-        Ok(self.conn.borrow_mut().client.query_one(&stmt, params)?)
+        let prepared = self.statement(sql)?;
+        let client = &mut self.conn.borrow_mut().client;
+        Ok(match prepared {
+            Prepared::Named(stmt) => client.query_one(&stmt, params)?,
+            Prepared::Unnamed(types) => client.query_typed_one(sql, &typed(params, &types))?,
+        })
     }
 
     pub(crate) fn execute(&self, sql: &'static str, params: Params<'_>) -> Result<u64> {
-        let stmt = self.statement(sql)?;
-        Ok(self.conn.borrow_mut().client.execute(&stmt, params)?)
+        let prepared = self.statement(sql)?;
+        let client = &mut self.conn.borrow_mut().client;
+        Ok(match prepared {
+            Prepared::Named(stmt) => client.execute(&stmt, params)?,
+            Prepared::Unnamed(types) => client.execute_typed(sql, &typed(params, &types))?,
+        })
     }
 
     /// A statement made at run time (a listing's filters, the application's text):
@@ -683,7 +726,6 @@ impl Drop for PgTx<'_> {
     fn drop(&mut self) {
         if self.open.get() {
             let mut conn = self.conn.borrow_mut();
-            conn.forget_statements();
             // A failed rollback leaves a broken connection, which the pool drops.
             let _ = conn.client.batch_execute("ROLLBACK");
         }
