@@ -316,7 +316,7 @@ impl Outbox {
                 pg_schema::migrate(&mut conn, options.upgrade_schema)?;
                 pg_schema::id_salt(&mut conn)?
             };
-            let tx = PgTx::begin(&mut conn, Begin::Read, &store.bounds)?;
+            let tx = PgTx::begin(&mut conn, Begin::Read, &store.begins)?;
             (salt, tx.load_rules()?)
         };
         let options = options.with_background_checkpoints(None);

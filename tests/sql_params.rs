@@ -21,6 +21,8 @@ const ALLOWED: &[&str] = &[
     "xid",                       // a transaction id (an integer) the server returned
     "lock_ms",                   // a timeout in ms the crate computed (an integer)
     "idle_ms",                   // ditto
+    "begin",                     // a BEGIN statement the crate wrote
+    "rules_lock",                // a literal of the crate's: 'shared', 'exclusive' or NULL
 ];
 
 const SQL_WORDS: &[&str] = &[

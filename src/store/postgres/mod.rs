@@ -77,13 +77,13 @@ pub(crate) struct PgStore {
     pub(crate) read_only: bool,
     /// The handle's time: the server's clock, read again at every write's `BEGIN`.
     pub(crate) time: Arc<ServerTime>,
-    /// What bounds every transaction's waits (see [`bounds`]).
-    pub(crate) bounds: String,
+    /// How each transaction begins (see [`Begins`]).
+    pub(crate) begins: Begins,
 }
 
-/// The settings that bound a transaction's waits, set in the round trip of its `BEGIN`
-/// (for the transaction only, so nothing leaks to other clients of a pooler; one
-/// statement, which costs a fraction of a `SET LOCAL` each):
+/// The round trip that begins each kind of transaction ([`Begin`]): `BEGIN`, then
+/// `outbound_begin` (schema V5; one call, planned once per session), which sets for the
+/// transaction only (nothing leaks to other clients of a pooler):
 ///
 /// - `lock_timeout`, the busy timeout: a write that waits longer for a lane, a caller
 ///   key or the rules fails with [`Error::Busy`] instead of waiting without limit;
@@ -93,16 +93,52 @@ pub(crate) struct PgStore {
 ///   a transaction of this crate never waits between its statements, so a session
 ///   left idle inside one has lost its client (a process frozen or killed, a network
 ///   cut) and the server ends it, freeing the lanes it held, in seconds, not when TCP
-///   at last notices (hours by default).
-pub(crate) fn bounds(busy_timeout: Duration) -> String {
-    let lock_ms = busy_timeout.as_millis().max(1);
-    let idle_ms = (2 * busy_timeout.as_millis()).max(2_000);
-    format!(
-        "SELECT set_config('lock_timeout', '{lock_ms}', true),
-                set_config('idle_in_transaction_session_timeout', '{idle_ms}', true),
-                set_config('jit', 'off', true),
-                set_config('max_parallel_workers_per_gather', '0', true)"
-    )
+///   at last notices (hours by default);
+///
+/// and, for a write, how it plans (below), then takes the rules' lock and reads, once
+/// the lock is granted, the rules' version, the server's clock and the schema's version.
+///
+/// How a write plans its statements: each statement is prepared once per connection;
+/// left to choose (`plan_cache_mode = auto`), the server plans most of the writes'
+/// statements afresh at every execution (their parameters are arrays and limits it
+/// cannot cost without values), and planning took longer than running them (an
+/// enqueue: 0.33 ms of planning, 0.14 ms of execution). A write runs the generic plan
+/// instead, made once per connection and kept until its tables' statistics change —
+/// the plan the plan tests check (`plans.rs`) — with the plans that read whole tables
+/// priced out (as [`PgTx::on_indexes`] does for a read). A plan made on empty tables (a
+/// new outbox) can still read whole indexes; autovacuum's first analysis of the grown
+/// table replaces it (`plans.rs` shows that it does). Reads keep the server's choice:
+/// an inspection's optional filters want plans made for their values.
+pub(crate) struct Begins {
+    read: String,
+    /// By `[read-only handle][change of the rules]`.
+    write: [[String; 2]; 2],
+}
+
+impl Begins {
+    pub(crate) fn new(busy_timeout: Duration) -> Self {
+        let lock_ms = busy_timeout.as_millis().max(1);
+        let idle_ms = (2 * busy_timeout.as_millis()).max(2_000);
+        let sql = |begin: &str, rules_lock: &str| {
+            format!("{begin}; SELECT * FROM outbound_begin({rules_lock}, {lock_ms}, {idle_ms})")
+        };
+        let write = |read_only: &str| {
+            let begin = format!("BEGIN ISOLATION LEVEL READ COMMITTED{read_only}");
+            [sql(&begin, "'shared'"), sql(&begin, "'exclusive'")]
+        };
+        Begins {
+            read: sql("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", "NULL"),
+            write: [write(""), write(" READ ONLY")],
+        }
+    }
+
+    fn sql(&self, kind: Begin) -> &str {
+        match kind {
+            Begin::Write { change_rules } => &self.write[0][usize::from(change_rules)],
+            Begin::WriteRefused { change_rules } => &self.write[1][usize::from(change_rules)],
+            Begin::Read => &self.read,
+        }
+    }
 }
 
 impl PgStore {
@@ -157,7 +193,7 @@ impl PgStore {
             target,
             read_only,
             time,
-            bounds: bounds(timeout),
+            begins: Begins::new(timeout),
         };
         // The same round trip aligns the handle's time with the server's (a simple
         // query: one message, which a transaction pooler passes whole).
@@ -191,7 +227,7 @@ impl PgStore {
         runtime::off_runtime(|| {
             let mut conn = self.connection()?;
             let before = self.time.local_ms();
-            let tx = PgTx::begin(&mut conn, kind, &self.bounds)?;
+            let tx = PgTx::begin(&mut conn, kind, &self.begins)?;
             if let Some(server) = tx.server_ms.get() {
                 self.time.observe(server, before, self.time.local_ms());
             }
@@ -452,52 +488,6 @@ pub(crate) enum Begin {
     Read,
 }
 
-/// How a write plans its statements. Each statement is prepared once per connection;
-/// left to choose (`plan_cache_mode = auto`), the server plans most of the writes'
-/// statements afresh at every execution (their parameters are arrays and limits it
-/// cannot cost without values), and planning took longer than running them (an
-/// enqueue: 0.33 ms of planning, 0.14 ms of execution). A write runs the generic plan
-/// instead, made once per connection and kept until its tables' statistics change —
-/// the plan the plan tests check (`plans.rs`) — with the plans that read whole tables
-/// priced out (as [`PgTx::on_indexes`] does for a read). A plan made on empty tables (a
-/// new outbox) can still read whole indexes; autovacuum's first analysis of the grown
-/// table replaces it (`plans.rs` shows that it does). Reads keep the server's choice:
-/// an inspection's optional filters want plans made for their values.
-///
-/// (More columns of the [`bounds`] statement.)
-macro_rules! write_planning {
-    () => {
-        ", set_config('plan_cache_mode', 'force_generic_plan', true),
-           set_config('enable_seqscan', 'off', true),
-           set_config('enable_mergejoin', 'off', true),
-           set_config('enable_hashjoin', 'off', true)"
-    };
-}
-#[cfg(test)]
-pub(crate) const WRITE_PLANNING: &str = concat!("SELECT 0", write_planning!());
-
-/// The round trip that begins a write: `BEGIN`, the [`bounds`] and how it plans (one
-/// statement: this is the rest of it), the rules' lock, their
-/// version read after the lock is granted (each statement of a simple query takes its
-/// own snapshot, so a change of the rules committed while this one waited is seen).
-macro_rules! begin_write {
-    ($read_only:literal, $lock:literal) => {
-        (
-            concat!("BEGIN ISOLATION LEVEL READ COMMITTED", $read_only),
-            concat!(
-                write_planning!(),
-                "; SELECT ",
-                $lock,
-                "(hashtextextended(current_schema() || '/rules', 0));
-             SELECT version, ",
-                server_ms!(),
-                ", (SELECT max(version) FROM outbound_schema_history)
-             FROM outbound_policy WHERE id = 1"
-            ),
-        )
-    };
-}
-
 /// One transaction on a connection: every primitive of the seam.
 pub(crate) struct PgTx<'c> {
     conn: RefCell<&'c mut PgConn>,
@@ -519,28 +509,15 @@ pub(crate) struct PgTx<'c> {
 impl<'c> PgTx<'c> {
     /// Begins a write transaction (READ COMMITTED, with the rules' locks; READ ONLY
     /// for a read-only handle, so the server refuses its writes), or a read transaction
-    /// that sees one snapshot throughout (REPEATABLE READ, READ ONLY).
-    ///
-    /// `bounds` (see [`bounds`]) runs right after `BEGIN`, in the same round trip,
-    /// before any lock is waited for.
-    pub(crate) fn begin(conn: &'c mut PgConn, kind: Begin, bounds: &str) -> Result<Self> {
-        let ((begin, rest), rules_locked) = match kind {
+    /// that sees one snapshot throughout (REPEATABLE READ, READ ONLY), in one round trip
+    /// (see [`Begins`]).
+    pub(crate) fn begin(conn: &'c mut PgConn, kind: Begin, begins: &Begins) -> Result<Self> {
+        let rules_locked = match kind {
             Begin::Write { change_rules } | Begin::WriteRefused { change_rules } => {
-                let refused = matches!(kind, Begin::WriteRefused { .. });
-                let sql = match (refused, change_rules) {
-                    (false, false) => begin_write!("", "pg_advisory_xact_lock_shared"),
-                    (false, true) => begin_write!("", "pg_advisory_xact_lock"),
-                    (true, false) => begin_write!(" READ ONLY", "pg_advisory_xact_lock_shared"),
-                    (true, true) => begin_write!(" READ ONLY", "pg_advisory_xact_lock"),
-                };
-                (sql, Some(change_rules))
+                Some(change_rules)
             }
-            Begin::Read => (
-                ("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", ""),
-                None,
-            ),
+            Begin::Read => None,
         };
-        let sql = format!("{begin}; {bounds}{rest}");
         let tx = PgTx {
             open: Cell::new(true),
             rules_locked: Cell::new(rules_locked),
@@ -551,13 +528,10 @@ impl<'c> PgTx<'c> {
             dead_letters: RefCell::new(Vec::new()),
             conn: RefCell::new(conn),
         };
-        let answer = tx.conn.borrow_mut().client.simple_query(&sql)?;
-        // A write's last row is its rules' version; a read's, its bounds: nothing to keep.
-        let column = |i: usize| {
-            rules_locked?;
-            simple_column(&answer, i).and_then(|v| v.parse().ok())
-        };
-        // Without it (no row 1), `rules_version` asks again and reports what it finds.
+        let answer = tx.conn.borrow_mut().client.simple_query(begins.sql(kind))?;
+        let column = |i: usize| simple_column(&answer, i).and_then(|v| v.parse().ok());
+        // Without it (a read, or no row 1), `rules_version` asks again and reports
+        // what it finds.
         tx.rules_version.set(column(0));
         tx.server_ms.set(column(1));
         tx.schema_version.set(column(2));
