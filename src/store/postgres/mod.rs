@@ -78,7 +78,7 @@ pub(crate) struct PgStore {
     /// The handle's time: the server's clock, read again at every write's `BEGIN`.
     pub(crate) time: Arc<ServerTime>,
     /// How each transaction begins (see [`Begins`]).
-    pub(crate) begins: Begins,
+    pub(crate) begins: Box<Begins>,
 }
 
 /// The round trip that begins each kind of transaction ([`Begin`]): `BEGIN`, then
@@ -193,7 +193,7 @@ impl PgStore {
             target,
             read_only,
             time,
-            begins: Begins::new(timeout),
+            begins: Box::new(Begins::new(timeout)),
         };
         // The same round trip aligns the handle's time with the server's (a simple
         // query: one message, which a transaction pooler passes whole).
