@@ -772,6 +772,24 @@ impl Outbox {
         }
     }
 
+    /// The outbox's time: what its rules store and compare (due times, leases, ages).
+    /// On PostgreSQL that is the server's clock — this handle's clock corrected by its
+    /// offset to the server's, measured at every write — so every host agrees on it; on
+    /// SQLite, this handle's clock. Give cutoffs on it rather than on the host's own
+    /// clock, which may be minutes off:
+    ///
+    /// ```
+    /// use chunked_outbox::{Outbox, OutboxOptions};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// let report = outbox.purge(outbox.now() - chrono::Duration::days(7))?;
+    /// assert_eq!(report.deliveries, 0);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        crate::clock::to_datetime(self.options().now_ms())
+    }
+
     /// The options this outbox was opened with.
     pub fn options(&self) -> &OutboxOptions {
         &self.inner.options

@@ -22,7 +22,8 @@ pub struct PurgeReport {
 }
 
 impl Outbox {
-    /// Removes deliveries (and their chunks) that finished before `finished_before`:
+    /// Removes deliveries (and their chunks) that finished before `finished_before`
+    /// (a time on the outbox's clock: [`now`](Self::now) minus the age to keep):
     /// delivered ones, cancelled ones, and dead letters that were acknowledged. Their
     /// `outbound_messages` rows stay. Unacknowledged dead letters and unfinished deliveries are never purged, nor
     /// is the newest delivery: keeping it means row ids, from which delivery ids are
@@ -44,7 +45,7 @@ impl Outbox {
     /// for claim in outbox.claim(10)? {
     ///     outbox.record(&claim, Outcome::delivered(None))?;
     /// }
-    /// let report = outbox.purge(chrono::Utc::now() + chrono::Duration::seconds(1))?;
+    /// let report = outbox.purge(outbox.now() + chrono::Duration::seconds(1))?;
     /// assert_eq!(report.deliveries, 1, "the newest delivery is kept");
     /// assert_eq!(outbox.health()?.totals.finalized_total, 2, "totals never drop");
     /// # Ok::<(), chunked_outbox::Error>(())

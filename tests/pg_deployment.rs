@@ -92,6 +92,32 @@ fn a_host_behind_neither_ages_replies_nor_waits_for_work() {
     c.ack(&claims[0], None).unwrap();
 }
 
+/// Purge cutoffs given on the outbox's time ([`Outbox::now`]) mean the same on every
+/// host: one an hour ahead keeping ten minutes keeps what just finished, and one an
+/// hour behind purging what finished by now purges it.
+#[test]
+fn purge_cutoffs_on_the_outbox_time_agree_across_hosts() {
+    let url = url();
+    let a = host(&url, SystemClock, OutboxOptions::default());
+    for chat in ["c1", "c2", "c3"] {
+        a.enqueue(&NewDelivery::single("t", chat, "hi")).unwrap();
+    }
+    for claim in a.claim(10).unwrap() {
+        a.ack(&claim, None).unwrap();
+    }
+    let hour = Duration::from_secs(3600);
+    let ahead = host(&url, SkewedClock::ahead(hour), OutboxOptions::default());
+    let kept = ahead
+        .purge(ahead.now() - chrono::Duration::minutes(10))
+        .unwrap();
+    assert_eq!(kept.deliveries, 0, "a host ahead purged what just finished");
+    let behind = host(&url, SkewedClock::behind(hour), OutboxOptions::default());
+    let purged = behind
+        .purge(behind.now() + chrono::Duration::seconds(5))
+        .unwrap();
+    assert_eq!(purged.deliveries, 2, "all but the newest");
+}
+
 /// The platform of [`a_round_keeps_every_outcome_the_store_can_hold`]: its answer per
 /// chat.
 struct Answers;

@@ -203,17 +203,28 @@ impl From<StatusArg> for DeliveryStatus {
     }
 }
 
-/// `--older-than`: the age, and the time it reaches back to.
+/// `--older-than`: an age, reaching back from the outbox's time (the server's, on
+/// PostgreSQL: this host's clock may be minutes off).
 #[derive(Clone, Copy)]
-struct Cutoff(DateTime<Utc>);
+struct Cutoff(chrono::Duration);
 
-/// Parses an age such as `7d` into the time that far back, refusing ages that reach
-/// before the calendar can (a usage error, not a crash).
+impl Cutoff {
+    /// The time `self` before the outbox's.
+    fn before(self, outbox: &Outbox) -> DateTime<Utc> {
+        outbox
+            .now()
+            .checked_sub_signed(self.0)
+            .unwrap_or(DateTime::<Utc>::MIN_UTC)
+    }
+}
+
+/// Parses an age such as `7d`, refusing ages that reach before the calendar can (a
+/// usage error, not a crash).
 fn cutoff(s: &str) -> Result<Cutoff, String> {
     let age = humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e}"))?;
     chrono::Duration::from_std(age)
         .ok()
-        .and_then(|age| Utc::now().checked_sub_signed(age))
+        .filter(|age| Utc::now().checked_sub_signed(*age).is_some())
         .map(Cutoff)
         .ok_or_else(|| format!("{s:?} reaches further back than any date; give a smaller age"))
 }
@@ -340,12 +351,18 @@ fn run(cli: Cli) -> CliResult<u8> {
             Ok(0)
         }
         Command::Purge {
-            older_than: Cutoff(cutoff),
+            older_than,
             dry_run,
         } => {
+            let outbox = if dry_run {
+                open_read_only(db)?
+            } else {
+                open_for_repair(db)?
+            };
+            let cutoff = older_than.before(&outbox);
             let before = cutoff.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
             if dry_run {
-                let report = open_read_only(db)?.purge_preview(cutoff)?;
+                let report = outbox.purge_preview(cutoff)?;
                 println!(
                     "would purge {} ({}) finished before {before}; nothing was removed",
                     plural(report.deliveries, "delivery", "deliveries"),
@@ -353,7 +370,6 @@ fn run(cli: Cli) -> CliResult<u8> {
                 );
                 return Ok(0);
             }
-            let outbox = open_for_repair(db)?;
             let report = outbox.purge(cutoff)?;
             outbox.checkpoint().ok();
             println!(
