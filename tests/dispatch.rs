@@ -517,6 +517,48 @@ fn events_report_each_finalized_reply_and_each_dead_letter_once<F: Flavour>() ->
     Ok(())
 }
 
+/// A reply whose parts were all delivered but whose history row the application's
+/// statement refused is reported once, as `Unfinalized`, with the statement's error and
+/// the platform's ids; the reply the statement takes is `Finalized`.
+fn events_report_a_reply_the_history_refuses<F: Flavour>() -> Result<()> {
+    let db = TestDb::default();
+    db.exec(
+        "CREATE TABLE app_history (
+             id   TEXT PRIMARY KEY,
+             chat TEXT NOT NULL CHECK (chat <> 'archived'))",
+    );
+    db.outbox.set_finalization(Some(
+        "INSERT INTO app_history (id, chat) VALUES (:delivery_id, :chat_id)",
+    ))?;
+    let platform = mixed_platform(&db);
+    let refused = enqueue(&db.outbox, "archived", &["one", "two"]);
+    let taken = enqueue(&db.outbox, "ok", &["x"]);
+    let events = Events::default();
+    let d = F::build_reporting(
+        db.outbox.clone(),
+        vec![("telegram", platform)],
+        Some(events.clone()),
+    );
+    drain(&db, &d, 900);
+    let events = events.lock().unwrap().clone();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert!(
+        events.iter().any(|e| matches!(e,
+            DispatchEvent::Unfinalized { delivery_id, chat_id, platform_message_ids, error, .. }
+                if *delivery_id == refused
+                    && chat_id == "archived"
+                    && *platform_message_ids == [Some("p-0".to_string()), Some("p-1".to_string())]
+                    && error.to_lowercase().contains("check"))),
+        "{events:?}"
+    );
+    assert!(
+        events.iter().any(|e| matches!(e,
+            DispatchEvent::Finalized { delivery_id, .. } if *delivery_id == taken)),
+        "{events:?}"
+    );
+    Ok(())
+}
+
 /// Item 5 of the review: the dead letters a dispatcher's own claim makes reach
 /// `on_event` once each too: a reply older than the maximum age, and a chunk whose
 /// lease ran out on its last attempt (the poison chunk that crashed its worker).
@@ -554,6 +596,7 @@ fn events_report_the_dead_letters_the_claim_makes<F: Flavour>() -> Result<()> {
 }
 
 both_flavours!(
+    events_report_a_reply_the_history_refuses,
     events_report_the_dead_letters_the_claim_makes,
     events_report_each_finalized_reply_and_each_dead_letter_once,
     stats_count_every_send_and_outcome,

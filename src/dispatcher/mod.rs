@@ -114,6 +114,25 @@ pub enum DispatchEvent {
         /// gave none).
         platform_message_ids: Vec<Option<String>>,
     },
+    /// Every chunk of a reply reached its chat, but the application's finalization
+    /// statement refused its history row: the reply is
+    /// [`Unfinalized`](crate::monitoring::DeliveryStatus::Unfinalized) until the
+    /// statement takes it
+    /// ([`Outbox::finalize_again`](crate::Outbox::finalize_again), or recovery once the
+    /// table is fixed).
+    Unfinalized {
+        /// The reply.
+        delivery_id: DeliveryId,
+        /// Its channel.
+        channel: String,
+        /// Its chat.
+        chat_id: String,
+        /// The platform's message id of each chunk, in order (`None` where the adapter
+        /// gave none).
+        platform_message_ids: Vec<Option<String>>,
+        /// What the statement met.
+        error: String,
+    },
     /// A reply became a dead letter: a chunk failed for good.
     DeadLetter {
         /// The reply.
@@ -702,7 +721,9 @@ impl Core {
             ChunkStatus::Pending | ChunkStatus::Sending => {}
         }
         if recorded.finalized {
-            self.report_finalized(claim);
+            self.report_delivered(claim, None);
+        } else if let Some(error) = &recorded.finalize_error {
+            self.report_delivered(claim, Some(error));
         }
         let next = recorded.next_attempt_at.map(|t| t.to_rfc3339());
         match recorded.status {
@@ -720,9 +741,10 @@ impl Core {
         }
     }
 
-    /// Tells the application's event sink, if it has one, that `claim`'s reply was
-    /// finalized, with the platform's message id of each chunk.
-    fn report_finalized(&self, claim: &Claim) {
+    /// Tells the application's event sink, if it has one, that every chunk of
+    /// `claim`'s reply was delivered, with the platform's message id of each: finalized,
+    /// or refused by the finalization statement for `refusal`.
+    fn report_delivered(&self, claim: &Claim, refusal: Option<&str>) {
         if self.events.is_none() {
             return;
         }
@@ -734,15 +756,26 @@ impl Core {
                 return;
             }
         };
-        self.emit(DispatchEvent::Finalized {
-            delivery_id: claim.delivery_id,
-            channel: view.channel,
-            chat_id: view.chat_id,
-            platform_message_ids: view
-                .chunks
-                .into_iter()
-                .map(|c| c.platform_message_id)
-                .collect(),
+        let (channel, chat_id, delivery_id) = (view.channel, view.chat_id, claim.delivery_id);
+        let platform_message_ids = view
+            .chunks
+            .into_iter()
+            .map(|c| c.platform_message_id)
+            .collect();
+        self.emit(match refusal {
+            None => DispatchEvent::Finalized {
+                delivery_id,
+                channel,
+                chat_id,
+                platform_message_ids,
+            },
+            Some(error) => DispatchEvent::Unfinalized {
+                delivery_id,
+                channel,
+                chat_id,
+                platform_message_ids,
+                error: error.to_owned(),
+            },
         });
     }
 
