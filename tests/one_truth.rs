@@ -370,6 +370,66 @@ fn an_upgrade_keeps_the_applications_indexes_and_triggers_on_the_outbox_tables()
     Ok(())
 }
 
+/// Issue 37, item 1: the migrations that rebuild the outbox's tables failed on a view
+/// of the application's that reads them, and on a trigger of its own table whose body
+/// names them ("error in view app_open_replies: no such table"). A version-1 file with
+/// both upgrades; the view reads the new tables and the trigger writes them.
+#[test]
+fn an_upgrade_keeps_the_applications_views_and_triggers_that_read_the_outbox() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v1.db");
+    v1_file(
+        &path,
+        "CREATE VIEW app_open_replies AS
+             SELECT d.uid, d.chat_id, c.chunk_index, c.status
+             FROM outbound_deliveries d JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
+             WHERE d.status IN ('pending', 'partial');
+         CREATE TABLE app_muted (chat_id TEXT);
+         CREATE TRIGGER app_mutes AFTER INSERT ON app_muted
+         BEGIN UPDATE outbound_deliveries SET sender = 'muted' WHERE chat_id = new.chat_id; END;",
+    )?;
+    let outbox = Outbox::open(&path, OutboxOptions::default())?;
+    let id = outbox
+        .enqueue(&NewDelivery::chunked("telegram", "42", "a b", ["a", "b"]))?
+        .id;
+    let raw = common::raw(&path);
+    let open: Vec<(String, i64)> = raw
+        .prepare("SELECT uid, chunk_index FROM app_open_replies ORDER BY chunk_index")?
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+        .collect::<rusqlite::Result<_>>()?;
+    assert_eq!(open, [(id.to_string(), 0), (id.to_string(), 1)]);
+    raw.execute("INSERT INTO app_muted VALUES ('42')", [])?;
+    let sender: Option<String> = raw.query_row(
+        "SELECT sender FROM outbound_deliveries WHERE uid = ?1",
+        [id.to_string()],
+        |r| r.get(0),
+    )?;
+    assert_eq!(sender.as_deref(), Some("muted"));
+    Ok(())
+}
+
+/// A view of the application's that reads what an upgrade removes (version 1's lane
+/// pauses) fails the upgrade before anything changes, naming the view and what to do.
+#[test]
+fn an_upgrade_that_would_break_an_applications_view_names_it_and_changes_nothing() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v1.db");
+    v1_file(
+        &path,
+        "CREATE VIEW app_paused AS SELECT chat_id FROM outbound_lane_pauses;",
+    )?;
+    let before = std::fs::read(&path).unwrap();
+    let err = Outbox::open(&path, OutboxOptions::default()).unwrap_err();
+    let message = err.to_string();
+    assert!(matches!(err, Error::Migration { .. }), "{err:?}");
+    assert!(
+        message.contains("app_paused") && message.contains("drop it"),
+        "{message}"
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), before, "the file as it was");
+    Ok(())
+}
+
 backends! {
     /// Found: one row with an unparsable uid made every claim fail (as `InvalidInput`).
     /// It is set aside as corrupt, reported, and the others are served.

@@ -12,10 +12,14 @@ use crate::error::{Error, Result};
 /// runs first: DROP TABLE drops every index and trigger of the table, the application's
 /// too, so those of the application are kept aside in a temporary table, to be
 /// re-created by `restore_application_schema` (SQLite's documented procedure for a
-/// table change). A macro, so `concat!` can put it before the migration's own SQL.
+/// table change). Views and the triggers of other tables that name the table are left
+/// in place: `legacy_alter_table` lets the new table take the old name without SQLite
+/// refusing them meanwhile, and `check_application_objects` tests them after. A macro,
+/// so `concat!` can put it before the migration's own SQL.
 macro_rules! keep_application_schema {
     () => {
-        "CREATE TEMP TABLE IF NOT EXISTS outbox_kept_schema (name TEXT PRIMARY KEY, sql TEXT NOT NULL);
+        "PRAGMA legacy_alter_table = ON;
+CREATE TEMP TABLE IF NOT EXISTS outbox_kept_schema (name TEXT PRIMARY KEY, sql TEXT NOT NULL);
 INSERT OR IGNORE INTO temp.outbox_kept_schema (name, sql)
 SELECT name, sql FROM main.sqlite_master
 WHERE (type = 'index' OR type = 'trigger') AND sql IS NOT NULL
@@ -92,7 +96,42 @@ fn restore_application_schema(tx: &Connection) -> rusqlite::Result<()> {
             })?;
         }
     }
-    tx.execute_batch("DROP TABLE temp.outbox_kept_schema")
+    tx.execute_batch("DROP TABLE temp.outbox_kept_schema; PRAGMA legacy_alter_table = OFF")?;
+    check_application_objects(tx)
+}
+
+/// Checks that every view and trigger in the file still reads what exists, now that a
+/// rebuild renamed its new table to the old name without looking at them (SQLite's
+/// `legacy_alter_table`, so that the application's views and the triggers of its own
+/// tables, which name the table, are not refused while it is briefly gone): renaming a
+/// scratch table makes SQLite test each of them, and one that no longer applies fails
+/// the upgrade, which then names it ([`advice`]).
+fn check_application_objects(tx: &Connection) -> rusqlite::Result<()> {
+    tx.execute_batch("SAVEPOINT outbox_upgrade_check")?;
+    let checked = tx.execute_batch(
+        "CREATE TABLE outbox_upgrade_check (x);
+         ALTER TABLE outbox_upgrade_check RENAME TO outbox_upgrade_checked;",
+    );
+    tx.execute_batch("ROLLBACK TO outbox_upgrade_check; RELEASE outbox_upgrade_check")?;
+    checked
+}
+
+/// SQLite's `message` about a failed upgrade, with what to do when it names a view or a
+/// trigger (the application's: the outbox has none) that reads what the upgrade changes.
+fn advice(message: String) -> String {
+    let object = ["view", "trigger"].into_iter().find_map(|kind| {
+        let rest = message.strip_prefix("error in ")?.strip_prefix(kind)?;
+        let name = rest.trim_start().split(':').next()?.trim();
+        Some((kind, name.to_owned()))
+    });
+    match object {
+        Some((kind, name)) => format!(
+            "{message} (the {kind} {name} reads what this upgrade changes: drop it, open the \
+             outbox to upgrade the file, then create it again against the new tables; \
+             nothing was changed)"
+        ),
+        None => message,
+    }
 }
 
 /// Rust that a migration runs after its SQL.
@@ -164,7 +203,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     conn.set_transaction_behavior(TransactionBehavior::Immediate);
     let result = migrations().to_latest(conn);
     conn.set_transaction_behavior(TransactionBehavior::Deferred);
-    match result {
+    let outcome = match result {
         Ok(()) => Ok(()),
         Err(_) if user_version(conn)? == SCHEMA_VERSION => Ok(()),
         Err(rusqlite_migration::Error::RusqliteError { err, .. }) => match Error::from(err) {
@@ -177,7 +216,11 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             statement: String::new(),
             message: e.to_string(),
         }),
-    }
+    };
+    // A rebuild that failed, or its replay, may have left it on (see
+    // `check_application_objects`).
+    conn.execute_batch("PRAGMA legacy_alter_table = OFF")?;
+    outcome
 }
 
 /// Finds which statement of which migration fails on this file, replaying the
@@ -203,7 +246,7 @@ fn failed_statement(conn: &mut Connection, from: i64) -> Error {
                 return Error::Migration {
                     version: i as i64 + 1,
                     statement: code.join("\n").trim().to_owned(),
-                    message: sqlite_message(&e),
+                    message: advice(sqlite_message(&e)),
                 };
             }
         }
@@ -213,7 +256,7 @@ fn failed_statement(conn: &mut Connection, from: i64) -> Error {
             return Error::Migration {
                 version: i as i64 + 1,
                 statement: what.into(),
-                message: sqlite_message(&e),
+                message: advice(sqlite_message(&e)),
             };
         }
     }
@@ -347,6 +390,42 @@ mod tests {
                 " SELECT 2;"
             ]
         );
+    }
+
+    /// After a rebuild renamed without looking (`legacy_alter_table`), the check finds
+    /// a view that no longer reads what exists, and the advice names it and what to do.
+    #[test]
+    fn a_view_a_rebuild_broke_is_found_and_named() {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(
+            "CREATE TABLE t (a, b); CREATE VIEW app_reads_a AS SELECT a FROM t;
+             CREATE TABLE app_log (x);
+             CREATE TRIGGER app_logs AFTER INSERT ON app_log BEGIN UPDATE t SET b = new.x; END;",
+        )
+        .unwrap();
+        check_application_objects(&conn).unwrap();
+        conn.execute_batch(
+            "PRAGMA legacy_alter_table = ON; DROP TABLE t; CREATE TABLE t_new (b);
+             ALTER TABLE t_new RENAME TO t; PRAGMA legacy_alter_table = OFF;",
+        )
+        .unwrap();
+        let message = advice(sqlite_message(
+            &check_application_objects(&conn).unwrap_err(),
+        ));
+        assert!(
+            message.starts_with(
+                "error in view app_reads_a: no such column: a (the view app_reads_a reads"
+            ) && message.contains("drop it"),
+            "{message}"
+        );
+        conn.execute_batch("DROP VIEW app_reads_a").unwrap();
+        check_application_objects(&conn).unwrap();
+        conn.execute_batch("DROP TABLE t").unwrap();
+        let message = advice(sqlite_message(
+            &check_application_objects(&conn).unwrap_err(),
+        ));
+        assert!(message.contains("(the trigger app_logs reads"), "{message}");
+        assert_eq!(advice("disk I/O error".into()), "disk I/O error");
     }
 
     /// A file of version 1 whose history table cannot be renamed (something already
