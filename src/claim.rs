@@ -177,7 +177,10 @@ pub enum RecoverScope {
 /// claim's token). It may be what crashed that process, and every chunk in flight with
 /// it when the crash came was charged an attempt: sent beside other chunks again, it
 /// would charge them at every crash until an innocent reply ran out of attempts. So a
-/// suspect is sent alone, and a crash while it is alone charges only itself.
+/// suspect is sent alone, and a crash while it is alone charges only itself. A
+/// dispatcher holds its other sends back for one lease of the suspect at most (and a
+/// suspect for one lease of the sends before it): a send that hangs beyond that is left
+/// to its worker, and the other chats are served (see `dispatcher::Run`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Isolation {
     /// Nothing else of the claimer is in flight: a suspect is claimed only as the whole

@@ -65,7 +65,9 @@ impl<A: ?Sized> DispatcherBuilder<A> {
 
     /// Records a send that has not returned within `timeout` as
     /// [`Outcome::Ambiguous`](crate::Outcome::Ambiguous) (it may have reached the platform) and moves on. Default
-    /// none: an adapter should bound its own I/O. The async flavour drops the send's
+    /// none: an adapter should bound its own I/O. Without it, a send that hangs holds
+    /// its worker (its lease renewed) but never the other chats for longer than a lease,
+    /// even when it is sent alone after a crash. The async flavour drops the send's
     /// future; the blocking flavour runs each send on a thread of its own and abandons
     /// one that does not return in time (its eventual result is ignored).
     pub fn send_timeout(mut self, timeout: Option<Duration>) -> Self {

@@ -283,10 +283,14 @@ impl Counters {
 pub(crate) struct Run {
     stopping: AtomicBool,
     /// Claims this run holds (in flight, or waiting for their outcome to be recorded),
-    /// with their token and lease expiry (outbox clock, ms), for the keeper to renew.
-    held: Mutex<HashMap<ChunkId, (i64, i64)>>,
+    /// with their token and lease expiry (outbox clock, ms), for the keeper to renew,
+    /// and the end of their first lease, until which they count for isolation (below).
+    held: Mutex<HashMap<ChunkId, (i64, i64, i64)>>,
     /// The held claims that are suspects (see `claim::Isolation`): while one is in
-    /// flight, nothing else of this process is claimed.
+    /// flight, nothing else of this process is claimed — for one lease at most. A send
+    /// still in flight after its first lease (one that hangs, with no send timeout) no
+    /// longer holds the others back, and is left to its worker like any send that
+    /// outlived its lease: the other chats are served.
     suspects: Mutex<HashSet<ChunkId>>,
     /// Whether the last claim stopped at a suspect because other sends were in
     /// flight: the workers then wait until those are recorded, not for a due time.
@@ -313,7 +317,8 @@ impl Run {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         let mut suspects = self.suspects.lock().unwrap_or_else(|e| e.into_inner());
         for c in claims {
-            held.insert(c.chunk_id, (c.token, c.lease_until.timestamp_millis()));
+            let until = c.lease_until.timestamp_millis();
+            held.insert(c.chunk_id, (c.token, until, until));
             if c.suspect {
                 suspects.insert(c.chunk_id);
             }
@@ -331,37 +336,33 @@ impl Run {
             .remove(&chunk);
     }
 
-    /// Whether claims other than those of `done` (about to be recorded) are in flight,
-    /// and whether one of those is a suspect.
-    fn in_flight_besides(&self, done: &[(Claim, Outcome)]) -> (bool, bool) {
+    /// Whether claims other than those of `done` (about to be recorded) are in flight
+    /// within their first lease at `now`, and whether one of those is a suspect.
+    fn in_flight_besides(&self, done: &[(Claim, Outcome)], now: i64) -> (bool, bool) {
         let recording = |chunk: &ChunkId| done.iter().any(|(c, _)| c.chunk_id == *chunk);
         let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let counts = |c: &ChunkId| !recording(c) && held.get(c).is_some_and(|h| now < h.2);
         let suspects = self.suspects.lock().unwrap_or_else(|e| e.into_inner());
-        (
-            held.keys().any(|c| !recording(c)),
-            suspects.iter().any(|c| !recording(c)),
-        )
+        (held.keys().any(counts), suspects.iter().any(counts))
     }
 
     /// Whether an idle worker must wait for this run's sends in flight to be recorded
-    /// before it claims again: a suspect is in flight, or the last claim stopped at one
-    /// while other sends were. Read afresh at every look, so a recorded outcome (which
-    /// wakes the idle workers) ends the wait.
-    pub(crate) fn gated(&self) -> bool {
-        if !self
-            .suspects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_empty()
-        {
-            return true;
+    /// before it claims again — a suspect is in flight, or the last claim stopped at
+    /// one while other sends were — and if so, until when at most: the end of the
+    /// first lease of the sends it waits for. Read afresh at every look, so a recorded
+    /// outcome (which wakes the idle workers) ends the wait.
+    pub(crate) fn gate(&self, now: i64) -> Option<i64> {
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let isolating = |c: &ChunkId| held.get(c).map(|h| h.2).filter(|until| now < *until);
+        let suspects = self.suspects.lock().unwrap_or_else(|e| e.into_inner());
+        let by_suspects = suspects.iter().filter_map(isolating).max();
+        if by_suspects.is_some() {
+            return by_suspects;
         }
-        self.held_back.load(Ordering::SeqCst)
-            && !self
-                .held
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_empty()
+        if self.held_back.load(Ordering::SeqCst) {
+            return held.keys().filter_map(isolating).max();
+        }
+        None
     }
 
     /// The lease expiry this run knows for a claim it holds (renewals included).
@@ -370,7 +371,7 @@ impl Run {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&claim.chunk_id)
-            .map_or(claim.lease_until.timestamp_millis(), |(_, until)| *until)
+            .map_or(claim.lease_until.timestamp_millis(), |(_, until, _)| *until)
     }
 
     /// Counts a worker in; the returned guard counts it out when the worker ends, by
@@ -492,7 +493,8 @@ impl Core {
         limit: usize,
     ) -> Result<Vec<Claim>> {
         let _turn = run.claim_turn.lock().unwrap_or_else(|e| e.into_inner());
-        let (busy, suspect_in_flight) = run.in_flight_besides(done);
+        let now = self.outbox.options().now_ms();
+        let (busy, suspect_in_flight) = run.in_flight_besides(done, now);
         // While a suspect is in flight, this process sends nothing beside it.
         let limit = if suspect_in_flight { 0 } else { limit };
         if done.is_empty() && limit == 0 {
@@ -582,12 +584,13 @@ impl Core {
 
     /// When an idle worker of `run` should look again (ms, outbox clock): when the next
     /// chunk of our channels is due, or — while the run must first see its sends in
-    /// flight recorded ([`Run::gated`]) — `None`, a wait for a wake-up or the poll.
+    /// flight recorded ([`Run::gate`]) — when that wait ends, unless a wake-up (an
+    /// outcome recorded) or the poll comes first.
     pub(crate) fn next_due_in(&self, run: &Run) -> Option<i64> {
-        if run.gated() {
-            return None;
+        match run.gate(self.outbox.options().now_ms()) {
+            Some(opens) => Some(opens),
+            None => self.next_due(),
         }
-        self.next_due()
     }
 
     /// When the next chunk of our channels is due (ms, outbox clock), if any; now, if
@@ -853,8 +856,8 @@ fn renew_due(core: &Core, run: &Run) -> usize {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .iter()
-        .filter(|(_, (_, until))| until - now <= lease / 2)
-        .map(|(chunk, (token, _))| (*chunk, *token))
+        .filter(|(_, (_, until, _))| until - now <= lease / 2)
+        .map(|(chunk, (token, ..))| (*chunk, *token))
         .collect();
     if due.is_empty() {
         return 0;
@@ -905,6 +908,11 @@ mod tests {
     use crate::enqueue::NewDelivery;
     use crate::options::OutboxOptions;
 
+    /// Whether `run` waits for its sends in flight, at `core`'s time.
+    fn gated(run: &Run, core: &Core) -> bool {
+        run.gate(core.outbox.options().now_ms()).is_some()
+    }
+
     /// A platform that accepts every send (also for the send threads' tests).
     pub(super) struct Accept;
 
@@ -953,15 +961,15 @@ mod tests {
         clock.advance(Duration::from_secs(41)); // the process died; its leases ran out
 
         let run = Run::default();
-        assert!(!run.gated());
+        assert!(!gated(&run, core));
         let first = core.step(&run, &mut Vec::new(), 3).unwrap();
         assert_eq!(first.len(), 1, "a suspect goes alone");
         assert!(first[0].suspect);
-        assert!(run.gated(), "nothing beside a suspect in flight");
+        assert!(gated(&run, core), "nothing beside a suspect in flight");
         assert_eq!(
             core.next_due_in(&run),
-            None,
-            "wait for the outcome, not a due time"
+            Some(first[0].lease_until.timestamp_millis()),
+            "wait for the outcome, for one lease at most; not for a due time"
         );
         assert!(core.next_due().is_some(), "the other suspects are due");
         assert!(
@@ -982,7 +990,7 @@ mod tests {
         assert_eq!(third.len(), 1, "and the last, alone too");
         let mut done = vec![(third[0].clone(), Outcome::delivered(None))];
         assert!(core.step(&run, &mut done, 3).unwrap().is_empty());
-        assert!(!run.gated());
+        assert!(!gated(&run, core));
         assert_eq!(outbox.health().unwrap().totals.finalized_total, 3);
     }
 
@@ -1012,16 +1020,103 @@ mod tests {
         let ordinary = core.step(&run, &mut Vec::new(), 1).unwrap();
         assert_eq!(ordinary.len(), 1);
         assert!(!ordinary[0].suspect, "the fresh reply was due first");
-        assert!(!run.gated());
+        assert!(!gated(&run, core));
         assert!(
             core.step(&run, &mut Vec::new(), 1).unwrap().is_empty(),
             "the suspect is next: not beside a send in flight"
         );
-        assert!(run.gated(), "wait for the send in flight");
+        assert!(gated(&run, core), "wait for the send in flight");
         let mut done = vec![(ordinary[0].clone(), Outcome::delivered(None))];
         let suspect = core.step(&run, &mut done, 1).unwrap();
         assert_eq!(suspect.len(), 1);
         assert!(suspect[0].suspect);
+    }
+
+    /// Issue 37, item 2: a suspect whose send hangs (no send timeout; the keeper renews
+    /// its lease) holds the process's other chats back for one lease at most, then they
+    /// are served beside it.
+    #[test]
+    fn a_hanging_suspect_holds_the_other_chats_back_for_one_lease_at_most() {
+        let (shared, clock) = setup(1);
+        let core = &shared.core;
+        let outbox = &core.outbox;
+        outbox
+            .set_channel_policy("t", Some(crate::rules::ChannelPolicy::replayable()))
+            .unwrap();
+        assert_eq!(
+            core.step(&Run::default(), &mut Vec::new(), 1)
+                .unwrap()
+                .len(),
+            1
+        );
+        clock.advance(Duration::from_secs(41)); // that process died; its lease ran out
+        outbox
+            .enqueue(&NewDelivery::single("t", "other", "y"))
+            .unwrap();
+
+        let run = Run::default();
+        let suspect = core.step(&run, &mut Vec::new(), 1).unwrap();
+        assert!(suspect.len() == 1 && suspect[0].suspect, "{suspect:?}");
+        let lease_end = suspect[0].lease_until.timestamp_millis();
+        // Its send hangs; the keeper keeps its lease.
+        for _ in 0..2 {
+            clock.advance(Duration::from_millis(19_999));
+            renew_due(core, &run);
+            assert!(
+                core.step(&run, &mut Vec::new(), 1).unwrap().is_empty(),
+                "the other chat waits while the suspect is within its first lease"
+            );
+        }
+        assert_eq!(
+            core.next_due_in(&run),
+            Some(lease_end),
+            "an idle worker looks then"
+        );
+        clock.advance(Duration::from_millis(2));
+        let other = core.step(&run, &mut Vec::new(), 1).unwrap();
+        assert_eq!(other.len(), 1, "served once the suspect outlived its lease");
+        assert_eq!(
+            (other[0].chat_id.as_str(), other[0].suspect),
+            ("other", false)
+        );
+    }
+
+    /// The same bound for an ordinary send that hangs after a claim stopped at a
+    /// suspect behind it: the suspect waits one lease of that send at most, then goes.
+    #[test]
+    fn a_hanging_send_holds_a_suspect_back_for_one_lease_at_most() {
+        let (shared, clock) = setup(1);
+        let core = &shared.core;
+        let outbox = &core.outbox;
+        outbox
+            .set_channel_policy("t", Some(crate::rules::ChannelPolicy::replayable()))
+            .unwrap();
+        assert_eq!(
+            core.step(&Run::default(), &mut Vec::new(), 1)
+                .unwrap()
+                .len(),
+            1
+        );
+        outbox
+            .enqueue(&NewDelivery::single("t", "fresh", "y"))
+            .unwrap();
+        clock.advance(Duration::from_secs(41)); // the first claim's process died
+
+        let run = Run::default();
+        let ordinary = core.step(&run, &mut Vec::new(), 1).unwrap();
+        assert!(ordinary.len() == 1 && !ordinary[0].suspect, "{ordinary:?}");
+        assert!(
+            core.step(&run, &mut Vec::new(), 1).unwrap().is_empty(),
+            "stopped at the suspect"
+        );
+        for _ in 0..2 {
+            clock.advance(Duration::from_millis(19_999));
+            renew_due(core, &run);
+            assert!(core.step(&run, &mut Vec::new(), 1).unwrap().is_empty());
+        }
+        clock.advance(Duration::from_millis(2));
+        let suspect = core.step(&run, &mut Vec::new(), 1).unwrap();
+        assert!(suspect.len() == 1 && suspect[0].suspect, "{suspect:?}");
     }
 
     /// What a run has in flight besides the claims being recorded, and whether it is
@@ -1036,26 +1131,34 @@ mod tests {
             c
         };
         let (ordinary, suspect) = (claim(1, false), claim(2, true));
+        let now = ordinary
+            .lease_until
+            .timestamp_millis()
+            .min(suspect.lease_until.timestamp_millis())
+            - 1;
         let run = Run::default();
-        assert_eq!(run.in_flight_besides(&[]), (false, false));
-        assert!(!run.gated());
+        assert_eq!(run.in_flight_besides(&[], now), (false, false));
+        assert!(run.gate(now).is_none());
         run.hold(&[ordinary.clone(), suspect.clone()]);
         let done = |c: &Claim| vec![(c.clone(), Outcome::delivered(None))];
-        assert_eq!(run.in_flight_besides(&[]), (true, true));
-        assert_eq!(run.in_flight_besides(&done(&ordinary)), (true, true));
-        assert_eq!(run.in_flight_besides(&done(&suspect)), (true, false));
+        assert_eq!(run.in_flight_besides(&[], now), (true, true));
+        assert_eq!(run.in_flight_besides(&done(&ordinary), now), (true, true));
+        assert_eq!(run.in_flight_besides(&done(&suspect), now), (true, false));
         let both = [done(&ordinary), done(&suspect)].concat();
-        assert_eq!(run.in_flight_besides(&both), (false, false));
-        assert!(run.gated(), "a suspect is in flight");
+        assert_eq!(run.in_flight_besides(&both, now), (false, false));
+        assert!(run.gate(now).is_some(), "a suspect is in flight");
         run.let_go(suspect.chunk_id);
-        assert!(!run.gated(), "an ordinary claim alone does not gate");
+        assert!(
+            run.gate(now).is_none(),
+            "an ordinary claim alone does not gate"
+        );
         run.held_back.store(true, Ordering::SeqCst);
         assert!(
-            run.gated(),
+            run.gate(now).is_some(),
             "a claim stopped at a suspect while it was in flight"
         );
         run.let_go(ordinary.chunk_id);
-        assert!(!run.gated(), "nothing in flight: claim again");
+        assert!(run.gate(now).is_none(), "nothing in flight: claim again");
     }
 
     /// As [`setup`], on a file (so another connection can lock it or change its
