@@ -1073,6 +1073,10 @@ mod tests {
             "an idle worker looks then"
         );
         clock.advance(Duration::from_millis(2));
+        assert!(
+            core.next_due_in(&run) < Some(lease_end),
+            "the wait is over: the other chat's reply is due"
+        );
         let other = core.step(&run, &mut Vec::new(), 1).unwrap();
         assert_eq!(other.len(), 1, "served once the suspect outlived its lease");
         assert_eq!(
