@@ -943,6 +943,16 @@ mod tests {
         (shared, clock)
     }
 
+    /// On a channel that may replay, claims the one due chunk in a run that then dies:
+    /// once its lease runs out, the chunk is a suspect.
+    fn claim_in_a_run_that_dies(core: &Core) {
+        core.outbox
+            .set_channel_policy("t", Some(crate::rules::ChannelPolicy::replayable()))
+            .unwrap();
+        let claimed = core.step(&Run::default(), &mut Vec::new(), 1).unwrap();
+        assert_eq!(claimed.len(), 1);
+    }
+
     /// Item 8 of the review: after a crash, the chunks whose leases ran out (suspects)
     /// go out one at a time, each alone in the process. A worker claims one; another
     /// worker claims nothing while it is in flight, and waits for its outcome (the run
@@ -1002,15 +1012,7 @@ mod tests {
         let (shared, clock) = setup(1);
         let core = &shared.core;
         let outbox = &core.outbox;
-        outbox
-            .set_channel_policy("t", Some(crate::rules::ChannelPolicy::replayable()))
-            .unwrap();
-        assert_eq!(
-            core.step(&Run::default(), &mut Vec::new(), 1)
-                .unwrap()
-                .len(),
-            1
-        );
+        claim_in_a_run_that_dies(core);
         outbox
             .enqueue(&NewDelivery::single("t", "fresh", "y"))
             .unwrap();
@@ -1040,15 +1042,7 @@ mod tests {
         let (shared, clock) = setup(1);
         let core = &shared.core;
         let outbox = &core.outbox;
-        outbox
-            .set_channel_policy("t", Some(crate::rules::ChannelPolicy::replayable()))
-            .unwrap();
-        assert_eq!(
-            core.step(&Run::default(), &mut Vec::new(), 1)
-                .unwrap()
-                .len(),
-            1
-        );
+        claim_in_a_run_that_dies(core);
         clock.advance(Duration::from_secs(41)); // that process died; its lease ran out
         outbox
             .enqueue(&NewDelivery::single("t", "other", "y"))
@@ -1092,15 +1086,7 @@ mod tests {
         let (shared, clock) = setup(1);
         let core = &shared.core;
         let outbox = &core.outbox;
-        outbox
-            .set_channel_policy("t", Some(crate::rules::ChannelPolicy::replayable()))
-            .unwrap();
-        assert_eq!(
-            core.step(&Run::default(), &mut Vec::new(), 1)
-                .unwrap()
-                .len(),
-            1
-        );
+        claim_in_a_run_that_dies(core);
         outbox
             .enqueue(&NewDelivery::single("t", "fresh", "y"))
             .unwrap();
