@@ -1004,22 +1004,18 @@ mod tests {
         assert_eq!(outbox.health().unwrap().totals.finalized_total, 3);
     }
 
-    /// A suspect that comes after an ordinary chunk in flight waits for that chunk's
-    /// outcome: the other worker's claim stops at it, claims nothing, and the run is
-    /// gated until the chunk in flight is recorded; then the suspect goes alone.
-    #[test]
-    fn a_suspect_waits_for_the_sends_in_flight() {
-        let (shared, clock) = setup(1);
-        let core = &shared.core;
-        let outbox = &core.outbox;
+    /// A run with an ordinary send in flight (a fresh reply, due first) whose next
+    /// claim stopped at the suspect behind it (claimed by a run that died), so it is
+    /// gated; the run and the send in flight.
+    fn a_send_in_flight_before_a_suspect(core: &Core, clock: &ManualClock) -> (Run, Claim) {
         claim_in_a_run_that_dies(core);
-        outbox
+        core.outbox
             .enqueue(&NewDelivery::single("t", "fresh", "y"))
             .unwrap();
         clock.advance(Duration::from_secs(41)); // the first claim's process died
 
         let run = Run::default();
-        let ordinary = core.step(&run, &mut Vec::new(), 1).unwrap();
+        let mut ordinary = core.step(&run, &mut Vec::new(), 1).unwrap();
         assert_eq!(ordinary.len(), 1);
         assert!(!ordinary[0].suspect, "the fresh reply was due first");
         assert!(!gated(&run, core));
@@ -1028,10 +1024,34 @@ mod tests {
             "the suspect is next: not beside a send in flight"
         );
         assert!(gated(&run, core), "wait for the send in flight");
-        let mut done = vec![(ordinary[0].clone(), Outcome::delivered(None))];
+        (run, ordinary.remove(0))
+    }
+
+    /// A suspect that comes after an ordinary chunk in flight waits for that chunk's
+    /// outcome: the other worker's claim stops at it, claims nothing, and the run is
+    /// gated until the chunk in flight is recorded; then the suspect goes alone.
+    #[test]
+    fn a_suspect_waits_for_the_sends_in_flight() {
+        let (shared, clock) = setup(1);
+        let core = &shared.core;
+        let (run, ordinary) = a_send_in_flight_before_a_suspect(core, &clock);
+        let mut done = vec![(ordinary, Outcome::delivered(None))];
         let suspect = core.step(&run, &mut done, 1).unwrap();
         assert_eq!(suspect.len(), 1);
         assert!(suspect[0].suspect);
+    }
+
+    /// Lets a 40 s lease all but run out (1 ms short) while a send hangs: the keeper
+    /// renews what the run holds, and nothing more is claimed meanwhile.
+    fn hang_to_just_before_the_first_lease_ends(core: &Core, clock: &ManualClock, run: &Run) {
+        for _ in 0..2 {
+            clock.advance(Duration::from_millis(19_999));
+            renew_due(core, run);
+            assert!(
+                core.step(run, &mut Vec::new(), 1).unwrap().is_empty(),
+                "held back while within the first lease"
+            );
+        }
     }
 
     /// Issue 37, item 2: a suspect whose send hangs (no send timeout; the keeper renews
@@ -1053,14 +1073,7 @@ mod tests {
         assert!(suspect.len() == 1 && suspect[0].suspect, "{suspect:?}");
         let lease_end = suspect[0].lease_until.timestamp_millis();
         // Its send hangs; the keeper keeps its lease.
-        for _ in 0..2 {
-            clock.advance(Duration::from_millis(19_999));
-            renew_due(core, &run);
-            assert!(
-                core.step(&run, &mut Vec::new(), 1).unwrap().is_empty(),
-                "the other chat waits while the suspect is within its first lease"
-            );
-        }
+        hang_to_just_before_the_first_lease_ends(core, &clock, &run);
         assert_eq!(
             core.next_due_in(&run),
             Some(lease_end),
@@ -1085,25 +1098,8 @@ mod tests {
     fn a_hanging_send_holds_a_suspect_back_for_one_lease_at_most() {
         let (shared, clock) = setup(1);
         let core = &shared.core;
-        let outbox = &core.outbox;
-        claim_in_a_run_that_dies(core);
-        outbox
-            .enqueue(&NewDelivery::single("t", "fresh", "y"))
-            .unwrap();
-        clock.advance(Duration::from_secs(41)); // the first claim's process died
-
-        let run = Run::default();
-        let ordinary = core.step(&run, &mut Vec::new(), 1).unwrap();
-        assert!(ordinary.len() == 1 && !ordinary[0].suspect, "{ordinary:?}");
-        assert!(
-            core.step(&run, &mut Vec::new(), 1).unwrap().is_empty(),
-            "stopped at the suspect"
-        );
-        for _ in 0..2 {
-            clock.advance(Duration::from_millis(19_999));
-            renew_due(core, &run);
-            assert!(core.step(&run, &mut Vec::new(), 1).unwrap().is_empty());
-        }
+        let (run, _hangs) = a_send_in_flight_before_a_suspect(core, &clock);
+        hang_to_just_before_the_first_lease_ends(core, &clock, &run);
         clock.advance(Duration::from_millis(2));
         let suspect = core.step(&run, &mut Vec::new(), 1).unwrap();
         assert!(suspect.len() == 1 && suspect[0].suspect, "{suspect:?}");
