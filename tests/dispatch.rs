@@ -478,20 +478,25 @@ fn stats_count_every_send_and_outcome<F: Flavour>() -> Result<()> {
     Ok(())
 }
 
-fn events_report_each_finalized_reply_and_each_dead_letter_once<F: Flavour>() -> Result<()> {
-    let db = TestDb::default();
-    let platform = mixed_platform(&db);
-    let ok = enqueue(&db.outbox, "ok", &["one", "two"]);
-    let gone = enqueue(&db.outbox, "gone", &["x"]);
-    let flaky_id = enqueue(&db.outbox, "flaky", &["y"]);
+/// The events a dispatcher of flavour `F` on `platform` reports while it drains `db`.
+fn drained_events<F: Flavour>(db: &TestDb, platform: Platform) -> Vec<DispatchEvent> {
     let events = Events::default();
     let d = F::build_reporting(
         db.outbox.clone(),
         vec![("telegram", platform)],
         Some(events.clone()),
     );
-    drain(&db, &d, 900);
-    let events = events.lock().unwrap().clone();
+    drain(db, &d, 900);
+    events.lock().unwrap().clone()
+}
+
+fn events_report_each_finalized_reply_and_each_dead_letter_once<F: Flavour>() -> Result<()> {
+    let db = TestDb::default();
+    let platform = mixed_platform(&db);
+    let ok = enqueue(&db.outbox, "ok", &["one", "two"]);
+    let gone = enqueue(&db.outbox, "gone", &["x"]);
+    let flaky_id = enqueue(&db.outbox, "flaky", &["y"]);
+    let events = drained_events::<F>(&db, platform);
     assert_eq!(events.len(), 3, "{events:?}");
     let finalized = |id| {
         events.iter().find_map(|e| match e {
@@ -533,14 +538,7 @@ fn events_report_a_reply_the_history_refuses<F: Flavour>() -> Result<()> {
     let platform = mixed_platform(&db);
     let refused = enqueue(&db.outbox, "archived", &["one", "two"]);
     let taken = enqueue(&db.outbox, "ok", &["x"]);
-    let events = Events::default();
-    let d = F::build_reporting(
-        db.outbox.clone(),
-        vec![("telegram", platform)],
-        Some(events.clone()),
-    );
-    drain(&db, &d, 900);
-    let events = events.lock().unwrap().clone();
+    let events = drained_events::<F>(&db, platform);
     assert_eq!(events.len(), 2, "{events:?}");
     assert!(
         events.iter().any(|e| matches!(e,

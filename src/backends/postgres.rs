@@ -38,16 +38,16 @@ use crate::outbox::Outbox;
 use crate::store::StoredContent;
 
 /// The arguments of `outbound_enqueue`, in order.
-struct Call<'a> {
-    delivery: &'a NewDelivery,
-    now: i64,
-    uid_high: i64,
-    uid_spare: i64,
+pub(crate) struct Call<'a> {
+    pub(crate) delivery: &'a NewDelivery,
+    pub(crate) now: i64,
+    pub(crate) uid_high: i64,
+    pub(crate) uid_spare: i64,
 }
 
 impl Call<'_> {
     /// The arguments, as the `postgres` and `tokio-postgres` clients bind them.
-    fn params(&self) -> [&(dyn postgres::types::ToSql + Sync); 11] {
+    pub(crate) fn params(&self) -> [&(dyn postgres::types::ToSql + Sync); 11] {
         let d = self.delivery;
         [
             &d.channel,

@@ -574,13 +574,7 @@ pub(super) fn a_held_delivery_is_queued_again(fresh: Fresh) {
         .unwrap()
         .id;
     let claim = claim_one(&ob);
-    ob.record(
-        &claim,
-        Outcome::Delivered {
-            platform_message_id: None,
-        },
-    )
-    .unwrap();
+    ob.record(&claim, Outcome::delivered(None)).unwrap();
     let claim = claim_one(&ob);
     ob.record(&claim, Outcome::Permanent { error: "no".into() })
         .unwrap();
@@ -1309,13 +1303,7 @@ pub(super) fn lanes_are_entered_as_their_reads_say(fresh: Fresh) {
     enqueue(&ob, "a", "a2");
     let b1 = enqueue(&ob, "b", "b1");
     let claim = claim_one(&ob);
-    ob.record(
-        &claim,
-        Outcome::Delivered {
-            platform_message_id: None,
-        },
-    )
-    .unwrap();
+    ob.record(&claim, Outcome::delivered(None)).unwrap();
     write(&ob, |tx| {
         tx.pause_lane(lane("b"), T0 + 60_000)?;
         let staged = tx.stage(&NewDelivery::single("t", "c", "staged"), T0)?;

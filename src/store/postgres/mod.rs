@@ -1023,19 +1023,15 @@ impl StoreTx for PgTx<'_> {
 
     #[cfg(test)]
     fn stage(&self, d: &crate::enqueue::NewDelivery, now: i64) -> Result<Option<String>> {
+        let call = crate::backends::postgres::Call {
+            delivery: d,
+            now,
+            uid_high: 0,
+            uid_spare: 0,
+        };
         let r = self.query_one(
-            "SELECT uid FROM outbound_enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, 0, 0)",
-            &[
-                &d.channel,
-                &d.chat_id,
-                &d.sender,
-                &d.idempotency_key,
-                &d.text,
-                &d.chunks,
-                &d.metadata,
-                &d.not_before,
-                &now,
-            ],
+            "SELECT uid FROM outbound_enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+            &call.params(),
         )?;
         Ok(Some(r.try_get(0)?))
     }
