@@ -737,11 +737,10 @@ pub(crate) fn count(row: &Row, i: usize) -> Result<u64> {
     Ok(row.try_get::<_, Option<i64>>(i)?.unwrap_or(0).max(0) as u64)
 }
 
-/// The rules' lock, per schema: shared by every write, exclusive for a change of them.
-const LOCK_RULES_SHARED: &str =
-    "SELECT pg_advisory_xact_lock_shared(hashtextextended(current_schema() || '/rules', 0))";
-const LOCK_RULES: &str =
-    "SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '/rules', 0))";
+/// The rules' lock, per schema: shared by every write, exclusive for a change of them
+/// (schema V5's `outbound_lock_rules`, which `outbound_begin` takes too).
+const LOCK_RULES_SHARED: &str = "SELECT outbound_lock_rules(false)";
+const LOCK_RULES: &str = "SELECT outbound_lock_rules(true)";
 
 /// A caller key of a channel (two enqueues with one key wait for each other).
 const LOCK_KEY: &str = "SELECT pg_advisory_xact_lock(hashtextextended(

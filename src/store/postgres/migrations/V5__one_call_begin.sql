@@ -16,6 +16,22 @@
 -- In READ COMMITTED each statement of a VOLATILE function takes its own snapshot: a
 -- change of the rules committed while the lock was waited for is read.
 
+-- The rules' lock, per schema: shared by every write, exclusive for a change of the
+-- rules. The one spelling of its key: outbound_begin takes it, and so does the crate
+-- when a transaction needs it again (exclusively).
+CREATE FUNCTION outbound_lock_rules(p_exclusive boolean)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+BEGIN
+    IF p_exclusive THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended(current_schema() || '/rules', 0));
+    ELSE
+        PERFORM pg_advisory_xact_lock_shared(hashtextextended(current_schema() || '/rules', 0));
+    END IF;
+END
+$fn$;
+
 CREATE FUNCTION outbound_begin(p_rules_lock text, p_lock_ms bigint, p_idle_ms bigint)
 RETURNS TABLE (rules_version bigint, server_ms bigint, schema_version bigint)
 LANGUAGE plpgsql VOLATILE
@@ -34,11 +50,7 @@ BEGIN
             set_config('enable_seqscan', 'off', true),
             set_config('enable_mergejoin', 'off', true),
             set_config('enable_hashjoin', 'off', true);
-    IF p_rules_lock = 'exclusive' THEN
-        PERFORM pg_advisory_xact_lock(hashtextextended(current_schema() || '/rules', 0));
-    ELSE
-        PERFORM pg_advisory_xact_lock_shared(hashtextextended(current_schema() || '/rules', 0));
-    END IF;
+    PERFORM outbound_lock_rules(p_rules_lock = 'exclusive');
     RETURN QUERY
         SELECT p.version,
                (extract(epoch FROM clock_timestamp()) * 1000)::int8,
