@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use chunked_outbox::backends::sqlite::Synchronous;
 use chunked_outbox::dispatch::SendFuture;
+use chunked_outbox::store::sqlite::Synchronous;
 use chunked_outbox::{
     AsyncChannelAdapter, AsyncDispatcher, ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox,
     OutboxOptions, Outcome,

@@ -141,6 +141,7 @@ pub(crate) fn to_datetime(ms: i64) -> DateTime<Utc> {
 /// an NTP step or a suspended host is followed within one write. A clock that moves only
 /// when told to is the outbox's time as given, so tests stay deterministic.
 #[derive(Debug)]
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) struct ServerTime {
     local: Arc<dyn Clock>,
     /// Server time minus the handle's clock, in milliseconds (0 for a clock not
@@ -148,6 +149,7 @@ pub(crate) struct ServerTime {
     offset: AtomicI64,
 }
 
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 impl ServerTime {
     pub(crate) fn new(local: Arc<dyn Clock>) -> Self {
         ServerTime {

@@ -313,14 +313,14 @@ pub enum Error {
     #[error("postgres error: {}", crate::store::postgres::message(.0))]
     Postgres(postgres::Error),
 
-    /// What was asked does not apply to this backend (a file's checkpoint on
+    /// What was asked does not apply to this store (a file's checkpoint on
     /// PostgreSQL, say). Nothing was changed.
-    #[error("{what} is not supported on {backend}")]
+    #[error("{what} is not supported on {store}")]
     Unsupported {
         /// The call or command.
         what: &'static str,
-        /// The backend of the outbox (`SQLite`, `PostgreSQL`).
-        backend: &'static str,
+        /// The store of the outbox (`SQLite`, `PostgreSQL`).
+        store: &'static str,
     },
 }
 
@@ -353,6 +353,18 @@ impl From<rusqlite::Error> for Error {
 }
 
 impl Error {
+    /// Whether the store refused a write for what it held (a value it cannot keep, a
+    /// constraint), not for its own state (busy, full, out of reach), so the same write
+    /// would fail again however long it waited.
+    pub(crate) fn is_refusal(&self) -> bool {
+        match self {
+            Error::Sqlite(_) => true,
+            #[cfg(feature = "postgres")]
+            Error::Postgres(_) => true,
+            _ => false,
+        }
+    }
+
     pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> Self {
         Error::InvalidInput {
             what,

@@ -5,40 +5,7 @@ use crate::lane;
 use crate::rules::Stored;
 use crate::store::{ChannelTally, LaneRef, StoreTx};
 
-/// The named parameters an application's finalization statement may use (written
-/// `:name`, `@name` or `$name`), each bound from the finalized delivery:
-///
-/// | parameter | value |
-/// |---|---|
-/// | `delivery_id` | the delivery's id (UUID text) |
-/// | `channel`, `chat_id` | where it went |
-/// | `sender` | the sender name given at enqueue, or NULL |
-/// | `content` | the whole text |
-/// | `chunk_count` | how many chunks it was sent as |
-/// | `created_at`, `delivered_at` | enqueue and finalization time, ms since the epoch |
-/// | `delivered_at_rfc3339` | finalization time as RFC 3339 text (UTC, milliseconds) |
-/// | `platform_message_ids` | the platform's message id of each chunk, a JSON array in chunk order (`null` where the platform gave none) |
-/// | `metadata` | the metadata given at enqueue, or NULL |
-pub const FINALIZE_PARAMETERS: &[&str] = &[
-    "delivery_id",
-    "channel",
-    "chat_id",
-    "sender",
-    "content",
-    "chunk_count",
-    "created_at",
-    "delivered_at",
-    "delivered_at_rfc3339",
-    "platform_message_ids",
-    "metadata",
-];
-
-/// Which of [`FINALIZE_PARAMETERS`] a statement's parameter (`:name`, `@name`,
-/// `$name`) names.
-pub(crate) fn parameter_index(name: &str) -> Option<usize> {
-    let name = name.get(1..)?;
-    FINALIZE_PARAMETERS.iter().position(|p| *p == name)
-}
+use crate::rules::{FINALIZE_PARAMETERS, parameter_index};
 
 /// Checks an application's finalization statement against the schema of the store:
 /// one statement that writes, every parameter one of [`FINALIZE_PARAMETERS`] by name.

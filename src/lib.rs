@@ -57,7 +57,7 @@
 //! | [`rules`] | the rules stored in the file: lane order, retries, replay, pacing, the finalization statement |
 //! | [`monitoring`] | health snapshots and their verdicts, an HTTP endpoint, the `metrics` names, the views of `list` and `delivery` |
 //! | [`maintenance`] | recovering dead workers' sends, settling uncertain chunks, purging |
-//! | [`backends`] | SQLite or PostgreSQL: which to pick, what differs, each one's settings |
+//! | [`store`] | SQLite or PostgreSQL: which to pick, what differs, each one's settings |
 //! | [`limits`] | the bounds input is held to |
 //! | [`split`], [`ids`], [`clock`] | the splitter's units and markup; chunk keys and ids; injectable time |
 //!
@@ -114,9 +114,9 @@
 //! # Durability
 //!
 //! The database runs in WAL mode with a busy timeout. With
-//! [`Synchronous::Normal`](backends::sqlite::Synchronous::Normal) (the default) every committed transaction survives a crash of
+//! [`Synchronous::Normal`](store::sqlite::Synchronous::Normal) (the default) every committed transaction survives a crash of
 //! the process; a power loss may lose the last few commits but never corrupts the file.
-//! [`Synchronous::Full`](backends::sqlite::Synchronous::Full) also survives power loss, at the cost of an fsync per commit.
+//! [`Synchronous::Full`](store::sqlite::Synchronous::Full) also survives power loss, at the cost of an fsync per commit.
 //! The file is created with mode 0600. Message text is never logged above `debug`.
 //! A background thread runs passive WAL checkpoints so that they rarely fall inside a
 //! commit ([`OutboxOptions::with_background_checkpoints`]).
@@ -155,12 +155,12 @@ doctests!(
 
 #[cfg(any(feature = "teloxide", feature = "serenity", feature = "slack-morphism"))]
 mod adapters;
-pub mod backends;
 mod claim;
 mod classify;
 pub mod clock;
-mod dispatcher;
+pub mod dispatch;
 mod enqueue;
+mod entry;
 mod error;
 mod finalize;
 mod health;
@@ -173,6 +173,7 @@ mod options;
 mod outbox;
 mod outcome;
 pub mod platforms;
+mod reply;
 mod retention;
 pub mod rules;
 #[doc(hidden)]
@@ -181,15 +182,15 @@ pub mod split;
 mod state;
 mod status;
 mod step;
-mod store;
+pub mod store;
 mod telemetry;
 
 // What every application touches. The rest is grouped in the modules below, by what a
 // user looks for.
 pub use claim::Claim;
 #[cfg(feature = "tokio")]
-pub use dispatcher::tokio::{AsyncChannelAdapter, AsyncDispatcher};
-pub use dispatcher::{ChannelAdapter, Dispatcher};
+pub use dispatch::{AsyncChannelAdapter, AsyncDispatcher};
+pub use dispatch::{ChannelAdapter, Dispatcher};
 pub use enqueue::{Enqueued, NewDelivery};
 pub use error::{Error, Result};
 pub use ids::DeliveryId;
@@ -199,25 +200,6 @@ pub use outcome::Outcome;
 pub use split::Splitter;
 pub use state::Recorded;
 
-/// Running the claim → send → record loop: the dispatchers, their builders and
-/// handles, the adapter traits, and what a run reports.
-///
-/// [`Dispatcher`] runs the loop on threads, for CLI agents and simple bots;
-/// [`AsyncDispatcher`] (feature `tokio`) runs it as tasks for async engines. Both take
-/// one adapter per channel ([`ChannelAdapter`], [`AsyncChannelAdapter`]); ready ones for
-/// teloxide, serenity and slack-morphism are in [`platforms`](crate::platforms#ready-adapters).
-pub mod dispatch {
-    #[cfg(feature = "tokio")]
-    pub use crate::dispatcher::tokio::{
-        AsyncChannelAdapter, AsyncDispatcher, AsyncDispatcherBuilder, RunningAsyncDispatcher,
-        SendFuture,
-    };
-    pub use crate::dispatcher::{
-        ChannelAdapter, DispatchEvent, DispatchStats, Dispatcher, DispatcherBuilder,
-        RunningDispatcher, ShutdownReport,
-    };
-}
-
 /// What an operator runs on a live outbox: settling the sends of dead workers, settling
 /// uncertain chunks, purging finished rows. Each is also a command of the `outbox` tool.
 pub mod maintenance {
@@ -226,284 +208,17 @@ pub mod maintenance {
     pub use crate::retention::PurgeReport;
 }
 
-// The names the crate root held before 0.2, kept (hidden, deprecated) so code written
-// against them still builds; each says where the name lives now.
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::maintenance::RecoverScope"
-)]
-pub type RecoverScope = maintenance::RecoverScope;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::maintenance::RecoveryReport"
-)]
-pub type RecoveryReport = maintenance::RecoveryReport;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::maintenance::Resolution"
-)]
-pub type Resolution = maintenance::Resolution;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::maintenance::PurgeReport"
-)]
-pub type PurgeReport = maintenance::PurgeReport;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::platforms::ErrorClass"
-)]
-pub type ErrorClass = platforms::ErrorClass;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::clock::ManualClock"
-)]
-pub type ManualClock = clock::ManualClock;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::clock::SystemClock"
-)]
-pub type SystemClock = clock::SystemClock;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::dispatch::RunningDispatcher"
-)]
-pub type RunningDispatcher = dispatch::RunningDispatcher;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::dispatch::DispatchEvent"
-)]
-pub type DispatchEvent = dispatch::DispatchEvent;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::dispatch::DispatchStats"
-)]
-pub type DispatchStats = dispatch::DispatchStats;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::dispatch::ShutdownReport"
-)]
-pub type ShutdownReport = dispatch::ShutdownReport;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::monitoring::ChannelHealth"
-)]
-pub type ChannelHealth = monitoring::ChannelHealth;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::monitoring::Health"
-)]
-pub type Health = monitoring::Health;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::monitoring::LatencyHistogram"
-)]
-pub type LatencyHistogram = monitoring::LatencyHistogram;
-#[doc(hidden)]
-#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::ids::ChunkId")]
-pub type ChunkId = ids::ChunkId;
-#[doc(hidden)]
-#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::ids::ClaimantId")]
-pub type ClaimantId = ids::ClaimantId;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::monitoring::ChunkView"
-)]
-pub type ChunkView = monitoring::ChunkView;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::monitoring::CorruptRow"
-)]
-pub type CorruptRow = monitoring::CorruptRow;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::monitoring::DeliveryView"
-)]
-pub type DeliveryView = monitoring::DeliveryView;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::monitoring::ListFilter"
-)]
-pub type ListFilter = monitoring::ListFilter;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::monitoring::ChunkStatus"
-)]
-pub type ChunkStatus = monitoring::ChunkStatus;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::monitoring::DeliveryStatus"
-)]
-pub type DeliveryStatus = monitoring::DeliveryStatus;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::backends::sqlite::Synchronous"
-)]
-pub type Synchronous = backends::sqlite::Synchronous;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::backends::sqlite::StorageSettings"
-)]
-pub type StorageSettings = backends::sqlite::StorageSettings;
-#[doc(hidden)]
-#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::rules::Backoff")]
-pub type Backoff = rules::Backoff;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::rules::ChannelPolicy"
-)]
-pub type ChannelPolicy = rules::ChannelPolicy;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::rules::LaneFailurePolicy"
-)]
-pub type LaneFailurePolicy = rules::LaneFailurePolicy;
-#[doc(hidden)]
-#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::rules::LaneOrder")]
-pub type LaneOrder = rules::LaneOrder;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::rules::ReplayPolicy"
-)]
-pub type ReplayPolicy = rules::ReplayPolicy;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::rules::RetryPolicy"
-)]
-pub type RetryPolicy = rules::RetryPolicy;
-#[doc(hidden)]
-#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::split::LengthUnit")]
-pub type LengthUnit = split::LengthUnit;
-#[doc(hidden)]
-#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::split::Markup")]
-pub type Markup = split::Markup;
-#[doc(hidden)]
-#[deprecated(since = "0.2.0", note = "moved: use chunked_outbox::rules::Rules")]
-pub type Policy = rules::Rules;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::dispatch::DispatcherBuilder"
-)]
-pub type DispatcherBuilder<A = dyn ChannelAdapter> = dispatch::DispatcherBuilder<A>;
-#[cfg(feature = "tokio")]
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::dispatch::AsyncDispatcherBuilder"
-)]
-pub type AsyncDispatcherBuilder = dispatch::AsyncDispatcherBuilder;
-#[cfg(feature = "tokio")]
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::dispatch::RunningAsyncDispatcher"
-)]
-pub type RunningAsyncDispatcher = dispatch::RunningAsyncDispatcher;
-#[cfg(feature = "tokio")]
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::dispatch::SendFuture"
-)]
-pub type SendFuture<'a, T> = dispatch::SendFuture<'a, T>;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::rules::FINALIZE_PARAMETERS"
-)]
-pub const FINALIZE_PARAMETERS: &[&str] = rules::FINALIZE_PARAMETERS;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::monitoring::LATENCY_BUCKETS"
-)]
-pub const LATENCY_BUCKETS: [u64; 6] = monitoring::LATENCY_BUCKETS;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::ids::COMPACT_KEY_LEN"
-)]
-pub const COMPACT_KEY_LEN: usize = ids::COMPACT_KEY_LEN;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::backends::sqlite::SCHEMA_VERSION"
-)]
-pub const SCHEMA_VERSION: i64 = backends::sqlite::SCHEMA_VERSION;
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::platforms::classify_error"
-)]
-pub fn classify_error(text: &str) -> platforms::ErrorClass {
-    platforms::classify_error(text)
-}
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::ids::chunk_idempotency_key"
-)]
-pub fn chunk_idempotency_key(delivery: &DeliveryId, index: u32) -> String {
-    ids::chunk_idempotency_key(delivery, index)
-}
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::ids::chunk_compact_key"
-)]
-pub fn chunk_compact_key(delivery: &DeliveryId, index: u32) -> String {
-    ids::chunk_compact_key(delivery, index)
-}
-#[doc(hidden)]
-#[deprecated(
-    since = "0.2.0",
-    note = "moved: use chunked_outbox::ids::chunk_key_uuid"
-)]
-pub fn chunk_key_uuid(delivery: &DeliveryId, index: u32) -> uuid::Uuid {
-    ids::chunk_key_uuid(delivery, index)
-}
-#[doc(hidden)]
-pub use backends::sqlite::rusqlite;
-#[doc(hidden)]
-pub use clock::Clock;
-
 /// The bounds the outbox holds input and waits to. Input beyond one is refused with
 /// [`Error::InvalidInput`] before anything is written, except where an item says it is
 /// cut or capped instead.
 pub mod limits {
     pub use crate::claim::MAX_CLAIM_BATCH;
     pub use crate::classify::MAX_RETRY_AFTER;
-    pub use crate::enqueue::{
+    pub use crate::inspect::MAX_LIST_LIMIT;
+    pub use crate::outcome::MAX_PLATFORM_ID_BYTES;
+    pub use crate::reply::{
         MAX_CHANNEL_BYTES, MAX_CHAT_ID_BYTES, MAX_CHUNKS, MAX_DELIVERY_BYTES, MAX_ENQUEUE_BATCH,
         MAX_KEY_BYTES, MAX_METADATA_BYTES,
     };
-    pub use crate::inspect::MAX_LIST_LIMIT;
-    pub use crate::outcome::MAX_PLATFORM_ID_BYTES;
     pub use crate::state::{MAX_ERROR_BYTES, MAX_REFUNDED_RATE_LIMITS};
 }

@@ -182,18 +182,6 @@ impl Outbox {
         })
     }
 
-    /// The old name of [`dismiss_dead_letters`](Self::dismiss_dead_letters) ("ack" is
-    /// what a delivered chunk gets).
-    ///
-    /// # Errors
-    ///
-    /// As [`dismiss_dead_letters`](Self::dismiss_dead_letters).
-    #[doc(hidden)]
-    #[deprecated(since = "0.2.0", note = "renamed: use Outbox::dismiss_dead_letters")]
-    pub fn acknowledge_dead_letters(&self, channel: Option<&str>) -> Result<u64> {
-        self.dismiss_dead_letters(channel)
-    }
-
     /// Dismisses every dead letter not dismissed yet (of one channel, or of all for
     /// `None`): an operator has seen it. Dismissed dead letters stay listed (and
     /// requeueable) until purged, but no longer count in health's

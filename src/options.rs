@@ -69,7 +69,7 @@ impl Synchronous {
 /// ```
 /// use std::time::Duration;
 /// use chunked_outbox::OutboxOptions;
-/// use chunked_outbox::backends::sqlite::Synchronous;
+/// use chunked_outbox::store::sqlite::Synchronous;
 /// use chunked_outbox::rules::ChannelPolicy;
 ///
 /// let options = OutboxOptions::default()
@@ -308,7 +308,7 @@ impl OutboxOptions {
     /// Passive WAL checkpoints on a background thread at this interval, so that the
     /// checkpoint rarely falls inside a commit (which then stalls for an fsync). SQLite's
     /// automatic checkpoint stays on as the bound under sustained writes, at
-    /// [`BACKGROUND_AUTOCHECKPOINT_PAGES`](crate::backends::sqlite::StorageSettings::BACKGROUND_AUTOCHECKPOINT_PAGES)
+    /// [`BACKGROUND_AUTOCHECKPOINT_PAGES`](crate::store::sqlite::StorageSettings::BACKGROUND_AUTOCHECKPOINT_PAGES)
     /// instead of 1000. `None` leaves checkpoints to it alone, at SQLite's default.
     /// Files only. Default 100 ms.
     pub fn with_background_checkpoints(mut self, every: Option<Duration>) -> Self {

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::outbox::Outbox;
 
 /// Deliveries purged per transaction, so a large purge never holds the write lock long.
@@ -103,25 +103,6 @@ impl Outbox {
                 Some(last) => cursor = last,
                 None => return Ok(report),
             }
-        }
-    }
-
-    /// Copies the WAL back into the database file and truncates it. The outbox already
-    /// checkpoints in the background
-    /// ([`with_background_checkpoints`](crate::OutboxOptions::with_background_checkpoints));
-    /// call this after a large purge or in quiet periods to shrink the `-wal` file.
-    ///
-    /// # Errors
-    ///
-    /// Database errors; [`Error::Busy`](crate::Error::Busy) if readers, or a checkpoint
-    /// by another process, kept it from completing. (This outbox's own background
-    /// checkpoints wait while it runs.)
-    pub fn checkpoint(&self) -> Result<()> {
-        let _background = self.pause_background_checkpoints();
-        if crate::store::sqlite::checkpoint::truncate(&*self.sqlite_writer("checkpoint")?)? {
-            Ok(())
-        } else {
-            Err(Error::Busy)
         }
     }
 }

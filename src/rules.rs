@@ -8,8 +8,6 @@
 //! keeps the rules it last read and reads them again when `outbound_policy.version`
 //! changed (any process changing a rule bumps it), at the start of its next write.
 
-pub use crate::finalize::FINALIZE_PARAMETERS;
-
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
@@ -374,11 +372,6 @@ pub(crate) fn check_default_channel(rules: &ChannelPolicy) -> Result<()> {
     Ok(())
 }
 
-/// The old name of [`Rules`].
-#[doc(hidden)]
-#[deprecated(since = "0.2.0", note = "renamed: use chunked_outbox::rules::Rules")]
-pub type Policy = Rules;
-
 /// The rules stored in an outbox file (see [`Outbox::rules`](crate::Outbox::rules)).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[non_exhaustive]
@@ -652,6 +645,41 @@ pub(crate) fn retry_from_json(text: &str) -> Result<RetryPolicy> {
         .validate()
         .map_err(|_| unreadable("retry policy", text))?;
     Ok(retry)
+}
+
+/// The named parameters an application's finalization statement may use (written
+/// `:name`, `@name` or `$name`), each bound from the finalized delivery:
+///
+/// | parameter | value |
+/// |---|---|
+/// | `delivery_id` | the delivery's id (UUID text) |
+/// | `channel`, `chat_id` | where it went |
+/// | `sender` | the sender name given at enqueue, or NULL |
+/// | `content` | the whole text |
+/// | `chunk_count` | how many chunks it was sent as |
+/// | `created_at`, `delivered_at` | enqueue and finalization time, ms since the epoch |
+/// | `delivered_at_rfc3339` | finalization time as RFC 3339 text (UTC, milliseconds) |
+/// | `platform_message_ids` | the platform's message id of each chunk, a JSON array in chunk order (`null` where the platform gave none) |
+/// | `metadata` | the metadata given at enqueue, or NULL |
+pub const FINALIZE_PARAMETERS: &[&str] = &[
+    "delivery_id",
+    "channel",
+    "chat_id",
+    "sender",
+    "content",
+    "chunk_count",
+    "created_at",
+    "delivered_at",
+    "delivered_at_rfc3339",
+    "platform_message_ids",
+    "metadata",
+];
+
+/// Which of [`FINALIZE_PARAMETERS`] a statement's parameter (`:name`, `@name`,
+/// `$name`) names.
+pub(crate) fn parameter_index(name: &str) -> Option<usize> {
+    let name = name.get(1..)?;
+    FINALIZE_PARAMETERS.iter().position(|p| *p == name)
 }
 
 #[cfg(test)]

@@ -31,7 +31,7 @@ fn refused_too_late(db: &TestDb, id: DeliveryId, status: ChunkStatus, attempts: 
     assert_eq!(view(&db.outbox, id), before, "a refusal changes nothing");
 }
 
-backends! {
+stores! {
 
     fn an_unstarted_reply_is_withdrawn_and_its_lane_moves_on() -> Result<()> {
         let db = TestDb::default();

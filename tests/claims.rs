@@ -27,7 +27,7 @@ fn claim_after(db: &TestDb, wait: Duration) -> chunked_outbox::Claim {
     claim_one(&db.outbox)
 }
 
-backends! {
+stores! {
 
     fn stale_token_cannot_settle_a_reclaimed_chunk() -> Result<()> {
         let db = TestDb::new(replayable(OutboxOptions::default()));

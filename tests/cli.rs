@@ -467,7 +467,7 @@ fn migrate_leaves_an_applications_history_table_as_it_was() {
     let version: i64 = app
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .unwrap();
-    assert_eq!(version, chunked_outbox::backends::sqlite::SCHEMA_VERSION);
+    assert_eq!(version, chunked_outbox::store::sqlite::SCHEMA_VERSION);
 }
 
 #[test]
@@ -479,7 +479,7 @@ fn migrate_creates_and_is_idempotent() {
         assert_eq!(code, 0);
         let version = format!(
             "schema version {}",
-            chunked_outbox::backends::sqlite::SCHEMA_VERSION
+            chunked_outbox::store::sqlite::SCHEMA_VERSION
         );
         assert!(out.contains(&version), "{out}");
     }

@@ -905,7 +905,7 @@ fn child_dispatcher_process() -> Result<()> {
     Ok(())
 }
 
-backends! {
+stores! {
     fn two_dispatcher_processes_never_send_a_chunk_twice() -> Result<()> {
         let place = real_time_db();
         let producer = place.open(OutboxOptions::default())?;

@@ -102,7 +102,7 @@ fn a_rule_change_is_seen_after_a_rolled_back_enqueue_in() -> chunked_outbox::Res
     Ok(())
 }
 
-backends! {
+stores! {
 
     /// Item 6: a channel named twice in one claim is one channel; its chunk is handed out
     /// once, charged one attempt.

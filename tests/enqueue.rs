@@ -110,7 +110,7 @@ fn failed_enqueue_in_leaves_the_callers_transaction_usable() -> Result<()> {
     Ok(())
 }
 
-backends! {
+stores! {
 
     fn same_key_same_content_returns_the_same_delivery_and_writes_nothing() -> Result<()> {
         let db = TestDb::default();
@@ -220,7 +220,7 @@ backends! {
         let chat = i64::MIN.to_string();
         let mut text = "nul\0byte and emoji 👩‍👩‍👧 and ' \" quotes";
         let mut key = "k\0'\"";
-        if backend() == Backend::Postgres {
+        if current_store() == Store::Postgres {
             // PostgreSQL's text holds no NUL: refused, with nothing stored.
             for d in [
                 NewDelivery::single(channel, chat.clone(), text),

@@ -108,7 +108,7 @@ fn every_parameter_is_bound_from_the_delivery() -> Result<()> {
     Ok(())
 }
 
-backends! {
+stores! {
     /// A statement stored by hand with a parameter that is not one of ours (the check at
     /// `set_finalization` bypassed) refuses its reply alone, naming the parameter.
     fn a_stored_statement_with_an_unknown_parameter_refuses_its_reply() -> Result<()> {
@@ -134,9 +134,9 @@ backends! {
         let db = TestDb::default();
         db.exec(APP_HISTORY);
         // A positional parameter as each database writes it.
-        let positional = match backend() {
-            Backend::Sqlite => "INSERT INTO messages (id) VALUES (?)",
-            Backend::Postgres => "INSERT INTO messages (id) VALUES ($1)",
+        let positional = match current_store() {
+            Store::Sqlite => "INSERT INTO messages (id) VALUES (?)",
+            Store::Postgres => "INSERT INTO messages (id) VALUES ($1)",
         };
         for (sql, why) in [
             ("INSERT INTO messages (id) VALUES (:delivery_id", "prepare"),
@@ -254,15 +254,15 @@ backends! {
     fn a_reply_the_statement_refuses_is_set_aside_alone() -> Result<()> {
         use chunked_outbox::monitoring::DeliveryStatus;
         let db = app_db();
-        db.exec(match backend() {
-            Backend::Sqlite => {
+        db.exec(match current_store() {
+            Store::Sqlite => {
                 "CREATE TABLE app_refused (chat_id TEXT);
                  CREATE TRIGGER app_refuses BEFORE INSERT ON messages
                  WHEN new.chat_id IN (SELECT chat_id FROM app_refused)
                  BEGIN SELECT RAISE(ABORT, 'chat is archived'); END;
                  INSERT INTO app_refused VALUES ('66');"
             }
-            Backend::Postgres => {
+            Store::Postgres => {
                 "CREATE TABLE app_refused (chat_id TEXT);
                  CREATE FUNCTION app_refuses() RETURNS trigger LANGUAGE plpgsql AS $$
                  BEGIN
@@ -379,7 +379,7 @@ backends! {
 #[cfg(feature = "postgres")]
 #[test]
 fn every_value_is_bound_as_the_columns_type() {
-    on_backend(Backend::Postgres, || {
+    on_store(Store::Postgres, || {
         let db = TestDb::default();
         db.exec(
             "CREATE TABLE app (id uuid PRIMARY KEY, channel text, chat bigint, sender text,

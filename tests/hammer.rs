@@ -393,7 +393,10 @@ fn run_skewed(db: &TestDb, seconds: u64, fault: Option<&str>, skew_ms: Option<i6
     let drained = drain(&db.outbox, &log_path);
     let (findings, mut counts) = verify(db, &log_path);
     counts.insert("drained", drained);
-    println!("lane hammer ({:?}): {counts:?} {findings:?}", backend());
+    println!(
+        "lane hammer ({:?}): {counts:?} {findings:?}",
+        current_store()
+    );
     assert!(counts["sends"] > 100, "the hammer did little: {counts:?}");
     findings
 }
@@ -432,7 +435,7 @@ fn seconds() -> u64 {
         .unwrap_or(4)
 }
 
-backends! {
+stores! {
     fn the_lane_hammer_keeps_every_promise() {
         let db = TestDb::on_system_clock(options());
         assert_eq!(run(&db, seconds(), None), Findings::default());
@@ -444,7 +447,7 @@ backends! {
 #[cfg(feature = "postgres")]
 #[test]
 fn the_lane_hammer_keeps_every_promise_with_a_host_two_minutes_off() {
-    on_backend(Backend::Postgres, || {
+    on_store(Store::Postgres, || {
         for skew_ms in [120_000, -120_000] {
             let db = TestDb::on_system_clock(options());
             let findings = run_skewed(&db, seconds(), None, Some(skew_ms));
@@ -469,7 +472,7 @@ fn the_lane_hammer_catches_each_planted_fault() {
         ("no_claim_locks", |f| f.double_claims),
         ("missing_finalizations", |f| f.finalized_not_once),
     ];
-    on_backend(Backend::Postgres, || {
+    on_store(Store::Postgres, || {
         for (fault, verdict) in faults {
             // A race planted in is a race: on a busy machine one run may miss it, so
             // it must be caught within a few.

@@ -123,7 +123,7 @@ proptest! {
     }
 }
 
-backends! {
+stores! {
 
     fn a_ten_megabyte_reply_is_split_and_stored_or_refused_cleanly() -> chunked_outbox::Result<()> {
         let db = TestDb::default();

@@ -24,7 +24,7 @@ fn counts(h: &Health) -> (u64, u64, u64, u64, u64, u64) {
     )
 }
 
-backends! {
+stores! {
 
     fn single_chunk_lifecycle() -> Result<()> {
         let db = TestDb::default();

@@ -23,7 +23,7 @@ use chunked_outbox::maintenance::{RecoverScope, Resolution};
 use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus, ListFilter};
 use chunked_outbox::rules::{ChannelPolicy, RetryPolicy};
 use chunked_outbox::{Claim, DeliveryId, Error, NewDelivery, Outbox, OutboxOptions, Outcome};
-use common::{Backend, on_backend};
+use common::{Store, on_store};
 use proptest::prelude::*;
 
 const LANES: [(&str, &str); 3] = [("telegram", "a"), ("telegram", "b"), ("matrix", "c")];
@@ -482,7 +482,7 @@ proptest! {
 
     #[test]
     fn random_operation_sequences_keep_the_invariants(ops in proptest::collection::vec(op(), 1..60)) {
-        on_backend(Backend::Sqlite, || run(&ops));
+        on_store(Store::Sqlite, || run(&ops));
     }
 }
 
@@ -495,6 +495,6 @@ proptest! {
     fn random_operation_sequences_keep_the_invariants_on_postgres(
         ops in proptest::collection::vec(op(), 1..60)
     ) {
-        on_backend(Backend::Postgres, || run(&ops));
+        on_store(Store::Postgres, || run(&ops));
     }
 }

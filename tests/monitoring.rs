@@ -9,7 +9,7 @@ use chunked_outbox::monitoring::{Level, Thresholds};
 use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome, Result};
 
 mod common;
-use common::{TestDb, backends, fresh_outbox};
+use common::{TestDb, fresh_outbox, stores};
 
 fn outbox_at(clock: &ManualClock) -> Outbox {
     let options = OutboxOptions::default()
@@ -49,7 +49,7 @@ fn serve(endpoint: chunked_outbox::monitoring::Endpoint) -> (tokio::runtime::Run
     (runtime, base)
 }
 
-backends! {
+stores! {
     /// A row set aside as unreadable (here its uid rewritten by hand) fails health
     /// whatever the dead-letter threshold.
     fn a_row_set_aside_as_corrupt_fails_whatever_the_dead_letter_threshold() -> Result<()> {
@@ -147,7 +147,7 @@ mod endpoint {
     use chunked_outbox::monitoring::Endpoint;
     use common::Place;
 
-    backends! {
+    stores! {
     fn the_endpoint_mounted_in_axum_answers_a_real_client() -> Result<()> {
             let place = Place::new();
             let outbox = place.open(OutboxOptions::default())?;

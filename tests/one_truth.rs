@@ -210,7 +210,7 @@ fn a_version_one_file_is_upgraded_with_its_rows() -> Result<()> {
     )?;
     assert_eq!(
         common::raw(&path).query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))?,
-        chunked_outbox::backends::sqlite::SCHEMA_VERSION
+        chunked_outbox::store::sqlite::SCHEMA_VERSION
     );
     let policy = outbox.rules()?;
     assert_eq!(policy.lane_order, LaneOrder::Fifo);
@@ -430,7 +430,7 @@ fn an_upgrade_that_would_break_an_applications_view_names_it_and_changes_nothing
     Ok(())
 }
 
-backends! {
+stores! {
     /// Found: one row with an unparsable uid made every claim fail (as `InvalidInput`).
     /// It is set aside as corrupt, reported, and the others are served.
     fn a_corrupt_row_is_set_aside_and_claims_go_on() -> Result<()> {

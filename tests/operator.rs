@@ -12,7 +12,7 @@ use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus, ListFilter};
 use chunked_outbox::{DeliveryId, Error, NewDelivery, Outcome, Result};
 use common::*;
 
-backends! {
+stores! {
 
     fn requeue_gives_a_dead_letter_a_fresh_budget() -> Result<()> {
         let db = TestDb::default();

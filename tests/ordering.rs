@@ -50,7 +50,7 @@ fn places(ids: &[DeliveryId], claims: &[Claim]) -> Vec<(usize, u32)> {
     places
 }
 
-backends! {
+stores! {
 
     fn batched_writes_leave_the_rows_one_at_a_time_writes_leave() -> Result<()> {
         // One script on two outboxes: one enqueues and records in batches (which the

@@ -7,7 +7,7 @@
 //! no lock of the outbox beyond its row (a busy lane does not hold up its commit, and
 //! an open one does not hold up the lane); a caller key used by two transactions at
 //! once resolves to one reply; lane order is commit order; and each isolation level
-//! behaves as `chunked_outbox::backends::postgres` documents.
+//! behaves as `chunked_outbox::store::postgres` documents.
 #![cfg(feature = "postgres")]
 
 mod common;

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use chrono::{TimeZone, Utc};
-use chunked_outbox::backends::sqlite::{SCHEMA_VERSION, StorageSettings, Synchronous};
+use chunked_outbox::store::sqlite::{SCHEMA_VERSION, StorageSettings, Synchronous};
 use chunked_outbox::{Error, NewDelivery, Outbox, OutboxOptions, Result};
 use common::*;
 
@@ -197,7 +197,7 @@ fn the_wal_stays_bounded_under_sustained_writes() -> Result<()> {
     Ok(())
 }
 
-backends! {
+stores! {
 
     fn purge_removes_old_finished_deliveries_and_keeps_messages() -> Result<()> {
         let db = TestDb::default();

@@ -49,7 +49,7 @@
 use std::sync::Arc;
 
 use crate::claim::Claim;
-use crate::dispatcher::tokio::{AsyncChannelAdapter, SendFuture};
+use crate::dispatch::tokio::{AsyncChannelAdapter, SendFuture};
 use crate::outcome::Outcome;
 use crate::platforms::{NoReply, no_reply};
 use serde::Deserialize;

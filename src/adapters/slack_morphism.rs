@@ -48,7 +48,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::claim::Claim;
-use crate::dispatcher::tokio::{AsyncChannelAdapter, SendFuture};
+use crate::dispatch::tokio::{AsyncChannelAdapter, SendFuture};
 use crate::outcome::Outcome;
 use crate::platforms::{NoReply, no_reply, slack};
 use serde::Deserialize;

@@ -47,7 +47,7 @@
 //! | `Io` (reading a file to upload, before sending) | `Transient` |
 
 use crate::claim::Claim;
-use crate::dispatcher::tokio::{AsyncChannelAdapter, SendFuture};
+use crate::dispatch::tokio::{AsyncChannelAdapter, SendFuture};
 use crate::outcome::Outcome;
 use crate::platforms::{NoReply, no_reply};
 use serde::Deserialize;

@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use crate::claim::Claim;
 use crate::clock::ManualClock;
-use crate::enqueue::NewDelivery;
 use crate::ids::{CHUNK_STRIDE, DeliveryId};
 use crate::options::OutboxOptions;
 use crate::outbox::Outbox;
 use crate::outcome::Outcome;
+use crate::reply::NewDelivery;
 use crate::rules::{ChannelPolicy, FileRules, LaneOrder, Rules};
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::{ChannelTally, HeadRow, LaneRef, NewRow, StoreTx};

@@ -1,23 +1,43 @@
-//! The storage seam: the rules of the outbox (lanes, claims, outcomes, finalization,
-//! operator actions, retention) call these primitives of one store transaction; each
-//! backend keeps its own SQL, schema, migrations and plans behind them.
+//! The two stores behind [`Outbox`](crate::Outbox), and what is particular to each.
 //!
-//! Every primitive is intent-level ("the head of this lane", "mark this chunk
-//! delivered"), not a statement: a backend answers each one its own way, with its own
-//! keys and plans. The contract of each primitive — what it returns, what it changes,
-//! what it must keep — is written on it and checked primitive by primitive in
-//! `conformance`, for every store.
+//! One API, one set of guarantees and one test suite cover both; pick by where the
+//! application runs:
 //!
-//! **Locks are part of the rules.** Where a rule reads, decides and writes (the head of
-//! a lane, a channel's rate slot, a caller key, the rules themselves), it first calls a
-//! lock primitive of [`Locks`]. SQLite runs one writer at a time (`BEGIN IMMEDIATE`),
-//! so its locks are no-ops; a store with concurrent writers must make each of them
-//! exclude every other writer of the same lane, slot, key or rules until the
-//! transaction ends. ARCHITECTURE.md lists every such place ("check-then-act under the
-//! writer").
-//!
-//! The primitives are grouped by what they keep (one trait each), and [`StoreTx`] is
-//! all of them: the rules take `&dyn StoreTx`.
+//! | | SQLite (default) | PostgreSQL (feature `postgres`) |
+//! |---|---|---|
+//! | open | [`Outbox::open`](crate::Outbox::open)`("replies.db", options)` | `Outbox::connect("postgres://…", options)` |
+//! | for | one host: a bot, a CLI agent, an engine with its own SQLite file | several hosts or replicas sharing one database |
+//! | writers | one at a time (SQLite has one writer); readers beside it | many, on different hosts |
+//! | wake-ups across processes | within the poll interval (`PRAGMA data_version`) | at once (`LISTEN`/`NOTIFY`), polling while the listener is down |
+//! | the application's own transaction | [`Outbox::enqueue_in`](crate::Outbox::enqueue_in) on its rusqlite connection | `postgres`: `enqueue_in_pg`, `enqueue_in_tokio_pg`, `enqueue_in_sqlx` |
+//! | a lost answer to `COMMIT` | cannot happen (no network) | looked up on the server ([`Error::CommitUnknown`](crate::Error::CommitUnknown) when it cannot be) |
+
+// The storage seam (for maintainers; ARCHITECTURE.md has the whole map): the rules of
+// the outbox (lanes, claims, outcomes, finalization, operator actions, retention) call
+// these primitives of one store transaction, and `connections::Store` for the
+// transactions themselves; each store keeps its own SQL, schema, migrations, plans and
+// connections behind them.
+//
+// Every primitive the rules of the outbox (lanes, claims, outcomes, finalization,
+// operator actions, retention) call these primitives of one store transaction; each
+// backend keeps its own SQL, schema, migrations and plans behind them.
+//
+// Every primitive is intent-level ("the head of this lane", "mark this chunk
+// delivered"), not a statement: a backend answers each one its own way, with its own
+// keys and plans. The contract of each primitive — what it returns, what it changes,
+// what it must keep — is written on it and checked primitive by primitive in
+// `conformance`, for every store.
+//
+// **Locks are part of the rules.** Where a rule reads, decides and writes (the head of
+// a lane, a channel's rate slot, a caller key, the rules themselves), it first calls a
+// lock primitive of `Locks`. SQLite runs one writer at a time (`BEGIN IMMEDIATE`),
+// so its locks are no-ops; a store with concurrent writers must make each of them
+// exclude every other writer of the same lane, slot, key or rules until the
+// transaction ends. ARCHITECTURE.md lists every such place ("check-then-act under the
+// writer").
+//
+// The primitives are grouped by what they keep (one trait each), and `StoreTx` is
+// all of them: the rules take `&dyn StoreTx`.
 
 use crate::error::{Error, Result};
 use crate::inspect::{CorruptRow, DeliveryView, ListFilter};
@@ -26,9 +46,10 @@ use crate::status::{ChunkStatus, DeliveryStatus};
 
 #[cfg(test)]
 mod conformance;
+pub(crate) mod connections;
 #[cfg(feature = "postgres")]
-pub(crate) mod postgres;
-pub(crate) mod sqlite;
+pub mod postgres;
+pub mod sqlite;
 /// The PostgreSQL server of the tests (shared with the integration tests).
 #[cfg(all(test, feature = "postgres"))]
 #[path = "../../tests/common/postgres.rs"]
@@ -194,7 +215,7 @@ pub(crate) struct StoredContent {
 pub(crate) struct NewRow<'a> {
     pub row: i64,
     pub uid: &'a str,
-    pub delivery: &'a crate::enqueue::NewDelivery,
+    pub delivery: &'a crate::reply::NewDelivery,
     pub channel_id: i64,
     pub active: bool,
     pub now: i64,
@@ -510,7 +531,7 @@ pub(crate) type DeliveryState = (i64, DeliveryStatus, String, String);
 pub(crate) struct Staged {
     pub row: i64,
     pub uid: String,
-    pub delivery: crate::enqueue::NewDelivery,
+    pub delivery: crate::reply::NewDelivery,
 }
 
 /// Finalization and the history.
@@ -523,7 +544,7 @@ pub(crate) trait FinalizeStore {
     /// message if it does not prepare.
     fn describe_statement(&self, sql: &str) -> Result<std::result::Result<StatementShape, String>>;
     /// Runs the application's statement for `delivery`, finalized at `now`: parameter
-    /// `i` bound to the value of [`FINALIZE_PARAMETERS`](crate::finalize::FINALIZE_PARAMETERS)`[at[i]]`.
+    /// `i` bound to the value of [`FINALIZE_PARAMETERS`](crate::rules::FINALIZE_PARAMETERS)`[at[i]]`.
     fn run_statement(&self, sql: &str, delivery: i64, now: i64) -> Result<()>;
     /// The message of a database error in which the application's schema refused its
     /// statement (a constraint, a trigger, a missing table, a type), or the error itself
@@ -685,7 +706,7 @@ pub(crate) trait StoreTx:
     /// [`staged`](DeliveryStore::staged)); its uid. `None` from a store without staged
     /// replies.
     #[cfg(test)]
-    fn stage(&self, _d: &crate::enqueue::NewDelivery, _now: i64) -> Result<Option<String>> {
+    fn stage(&self, _d: &crate::reply::NewDelivery, _now: i64) -> Result<Option<String>> {
         Ok(None)
     }
     /// Each lane as an enqueue into it needs it, and `rows` row numbers drawn
@@ -802,4 +823,48 @@ pub(crate) mod composed {
         }
         Ok(copied)
     }
+}
+
+/// A PostgreSQL connection URL as a message may show it: a password, in the user part
+/// or as a `password` parameter, replaced by `***`. Every message of this crate and
+/// its tool that names a server shows it so.
+///
+/// ```
+/// use chunked_outbox::store::redact_url;
+///
+/// assert_eq!(redact_url("postgres://bot:s3cret@db/chat"), "postgres://bot:***@db/chat");
+/// assert_eq!(
+///     redact_url("postgresql:///chat?host=/run/postgresql&password=s3cret&sslmode=disable"),
+///     "postgresql:///chat?host=/run/postgresql&password=***&sslmode=disable"
+/// );
+/// ```
+pub fn redact_url(url: &str) -> String {
+    let mut out = url.to_owned();
+    // postgres://user:secret@host/… (the user part ends at the last '@' before the path)
+    if let Some(start) = out.find("://").map(|i| i + 3) {
+        let end = out[start..]
+            .find(['/', '?'])
+            .map_or(out.len(), |i| start + i);
+        if let Some(at) = out[start..end].rfind('@').map(|i| start + i)
+            && let Some(colon) = out[start..at].find(':').map(|i| start + i)
+        {
+            out.replace_range(colon + 1..at, "***");
+        }
+    }
+    // …?password=secret&… (and any case of the key)
+    let mut from = 0;
+    while let Some(i) = out[from..].to_ascii_lowercase().find("password=") {
+        let value = from + i + "password=".len();
+        let preceded = out[..from + i].ends_with(['?', '&', ' ']) || from + i == 0;
+        let end = out[value..]
+            .find(['&', ' '])
+            .map_or(out.len(), |j| value + j);
+        if preceded {
+            out.replace_range(value..end, "***");
+            from = value + 3;
+        } else {
+            from = value;
+        }
+    }
+    out
 }

@@ -21,7 +21,7 @@ pub const T0: i64 = 1_767_225_600_000;
 
 /// The store a test's [`TestDb`]s are made on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
+pub enum Store {
     /// A file in a temp dir.
     Sqlite,
     /// A fresh schema on the test server (see `postgres`).
@@ -29,21 +29,21 @@ pub enum Backend {
 }
 
 thread_local! {
-    static BACKEND: std::cell::Cell<Backend> = const { std::cell::Cell::new(Backend::Sqlite) };
+    static STORE: std::cell::Cell<Store> = const { std::cell::Cell::new(Store::Sqlite) };
 }
 
-/// The backend of this test thread's [`TestDb`]s (SQLite unless [`backends!`] says).
-pub fn backend() -> Backend {
-    BACKEND.with(|b| b.get())
+/// The store of this test thread's [`TestDb`]s (SQLite unless [`stores!`] says).
+pub fn current_store() -> Store {
+    STORE.with(|b| b.get())
 }
 
-/// Runs `test` with its [`TestDb`]s on `backend`; on PostgreSQL without a server, the
+/// Runs `test` with its [`TestDb`]s on `store`; on PostgreSQL without a server, the
 /// test is skipped (and says so once, on the terminal) unless a server is required.
-pub fn on_backend(backend: Backend, test: impl FnOnce()) {
-    if backend == Backend::Postgres && !postgres_available() {
+pub fn on_store(store: Store, test: impl FnOnce()) {
+    if store == Store::Postgres && !postgres_available() {
         return;
     }
-    BACKEND.with(|b| b.set(backend));
+    STORE.with(|b| b.set(store));
     test();
 }
 
@@ -57,11 +57,11 @@ fn postgres_available() -> bool {
     false
 }
 
-/// One test of each `fn` per backend: `name::sqlite` and, with the `postgres` feature,
+/// One test of each `fn` per store: `name::sqlite` and, with the `postgres` feature,
 /// `name::postgres` (the macro adds `#[test]`; other attributes, docs included, apply
-/// to both). The bodies make their outboxes with [`TestDb`], which follows the backend.
+/// to both). The bodies make their outboxes with [`TestDb`], which follows the store.
 #[allow(unused_macros)]
-macro_rules! backends {
+macro_rules! stores {
     ($( $(#[$meta:meta])* fn $name:ident() $(-> $ret:ty)? $body:block )*) => {
         $(
             mod $name {
@@ -73,7 +73,7 @@ macro_rules! backends {
                 #[test]
                 $(#[$meta])*
                 fn sqlite() {
-                    $crate::common::on_backend($crate::common::Backend::Sqlite, || {
+                    $crate::common::on_store($crate::common::Store::Sqlite, || {
                         #[allow(clippy::let_unit_value)]
                         let outcome = body();
                         $crate::common::Succeeds::succeeds(outcome);
@@ -84,7 +84,7 @@ macro_rules! backends {
                 #[test]
                 $(#[$meta])*
                 fn postgres() {
-                    $crate::common::on_backend($crate::common::Backend::Postgres, || {
+                    $crate::common::on_store($crate::common::Store::Postgres, || {
                         #[allow(clippy::let_unit_value)]
                         let outcome = body();
                         $crate::common::Succeeds::succeeds(outcome);
@@ -95,7 +95,7 @@ macro_rules! backends {
     };
 }
 #[allow(unused_imports)]
-pub(crate) use backends;
+pub(crate) use stores;
 
 /// What a test body returns: nothing, or a result that must be `Ok`.
 pub trait Succeeds {
@@ -113,12 +113,12 @@ impl<E: std::fmt::Debug> Succeeds for std::result::Result<(), E> {
 }
 
 /// An outbox that lives as long as this value, with a manual clock: a file in a temp
-/// dir, or a fresh schema on the PostgreSQL test server (see [`backend`]).
+/// dir, or a fresh schema on the PostgreSQL test server (see [`current_store`]).
 pub struct TestDb {
     pub dir: tempfile::TempDir,
     pub clock: ManualClock,
     pub outbox: Outbox,
-    /// The PostgreSQL URL of its schema, on that backend.
+    /// The PostgreSQL URL of its schema, on that store.
     pub url: Option<String>,
 }
 
@@ -138,12 +138,12 @@ impl TestDb {
 
     fn create(options: OutboxOptions, clock: ManualClock) -> TestDb {
         let dir = tempfile::tempdir().expect("temp dir");
-        let (outbox, url) = match backend() {
-            Backend::Sqlite => (
+        let (outbox, url) = match current_store() {
+            Store::Sqlite => (
                 Outbox::open(dir.path().join("outbox.db"), options).expect("open outbox"),
                 None,
             ),
-            Backend::Postgres => {
+            Store::Postgres => {
                 let url = Self::fresh_url();
                 (connect(&url, options).expect("connect outbox"), Some(url))
             }
@@ -207,7 +207,7 @@ impl TestDb {
     }
 
     /// The first column of the rows of `sql` (with `$1` bound to `param`, if it names
-    /// it) as text, on either backend.
+    /// it) as text, on either store.
     pub fn strings(&self, sql: &str, param: &str) -> Vec<String> {
         match &self.url {
             None => {
@@ -224,7 +224,7 @@ impl TestDb {
         }
     }
 
-    /// One integer from `sql` (no parameters), on either backend.
+    /// One integer from `sql` (no parameters), on either store.
     pub fn int(&self, sql: &str) -> i64 {
         match &self.url {
             None => self.raw().query_row(sql, [], |r| r.get(0)).unwrap(),
@@ -232,12 +232,12 @@ impl TestDb {
         }
     }
 
-    /// Runs `sql` (statements without parameters) on either backend.
+    /// Runs `sql` (statements without parameters) on either store.
     pub fn exec(&self, sql: &str) {
         self.try_exec(sql).unwrap()
     }
 
-    /// Runs `sql` (statements without parameters) on either backend, or says why the
+    /// Runs `sql` (statements without parameters) on either store, or says why the
     /// database refused it.
     pub fn try_exec(&self, sql: &str) -> std::result::Result<(), String> {
         match &self.url {
@@ -324,7 +324,7 @@ fn pg_exec(_: &str, _: &str) -> std::result::Result<(), String> {
     unreachable!()
 }
 
-/// A place for outboxes on the test's backend, opened with the options given (their
+/// A place for outboxes on the test's store, opened with the options given (their
 /// own clock, if any): a file in a temp dir, or a fresh schema on the test server.
 pub struct Place {
     pub dir: tempfile::TempDir,
@@ -335,7 +335,7 @@ impl Place {
     pub fn new() -> Place {
         Place {
             dir: tempfile::tempdir().expect("temp dir"),
-            url: (backend() == Backend::Postgres).then(TestDb::fresh_url),
+            url: (current_store() == Store::Postgres).then(TestDb::fresh_url),
         }
     }
 
@@ -366,12 +366,12 @@ pub fn open_target(target: &str, options: OutboxOptions) -> Result<Outbox> {
     }
 }
 
-/// An outbox on the test's backend that leaves no file behind: in memory on SQLite, a
+/// An outbox on the test's store that leaves no file behind: in memory on SQLite, a
 /// fresh schema on PostgreSQL.
 pub fn fresh_outbox(options: OutboxOptions) -> Outbox {
-    match backend() {
-        Backend::Sqlite => Outbox::open_in_memory(options).expect("open in memory"),
-        Backend::Postgres => connect(&TestDb::fresh_url(), options).expect("connect outbox"),
+    match current_store() {
+        Store::Sqlite => Outbox::open_in_memory(options).expect("open in memory"),
+        Store::Postgres => connect(&TestDb::fresh_url(), options).expect("connect outbox"),
     }
 }
 

@@ -373,7 +373,7 @@ fn policy_json(p: &Rules, channels: &[String]) -> Value {
         per_channel.insert(name.clone(), rules);
     }
     json!({
-        "schema_version": chunked_outbox::backends::sqlite::SCHEMA_VERSION,
+        "schema_version": chunked_outbox::store::sqlite::SCHEMA_VERSION,
         "lane_order": match p.lane_order { LaneOrder::Parallel => "parallel", _ => "fifo" },
         "lane_failure": match p.lane_failure { LaneFailurePolicy::Block => "block", _ => "skip" },
         "retry": retry_json(&p.retry),

@@ -406,7 +406,7 @@ fn run(cli: Cli) -> CliResult<u8> {
                 Target::File(path) => println!(
                     "{} is at schema version {}",
                     path.display(),
-                    chunked_outbox::backends::sqlite::SCHEMA_VERSION
+                    chunked_outbox::store::sqlite::SCHEMA_VERSION
                 ),
                 Target::Postgres(_) => println!(
                     "{} is at this build's PostgreSQL schema version",

@@ -30,7 +30,7 @@ impl Target {
     pub fn describe(&self) -> String {
         match self {
             Target::File(path) => path.display().to_string(),
-            Target::Postgres(url) => chunked_outbox::backends::redact_url(url),
+            Target::Postgres(url) => chunked_outbox::store::redact_url(url),
         }
     }
 

@@ -3,8 +3,8 @@
 use super::statement::{self, Value};
 use super::{PgTx, delivery_status};
 use crate::clock::to_datetime;
-use crate::enqueue::NewDelivery;
 use crate::error::{Error, Result};
+use crate::reply::NewDelivery;
 use crate::store::{
     ChannelTally, DeliveryLane, DeliveryStore, FinalizeStore, LaneRef, NewRow, Staged,
     StatementShape, StoredContent,

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use postgres::NoTls;
 use postgres::fallible_iterator::FallibleIterator;
 
-use crate::outbox::Notifier;
+use crate::store::connections::Notifier;
 
 /// The notification channel of the outbox in the connection's current schema (one per
 /// schema: a database may hold several outboxes). A name made of letters and digits,

@@ -1,18 +1,62 @@
 //! The PostgreSQL store (feature `postgres`): the same rules over tables in a
 //! PostgreSQL schema, shared by every process and host of an application.
 //!
-//! Transactions run at READ COMMITTED, and the lock primitives of the seam are real
-//! locks (see [`Locks`] below): the rules read-decide-write only under them, so
-//! concurrent writers on several hosts keep every lane's order, every caller key and
-//! every channel's rate. Claims never wait: their chunk rows, lanes and channel slots
-//! are taken with `SKIP LOCKED`.
+//! # Enqueue inside the application's own transaction
 //!
-//! Each connection keeps the statements it prepared, by the address of their `'static`
-//! text, so a statement is parsed and planned once per connection. Behind a transaction
-//! pooler, where the next transaction may run on another server connection, it keeps
-//! only each statement's parameter types and sends the statement unnamed with its
-//! values: one round trip, and no name left on the server.
+//! With [`Outbox::enqueue_in_pg`] (and `enqueue_in_tokio_pg`, `enqueue_in_sqlx`) the
+//! reply commits or rolls back with the application's own writes (the transactional
+//! outbox).
+//!
+//! The application's transaction runs one statement of the crate, the function
+//! `outbound_enqueue(...)` that the outbox's schema holds. It writes one row — the
+//! reply, *staged*: its lane not yet decided — and takes no lock of the outbox but
+//! that row's and its caller key's. So a lane busy with other replies never holds up
+//! the application's commit, a rollback leaves nothing, and the notification that
+//! wakes the dispatchers of every host is sent by the commit itself. The outbox's own
+//! short transactions then make the staged reply a delivery of its lane (by the next
+//! claim of any dispatcher, or [`Outbox::recover`]), in commit order within the lane,
+//! keeping the uid the application was given.
+//!
+//! # Isolation levels
+//!
+//! - **READ COMMITTED** (PostgreSQL's default): a caller key another transaction is
+//!   using waits for that transaction; if it commits, the call returns its reply
+//!   (`created == false`, or [`Error::IdempotencyConflict`] for other content); if it
+//!   rolls back, the call makes the reply.
+//! - **REPEATABLE READ** and **SERIALIZABLE**: the same, except that a key taken by a
+//!   transaction that committed after this one's snapshot was taken cannot be read
+//!   here: the call fails with [`Error::Busy`] (the server's serialization failure,
+//!   `40001`), and the application retries its transaction, as it must for any write
+//!   at these levels. A key taken before the snapshot returns that reply.
+//!
+//! A reply staged and not yet started shows as `queued` (without chunks) to
+//! [`Outbox::delivery`] and in health, and can be cancelled.
+//!
+//! Any other client can call the function itself with the same eleven arguments
+//! (`SELECT * FROM outbound_enqueue(...)`, see the migration
+//! `V2__staged_replies.sql`); the typed calls also check the reply as
+//! [`Outbox::enqueue`] does and compare the content of a reply found by its key.
+//!
+//! [`Outbox::enqueue_in_pg`]: crate::Outbox::enqueue_in_pg
+//! [`Outbox::recover`]: crate::Outbox::recover
+//! [`Outbox::delivery`]: crate::Outbox::delivery
+//! [`Outbox::enqueue`]: crate::Outbox::enqueue
+//! [`Error::IdempotencyConflict`]: crate::Error::IdempotencyConflict
+//! [`Error::Busy`]: crate::Error::Busy
 
+// Transactions run at READ COMMITTED, and the lock primitives of the seam are real
+// locks (see `Locks` below): the rules read-decide-write only under them, so
+// concurrent writers on several hosts keep every lane's order, every caller key and
+// every channel's rate. Claims never wait: their chunk rows, lanes and channel slots
+// are taken with `SKIP LOCKED`.
+//
+// Each connection keeps the statements it prepared, by the address of their `'static`
+// text, so a statement is parsed and planned once per connection. Behind a transaction
+// pooler, where the next transaction may run on another server connection, it keeps
+// only each statement's parameter types and sends the statement unnamed with its
+// values: one round trip, and no name left on the server.
+
+pub(crate) mod application;
 pub(crate) mod chunks;
 pub(crate) mod deliveries;
 pub(crate) mod lanes;
@@ -24,6 +68,7 @@ pub(crate) mod reads;
 pub(crate) mod rules;
 pub(crate) mod runtime;
 pub(crate) mod schema;
+pub(crate) mod server;
 pub(crate) mod statement;
 
 use std::cell::{Cell, RefCell};
@@ -79,6 +124,15 @@ pub(crate) struct PgStore {
     pub(crate) time: Arc<ServerTime>,
     /// How each transaction begins (see [`Begins`]).
     pub(crate) begins: Box<Begins>,
+    /// The salt of the database's delivery uids, read when it connected.
+    id_salt: i64,
+    /// How long a commit whose answer was lost asks the server what became of it
+    /// (the busy timeout).
+    patience: Duration,
+    /// Whether a listener may hear other processes' commits (see `server.rs`).
+    listens: bool,
+    /// The listener, started by the first dispatcher or claim of the handle.
+    listener: std::sync::OnceLock<Option<listen::Listener>>,
 }
 
 /// The round trip that begins each kind of transaction ([`Begin`]): `BEGIN`, then
@@ -157,7 +211,7 @@ impl PgStore {
                 "database url",
                 format!(
                     "{} is not a PostgreSQL URL: {e}",
-                    crate::backends::redact_url(url)
+                    crate::store::redact_url(url)
                 ),
             )
         })?;
@@ -183,7 +237,7 @@ impl PgStore {
             .test_on_check_out(true)
             .min_idle(Some(0))
             .connection_timeout(timeout)
-            .thread_pool(crate::outbox::pool_upkeep())
+            .thread_pool(crate::store::connections::pool_upkeep())
             .build_unchecked(manager);
         let pool = Pool(Some(pool));
         let mut store = PgStore {
@@ -194,6 +248,10 @@ impl PgStore {
             read_only,
             time,
             begins: Box::new(Begins::new(timeout)),
+            id_salt: 0,
+            patience: timeout,
+            listens: false,
+            listener: std::sync::OnceLock::new(),
         };
         // The same round trip aligns the handle's time with the server's (a simple
         // query: one message, which a transaction pooler passes whole).
@@ -1021,8 +1079,8 @@ impl StoreTx for PgTx<'_> {
     }
 
     #[cfg(test)]
-    fn stage(&self, d: &crate::enqueue::NewDelivery, now: i64) -> Result<Option<String>> {
-        let call = crate::backends::postgres::Call {
+    fn stage(&self, d: &crate::reply::NewDelivery, now: i64) -> Result<Option<String>> {
+        let call = crate::store::postgres::application::Call {
             delivery: d,
             now,
             uid_high: 0,

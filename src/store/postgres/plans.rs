@@ -16,9 +16,9 @@ use super::lanes::{
 use super::operator::DEAD_LETTER_CHUNKS_SQL;
 use super::reads::{OPEN_CHUNKS_SQL, OPEN_DELIVERIES_SQL};
 use super::{LOCK_LANES, TRY_LOCK_LANES};
-use crate::enqueue::NewDelivery;
 use crate::options::OutboxOptions;
 use crate::outbox::Outbox;
+use crate::reply::NewDelivery;
 
 use crate::store::test_server as server;
 

@@ -11,7 +11,7 @@ use postgres::types::{IsNull, ToSql, Type, to_sql_checked};
 
 use super::{PgTx, message};
 use crate::error::{Error, Result};
-use crate::finalize::parameter_index;
+use crate::rules::parameter_index;
 use crate::store::StatementShape;
 
 /// A statement with its parameters numbered: the text PostgreSQL prepares, and each
@@ -197,7 +197,7 @@ pub(crate) enum Value {
 }
 
 /// Runs the application's statement with `values` (in the order of
-/// [`FINALIZE_PARAMETERS`](crate::finalize::FINALIZE_PARAMETERS)).
+/// [`FINALIZE_PARAMETERS`](crate::rules::FINALIZE_PARAMETERS)).
 pub(crate) fn run(tx: &PgTx<'_>, sql: &str, values: &[Value]) -> Result<()> {
     let numbered =
         number(sql).map_err(|reason| Error::invalid("finalization statement", reason))?;

@@ -7,7 +7,7 @@
 //! background checkpoints on (the default for files), a thread of the outbox runs a
 //! `PASSIVE` checkpoint — which never waits for readers or writers — on its own
 //! connection at a fixed interval, and the writer's automatic checkpoint threshold is
-//! raised to [`BACKGROUND_AUTOCHECKPOINT_PAGES`](crate::backends::sqlite::StorageSettings::BACKGROUND_AUTOCHECKPOINT_PAGES),
+//! raised to [`BACKGROUND_AUTOCHECKPOINT_PAGES`](crate::store::sqlite::StorageSettings::BACKGROUND_AUTOCHECKPOINT_PAGES),
 //! where it only bounds the WAL if the thread falls behind.
 
 use std::path::Path;

@@ -154,9 +154,9 @@ impl ClaimStore for Tx<'_> {
 
 #[cfg(test)]
 mod tests {
-    use crate::enqueue::NewDelivery;
     use crate::options::OutboxOptions;
     use crate::outbox::Outbox;
+    use crate::reply::NewDelivery;
 
     /// Claims of any size take their rows from one compiled statement: nothing bound to
     /// it takes part in its plan, so SQLite never compiles it again. Each claim returns
@@ -175,7 +175,7 @@ mod tests {
             chats.extend(claims.iter().map(|c| c.chat_id.parse::<i32>().unwrap()));
         }
         assert_eq!(chats, (0..10).collect::<Vec<_>>());
-        let conn = ob.sqlite_writer("test").unwrap();
+        let conn = ob.sqlite("test").unwrap().writer();
         let stmt = conn.prepare_cached(super::CLAIM_SQL).unwrap();
         assert_eq!(stmt.get_status(rusqlite::StatementStatus::RePrepare), 0);
         assert!(stmt.get_status(rusqlite::StatementStatus::Run) >= 4);

@@ -8,7 +8,7 @@ use super::chunks::chunks_of_delivery;
 use super::schema::sqlite_message;
 use super::tx::Tx;
 use crate::error::{Error, Result};
-use crate::finalize::{FINALIZE_PARAMETERS, parameter_index};
+use crate::rules::{FINALIZE_PARAMETERS, parameter_index};
 use crate::store::{ChannelTally, DeliveryLane, FinalizeStore, StatementShape};
 
 /// The values of [`FINALIZE_PARAMETERS`] for delivery `?1` finalized at `?2`, in order.

@@ -1,9 +1,18 @@
-//! The SQLite store: the file, its schema and migrations, its pragmas, and the SQL of
-//! every primitive of the seam ([`crate::store`]), implemented on [`Tx`].
-//!
-//! SQLite has one writer: every write transaction is `BEGIN IMMEDIATE`, so the lock
-//! primitives of the seam are no-ops here (the writer's lock already covers every lane,
-//! channel, key and the rules).
+//! The SQLite store's settings and schema version, and the rusqlite it is built with.
+
+// The file, its schema and migrations, its pragmas, its connections (`file`), and the
+// SQL of every primitive of the seam, implemented on `tx::Tx`. SQLite has one writer:
+// every write transaction is `BEGIN IMMEDIATE`, so the lock primitives of the seam are
+// no-ops here (the writer's lock already covers every lane, channel, key and the
+// rules).
+
+pub use crate::options::Synchronous;
+pub use connection::StorageSettings;
+/// The rusqlite this crate is built with: [`Outbox::enqueue_in`](crate::Outbox::enqueue_in)
+/// takes its `Connection`, so an application names the same version through this
+/// re-export.
+pub use rusqlite;
+pub use schema::SCHEMA_VERSION;
 
 pub(crate) mod checkpoint;
 pub(crate) mod schema;
@@ -13,6 +22,7 @@ pub(crate) mod chunks;
 pub(crate) mod claims;
 pub(crate) mod connection;
 pub(crate) mod deliveries;
+pub(crate) mod file;
 pub(crate) mod finalize;
 pub(crate) mod lanes;
 pub(crate) mod operator;

@@ -641,12 +641,12 @@ mod tests {
 /// does not grow with delivered history or backlog.
 #[cfg(test)]
 mod plan_tests {
-    use crate::enqueue::NewDelivery;
     use crate::options::OutboxOptions;
     use crate::outbox::Outbox;
+    use crate::reply::NewDelivery;
 
     fn explain(outbox: &Outbox, sql: &str, params: usize) -> String {
-        let conn = outbox.sqlite_writer("test").unwrap();
+        let conn = outbox.sqlite("test").unwrap().writer();
         let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
         let values: Vec<rusqlite::types::Value> = (0..params).map(|_| 0_i64.into()).collect();
         let rows = stmt
@@ -805,7 +805,7 @@ mod plan_tests {
     #[test]
     fn hot_statements_open_no_temporary_b_tree() {
         let ob = populated();
-        let conn = ob.sqlite_writer("test").unwrap();
+        let conn = ob.sqlite("test").unwrap().writer();
         for sql in [
             crate::store::sqlite::lanes::HEAD_SQL,
             crate::store::sqlite::lanes::HELD_SQL,

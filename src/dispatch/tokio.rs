@@ -17,9 +17,9 @@ use crate::claim::Claim;
 use crate::enqueue::{Enqueued, NewDelivery};
 use crate::error::Result;
 use crate::health::Health;
-use crate::outbox::ChangeWatcher;
 use crate::outbox::Outbox;
 use crate::outcome::Outcome;
+use crate::store::connections::{ChangeWatch, on_blocking_pool};
 
 /// Claims admitted to be sent now, each with its adapter.
 type Admitted = Vec<(Claim, Arc<dyn AsyncChannelAdapter>)>;
@@ -364,7 +364,7 @@ impl AsyncDispatcher {
         Ok(running.shutdown(grace).await)
     }
 
-    async fn work(&self, run: &Arc<Run>, watcher: Arc<Mutex<ChangeWatcher>>) {
+    async fn work(&self, run: &Arc<Run>, watcher: Arc<Mutex<Box<dyn ChangeWatch>>>) {
         let core = &self.shared.core;
         let notifier = core.outbox.notifier();
         let mut seen = notifier.generation();
@@ -494,13 +494,4 @@ impl Drop for RunningAsyncDispatcher {
     fn drop(&mut self) {
         self.request_shutdown();
     }
-}
-
-/// Runs `f`, database work on a thread of tokio's blocking pool, where the PostgreSQL
-/// store's client may run as it is (see `store::postgres::runtime`).
-fn on_blocking_pool<T>(f: impl FnOnce() -> T) -> T {
-    #[cfg(feature = "postgres")]
-    return crate::store::postgres::runtime::on_blocking_pool(f);
-    #[cfg(not(feature = "postgres"))]
-    f()
 }

@@ -159,7 +159,7 @@ impl Dispatcher {
         Ok(running)
     }
 
-    fn work(&self, run: &Run, mut watcher: crate::outbox::ChangeWatcher) {
+    fn work(&self, run: &Run, mut watcher: Box<dyn crate::store::connections::ChangeWatch>) {
         let core = &self.shared.core;
         let notifier = core.outbox.notifier();
         let mut seen = notifier.generation();
@@ -549,7 +549,7 @@ impl Drop for RunningDispatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dispatcher::tests::Accept;
+    use crate::dispatch::tests::Accept;
 
     /// Round 1 with `sends` queued and `sleeping` idle threads.
     fn round(sends: usize, sleeping: usize) -> Round {

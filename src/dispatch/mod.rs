@@ -1,23 +1,26 @@
-//! The claim → send → record loop over registered channel adapters.
+//! Running the claim → send → record loop: the dispatchers, their builders and
+//! handles, the adapter traits, and what a run reports.
 //!
-//! [`Dispatcher`] runs it on threads, for CLI agents and simple bots;
-//! [`AsyncDispatcher`](crate::AsyncDispatcher) (feature `tokio`) runs it as tasks for
-//! async engines. Both share [`Core`] and one [`Run`] per start.
-//!
-//! The promises both keep, and where each is kept:
-//!
-//! * **A claim is a send in flight.** A worker claims exactly the chunks it is about to
-//!   send at once ([`Settings::batch`], one by default), so a crash can leave at most
-//!   that many chunks possibly sent per worker ([`Core::step`]).
-//! * **A known outcome is durable before the next send starts**: the outcomes of a
-//!   worker's sends are recorded in the same transaction that claims its next ones, and
-//!   a record that fails with `Busy` or `DiskFull`, or for a lost connection to a
-//!   PostgreSQL server, is retried — the claim's token makes that safe — before
-//!   anything new is claimed ([`Core::step`]).
-//! * **No send on a lease that cannot cover it**: a claim with less than a quarter of
-//!   its lease left is given back unsent ([`Shared::admit`]), and the run's keeper
-//!   thread renews the leases of claims it still holds ([`keep_leases`]).
-//! * **An adapter's panic is an ambiguous send**, not a dead worker ([`guarded`]).
+//! [`Dispatcher`] runs the loop on threads, for CLI agents and simple bots;
+//! [`AsyncDispatcher`] (feature `tokio`) runs it as tasks for async engines. Both take
+//! one adapter per channel ([`ChannelAdapter`], [`AsyncChannelAdapter`]); ready ones for
+//! teloxide, serenity and slack-morphism are in [`platforms`](crate::platforms#ready-adapters).
+
+// Both dispatchers share `Core` and one `Run` per start. The promises both keep, and
+// where each is kept:
+//
+// * **A claim is a send in flight.** A worker claims exactly the chunks it is about to
+//   send at once (`Settings::batch`, one by default), so a crash can leave at most
+//   that many chunks possibly sent per worker (`Core::step`).
+// * **A known outcome is durable before the next send starts**: the outcomes of a
+//   worker's sends are recorded in the same transaction that claims its next ones, and
+//   a record that fails with `Busy` or `DiskFull`, or for a lost connection to a
+//   PostgreSQL server, is retried — the claim's token makes that safe — before
+//   anything new is claimed (`Core::step`).
+// * **No send on a lease that cannot cover it**: a claim with less than a quarter of
+//   its lease left is given back unsent (`Shared::admit`), and the run's keeper
+//   thread renews the leases of claims it still holds (`keep_leases`).
+// * **An adapter's panic is an ambiguous send**, not a dead worker (`guarded`).
 
 mod blocking;
 mod builder;
@@ -44,6 +47,11 @@ use crate::state::Recorded;
 use crate::status::ChunkStatus;
 use crate::telemetry;
 
+#[cfg(feature = "tokio")]
+pub use self::tokio::{
+    AsyncChannelAdapter, AsyncDispatcher, AsyncDispatcherBuilder, RunningAsyncDispatcher,
+    SendFuture,
+};
 pub use blocking::{Dispatcher, RunningDispatcher};
 pub use builder::{DispatcherBuilder, ShutdownReport};
 
@@ -562,7 +570,7 @@ impl Core {
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(Duration::from_millis(500));
                 }
-                Err(e) if done.len() > 1 && refused(&e) => {
+                Err(e) if done.len() > 1 && e.is_refusal() => {
                     warn!(error = %e, outcomes = done.len(), "the store refused the outcomes together; recording each alone");
                     for one in std::mem::take(done) {
                         self.record_and_claim(run, &mut vec![one], channels, 0, isolation)?;
@@ -825,18 +833,6 @@ pub(crate) fn keep_leases(core: &Core, run: &Run) {
             return;
         }
         renew_due(core, run);
-    }
-}
-
-/// Whether the store refused a write for what it held (a value it cannot keep, a
-/// constraint), not for its own state (busy, full, out of reach), so the same write
-/// would fail again however long it waited.
-fn refused(e: &Error) -> bool {
-    match e {
-        Error::Sqlite(_) => true,
-        #[cfg(feature = "postgres")]
-        Error::Postgres(_) => true,
-        _ => false,
     }
 }
 

@@ -1,0 +1,251 @@
+//! The connection half of a store: how its transactions begin and end, how it is read,
+//! how it hears other processes' commits, and what it can and cannot do. The rules
+//! hold one [`Store`] and never ask which it is.
+
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::store::StoreTx;
+
+/// What differs between stores that the rules act on: asked, never inferred from which
+/// store it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Capabilities {
+    /// Its text columns hold the NUL character (SQLite's do, PostgreSQL's do not).
+    pub nul_in_text: bool,
+    /// Applications' own transactions may stage replies that the outbox's
+    /// transactions then make deliveries of (PostgreSQL's `outbound_enqueue`).
+    pub staged_replies: bool,
+}
+
+/// How one write transaction begins and ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Write {
+    /// It changes the stored rules: it holds them exclusively.
+    pub change_rules: bool,
+    /// Its commit wakes every process listening on the store (where the store can).
+    pub announce: bool,
+}
+
+/// The connection half of a store (see the [module](self)). A store's transactions are
+/// [`StoreTx`]s; what a store cannot do fails with [`Error::Unsupported`] naming it.
+pub(crate) trait Store: Send + Sync {
+    /// Its name in messages: `SQLite`, `PostgreSQL`.
+    fn name(&self) -> &'static str;
+    /// What it can do (see [`Capabilities`]).
+    fn capabilities(&self) -> Capabilities;
+    /// The salt of this database's delivery uids (see
+    /// [`DeliveryId::for_row`](crate::ids::DeliveryId::for_row)), read when it opened.
+    fn id_salt(&self) -> i64;
+    /// Runs `work` in one write transaction — the stored rules locked shared, or
+    /// exclusively for a change of them — and commits if it returns `Ok`, rolls back
+    /// otherwise. `work` runs exactly once when this returns `Ok`.
+    fn write(
+        &self,
+        how: Write,
+        work: &mut (dyn FnMut(&dyn StoreTx) -> Result<()> + Send),
+    ) -> Result<()>;
+    /// Runs `work` in one read transaction: everything it reads is one snapshot.
+    fn read(&self, work: &mut (dyn FnMut(&dyn StoreTx) -> Result<()> + Send)) -> Result<()>;
+    /// A watcher of commits by any connection, other processes' included; commits it
+    /// hears of at once wake `wake` itself.
+    fn watch(&self, wake: &Wakeups) -> Result<Box<dyn ChangeWatch>>;
+    /// Starts hearing other processes' commits at once, where the store can and has not
+    /// yet (a failure leaves it to the watchers' polls).
+    fn listen(&self, _wake: &Wakeups) {}
+    /// Whether commits of other processes wake this handle at once now.
+    fn hears_commits(&self) -> bool {
+        false
+    }
+    /// Names the database in the fields of a handle's `Debug`, never with a password.
+    fn describe(&self, out: &mut std::fmt::DebugStruct<'_, '_>);
+    /// The database file, if the store has one.
+    fn path(&self) -> Option<&Path> {
+        None
+    }
+    /// `error` with where it happened, for an error of the open that followed the
+    /// store's own (the file's path).
+    fn locate(&self, error: Error) -> Error {
+        error
+    }
+    /// The quoted schema in which an application's transaction finds the store's
+    /// `outbound_enqueue`; [`Error::Unsupported`] naming `what` where there is none.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    fn application_schema(&self, what: &'static str) -> Result<&str> {
+        Err(self.unsupported(what))
+    }
+    /// The store as itself, for what only one store has (an SQLite file's pragmas).
+    fn as_any(&self) -> &dyn std::any::Any;
+    /// [`Error::Unsupported`] naming `what` on this store.
+    fn unsupported(&self, what: &'static str) -> Error {
+        Error::Unsupported {
+            what,
+            store: self.name(),
+        }
+    }
+}
+
+impl dyn Store + '_ {
+    /// [`Store::write`] of work that returns a value.
+    pub(crate) fn write_with<T: Send>(
+        &self,
+        how: Write,
+        work: impl FnOnce(&dyn StoreTx) -> Result<T> + Send,
+    ) -> Result<T> {
+        let mut run = Once::new(work);
+        self.write(how, &mut |tx| run.call(tx))?;
+        Ok(run.take())
+    }
+
+    /// [`Store::read`] of work that returns a value.
+    pub(crate) fn read_with<T: Send>(
+        &self,
+        work: impl FnOnce(&dyn StoreTx) -> Result<T> + Send,
+    ) -> Result<T> {
+        let mut run = Once::new(work);
+        self.read(&mut |tx| run.call(tx))?;
+        Ok(run.take())
+    }
+}
+
+/// Work a store runs once, and its value.
+enum Once<F, T> {
+    Ready(F),
+    Done(T),
+    Taken,
+}
+
+impl<F: FnOnce(&dyn StoreTx) -> Result<T>, T> Once<F, T> {
+    fn new(work: F) -> Self {
+        Once::Ready(work)
+    }
+
+    fn call(&mut self, tx: &dyn StoreTx) -> Result<()> {
+        if let Once::Ready(work) = std::mem::replace(self, Once::Taken) {
+            *self = Once::Done(work(tx)?);
+        }
+        Ok(())
+    }
+
+    fn take(self) -> T {
+        match self {
+            Once::Done(value) => value,
+            // A store that returns Ok ran the work (see `Store::write`).
+            _ => unreachable!("a store returned Ok without running the transaction's work"),
+        }
+    }
+}
+
+/// Notices commits to the database by other connections, asked at each poll of an
+/// idle dispatcher.
+pub(crate) trait ChangeWatch: Send {
+    /// Whether anything may have been committed since the last call that the
+    /// dispatchers were not woken for.
+    fn changed(&mut self) -> Result<bool>;
+}
+
+/// A watcher of a database no other connection can write (in memory).
+pub(crate) struct Unwatched;
+
+impl ChangeWatch for Unwatched {
+    fn changed(&mut self) -> Result<bool> {
+        Ok(false)
+    }
+}
+
+/// What wakes a handle's dispatchers: its [`Notifier`], and whether replies staged by
+/// applications' transactions may be waiting (set by a notification or a poll, taken
+/// by the next claim).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Wakeups {
+    pub notifier: Arc<Notifier>,
+    pub staged: Arc<AtomicBool>,
+}
+
+/// A generation counter that writers bump and idle dispatchers wait on, so an enqueue
+/// in this process wakes them at once instead of at their next poll.
+#[derive(Debug, Default)]
+pub(crate) struct Notifier {
+    generation: Mutex<u64>,
+    changed: Condvar,
+    #[cfg(feature = "tokio")]
+    pub(crate) async_changed: tokio::sync::Notify,
+}
+
+impl Notifier {
+    pub(crate) fn notify(&self) {
+        *self.lock() += 1;
+        self.changed.notify_all();
+        #[cfg(feature = "tokio")]
+        self.async_changed.notify_waiters();
+    }
+
+    pub(crate) fn generation(&self) -> u64 {
+        *self.lock()
+    }
+
+    /// Waits until the generation differs from `seen` or `timeout` passes; returns the
+    /// generation then.
+    pub(crate) fn wait(&self, seen: u64, timeout: Duration) -> u64 {
+        let (guard, _) = self
+            .changed
+            .wait_timeout_while(self.lock(), timeout, |g| *g == seen)
+            .unwrap_or_else(|e| e.into_inner());
+        *guard
+    }
+
+    fn lock(&self) -> MutexGuard<'_, u64> {
+        self.generation.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Runs `f`, the crate's own database work, on a thread of tokio's blocking pool, where
+/// a store's blocking client may run as it is (see `store::postgres::runtime`).
+#[cfg(feature = "tokio")]
+pub(crate) fn on_blocking_pool<T>(f: impl FnOnce() -> T) -> T {
+    #[cfg(feature = "postgres")]
+    return crate::store::postgres::runtime::on_blocking_pool(f);
+    #[cfg(not(feature = "postgres"))]
+    f()
+}
+
+/// The one scheduler thread every connection pool of the process runs its upkeep on.
+pub(crate) fn pool_upkeep() -> Arc<scheduled_thread_pool::ScheduledThreadPool> {
+    static UPKEEP: std::sync::OnceLock<Arc<scheduled_thread_pool::ScheduledThreadPool>> =
+        std::sync::OnceLock::new();
+    UPKEEP
+        .get_or_init(|| {
+            Arc::new(
+                scheduled_thread_pool::ScheduledThreadPool::builder()
+                    .num_threads(1)
+                    .thread_name_pattern("outbox-pool-upkeep")
+                    .build(),
+            )
+        })
+        .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notifier_wakes_waiters_and_times_out_otherwise() {
+        let n = Arc::new(Notifier::default());
+        let seen = n.generation();
+        assert_eq!(
+            n.wait(seen, Duration::from_millis(1)),
+            seen,
+            "no notify: timeout"
+        );
+        let waker = {
+            let n = n.clone();
+            std::thread::spawn(move || n.notify())
+        };
+        assert_eq!(n.wait(seen, Duration::from_secs(60)), seen + 1);
+        waker.join().unwrap();
+    }
+}

@@ -1,0 +1,273 @@
+//! The PostgreSQL store's connections: connecting (and migrating), the transactions of
+//! the seam on a connection of the pool, and hearing other hosts' commits.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::clock::ServerTime;
+use crate::error::{Error, Result};
+use crate::options::OutboxOptions;
+use crate::store::StoreTx;
+use crate::store::connections::{Capabilities, ChangeWatch, Store, Wakeups, Write};
+use crate::store::postgres::listen::{self, ListenState, RESYNC};
+use crate::store::postgres::{Begin, PgStore, PgTx, runtime, schema};
+
+impl PgStore {
+    /// Connects to the outbox at `url` (see [`Outbox::connect`](crate::Outbox::connect)),
+    /// creating or upgrading its tables unless `read_only` or behind a transaction
+    /// pooler. From here on `options` tells the server's time (see [`ServerTime`]).
+    pub(crate) fn open(url: &str, options: &mut OutboxOptions, read_only: bool) -> Result<Self> {
+        // Called from async code, it runs off the runtime's worker (see `runtime`), as
+        // every call of this store does.
+        runtime::off_runtime(|| PgStore::open_here(url, options, read_only))
+    }
+
+    fn open_here(url: &str, options: &mut OutboxOptions, read_only: bool) -> Result<Self> {
+        // Every time the rules store or compare is the server's (see `ServerTime`).
+        let time = Arc::new(ServerTime::new(options.clock.clone()));
+        let mut store = PgStore::connect(
+            url,
+            options.readers + 1,
+            options.busy_timeout,
+            read_only,
+            options.transaction_pooler,
+            time.clone(),
+        )?;
+        options.clock = time;
+        store.listens = options.listen && !options.transaction_pooler;
+        let mut conn = store.connection()?;
+        store.id_salt = if read_only || options.transaction_pooler {
+            // Behind a transaction pooler: checked in one transaction, so its
+            // statements meet one server connection; never migrated (see
+            // `OutboxOptions::with_transaction_pooler`).
+            conn.client.batch_execute("BEGIN")?;
+            let checked =
+                schema::require_current(&mut conn).and_then(|()| schema::id_salt(&mut conn));
+            conn.client.batch_execute("ROLLBACK")?;
+            checked?
+        } else {
+            schema::migrate(&mut conn, options.upgrade_schema)?;
+            schema::id_salt(&mut conn)?
+        };
+        drop(conn);
+        Ok(store)
+    }
+
+    /// The state of this store's listener, started on first use; `None` when wake-ups
+    /// by notification are off ([`OutboxOptions::with_listen`]).
+    pub(crate) fn listener(&self, wake: &Wakeups) -> Result<Option<Arc<ListenState>>> {
+        if !self.listens {
+            return Ok(None);
+        }
+        if let Some(running) = self.listener.get() {
+            return Ok(running.as_ref().map(|l| l.state.clone()));
+        }
+        let started = listen::start(
+            self.config.clone(),
+            wake.notifier.clone(),
+            wake.staged.clone(),
+        )
+        .map_err(|source| Error::Io {
+            path: "listener thread".into(),
+            source,
+        })?;
+        let state = started.state.clone();
+        if self.listener.set(Some(started)).is_err() {
+            // Another dispatcher of this handle started one first: ours stops.
+            return Ok(self
+                .listener
+                .get()
+                .and_then(|l| l.as_ref())
+                .map(|l| l.state.clone()));
+        }
+        Ok(Some(state))
+    }
+}
+
+impl Store for PgStore {
+    fn name(&self) -> &'static str {
+        "PostgreSQL"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            nul_in_text: false,
+            staged_replies: true,
+        }
+    }
+
+    fn id_salt(&self) -> i64 {
+        self.id_salt
+    }
+
+    fn write(
+        &self,
+        how: Write,
+        work: &mut (dyn FnMut(&dyn StoreTx) -> Result<()> + Send),
+    ) -> Result<()> {
+        let Write {
+            change_rules,
+            announce,
+        } = how;
+        let kind = if self.read_only {
+            Begin::WriteRefused { change_rules }
+        } else {
+            Begin::Write { change_rules }
+        };
+        self.transaction(kind, |tx: PgTx<'_>| {
+            work(&tx)?;
+            self.commit(tx, announce, self.patience)
+        })
+    }
+
+    fn read(&self, work: &mut (dyn FnMut(&dyn StoreTx) -> Result<()> + Send)) -> Result<()> {
+        self.transaction(Begin::Read, |tx: PgTx<'_>| work(&tx))
+    }
+
+    fn watch(&self, wake: &Wakeups) -> Result<Box<dyn ChangeWatch>> {
+        Ok(Box::new(ServerWatch {
+            listener: self.listener(wake)?,
+            resynced: Instant::now(),
+            staged: wake.clone(),
+        }))
+    }
+
+    fn listen(&self, wake: &Wakeups) {
+        if self.listener.get().is_none() {
+            let _ = self.listener(wake);
+        }
+    }
+
+    fn hears_commits(&self) -> bool {
+        self.listener
+            .get()
+            .and_then(|l| l.as_ref())
+            .is_some_and(|l| l.state.healthy())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn describe(&self, out: &mut std::fmt::DebugStruct<'_, '_>) {
+        out.field("database", &self.target);
+    }
+
+    fn application_schema(&self, _what: &'static str) -> Result<&str> {
+        Ok(&self.quoted_schema)
+    }
+}
+
+/// A server's watcher: the handle's listener wakes the dispatchers itself; while it is
+/// down (or off), every poll looks again, and a look at the due times looks for staged
+/// replies too.
+pub(crate) struct ServerWatch {
+    pub(crate) listener: Option<Arc<ListenState>>,
+    pub(crate) resynced: Instant,
+    pub(crate) staged: Wakeups,
+}
+
+impl ChangeWatch for ServerWatch {
+    fn changed(&mut self) -> Result<bool> {
+        let heard = self.listener.as_ref().is_some_and(|l| l.healthy());
+        if heard && self.resynced.elapsed() < RESYNC {
+            return Ok(false);
+        }
+        self.resynced = Instant::now();
+        self.staged
+            .staged
+            .store(true, std::sync::atomic::Ordering::Release);
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::store::test_server::{fresh_schema_url, server_url};
+
+    /// A dispatcher reads the due times again at a poll only while nobody listens
+    /// (notifications off, or the listener's connection down), and otherwise once per
+    /// resync interval.
+    #[test]
+    fn a_server_watcher_polls_only_while_nobody_listens() {
+        let state = Arc::new(ListenState::default());
+        let mut watcher = ServerWatch {
+            listener: Some(state.clone()),
+            resynced: Instant::now(),
+            staged: Wakeups::default(),
+        };
+        assert!(watcher.changed().unwrap(), "listener down: poll");
+        assert!(watcher.changed().unwrap(), "still down: poll again");
+        state.set_healthy(true);
+        assert!(!watcher.changed().unwrap(), "listening: wait to be woken");
+        watcher.resynced -= RESYNC;
+        assert!(watcher.changed().unwrap(), "a resync is due");
+        assert!(!watcher.changed().unwrap(), "and then not again at once");
+        let mut off = ServerWatch {
+            listener: None,
+            resynced: Instant::now(),
+            staged: Wakeups::default(),
+        };
+        assert!(
+            off.changed().unwrap(),
+            "notifications off: every poll looks"
+        );
+    }
+
+    /// Another handle's commit wakes this handle's dispatchers through the listener;
+    /// a listener whose connection is killed reconnects and wakes them once (what was
+    /// committed meanwhile was not announced to it).
+    #[test]
+    fn the_listener_wakes_on_other_handles_commits_and_comes_back() {
+        let Some(url) = fresh_schema_url() else {
+            return;
+        };
+        let deadline = || Instant::now() + Duration::from_secs(30);
+        let watched = PgStore::open(&url, &mut OutboxOptions::default(), false).unwrap();
+        let wake = Wakeups::default();
+        let state = watched.listener(&wake).unwrap().unwrap();
+        let until = deadline();
+        while !state.healthy() {
+            assert!(Instant::now() < until, "the listener never connected");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let notifier = &wake.notifier;
+        let other = PgStore::open(&url, &mut OutboxOptions::default(), false).unwrap();
+        let seen = notifier.generation();
+        let announce = Write {
+            change_rules: false,
+            announce: true,
+        };
+        other.write(announce, &mut |_| Ok(())).unwrap();
+        assert_ne!(
+            notifier.wait(seen, Duration::from_secs(30)),
+            seen,
+            "the other handle's announced commit woke nobody here"
+        );
+
+        let connects = state.connects();
+        let seen = notifier.generation();
+        let mut admin = postgres::Client::connect(&server_url().unwrap(), postgres::NoTls).unwrap();
+        let killed = admin
+            .query(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                 WHERE application_name = $1",
+                &[&listen::APPLICATION_NAME],
+            )
+            .unwrap();
+        assert!(!killed.is_empty(), "no listening connection to kill");
+        let until = deadline();
+        while state.connects() == connects {
+            assert!(Instant::now() < until, "the listener never came back");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_ne!(
+            notifier.generation(),
+            seen,
+            "a reconnect wakes the dispatchers"
+        );
+    }
+}
