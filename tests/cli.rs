@@ -662,7 +662,7 @@ fn commands_other_than_migrate_never_upgrade_a_schema() {
     let path = dir.path().join("v1.db");
     let v1 = rusqlite::Connection::open(&path).unwrap();
     v1.execute_batch(include_str!(
-        "../src/store/sqlite/migrations/0001_initial.sql"
+        "../migrations/sqlite/0001_initial.sql"
     ))
     .unwrap();
     v1.execute_batch("PRAGMA user_version = 1").unwrap();

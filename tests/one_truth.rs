@@ -267,7 +267,7 @@ fn a_version_two_file_keeps_its_history_under_the_new_name() -> Result<()> {
     let v2 = rusqlite::Connection::open(&path)?;
     v2.execute_batch(V1_SCHEMA)?;
     v2.execute_batch(include_str!(
-        "../src/store/sqlite/migrations/0002_stored_policy.sql"
+        "../migrations/sqlite/0002_stored_policy.sql"
     ))?;
     v2.execute_batch(
         "PRAGMA user_version = 2;

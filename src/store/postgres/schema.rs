@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use super::PgConn;
 
 mod embedded {
-    refinery::embed_migrations!("src/store/postgres/migrations");
+    refinery::embed_migrations!("migrations/postgres");
 }
 
 /// The schema version this build writes.

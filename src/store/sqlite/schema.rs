@@ -30,24 +30,24 @@ WHERE (type = 'index' OR type = 'trigger') AND sql IS NOT NULL
     };
 }
 
-/// Every migration, in order. `migrations/NNNN_name.sql` is embedded in the binary; the
+/// Every migration, in order. `migrations/sqlite/NNNN_name.sql` is embedded in the binary; the
 /// ones that rebuild a table keep the application's objects on it first.
 const MIGRATIONS: &[&str] = &[
-    include_str!("migrations/0001_initial.sql"),
-    include_str!("migrations/0002_stored_policy.sql"),
-    include_str!("migrations/0003_history_table_name.sql"),
+    include_str!("../../../migrations/sqlite/0001_initial.sql"),
+    include_str!("../../../migrations/sqlite/0002_stored_policy.sql"),
+    include_str!("../../../migrations/sqlite/0003_history_table_name.sql"),
     concat!(
         keep_application_schema!(),
-        include_str!("migrations/0004_cancel_and_rate_limit_budget.sql")
+        include_str!("../../../migrations/sqlite/0004_cancel_and_rate_limit_budget.sql")
     ),
     concat!(
         keep_application_schema!(),
-        include_str!("migrations/0005_status_checks_and_microsecond_rates.sql")
+        include_str!("../../../migrations/sqlite/0005_status_checks_and_microsecond_rates.sql")
     ),
-    include_str!("migrations/0006_chunk_rows_at_activation.sql"),
+    include_str!("../../../migrations/sqlite/0006_chunk_rows_at_activation.sql"),
     concat!(
         keep_application_schema!(),
-        include_str!("migrations/0007_unfinalized_and_sent_before.sql")
+        include_str!("../../../migrations/sqlite/0007_unfinalized_and_sent_before.sql")
     ),
 ];
 
