@@ -375,7 +375,11 @@ fn existing(tx: &dyn StoreTx, d: &NewDelivery) -> Result<Option<Result<Enqueued>
     let Some((row, uid)) = tx.find_by_key(&d.channel, key)? else {
         return Ok(None);
     };
-    Ok(Some(found_by_key(d, uid.parse()?, Some(tx.stored_content(row)?))))
+    Ok(Some(found_by_key(
+        d,
+        uid.parse()?,
+        Some(tx.stored_content(row)?),
+    )))
 }
 
 /// The answer of an enqueue whose caller key names delivery `existing`, `found` as

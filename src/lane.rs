@@ -20,7 +20,8 @@ use crate::clock::duration_ms;
 use crate::error::Result;
 use crate::rules::{LaneFailurePolicy, LaneOrder};
 use crate::rules::{Rules, Stored};
-use crate::store::{HeadRow, LaneRef, StoreTx, Waiting};
+use crate::status::DeliveryStatus;
+use crate::store::{Activation, HeadRow, LaneRef, StoreTx, Waiting};
 
 /// Where a lane stands for scheduling purposes.
 pub(crate) enum LaneHead {
@@ -95,8 +96,7 @@ pub(crate) fn advance_many(
     let mut starting = Vec::new();
     for (lane, first) in lanes.iter().zip(tx.lane_heads(lanes)?) {
         if let LaneHead::Next(waiting) = head_of(tx, rules, *lane, first)? {
-            let earliest = start_time(&waiting, earliest);
-            starting.push((waiting, *lane, earliest));
+            starting.push(activation(waiting, *lane, earliest));
         }
     }
     tx.activate_many(&starting)
@@ -111,6 +111,23 @@ fn start_time(waiting: &Waiting, earliest: i64) -> i64 {
     }
 }
 
+/// How a waiting delivery becomes active: `partial` when chunks of it were delivered
+/// before it was set aside, else `pending`, its head chunk due no earlier than
+/// `earliest` (see [`start_time`]).
+fn activation(waiting: Waiting, lane: LaneRef<'_>, earliest: i64) -> Activation<'_> {
+    let status = if waiting.head_index > 0 {
+        DeliveryStatus::Partial
+    } else {
+        DeliveryStatus::Pending
+    };
+    Activation {
+        earliest: start_time(&waiting, earliest),
+        waiting,
+        status,
+        lane,
+    }
+}
+
 /// Marks a delivery active and makes its head chunk due; a delayed reply starts no
 /// earlier than asked (once started, it goes on as usual).
 pub(crate) fn activate(
@@ -119,7 +136,7 @@ pub(crate) fn activate(
     lane: LaneRef<'_>,
     earliest: i64,
 ) -> Result<()> {
-    tx.activate(waiting, lane, start_time(waiting, earliest))
+    tx.activate(&activation(waiting.clone(), lane, earliest))
 }
 
 /// Notes that a send of the lane starts `now`: under a lane interval, no other send of

@@ -10,7 +10,7 @@ use crate::lane;
 use crate::outbox::Outbox;
 use crate::state::{self, Recorded, expect_status, requeue};
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::{ChunkRef, DeliveryState, LaneRef, StoreTx};
+use crate::store::{ChunkProgress, ChunkRef, DeliveryState, LaneRef, StoreTx};
 
 /// How to settle a chunk held as `uncertain`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -268,13 +268,13 @@ impl Outbox {
                     });
                 }
             }
-            if let Some((chunk, index, status, attempts)) = tx.first_started_chunk(id)? {
+            if let Some(started) = tx.chunk_progress(id)?.into_iter().find(may_have_started) {
                 return Err(Error::CancelTooLate {
                     delivery,
-                    chunk: ChunkId(chunk),
-                    index,
-                    status,
-                    attempts,
+                    chunk: ChunkId(started.id),
+                    index: started.index,
+                    status: started.status,
+                    attempts: started.attempts,
                 });
             }
             let now = self.options().now_ms();
@@ -330,4 +330,12 @@ fn not_requeueable(delivery: DeliveryId, status: DeliveryStatus) -> Error {
         action: "requeue",
         expected: "failed or uncertain",
     }
+}
+
+/// Whether a send of the chunk may have started: it is past `pending` and `retry`, or
+/// was charged an attempt, now or in an earlier budget. A cancel comes too late then.
+fn may_have_started(chunk: &ChunkProgress) -> bool {
+    !matches!(chunk.status, ChunkStatus::Pending | ChunkStatus::Retry)
+        || chunk.attempts > 0
+        || chunk.sent_before
 }

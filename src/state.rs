@@ -27,7 +27,7 @@ use crate::ids::{ChunkId, DeliveryId};
 use crate::lane;
 use crate::rules::ReplayPolicy;
 use crate::rules::Stored;
-use crate::status::ChunkStatus;
+use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::{ChunkRef, LaneRef, StoreTx};
 
 /// Longest error text kept with a chunk; longer texts are cut at a character boundary.
@@ -230,7 +230,10 @@ pub(crate) fn deliver(
             ..Recorded::settled(ChunkStatus::Delivered)
         });
     }
-    tx.count_delivered(chunk.delivery, now, active)?;
+    // An active delivery with a chunk delivered is `partial`; one held aside keeps its
+    // status.
+    let status = active.then_some(DeliveryStatus::Partial);
+    tx.count_delivered(chunk.delivery, now, status)?;
     if active {
         tx.make_due(chunk.delivery, chunk.index + 1, chunk.lane(), now)?;
     } else {
@@ -291,7 +294,19 @@ pub(crate) fn set_held(
     if status == ChunkStatus::Failed {
         tx.note_dead_letter(chunk.delivery, error);
     }
-    tx.set_delivery_aside(chunk.delivery, status, now)
+    set_delivery_aside(tx, chunk.delivery, status, now)
+}
+
+/// The delivery takes the status of its chunk set aside; a failed one (a dead letter)
+/// is finished now, an uncertain one is not.
+fn set_delivery_aside(
+    tx: &dyn StoreTx,
+    delivery: i64,
+    status: ChunkStatus,
+    now: i64,
+) -> Result<()> {
+    let finished = (status == ChunkStatus::Failed).then_some(now);
+    tx.set_delivery_aside(delivery, status, now, finished)
 }
 
 /// Sets aside a chunk whose row cannot be read (a delivery uid that does not parse,
@@ -356,7 +371,7 @@ pub(crate) fn expire(
         ReplayPolicy::Hold => {
             let error = "lease expired while sending; the chunk may have reached the platform";
             tx.set_chunk_aside(chunk.id, ChunkStatus::Uncertain, error, true)?;
-            tx.set_delivery_aside(chunk.delivery, ChunkStatus::Uncertain, now)?;
+            set_delivery_aside(tx, chunk.delivery, ChunkStatus::Uncertain, now)?;
             lane::advance(tx, &rules.policy, chunk.lane(), now)?;
             Ok(Expired::Held)
         }

@@ -661,10 +661,8 @@ fn commands_other_than_migrate_never_upgrade_a_schema() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("v1.db");
     let v1 = rusqlite::Connection::open(&path).unwrap();
-    v1.execute_batch(include_str!(
-        "../migrations/sqlite/0001_initial.sql"
-    ))
-    .unwrap();
+    v1.execute_batch(include_str!("../migrations/sqlite/0001_initial.sql"))
+        .unwrap();
     v1.execute_batch("PRAGMA user_version = 1").unwrap();
     drop(v1);
     let before = std::fs::read(&path).unwrap();

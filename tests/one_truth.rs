@@ -266,9 +266,7 @@ fn a_version_two_file_keeps_its_history_under_the_new_name() -> Result<()> {
     let path = dir.path().join("v2.db");
     let v2 = rusqlite::Connection::open(&path)?;
     v2.execute_batch(V1_SCHEMA)?;
-    v2.execute_batch(include_str!(
-        "../migrations/sqlite/0002_stored_policy.sql"
-    ))?;
+    v2.execute_batch(include_str!("../migrations/sqlite/0002_stored_policy.sql"))?;
     v2.execute_batch(
         "PRAGMA user_version = 2;
          UPDATE outbound_policy SET lane_order = 'parallel';

@@ -18,7 +18,7 @@ use crate::outcome::Outcome;
 use crate::reply::NewDelivery;
 use crate::rules::{ChannelPolicy, FileRules, LaneOrder, Rules};
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::{ChannelTally, HeadRow, LaneRef, NewRow, StoreTx};
+use crate::store::{Activation, ChannelTally, ChunkProgress, HeadRow, LaneRef, NewRow, StoreTx};
 
 /// The time every contract starts at, ms.
 const T0: i64 = 1_767_225_600_000;
@@ -376,11 +376,18 @@ pub(super) fn budgets_count_and_reset(fresh: Fresh) {
     let chunk = claim.chunk_id.0;
     assert_eq!(write(&ob, |tx| tx.count_rate_limit(chunk)), 1);
     assert_eq!(write(&ob, |tx| tx.count_rate_limit(chunk)), 2);
+    let progress = |status, attempts, sent_before| {
+        vec![ChunkProgress {
+            id: chunk,
+            index: 0,
+            status,
+            attempts,
+            sent_before,
+        }]
+    };
     assert_eq!(
-        write(&ob, |tx| tx.first_started_chunk(row(&ob, id)))
-            .unwrap()
-            .0,
-        chunk
+        write(&ob, |tx| tx.chunk_progress(row(&ob, id))),
+        progress(ChunkStatus::Sending, 1, false)
     );
     write(&ob, |tx| tx.reset_budget(chunk));
     let reset = write(&ob, |tx| tx.load_chunk(chunk)).unwrap();
@@ -390,10 +397,9 @@ pub(super) fn budgets_count_and_reset(fresh: Fresh) {
         1,
         "a fresh count"
     );
-    let started = write(&ob, |tx| tx.first_started_chunk(row(&ob, id)));
     assert_eq!(
-        started.map(|s| s.0),
-        Some(chunk),
+        write(&ob, |tx| tx.chunk_progress(row(&ob, id))),
+        progress(ChunkStatus::Retry, 0, true),
         "sent by the budget before"
     );
 }
@@ -538,7 +544,14 @@ pub(super) fn activation_and_later_chunks_are_due_through_the_lane(fresh: Fresh)
         (waiting.id, waiting.head_index, waiting.not_before),
         (row(&ob, second), 0, None)
     );
-    write(&ob, |tx| tx.activate(&waiting, lane("a"), T0));
+    write(&ob, |tx| {
+        tx.activate(&Activation {
+            waiting,
+            status: DeliveryStatus::Pending,
+            lane: lane("a"),
+            earliest: T0,
+        })
+    });
     assert_eq!(view(&ob, second).status, DeliveryStatus::Pending);
     let due: Vec<(i64, i64)> = write(&ob, |tx| tx.due_chunks(&channel, T0 + 500, 10))
         .iter()
@@ -596,7 +609,14 @@ pub(super) fn a_held_delivery_is_queued_again(fresh: Fresh) {
     );
     let waiting = write(&ob, |tx| tx.waiting(row(&ob, id)));
     assert_eq!(waiting.head_index, 1, "its first undelivered chunk");
-    write(&ob, |tx| tx.activate(&waiting, lane("a"), T0));
+    write(&ob, |tx| {
+        tx.activate(&Activation {
+            waiting,
+            status: DeliveryStatus::Partial,
+            lane: lane("a"),
+            earliest: T0,
+        })
+    });
     assert_eq!(view(&ob, id).status, DeliveryStatus::Partial);
 }
 
@@ -718,18 +738,18 @@ pub(super) fn chunks_and_deliveries_are_set_aside(fresh: Fresh) {
     );
     assert_eq!(write(&ob, |tx| tx.next_due(channel.id)), None);
     write(&ob, |tx| {
-        tx.set_delivery_aside(row(&ob, id), ChunkStatus::Uncertain, T0 + 5)
+        tx.set_delivery_aside(row(&ob, id), ChunkStatus::Uncertain, T0 + 5, None)
     });
     let v = view(&ob, id);
     assert_eq!((v.status, v.finished_at), (DeliveryStatus::Uncertain, None));
     assert_eq!(v.chunks[0].status, ChunkStatus::Uncertain);
     assert_eq!(v.chunks[0].last_error.as_deref(), Some("maybe"));
     write(&ob, |tx| {
-        tx.set_delivery_aside(row(&ob, id), ChunkStatus::Failed, T0 + 5)
+        tx.set_delivery_aside(row(&ob, id), ChunkStatus::Failed, T0 + 5, Some(T0 + 6))
     });
     let v = view(&ob, id);
     assert_eq!(v.status, DeliveryStatus::Failed);
-    assert_eq!(v.finished_at, Some(crate::clock::to_datetime(T0 + 5)));
+    assert_eq!(v.finished_at, Some(crate::clock::to_datetime(T0 + 6)));
 }
 
 /// Delivered chunks are counted on their delivery (an active one becomes partial); a
@@ -743,7 +763,7 @@ pub(super) fn deliveries_count_and_finalize(fresh: Fresh) {
         .id;
     let first = row(&ob, id) * CHUNK_STRIDE;
     write(&ob, |tx| tx.mark_delivered(first, Some("p1"), T0 + 1));
-    write(&ob, |tx| tx.count_delivered(row(&ob, id), T0 + 1, false));
+    write(&ob, |tx| tx.count_delivered(row(&ob, id), T0 + 1, None));
     let v = view(&ob, id);
     assert_eq!(
         (v.status, v.delivered_count),
@@ -752,7 +772,9 @@ pub(super) fn deliveries_count_and_finalize(fresh: Fresh) {
     );
     assert_eq!(v.chunks[0].platform_message_id.as_deref(), Some("p1"));
     assert_eq!(v.chunks[0].status, ChunkStatus::Delivered);
-    write(&ob, |tx| tx.count_delivered(row(&ob, id), T0 + 2, true));
+    write(&ob, |tx| {
+        tx.count_delivered(row(&ob, id), T0 + 2, Some(DeliveryStatus::Partial))
+    });
     assert_eq!(view(&ob, id).status, DeliveryStatus::Partial);
     assert_eq!(write(&ob, |tx| tx.created_at(row(&ob, id))), T0);
     write(&ob, |tx| {
@@ -874,7 +896,18 @@ pub(super) fn cancels_remove_chunks(fresh: Fresh) {
         .enqueue(&NewDelivery::chunked("t", "a", "x y", ["x", "y"]))
         .unwrap()
         .id;
-    assert_eq!(write(&ob, |tx| tx.first_started_chunk(row(&ob, id))), None);
+    let first = row(&ob, id) * CHUNK_STRIDE;
+    let untouched = |index: u32| ChunkProgress {
+        id: first + i64::from(index),
+        index,
+        status: ChunkStatus::Pending,
+        attempts: 0,
+        sent_before: false,
+    };
+    assert_eq!(
+        write(&ob, |tx| tx.chunk_progress(row(&ob, id))),
+        [untouched(0), untouched(1)]
+    );
     assert_eq!(write(&ob, |tx| tx.delete_chunks(row(&ob, id))), 2);
     write(&ob, |tx| tx.mark_cancelled(row(&ob, id), T0 + 7));
     let v = view(&ob, id);
@@ -882,10 +915,15 @@ pub(super) fn cancels_remove_chunks(fresh: Fresh) {
     assert_eq!(v.finished_at, Some(crate::clock::to_datetime(T0 + 7)));
     let other = enqueue(&ob, "b", "y");
     let claim = claim_one(&ob);
-    let started = write(&ob, |tx| tx.first_started_chunk(row(&ob, other))).unwrap();
     assert_eq!(
-        (started.0, started.2, started.3),
-        (claim.chunk_id.0, ChunkStatus::Sending, 1)
+        write(&ob, |tx| tx.chunk_progress(row(&ob, other))),
+        [ChunkProgress {
+            id: claim.chunk_id.0,
+            index: 0,
+            status: ChunkStatus::Sending,
+            attempts: 1,
+            sent_before: false,
+        }]
     );
 }
 
@@ -1281,7 +1319,12 @@ pub(super) fn batched_writes_leave_the_rows_one_at_a_time_leaves(fresh: Fresh) {
             .zip(lanes)
             .zip([T0, T0 + 5_000])
             .map(|((head, lane), earliest)| match head {
-                Some(HeadRow::Queued(w)) => (w, lane, earliest),
+                Some(HeadRow::Queued(waiting)) => Activation {
+                    status: DeliveryStatus::Pending,
+                    waiting,
+                    lane,
+                    earliest,
+                },
                 other => panic!("expected a queued head, got {other:?}"),
             })
             .collect();

@@ -55,6 +55,35 @@ pub mod sqlite;
 #[path = "../../tests/common/postgres.rs"]
 pub(crate) mod test_server;
 
+/// [`CHUNK_STRIDE`](crate::ids::CHUNK_STRIDE) as SQL text, and the last chunk index it
+/// leaves room for: a chunk's id is `delivery row * stride + index` on every store.
+macro_rules! chunk_stride {
+    () => {
+        "16384"
+    };
+    (last index) => {
+        "16383"
+    };
+}
+const _: () = assert!(crate::ids::CHUNK_STRIDE == 16384);
+
+/// The oldest delivery holding lane (`$channel`, `$chat`) under
+/// `LaneFailurePolicy::Block`: an uncertain one, or a dead letter nobody acknowledged.
+/// The same query on every store, placeholders in its dialect.
+macro_rules! held_sql {
+    ($channel:literal, $chat:literal) => {
+        concat!(
+            "SELECT min(id) FROM outbound_deliveries
+             WHERE channel = ",
+            $channel,
+            " AND chat_id = ",
+            $chat,
+            " AND status <> 'delivered'
+               AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL))"
+        )
+    };
+}
+
 /// A delivery that changes no more: delivered, cancelled, or a dead letter someone
 /// acknowledged (checked again when a listed one is removed). The same condition on
 /// every store.
@@ -80,7 +109,7 @@ macro_rules! purgeable_sql {
     };
 }
 
-pub(crate) use {finished_sql, purgeable_sql};
+pub(crate) use {chunk_stride, finished_sql, held_sql, purgeable_sql};
 
 /// One lane: the deliveries of one chat on one channel, in order. Locks are taken in
 /// the order of this type (channel, then chat), so two transactions that lock several
@@ -107,6 +136,16 @@ pub(crate) struct Waiting {
     pub position: i64,
     pub head_index: i64,
     pub not_before: Option<i64>,
+}
+
+/// A delivery to make active (see [`LaneStore::activate`]): the status it takes, its
+/// lane, and the time its head chunk may start at the earliest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Activation<'a> {
+    pub waiting: Waiting,
+    pub status: DeliveryStatus,
+    pub lane: LaneRef<'a>,
+    pub earliest: i64,
 }
 
 /// The first unfinished delivery of a lane in lane order, active ones before queued
@@ -144,6 +183,17 @@ pub(crate) struct ChunkRef {
     pub created_at: i64,
     /// Chunks in the delivery.
     pub total: i64,
+}
+
+/// How far a chunk got, as a cancel reads it (see [`OperatorStore::chunk_progress`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ChunkProgress {
+    pub id: i64,
+    pub index: u32,
+    pub status: ChunkStatus,
+    pub attempts: u32,
+    /// An earlier attempt budget (before an operator's requeue) sent it.
+    pub sent_before: bool,
 }
 
 /// A delivery with its lane, as operator actions and sweeps find it.
@@ -316,14 +366,13 @@ pub(crate) trait LaneStore {
     fn lane_heads(&self, lanes: &[LaneRef<'_>]) -> Result<Vec<Option<HeadRow>>> {
         lanes.iter().map(|lane| self.lane_head(*lane)).collect()
     }
-    /// Makes `waiting` active (`partial` when chunks of it were delivered, else
-    /// `pending`) and its head chunk due at [`lane_due_time`](Self::lane_due_time) of
-    /// `earliest` — storing that chunk's row if it has none (a queued reply sent as one
-    /// chunk of its whole text).
-    fn activate(&self, waiting: &Waiting, lane: LaneRef<'_>, earliest: i64) -> Result<()>;
-    /// [`activate`](Self::activate) of each `(waiting, lane, earliest)` (one delivery
-    /// per lane), in one go where the store can.
-    fn activate_many(&self, heads: &[(Waiting, LaneRef<'_>, i64)]) -> Result<()> {
+    /// Gives the waiting delivery the activation's status and makes its head chunk due
+    /// at [`lane_due_time`](Self::lane_due_time) of its `earliest` — storing that
+    /// chunk's row if it has none (a queued reply sent as one chunk of its whole text).
+    fn activate(&self, head: &Activation<'_>) -> Result<()>;
+    /// [`activate`](Self::activate) of each activation (one delivery per lane), in one
+    /// go where the store can.
+    fn activate_many(&self, heads: &[Activation<'_>]) -> Result<()> {
         composed::activate_many(self, heads)
     }
     /// Makes chunk `index` of `delivery` due at [`lane_due_time`](Self::lane_due_time)
@@ -382,8 +431,13 @@ pub(crate) trait ChunkStore {
     /// `delivered`, nothing due, no token, with the platform's id and the time.
     fn mark_delivered(&self, chunk: i64, platform_message_id: Option<&str>, now: i64)
     -> Result<()>;
-    /// One more chunk of the delivery delivered; an `active` delivery becomes `partial`.
-    fn count_delivered(&self, delivery: i64, now: i64, active: bool) -> Result<()>;
+    /// One more chunk of the delivery delivered; the delivery takes `status` if given.
+    fn count_delivered(
+        &self,
+        delivery: i64,
+        now: i64,
+        status: Option<DeliveryStatus>,
+    ) -> Result<()>;
     /// `status`, nothing due, `error` as the last error; the token kept if
     /// `keep_token` (a lease that ran out: its worker may still report), else cleared.
     fn set_chunk_aside(
@@ -395,8 +449,15 @@ pub(crate) trait ChunkStore {
     ) -> Result<()>;
     /// `retry` due at `due`, keeping the token.
     fn retry_keeping_token(&self, chunk: i64, due: i64) -> Result<()>;
-    /// The delivery takes the status of a chunk set aside; a failed one is finished now.
-    fn set_delivery_aside(&self, delivery: i64, status: ChunkStatus, now: i64) -> Result<()>;
+    /// The delivery takes the status of a chunk set aside, changed at `now`, finished at
+    /// `finished` (or not finished, for `None`).
+    fn set_delivery_aside(
+        &self,
+        delivery: i64,
+        status: ChunkStatus,
+        now: i64,
+        finished: Option<i64>,
+    ) -> Result<()>;
     /// Sets aside an unreadable chunk and its delivery as failed with `reason` kept as
     /// the delivery's corruption; returns the delivery's lane if it can be read.
     fn set_corrupt(
@@ -575,9 +636,9 @@ pub(crate) trait OperatorStore {
         channel: Option<&str>,
         now: i64,
     ) -> Result<Vec<(String, String)>>;
-    /// The first chunk of `delivery` a send of which may have started: not `pending` or
-    /// `retry`, or charged an attempt, now or in an earlier budget.
-    fn first_started_chunk(&self, delivery: i64) -> Result<Option<(i64, u32, ChunkStatus, u32)>>;
+    /// Every chunk row of `delivery`, in index order, held so that no claim starts one
+    /// before the transaction ends.
+    fn chunk_progress(&self, delivery: i64) -> Result<Vec<ChunkProgress>>;
     /// Removes the chunks of `delivery`; returns how many.
     fn delete_chunks(&self, delivery: i64) -> Result<u64>;
     /// `cancelled`, finished now.
@@ -746,10 +807,10 @@ pub(crate) mod composed {
     /// [`LaneStore::activate_many`].
     pub(crate) fn activate_many<T: LaneStore + ?Sized>(
         tx: &T,
-        heads: &[(Waiting, LaneRef<'_>, i64)],
+        heads: &[Activation<'_>],
     ) -> Result<()> {
-        for (waiting, lane, earliest) in heads {
-            tx.activate(waiting, *lane, *earliest)?;
+        for head in heads {
+            tx.activate(head)?;
         }
         Ok(())
     }

@@ -1,20 +1,23 @@
 //! Chunk rows and claims on PostgreSQL. A chunk's key is (delivery row, index); its
-//! public id is `delivery row * 16384 + index`. Claims lock the chunks they read with
+//! public id is `delivery row * CHUNK_STRIDE + index`. Claims lock the chunks they read with
 //! `SKIP LOCKED`: two claims never take one chunk, and neither waits for the other.
 
 use postgres::Row;
 
+use super::chunk_id;
 use super::{PgTx, chunk_key, chunk_status, count};
 use crate::error::Result;
 use crate::ids::DeliveryId;
-use crate::status::ChunkStatus;
+use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::{Candidate, ChannelRow, ChunkRef, ChunkStore, ClaimStore, Readable};
 
 /// The query that loads a [`ChunkRef`], followed by a literal condition.
 macro_rules! chunk_ref_where {
     ($condition:literal) => {
         concat!(
-            "SELECT c.delivery_id * 16384 + c.chunk_index, c.delivery_id, c.chunk_index,
+            "SELECT ",
+            $crate::store::postgres::chunk_id!("c.delivery_id", "c.chunk_index"),
+            ", c.delivery_id, c.chunk_index,
                     c.status, c.attempts, d.channel, d.chat_id, d.created_at, d.chunk_count
              FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
              WHERE ",
@@ -53,8 +56,10 @@ pub(crate) const CLAIMED_SQL: &str = chunk_ref_where!(
 );
 
 /// [`CLAIMED_SQL`] for each (`$1`, `$2`, `$3`), with its place in the list first.
-pub(crate) const CLAIMED_MANY_SQL: &str = "SELECT u.n, c.delivery_id * 16384 + c.chunk_index,
-        c.delivery_id, c.chunk_index, c.status, c.attempts, d.channel, d.chat_id, d.created_at,
+pub(crate) const CLAIMED_MANY_SQL: &str = concat!(
+    "SELECT u.n, ",
+    chunk_id!("c.delivery_id", "c.chunk_index"),
+    ", c.delivery_id, c.chunk_index, c.status, c.attempts, d.channel, d.chat_id, d.created_at,
         d.chunk_count
      FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) WITH ORDINALITY AS u(d, i, token, n)
           JOIN outbound_delivery_chunks c
@@ -62,15 +67,20 @@ pub(crate) const CLAIMED_MANY_SQL: &str = "SELECT u.n, c.delivery_id * 16384 + c
           JOIN outbound_deliveries d ON d.id = c.delivery_id
      WHERE c.status IN ('sending', 'uncertain', 'retry')
      ORDER BY c.delivery_id, c.chunk_index
-     FOR UPDATE OF c";
+     FOR UPDATE OF c"
+);
 
 /// Chunk (`$1`, `$2`), the one chunk a queued reply has no row for yet included.
-pub(crate) const LOAD_CHUNK_SQL: &str = "SELECT d.id * 16384 + $2::bigint, d.id, $2::bigint,
+pub(crate) const LOAD_CHUNK_SQL: &str = concat!(
+    "SELECT ",
+    chunk_id!("d.id", "$2::bigint"),
+    ", d.id, $2::bigint,
         coalesce(c.status, 'pending'), coalesce(c.attempts, 0), d.channel, d.chat_id,
         d.created_at, d.chunk_count
      FROM outbound_deliveries d
           LEFT JOIN outbound_delivery_chunks c ON c.delivery_id = d.id AND c.chunk_index = $2
-     WHERE d.id = $1 AND (c.delivery_id IS NOT NULL OR (d.status = 'queued' AND $2::bigint = 0))";
+     WHERE d.id = $1 AND (c.delivery_id IS NOT NULL OR (d.status = 'queued' AND $2::bigint = 0))"
+);
 
 /// A channel's due chunks (leases that ran out included), earliest first and in key
 /// order at one time (as on SQLite), `$lock`ed.
@@ -80,7 +90,9 @@ macro_rules! claim_sql {
     };
     ($channel:literal, $when:literal, $lock:literal) => {
         concat!(
-            "SELECT c.delivery_id * 16384 + c.chunk_index, c.delivery_id, c.due_at, c.chunk_index,
+            "SELECT ",
+            $crate::store::postgres::chunk_id!("c.delivery_id", "c.chunk_index"),
+            ", c.delivery_id, c.due_at, c.chunk_index,
                     c.status, c.attempts, d.chat_id, d.created_at, d.chunk_count, d.uid,
                     coalesce(c.text, d.text), d.metadata, c.claim_token IS NOT NULL
              FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
@@ -307,13 +319,18 @@ impl ChunkStore for PgTx<'_> {
         Ok(())
     }
 
-    fn count_delivered(&self, delivery: i64, now: i64, active: bool) -> Result<()> {
+    fn count_delivered(
+        &self,
+        delivery: i64,
+        now: i64,
+        status: Option<DeliveryStatus>,
+    ) -> Result<()> {
         self.execute(
             "UPDATE outbound_deliveries
              SET delivered_count = delivered_count + 1, updated_at = $2,
-                 status = CASE WHEN $3 THEN 'partial' ELSE status END
+                 status = coalesce($3, status)
              WHERE id = $1",
-            &[&delivery, &now, &active],
+            &[&delivery, &now, &status.map(DeliveryStatus::as_str)],
         )?;
         Ok(())
     }
@@ -346,8 +363,13 @@ impl ChunkStore for PgTx<'_> {
         Ok(())
     }
 
-    fn set_delivery_aside(&self, delivery: i64, status: ChunkStatus, now: i64) -> Result<()> {
-        let finished = (status == ChunkStatus::Failed).then_some(now);
+    fn set_delivery_aside(
+        &self,
+        delivery: i64,
+        status: ChunkStatus,
+        now: i64,
+        finished: Option<i64>,
+    ) -> Result<()> {
         self.execute(
             "UPDATE outbound_deliveries SET status = $2, updated_at = $3, finished_at = $4
              WHERE id = $1",

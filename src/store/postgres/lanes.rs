@@ -4,7 +4,7 @@
 
 use super::PgTx;
 use crate::error::Result;
-use crate::store::{DeliveryLane, HeadRow, LaneRef, LaneStore, Waiting};
+use crate::store::{Activation, DeliveryLane, HeadRow, LaneRef, LaneStore, Waiting};
 
 /// `LaneStore::lane_due_time` as an SQL expression of its parameters: `earliest`, or
 /// the end of lane (`channel`, `chat`)'s pause or interval if later.
@@ -115,9 +115,7 @@ pub(crate) fn head_row(r: &postgres::Row, at: usize) -> Result<HeadRow> {
     }))
 }
 
-pub(crate) const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
-     WHERE channel = $1 AND chat_id = $2 AND status <> 'delivered'
-       AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL))";
+pub(crate) const HELD_SQL: &str = crate::store::held_sql!("$1", "$2");
 
 /// Pushes the lane's due head chunks back to `$3` (a chunk a claim holds is waited
 /// for, and skipped if the claim made it `sending`).
@@ -127,14 +125,13 @@ pub(crate) const PAUSE_DUE_SQL: &str = "UPDATE outbound_delivery_chunks c SET du
        AND c.delivery_id = d.id AND c.chunk_index = d.delivered_count
        AND c.due_at < $3 AND c.status IN ('pending', 'retry')";
 
-/// Makes each delivery `$1` active with its chunk `$2` due at the lane's due time of
-/// `$3` (lane `$4`, `$5`), storing the chunk's row if it has none.
+/// Gives each delivery `$1` status `$6` with its chunk `$2` due at the lane's due time
+/// of `$3` (lane `$4`, `$5`), storing the chunk's row if it has none.
 pub(crate) const ACTIVATE_MANY_SQL: &str = "WITH u AS (
          SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::bigint[], $4::text[],
-                              $5::text[]) AS u(id, head, earliest, ch, chat)),
+                              $5::text[], $6::text[]) AS u(id, head, earliest, ch, chat, status)),
      a AS (
-         UPDATE outbound_deliveries d
-         SET status = CASE WHEN u.head > 0 THEN 'partial' ELSE 'pending' END
+         UPDATE outbound_deliveries d SET status = u.status
          FROM u WHERE d.id = u.id)
      INSERT INTO outbound_delivery_chunks
          (delivery_id, chunk_index, status, due_at, channel_id)
@@ -201,22 +198,23 @@ impl LaneStore for PgTx<'_> {
             .try_get(0)?)
     }
 
-    fn activate(&self, waiting: &Waiting, lane: LaneRef<'_>, earliest: i64) -> Result<()> {
-        self.activate_many(&[(waiting.clone(), lane, earliest)])
+    fn activate(&self, head: &Activation<'_>) -> Result<()> {
+        self.activate_many(std::slice::from_ref(head))
     }
 
-    fn activate_many(&self, heads: &[(Waiting, LaneRef<'_>, i64)]) -> Result<()> {
+    fn activate_many(&self, heads: &[Activation<'_>]) -> Result<()> {
         if heads.is_empty() {
             return Ok(());
         }
-        let ids: Vec<i64> = heads.iter().map(|(w, ..)| w.id).collect();
-        let indexes: Vec<i64> = heads.iter().map(|(w, ..)| w.head_index).collect();
-        let earliest: Vec<i64> = heads.iter().map(|(.., e)| *e).collect();
-        let channels: Vec<&str> = heads.iter().map(|(_, l, _)| l.channel).collect();
-        let chats: Vec<&str> = heads.iter().map(|(_, l, _)| l.chat_id).collect();
+        let ids: Vec<i64> = heads.iter().map(|h| h.waiting.id).collect();
+        let indexes: Vec<i64> = heads.iter().map(|h| h.waiting.head_index).collect();
+        let earliest: Vec<i64> = heads.iter().map(|h| h.earliest).collect();
+        let channels: Vec<&str> = heads.iter().map(|h| h.lane.channel).collect();
+        let chats: Vec<&str> = heads.iter().map(|h| h.lane.chat_id).collect();
+        let statuses: Vec<&str> = heads.iter().map(|h| h.status.as_str()).collect();
         self.execute(
             ACTIVATE_MANY_SQL,
-            &[&ids, &indexes, &earliest, &channels, &chats],
+            &[&ids, &indexes, &earliest, &channels, &chats, &statuses],
         )?;
         Ok(())
     }

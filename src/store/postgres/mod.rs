@@ -85,6 +85,21 @@ use crate::error::{Error, Result};
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::{ChannelRow, LaneEntry, LaneRef, Locks, StoreTx};
 
+/// The public id of chunk `$index` of delivery row `$delivery`, as a column:
+/// `delivery * CHUNK_STRIDE + index`.
+macro_rules! chunk_id {
+    ($delivery:literal, $index:literal) => {
+        concat!(
+            $delivery,
+            " * ",
+            $crate::store::chunk_stride!(),
+            " + ",
+            $index
+        )
+    };
+}
+pub(crate) use chunk_id;
+
 /// The server's clock in milliseconds since the epoch, as a column.
 macro_rules! server_ms {
     () => {

@@ -3,9 +3,9 @@
 use super::chunks::{chunk_ref, chunk_ref_where};
 use super::{PgTx, chunk_status, count, delivery_status};
 use crate::error::Result;
-use crate::status::ChunkStatus;
 use crate::store::{
-    ChunkRef, DeliveryState, OperatorStore, Purgeable, RetentionStore, finished_sql, purgeable_sql,
+    ChunkProgress, ChunkRef, DeliveryState, OperatorStore, Purgeable, RetentionStore, finished_sql,
+    purgeable_sql,
 };
 
 /// The failed chunks of dead letters (not set aside as unreadable), oldest first; `$1`
@@ -41,28 +41,27 @@ impl OperatorStore for PgTx<'_> {
         .collect()
     }
 
-    fn first_started_chunk(&self, delivery: i64) -> Result<Option<(i64, u32, ChunkStatus, u32)>> {
+    fn chunk_progress(&self, delivery: i64) -> Result<Vec<ChunkProgress>> {
         // Every chunk of the delivery locked, so no claim starts one while the caller
         // decides (a claim skips what is locked; one under way is waited for, and its
         // `sending` seen).
-        for r in self.query(
+        self.query(
             "SELECT chunk_index, status, attempts, sent_before FROM outbound_delivery_chunks
              WHERE delivery_id = $1 ORDER BY chunk_index FOR UPDATE",
             &[&delivery],
-        )? {
+        )?
+        .iter()
+        .map(|r| {
             let index: i64 = r.try_get(0)?;
-            let status = chunk_status(&r, 1)?;
-            let attempts = count(&r, 2)? as u32;
-            let sent_before: bool = r.try_get(3)?;
-            if !matches!(status, ChunkStatus::Pending | ChunkStatus::Retry)
-                || attempts > 0
-                || sent_before
-            {
-                let id = delivery * crate::ids::CHUNK_STRIDE + index;
-                return Ok(Some((id, index as u32, status, attempts)));
-            }
-        }
-        Ok(None)
+            Ok(ChunkProgress {
+                id: delivery * crate::ids::CHUNK_STRIDE + index,
+                index: index as u32,
+                status: chunk_status(r, 1)?,
+                attempts: count(r, 2)? as u32,
+                sent_before: r.try_get(3)?,
+            })
+        })
+        .collect()
     }
 
     fn delete_chunks(&self, delivery: i64) -> Result<u64> {

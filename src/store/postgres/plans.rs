@@ -62,7 +62,7 @@ const STATEMENTS: &[(&str, &str, &str, bool)] = &[
     (
         "activate",
         ACTIVATE_MANY_SQL,
-        "'{5,6}', '{0,0}', '{0,0}', '{t,t}', '{c1,c2}'",
+        "'{5,6}', '{0,0}', '{0,0}', '{t,t}', '{c1,c2}', '{pending,partial}'",
         false,
     ),
     ("enter lanes", ENTER_SQL, "'{t,t}', '{c1,c2}', 2", false),

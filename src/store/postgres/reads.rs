@@ -5,6 +5,7 @@
 use postgres::Row;
 use postgres::types::ToSql;
 
+use super::chunk_id;
 use super::{PgTx, chunk_status, count, delivery_status};
 use crate::clock::to_datetime;
 use crate::error::Result;
@@ -54,14 +55,18 @@ const VIEW_SQL: &str = "SELECT id, uid, channel, chat_id, sender, idempotency_ke
      WHERE id = coalesce((SELECT new_id FROM outbound_renumbered WHERE old_id = $1), $1)
        AND uid = $2";
 
-const CHUNKS_SQL: &str = "SELECT d.id * 16384 + coalesce(c.chunk_index, 0),
+const CHUNKS_SQL: &str = concat!(
+    "SELECT ",
+    chunk_id!("d.id", "coalesce(c.chunk_index, 0)"),
+    ",
         coalesce(c.chunk_index, 0), coalesce(c.status, 'pending'), coalesce(c.attempts, 0),
         c.due_at, c.last_error, c.platform_message_id, c.delivered_at,
         coalesce(c.text, d.text), c.claim_token
      FROM outbound_deliveries d
           LEFT JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
      WHERE d.id = $1 AND (c.delivery_id IS NOT NULL OR d.status = 'queued')
-     ORDER BY c.chunk_index";
+     ORDER BY c.chunk_index"
+);
 
 impl ReadStore for PgTx<'_> {
     fn health_rows(&self, now: i64) -> Result<HealthRows> {

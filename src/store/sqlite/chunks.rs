@@ -4,7 +4,7 @@ use rusqlite::{OptionalExtension, Row, params};
 
 use super::tx::Tx;
 use crate::error::Result;
-use crate::status::ChunkStatus;
+use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::{ChunkRef, ChunkStore};
 
 /// SQL condition: chunk row `c` belongs to delivery row `d` (a range of the chunk
@@ -15,9 +15,14 @@ macro_rules! chunks_of_delivery {
             $c,
             ".id BETWEEN ",
             $d,
-            " * 16384 AND ",
+            " * ",
+            $crate::store::chunk_stride!(),
+            " AND ",
             $d,
-            " * 16384 + 16383"
+            " * ",
+            $crate::store::chunk_stride!(),
+            " + ",
+            $crate::store::chunk_stride!(last index)
         )
     };
 }
@@ -106,9 +111,13 @@ pub(crate) const LOAD_CHUNK_SQL: &str = concat!(
     supplied!(attempts),
     ", d.channel, d.chat_id, d.created_at, d.chunk_count
      FROM outbound_deliveries d LEFT JOIN outbound_delivery_chunks c ON c.id = ?1
-     WHERE d.id = ?1 / 16384 AND ",
+     WHERE d.id = ?1 / ",
+    crate::store::chunk_stride!(),
+    " AND ",
     supplied!(seen),
-    " AND (c.id IS NOT NULL OR ?1 % 16384 = 0)"
+    " AND (c.id IS NOT NULL OR ?1 % ",
+    crate::store::chunk_stride!(),
+    " = 0)"
 );
 
 /// A [`ChunkRef`] from a row of [`chunk_ref_where!`].
@@ -206,15 +215,20 @@ impl ChunkStore for Tx<'_> {
         Ok(())
     }
 
-    fn count_delivered(&self, delivery: i64, now: i64, active: bool) -> Result<()> {
-        // One write to the delivery row: the count, and for an active delivery its status.
+    fn count_delivered(
+        &self,
+        delivery: i64,
+        now: i64,
+        status: Option<DeliveryStatus>,
+    ) -> Result<()> {
+        // One write to the delivery row: the count, and its status if it changes.
         self.prepare_cached(
             "UPDATE outbound_deliveries
              SET delivered_count = delivered_count + 1, updated_at = ?2,
-                 status = CASE WHEN ?3 THEN 'partial' ELSE status END
+                 status = coalesce(?3, status)
              WHERE id = ?1",
         )?
-        .execute(params![delivery, now, active])?;
+        .execute(params![delivery, now, status.map(DeliveryStatus::as_str)])?;
         Ok(())
     }
 
@@ -251,8 +265,13 @@ impl ChunkStore for Tx<'_> {
         Ok(())
     }
 
-    fn set_delivery_aside(&self, delivery: i64, status: ChunkStatus, now: i64) -> Result<()> {
-        let finished = (status == ChunkStatus::Failed).then_some(now);
+    fn set_delivery_aside(
+        &self,
+        delivery: i64,
+        status: ChunkStatus,
+        now: i64,
+        finished: Option<i64>,
+    ) -> Result<()> {
         self.prepare_cached(
             "UPDATE outbound_deliveries SET status = ?2, updated_at = ?3, finished_at = ?4
              WHERE id = ?1",

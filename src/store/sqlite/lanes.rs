@@ -6,7 +6,7 @@ use rusqlite::{OptionalExtension, params};
 use super::tx::Tx;
 use crate::error::Result;
 use crate::ids::CHUNK_STRIDE;
-use crate::store::{DeliveryLane, HeadRow, LaneRef, LaneStore, Waiting};
+use crate::store::{Activation, DeliveryLane, HeadRow, LaneRef, LaneStore, Waiting};
 
 /// The due time of `LaneStore::lane_due_time` as an SQL expression of its parameters:
 /// `earliest`, or the end of lane (`channel`, `chat`)'s pause or interval if later.
@@ -65,18 +65,20 @@ const HEAD_SQL_NEWEST_FIRST: &str = head_sql!("id DESC");
 
 /// The oldest delivery holding lane (`?1`, `?2`) under `LaneFailurePolicy::Block`:
 /// an uncertain one, or a dead letter nobody acknowledged.
-pub(crate) const HELD_SQL: &str = "SELECT min(id) FROM outbound_deliveries
-     WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered'
-       AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL))";
+pub(crate) const HELD_SQL: &str = crate::store::held_sql!("?1", "?2");
 
 /// Pushes the lane's due chunks back to `?3`. Only head chunks are ever due: chunk
 /// `delivered_count` of an unfinished delivery, whose id is
 /// `id * CHUNK_STRIDE + delivered_count`, so this is one key lookup per unfinished
 /// delivery of the lane.
-pub(crate) const PAUSE_DUE_SQL: &str = "UPDATE outbound_delivery_chunks SET due_at = ?3
+pub(crate) const PAUSE_DUE_SQL: &str = concat!(
+    "UPDATE outbound_delivery_chunks SET due_at = ?3
      WHERE due_at < ?3 AND status IN ('pending', 'retry') AND id IN (
-         SELECT id * 16384 + delivered_count FROM outbound_deliveries
-         WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered')";
+         SELECT id * ",
+    crate::store::chunk_stride!(),
+    " + delivered_count FROM outbound_deliveries
+         WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered')"
+);
 
 /// Queued deliveries, oldest first, with their lanes.
 pub(crate) const QUEUED_ALL_SQL: &str = "SELECT id, channel, chat_id FROM outbound_deliveries
@@ -129,12 +131,15 @@ impl LaneStore for Tx<'_> {
             .query_row(params![lane.channel, lane.chat_id], |r| r.get(0))?)
     }
 
-    fn activate(&self, waiting: &Waiting, lane: LaneRef<'_>, earliest: i64) -> Result<()> {
-        self.prepare_cached(
-            "UPDATE outbound_deliveries SET status = CASE WHEN ?2 > 0 THEN 'partial' ELSE 'pending' END
-             WHERE id = ?1",
-        )?
-        .execute(params![waiting.id, waiting.head_index])?;
+    fn activate(&self, head: &Activation<'_>) -> Result<()> {
+        let Activation {
+            waiting,
+            status,
+            lane,
+            earliest,
+        } = head;
+        self.prepare_cached("UPDATE outbound_deliveries SET status = ?2 WHERE id = ?1")?
+            .execute(params![waiting.id, status.as_str()])?;
         // The head chunk has a row, whose due time is set, except at the first
         // activation of a reply sent as one chunk of its whole text: that row is
         // stored now.

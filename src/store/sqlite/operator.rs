@@ -5,8 +5,7 @@ use rusqlite::{OptionalExtension, params};
 use super::chunks::{DELETE_CHUNKS_SQL, chunk_ref, chunk_ref_where, chunks_of_delivery};
 use super::tx::Tx;
 use crate::error::Result;
-use crate::status::ChunkStatus;
-use crate::store::{ChunkRef, DeliveryState, OperatorStore};
+use crate::store::{ChunkProgress, ChunkRef, DeliveryState, OperatorStore};
 
 /// The failed chunks of dead letters, oldest delivery first. Starts from the index of
 /// unfinished deliveries (a join led by the chunk table would read all of history).
@@ -40,18 +39,24 @@ impl OperatorStore for Tx<'_> {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
-    fn first_started_chunk(&self, delivery: i64) -> Result<Option<(i64, u32, ChunkStatus, u32)>> {
-        Ok(self
-            .prepare_cached(concat!(
-                "SELECT id, chunk_index, status, attempts FROM outbound_delivery_chunks AS c WHERE ",
-                chunks_of_delivery!("c", "?1"),
-                " AND (status NOT IN ('pending', 'retry') OR attempts > 0 OR sent_before)
-                 ORDER BY id LIMIT 1"
-            ))?
-            .query_row([delivery], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+    fn chunk_progress(&self, delivery: i64) -> Result<Vec<ChunkProgress>> {
+        // The writer's lock holds every chunk until the transaction ends.
+        let mut stmt = self.prepare_cached(concat!(
+            "SELECT id, chunk_index, status, attempts, sent_before
+             FROM outbound_delivery_chunks AS c WHERE ",
+            chunks_of_delivery!("c", "?1"),
+            " ORDER BY id"
+        ))?;
+        let rows = stmt.query_map([delivery], |r| {
+            Ok(ChunkProgress {
+                id: r.get(0)?,
+                index: r.get(1)?,
+                status: r.get(2)?,
+                attempts: r.get(3)?,
+                sent_before: r.get(4)?,
             })
-            .optional()?)
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
     fn delete_chunks(&self, delivery: i64) -> Result<u64> {
