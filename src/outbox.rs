@@ -30,7 +30,7 @@ pub(crate) const STAGED_LOOK: std::time::Duration = std::time::Duration::from_se
 /// may open the same file; SQLite's locking and the busy timeout serialise their writes
 /// with ours. On PostgreSQL writes and reads share a pool of connections, and writers
 /// of every process and host run at once under the locks of the rules
-/// (ARCHITECTURE.md, "Stores").
+/// (docs/STORES.md).
 #[derive(Clone)]
 pub struct Outbox {
     inner: Arc<Inner>,

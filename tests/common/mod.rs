@@ -70,32 +70,34 @@ macro_rules! stores {
 
                 fn body() $(-> $ret)? $body
 
-                #[test]
-                $(#[$meta])*
-                fn sqlite() {
-                    $crate::common::on_store($crate::common::Store::Sqlite, || {
-                        #[allow(clippy::let_unit_value)]
-                        let outcome = body();
-                        $crate::common::Succeeds::succeeds(outcome);
-                    });
-                }
-
-                #[cfg(feature = "postgres")]
-                #[test]
-                $(#[$meta])*
-                fn postgres() {
-                    $crate::common::on_store($crate::common::Store::Postgres, || {
-                        #[allow(clippy::let_unit_value)]
-                        let outcome = body();
-                        $crate::common::Succeeds::succeeds(outcome);
-                    });
-                }
+                // One line per store: the test's name, the store, when it is built.
+                $crate::common::store_test!(sqlite, Sqlite, all(), $(#[$meta])*);
+                $crate::common::store_test!(postgres, Postgres, feature = "postgres", $(#[$meta])*);
             }
         )*
     };
 }
 #[allow(unused_imports)]
 pub(crate) use stores;
+
+/// The test `$test` of the `body` beside it, on `$store`, built when `$when` holds.
+#[allow(unused_macros)]
+macro_rules! store_test {
+    ($test:ident, $store:ident, $($when:meta)?, $(#[$meta:meta])*) => {
+        #[cfg($($when)?)]
+        #[test]
+        $(#[$meta])*
+        fn $test() {
+            $crate::common::on_store($crate::common::Store::$store, || {
+                #[allow(clippy::let_unit_value)]
+                let outcome = body();
+                $crate::common::Succeeds::succeeds(outcome);
+            });
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use store_test;
 
 /// What a test body returns: nothing, or a result that must be `Ok`.
 pub trait Succeeds {
