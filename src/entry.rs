@@ -23,8 +23,9 @@ impl Outbox {
     /// switched to WAL only once its schema is in place, so a file whose upgrade fails
     /// keeps its journal mode.
     ///
-    /// The stored rules ([`Rules`](crate::rules::Rules)) given in `options` are stored where the file has
-    /// none yet (nobody declared them) and checked against the file's otherwise.
+    /// The stored rules ([`Rules`](crate::rules::Rules)) given in `options` are stored
+    /// where the file has none yet (nobody declared them) and checked against the
+    /// file's otherwise.
     ///
     /// # Errors
     ///

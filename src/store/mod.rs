@@ -84,6 +84,97 @@ macro_rules! held_sql {
     };
 }
 
+/// Placeholder `$n` of SQLite's dialect (`?n`) and of PostgreSQL's (`$n`): the shared
+/// statements below take one of the two.
+macro_rules! sqlite_param {
+    ($n:literal) => {
+        concat!("?", $n)
+    };
+}
+macro_rules! pg_param {
+    ($n:literal) => {
+        concat!("$", $n)
+    };
+}
+
+/// The statements both stores spell alike but for their placeholders (`$p`: one of
+/// `sqlite_param`, `pg_param`), each for the primitive of its name: the status a
+/// delivery takes and what it clears, written once.
+macro_rules! count_delivered_sql {
+    ($p:ident) => {
+        concat!(
+            "UPDATE outbound_deliveries
+             SET delivered_count = delivered_count + 1, updated_at = ",
+            $p!(2),
+            ", status = coalesce(",
+            $p!(3),
+            ", status) WHERE id = ",
+            $p!(1)
+        )
+    };
+}
+macro_rules! set_delivery_aside_sql {
+    ($p:ident) => {
+        concat!(
+            "UPDATE outbound_deliveries SET status = ",
+            $p!(2),
+            ", updated_at = ",
+            $p!(3),
+            ", finished_at = ",
+            $p!(4),
+            " WHERE id = ",
+            $p!(1)
+        )
+    };
+}
+macro_rules! mark_finalized_sql {
+    ($p:ident) => {
+        concat!(
+            "UPDATE outbound_deliveries
+             SET status = 'delivered', delivered_count = chunk_count, updated_at = ",
+            $p!(2),
+            ", finished_at = ",
+            $p!(2),
+            ", finalize_error = NULL WHERE id = ",
+            $p!(1)
+        )
+    };
+}
+macro_rules! mark_unfinalized_sql {
+    ($p:ident) => {
+        concat!(
+            "UPDATE outbound_deliveries
+             SET status = 'unfinalized', delivered_count = chunk_count, updated_at = ",
+            $p!(2),
+            ", finalize_error = ",
+            $p!(3),
+            " WHERE id = ",
+            $p!(1)
+        )
+    };
+}
+macro_rules! mark_cancelled_sql {
+    ($p:ident) => {
+        concat!(
+            "UPDATE outbound_deliveries SET status = 'cancelled', updated_at = ",
+            $p!(2),
+            ", finished_at = ",
+            $p!(2),
+            " WHERE id = ",
+            $p!(1)
+        )
+    };
+}
+macro_rules! set_queued_sql {
+    ($p:ident) => {
+        concat!(
+            "UPDATE outbound_deliveries
+             SET status = 'queued', finished_at = NULL, acknowledged_at = NULL WHERE id = ",
+            $p!(1)
+        )
+    };
+}
+
 /// A delivery that changes no more: delivered, cancelled, or a dead letter someone
 /// acknowledged (checked again when a listed one is removed). The same condition on
 /// every store.
@@ -109,7 +200,11 @@ macro_rules! purgeable_sql {
     };
 }
 
-pub(crate) use {chunk_stride, finished_sql, held_sql, purgeable_sql};
+pub(crate) use {
+    chunk_stride, count_delivered_sql, finished_sql, held_sql, mark_cancelled_sql,
+    mark_finalized_sql, mark_unfinalized_sql, pg_param, purgeable_sql, set_delivery_aside_sql,
+    set_queued_sql, sqlite_param,
+};
 
 /// One lane: the deliveries of one chat on one channel, in order. Locks are taken in
 /// the order of this type (channel, then chat), so two transactions that lock several

@@ -2,6 +2,7 @@
 //! public id is `delivery row * CHUNK_STRIDE + index`. Claims lock the chunks they read with
 //! `SKIP LOCKED`: two claims never take one chunk, and neither waits for the other.
 
+use crate::store::pg_param;
 use postgres::Row;
 
 use super::chunk_id;
@@ -326,10 +327,7 @@ impl ChunkStore for PgTx<'_> {
         status: Option<DeliveryStatus>,
     ) -> Result<()> {
         self.execute(
-            "UPDATE outbound_deliveries
-             SET delivered_count = delivered_count + 1, updated_at = $2,
-                 status = coalesce($3, status)
-             WHERE id = $1",
+            crate::store::count_delivered_sql!(pg_param),
             &[&delivery, &now, &status.map(DeliveryStatus::as_str)],
         )?;
         Ok(())
@@ -371,8 +369,7 @@ impl ChunkStore for PgTx<'_> {
         finished: Option<i64>,
     ) -> Result<()> {
         self.execute(
-            "UPDATE outbound_deliveries SET status = $2, updated_at = $3, finished_at = $4
-             WHERE id = $1",
+            crate::store::set_delivery_aside_sql!(pg_param),
             &[&delivery, &status.as_str(), &now, &finished],
         )?;
         Ok(())

@@ -5,6 +5,7 @@ use super::{PgTx, delivery_status};
 use crate::clock::to_datetime;
 use crate::error::{Error, Result};
 use crate::reply::NewDelivery;
+use crate::store::pg_param;
 use crate::store::{
     ChannelTally, DeliveryLane, DeliveryStore, FinalizeStore, LaneRef, NewRow, Staged,
     StatementShape, StoredContent,
@@ -404,10 +405,7 @@ impl FinalizeStore for PgTx<'_> {
 
     fn mark_finalized(&self, delivery: i64, now: i64) -> Result<()> {
         self.execute(
-            "UPDATE outbound_deliveries
-             SET status = 'delivered', delivered_count = chunk_count, updated_at = $2,
-                 finished_at = $2, finalize_error = NULL
-             WHERE id = $1",
+            crate::store::mark_finalized_sql!(pg_param),
             &[&delivery, &now],
         )?;
         Ok(())
@@ -415,10 +413,7 @@ impl FinalizeStore for PgTx<'_> {
 
     fn mark_unfinalized(&self, delivery: i64, now: i64, message: &str) -> Result<()> {
         self.execute(
-            "UPDATE outbound_deliveries
-             SET status = 'unfinalized', delivered_count = chunk_count, updated_at = $2,
-                 finalize_error = $3
-             WHERE id = $1",
+            crate::store::mark_unfinalized_sql!(pg_param),
             &[&delivery, &now, &message],
         )?;
         Ok(())

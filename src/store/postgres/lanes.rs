@@ -4,6 +4,7 @@
 
 use super::PgTx;
 use crate::error::Result;
+use crate::store::pg_param;
 use crate::store::{Activation, DeliveryLane, HeadRow, LaneRef, LaneStore, Waiting};
 
 /// `LaneStore::lane_due_time` as an SQL expression of its parameters: `earliest`, or
@@ -276,11 +277,7 @@ impl LaneStore for PgTx<'_> {
     }
 
     fn set_queued(&self, delivery: i64) -> Result<()> {
-        self.execute(
-            "UPDATE outbound_deliveries
-             SET status = 'queued', finished_at = NULL, acknowledged_at = NULL WHERE id = $1",
-            &[&delivery],
-        )?;
+        self.execute(crate::store::set_queued_sql!(pg_param), &[&delivery])?;
         Ok(())
     }
 

@@ -3,6 +3,7 @@
 use super::chunks::{chunk_ref, chunk_ref_where};
 use super::{PgTx, chunk_status, count, delivery_status};
 use crate::error::Result;
+use crate::store::pg_param;
 use crate::store::{
     ChunkProgress, ChunkRef, DeliveryState, OperatorStore, Purgeable, RetentionStore, finished_sql,
     purgeable_sql,
@@ -73,8 +74,7 @@ impl OperatorStore for PgTx<'_> {
 
     fn mark_cancelled(&self, delivery: i64, now: i64) -> Result<()> {
         self.execute(
-            "UPDATE outbound_deliveries
-             SET status = 'cancelled', updated_at = $2, finished_at = $2 WHERE id = $1",
+            crate::store::mark_cancelled_sql!(pg_param),
             &[&delivery, &now],
         )?;
         Ok(())

@@ -217,6 +217,35 @@ mod tests {
         );
     }
 
+    /// A write holds the rules' lock from its `BEGIN` round trip on (shared; exclusive
+    /// for a change of the rules), before the rules' work reads anything; a read holds
+    /// none.
+    #[test]
+    fn a_write_holds_the_rules_from_its_begin() {
+        let Some(url) = fresh_schema_url() else {
+            return;
+        };
+        let store = PgStore::open(&url, &mut OutboxOptions::default(), false).unwrap();
+        let held = |kind: Begin| {
+            store
+                .transaction(kind, |tx: PgTx<'_>| {
+                    let rows = tx.query(
+                        "SELECT mode FROM pg_locks
+                         WHERE locktype = 'advisory' AND pid = pg_backend_pid()",
+                        &[],
+                    )?;
+                    rows.iter()
+                        .map(|r| Ok(r.try_get::<_, String>(0)?))
+                        .collect::<Result<Vec<_>>>()
+                })
+                .unwrap()
+        };
+        let write = |change_rules| Begin::Write { change_rules };
+        assert_eq!(held(write(false)), ["ShareLock"]);
+        assert_eq!(held(write(true)), ["ExclusiveLock"]);
+        assert_eq!(held(Begin::Read), Vec::<String>::new());
+    }
+
     /// Another handle's commit wakes this handle's dispatchers through the listener;
     /// a listener whose connection is killed reconnects and wakes them once (what was
     /// committed meanwhile was not announced to it).

@@ -1,5 +1,6 @@
 //! Chunk rows on SQLite, and the delivery rows their transitions move.
 
+use crate::store::sqlite_param;
 use rusqlite::{OptionalExtension, Row, params};
 
 use super::tx::Tx;
@@ -222,13 +223,8 @@ impl ChunkStore for Tx<'_> {
         status: Option<DeliveryStatus>,
     ) -> Result<()> {
         // One write to the delivery row: the count, and its status if it changes.
-        self.prepare_cached(
-            "UPDATE outbound_deliveries
-             SET delivered_count = delivered_count + 1, updated_at = ?2,
-                 status = coalesce(?3, status)
-             WHERE id = ?1",
-        )?
-        .execute(params![delivery, now, status.map(DeliveryStatus::as_str)])?;
+        self.prepare_cached(crate::store::count_delivered_sql!(sqlite_param))?
+            .execute(params![delivery, now, status.map(DeliveryStatus::as_str)])?;
         Ok(())
     }
 
@@ -272,11 +268,8 @@ impl ChunkStore for Tx<'_> {
         now: i64,
         finished: Option<i64>,
     ) -> Result<()> {
-        self.prepare_cached(
-            "UPDATE outbound_deliveries SET status = ?2, updated_at = ?3, finished_at = ?4
-             WHERE id = ?1",
-        )?
-        .execute(params![delivery, status.as_str(), now, finished])?;
+        self.prepare_cached(crate::store::set_delivery_aside_sql!(sqlite_param))?
+            .execute(params![delivery, status.as_str(), now, finished])?;
         Ok(())
     }
 

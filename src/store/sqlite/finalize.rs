@@ -1,6 +1,7 @@
 //! Finalization on SQLite: the history row, the application's statement, the channel
 //! counters.
 
+use crate::store::sqlite_param;
 use rusqlite::types::Value;
 use rusqlite::{Connection, params};
 
@@ -123,24 +124,14 @@ impl FinalizeStore for Tx<'_> {
     }
 
     fn mark_finalized(&self, delivery: i64, now: i64) -> Result<()> {
-        self.prepare_cached(
-            "UPDATE outbound_deliveries
-             SET status = 'delivered', delivered_count = chunk_count, updated_at = ?2, finished_at = ?2,
-                 finalize_error = NULL
-             WHERE id = ?1",
-        )?
-        .execute(params![delivery, now])?;
+        self.prepare_cached(crate::store::mark_finalized_sql!(sqlite_param))?
+            .execute(params![delivery, now])?;
         Ok(())
     }
 
     fn mark_unfinalized(&self, delivery: i64, now: i64, message: &str) -> Result<()> {
-        self.prepare_cached(
-            "UPDATE outbound_deliveries
-             SET status = 'unfinalized', delivered_count = chunk_count, updated_at = ?2,
-                 finalize_error = ?3
-             WHERE id = ?1",
-        )?
-        .execute(params![delivery, now, message])?;
+        self.prepare_cached(crate::store::mark_unfinalized_sql!(sqlite_param))?
+            .execute(params![delivery, now, message])?;
         Ok(())
     }
 

@@ -1,6 +1,7 @@
 //! Lanes on SQLite: the head of a lane is one seek of the index of unfinished
 //! deliveries; due times are computed in the statement that writes them.
 
+use crate::store::sqlite_param;
 use rusqlite::{OptionalExtension, params};
 
 use super::tx::Tx;
@@ -220,11 +221,8 @@ impl LaneStore for Tx<'_> {
     }
 
     fn set_queued(&self, delivery: i64) -> Result<()> {
-        self.prepare_cached(
-            "UPDATE outbound_deliveries
-             SET status = 'queued', finished_at = NULL, acknowledged_at = NULL WHERE id = ?1",
-        )?
-        .execute([delivery])?;
+        self.prepare_cached(crate::store::set_queued_sql!(sqlite_param))?
+            .execute([delivery])?;
         Ok(())
     }
 

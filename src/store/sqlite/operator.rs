@@ -1,5 +1,6 @@
 //! Operator actions on SQLite.
 
+use crate::store::sqlite_param;
 use rusqlite::{OptionalExtension, params};
 
 use super::chunks::{DELETE_CHUNKS_SQL, chunk_ref, chunk_ref_where, chunks_of_delivery};
@@ -66,11 +67,8 @@ impl OperatorStore for Tx<'_> {
     }
 
     fn mark_cancelled(&self, delivery: i64, now: i64) -> Result<()> {
-        self.prepare_cached(
-            "UPDATE outbound_deliveries
-             SET status = 'cancelled', updated_at = ?2, finished_at = ?2 WHERE id = ?1",
-        )?
-        .execute(params![delivery, now])?;
+        self.prepare_cached(crate::store::mark_cancelled_sql!(sqlite_param))?
+            .execute(params![delivery, now])?;
         Ok(())
     }
 
