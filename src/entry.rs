@@ -234,9 +234,7 @@ impl Outbox {
         options.validate()?;
         let store = crate::store::postgres::PgStore::open(url, &mut options, read_only)?;
         let options = options.with_background_checkpoints(None);
-        crate::store::postgres::runtime::off_runtime(|| {
-            Outbox::from_store(Box::new(store), options, read_only)
-        })
+        Outbox::from_store(Box::new(store), options, read_only)
     }
 
     /// The statement an application's transaction runs, and its arguments: `delivery`

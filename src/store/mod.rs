@@ -91,6 +91,7 @@ macro_rules! sqlite_param {
         concat!("?", $n)
     };
 }
+#[cfg(feature = "postgres")]
 macro_rules! pg_param {
     ($n:literal) => {
         concat!("$", $n)
@@ -200,9 +201,11 @@ macro_rules! purgeable_sql {
     };
 }
 
+#[cfg(feature = "postgres")]
+pub(crate) use pg_param;
 pub(crate) use {
     chunk_stride, count_delivered_sql, finished_sql, held_sql, mark_cancelled_sql,
-    mark_finalized_sql, mark_unfinalized_sql, pg_param, purgeable_sql, set_delivery_aside_sql,
+    mark_finalized_sql, mark_unfinalized_sql, purgeable_sql, set_delivery_aside_sql,
     set_queued_sql, sqlite_param,
 };
 
