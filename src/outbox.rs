@@ -595,3 +595,22 @@ fn declare<T: PartialEq>(
     *wanted = given;
     Ok(store)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store without staged replies never has its claims look for them unasked,
+    /// however long since the last look; an SQLite outbox has none.
+    #[test]
+    fn no_unasked_look_for_staged_replies_where_none_can_be() {
+        let outbox = Outbox::open_in_memory(OutboxOptions::default()).unwrap();
+        let long_ago = -10 * crate::clock::duration_ms(STAGED_LOOK);
+        outbox
+            .inner
+            .staged_looked
+            .store(long_ago, Ordering::Release);
+        assert!(!outbox.take_staged_hint());
+        assert_eq!(outbox.inner.staged_looked.load(Ordering::Acquire), long_ago);
+    }
+}
