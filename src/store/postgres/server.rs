@@ -128,7 +128,7 @@ impl Store for PgStore {
         Ok(Box::new(ServerWatch {
             listener: self.listener(wake)?,
             resynced: Instant::now(),
-            staged: wake.clone(),
+            wake: wake.clone(),
         }))
     }
 
@@ -164,7 +164,7 @@ impl Store for PgStore {
 pub(crate) struct ServerWatch {
     pub(crate) listener: Option<Arc<ListenState>>,
     pub(crate) resynced: Instant,
-    pub(crate) staged: Wakeups,
+    pub(crate) wake: Wakeups,
 }
 
 impl ChangeWatch for ServerWatch {
@@ -174,7 +174,7 @@ impl ChangeWatch for ServerWatch {
             return Ok(false);
         }
         self.resynced = Instant::now();
-        self.staged
+        self.wake
             .staged
             .store(true, std::sync::atomic::Ordering::Release);
         Ok(true)
@@ -197,7 +197,7 @@ mod tests {
         let mut watcher = ServerWatch {
             listener: Some(state.clone()),
             resynced: Instant::now(),
-            staged: Wakeups::default(),
+            wake: Wakeups::default(),
         };
         assert!(watcher.changed().unwrap(), "listener down: poll");
         assert!(watcher.changed().unwrap(), "still down: poll again");
@@ -209,7 +209,7 @@ mod tests {
         let mut off = ServerWatch {
             listener: None,
             resynced: Instant::now(),
-            staged: Wakeups::default(),
+            wake: Wakeups::default(),
         };
         assert!(
             off.changed().unwrap(),

@@ -289,9 +289,10 @@ mod tests {
         let mut watcher = watched.watch(&Wakeups::default()).unwrap();
         assert!(!watcher.changed().unwrap(), "nothing committed yet");
         let other = SqliteStore::open(&path, &options).unwrap();
-        let _ = other
+        other
             .writer()
-            .execute_batch("INSERT INTO outbound_channels (name) VALUES ('watched')");
+            .execute_batch("INSERT INTO outbound_channels (name) VALUES ('watched')")
+            .unwrap();
         assert!(watcher.changed().unwrap(), "another connection committed");
         assert!(!watcher.changed().unwrap(), "and nothing since");
         watched
