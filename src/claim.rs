@@ -411,8 +411,14 @@ pub(crate) fn claim_in(
     now: i64,
 ) -> Result<(Vec<Claim>, bool)> {
     // Replies staged by applications' transactions join their lanes first.
-    if outbox.take_staged_hint() && crate::enqueue::activate_staged(tx, outbox, rules, now)? {
-        outbox.hint_staged();
+    if outbox.take_staged_hint() {
+        // Said again when more may wait, and when this fails: the transaction is rolled
+        // back, and its store may run it again (see `Store::write`).
+        let more = crate::enqueue::activate_staged(tx, outbox, rules, now);
+        if !matches!(more, Ok(false)) {
+            outbox.hint_staged();
+        }
+        more?;
     }
     let lease_until = now.saturating_add(duration_ms(outbox.options().lease));
     let mut candidates = Vec::new();

@@ -128,7 +128,7 @@ impl Outbox {
             let chunk = locked_chunk(tx, chunk)?;
             expect_status(&chunk, &[ChunkStatus::Uncertain], "resolve", "uncertain")?;
             let now = self.options().now_ms();
-            match resolution {
+            match &resolution {
                 Resolution::Delivered {
                     platform_message_id,
                 } => {

@@ -372,7 +372,7 @@ impl Outbox {
     /// commits if it returns `Ok`, rolls back otherwise.
     pub(crate) fn write<T: Send>(
         &self,
-        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T> + Send,
+        f: impl FnMut(&dyn StoreTx, &Stored) -> Result<T> + Send,
     ) -> Result<T> {
         self.transact(false, false, f)
     }
@@ -382,7 +382,7 @@ impl Outbox {
     /// process's dispatchers.
     fn change_rules(
         &self,
-        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<()> + Send,
+        f: impl FnMut(&dyn StoreTx, &Stored) -> Result<()> + Send,
     ) -> Result<()> {
         self.transact(true, true, f)?;
         self.wake();
@@ -396,7 +396,7 @@ impl Outbox {
         &self,
         change_rules: bool,
         announce: bool,
-        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T> + Send,
+        mut f: impl FnMut(&dyn StoreTx, &Stored) -> Result<T> + Send,
     ) -> Result<T> {
         let how = Write {
             change_rules,
@@ -421,22 +421,27 @@ impl Outbox {
     /// copy every clone of this handle shares.
     pub(crate) fn rules_uncached(&self, tx: &dyn StoreTx) -> Result<Arc<Stored>> {
         let version = tx.rules_version()?;
-        let cached = self
-            .inner
-            .stored
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let cached = self.cached_rules();
         if cached.version == version {
             return Ok(cached);
         }
         Ok(Arc::new(tx.load_rules()?))
     }
 
+    /// The handle's copy of the stored rules.
+    fn cached_rules(&self) -> Arc<Stored> {
+        self.inner
+            .stored
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// The stored rules, read again if another handle (or process) changed them since
     /// this handle last read them: one single-row read per transaction otherwise.
     fn current_rules(&self, tx: &dyn StoreTx) -> Result<Arc<Stored>> {
-        let version = tx.rules_version()?;
+        let held = self.cached_rules().version;
+        let version = tx.rules_version_or(held)?;
         let mut cached = self.inner.stored.lock().unwrap_or_else(|e| e.into_inner());
         if cached.version != version {
             *cached = Arc::new(tx.load_rules()?);
@@ -449,7 +454,7 @@ impl Outbox {
     /// other process on the outbox: for writes that can make work due.
     pub(crate) fn write_and_wake<T: Send>(
         &self,
-        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T> + Send,
+        f: impl FnMut(&dyn StoreTx, &Stored) -> Result<T> + Send,
     ) -> Result<T> {
         let value = self.transact(false, true, f)?;
         self.wake();
@@ -461,7 +466,7 @@ impl Outbox {
     /// what its outcomes made due (other hosts find the rest when they next look).
     pub(crate) fn write_and_wake_here<T: Send>(
         &self,
-        f: impl FnOnce(&dyn StoreTx, &Stored) -> Result<T> + Send,
+        f: impl FnMut(&dyn StoreTx, &Stored) -> Result<T> + Send,
     ) -> Result<T> {
         let value = self.write(f)?;
         self.wake();

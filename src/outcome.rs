@@ -140,7 +140,11 @@ impl Outbox {
         // commits that send it): whoever records claims next, and its claim takes what
         // these outcomes made due, as a dispatcher's does; other processes find the
         // rest when they next look (within a second: `ChangeWatcher`).
-        self.write_and_wake_here(|tx, rules| record_in(tx, rules, outcomes, now()))
+        self.write_and_wake_here(|tx, rules| {
+            // (A store may run the transaction again: it records from its own copy.)
+            let outcomes = outcomes.iter().map(|(claim, o)| (*claim, o.clone()));
+            record_in(tx, rules, outcomes, now())
+        })
     }
 
     /// Records a successful send: shorthand for [`record`](Self::record) with

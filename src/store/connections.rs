@@ -42,7 +42,10 @@ pub(crate) trait Store: Send + Sync {
     fn id_salt(&self) -> i64;
     /// Runs `work` in one write transaction — the stored rules locked shared, or
     /// exclusively for a change of them — and commits if it returns `Ok`, rolls back
-    /// otherwise. `work` runs exactly once when this returns `Ok`.
+    /// otherwise. `work` may run more than once, each time in a transaction of its own
+    /// that a later one replaces (rolled back: a store that takes the handle's rules
+    /// on trust runs it again when they turn out to have changed); the run that
+    /// committed is the last.
     fn write(
         &self,
         how: Write,
@@ -89,15 +92,19 @@ pub(crate) trait Store: Send + Sync {
 }
 
 impl dyn Store + '_ {
-    /// [`Store::write`] of work that returns a value.
+    /// [`Store::write`] of work that returns a value (its last run's).
     pub(crate) fn write_with<T: Send>(
         &self,
         how: Write,
-        work: impl FnOnce(&dyn StoreTx) -> Result<T> + Send,
+        mut work: impl FnMut(&dyn StoreTx) -> Result<T> + Send,
     ) -> Result<T> {
-        let mut run = Once::new(work);
-        self.write(how, &mut |tx| run.call(tx))?;
-        Ok(run.take())
+        let mut value = None;
+        self.write(how, &mut |tx| {
+            value = Some(work(tx)?);
+            Ok(())
+        })?;
+        // A store that returns Ok ran the work (see `Store::write`).
+        Ok(value.expect("a store returned Ok without running the transaction's work"))
     }
 
     /// [`Store::read`] of work that returns a value.

@@ -432,6 +432,15 @@ pub(crate) trait Locks {
 pub(crate) trait RuleStore {
     /// The version of the stored rules; every change of a rule or channel raises it.
     fn rules_version(&self) -> Result<i64>;
+    /// As [`rules_version`](Self::rules_version), except that a store which confirms
+    /// the version later in a write (before anything it wrote counts) may answer
+    /// `cached`, the version of the handle's copy, on trust: if the rules turn out to
+    /// be another version, the write fails, and its store runs it again with the
+    /// version read first (see [`Store::write`](connections::Store::write)).
+    fn rules_version_or(&self, cached: i64) -> Result<i64> {
+        let _ = cached;
+        self.rules_version()
+    }
     /// Every stored rule; a file-wide rule nobody declared reads as its default.
     fn load_rules(&self) -> Result<Stored>;
     /// Stores the file-wide rules of `policy` that `which` names (the others keep what

@@ -6,7 +6,7 @@ use crate::store::pg_param;
 use postgres::Row;
 
 use super::chunk_id;
-use super::{PgTx, chunk_key, chunk_status, count};
+use super::{PgTx, chunk_key, chunk_status, count, owned};
 use crate::error::Result;
 use crate::ids::DeliveryId;
 use crate::status::{ChunkStatus, DeliveryStatus};
@@ -425,11 +425,12 @@ impl ClaimStore for PgTx<'_> {
     }
 
     fn set_channel_slot(&self, id: i64, next_us: i64) -> Result<()> {
-        self.execute(
+        // (Its answer unread: sent with the next statement, or the COMMIT.)
+        self.defer(
             "UPDATE outbound_channels SET next_send_at_us = $2 WHERE id = $1",
-            &[&id, &next_us],
-        )?;
-        Ok(())
+            vec![owned(id), owned(next_us)],
+            None,
+        )
     }
 
     fn due_chunks(&self, row: &ChannelRow, now: i64, limit: usize) -> Result<Vec<Candidate>> {
@@ -511,12 +512,12 @@ impl ClaimStore for PgTx<'_> {
 
     fn set_due(&self, chunk: i64, due: i64) -> Result<()> {
         let (delivery, index) = chunk_key(chunk);
-        self.execute(
+        self.defer(
             "UPDATE outbound_delivery_chunks SET due_at = $3
              WHERE delivery_id = $1 AND chunk_index = $2",
-            &[&delivery, &index, &due],
-        )?;
-        Ok(())
+            vec![owned(delivery), owned(index), owned(due)],
+            None,
+        )
     }
 
     fn renew_lease(&self, chunk: i64, token: i64, until: i64) -> Result<bool> {

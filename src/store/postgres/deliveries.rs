@@ -1,7 +1,7 @@
 //! New deliveries and finalization on PostgreSQL.
 
 use super::statement::{self, Value};
-use super::{PgTx, delivery_status};
+use super::{PgTx, delivery_status, owned};
 use crate::clock::to_datetime;
 use crate::error::{Error, Result};
 use crate::reply::NewDelivery;
@@ -10,6 +10,7 @@ use crate::store::{
     ChannelTally, DeliveryLane, DeliveryStore, FinalizeStore, LaneRef, NewRow, Staged,
     StatementShape, StoredContent,
 };
+use postgres::types::ToSql;
 
 /// Copies delivery `$1` into the crate's history, delivered at `$2`, with `$content`
 /// as the content.
@@ -53,6 +54,103 @@ pub(crate) const INSERT_SQL: &str = "WITH d AS (
               AS u(d, i, due, t, ch)
          WHERE u.d IN (SELECT id FROM d))
      SELECT array(SELECT id FROM d), txid_current_if_assigned()";
+
+/// The values of [`INSERT_SQL`] for some rows: the deliveries' columns, then their
+/// chunk rows' (one entry each).
+struct InsertColumns {
+    ids: Vec<i64>,
+    uids: Vec<String>,
+    channels: Vec<String>,
+    chats: Vec<String>,
+    senders: Vec<Option<String>>,
+    keys: Vec<Option<String>>,
+    statuses: Vec<&'static str>,
+    counts: Vec<i64>,
+    created: Vec<i64>,
+    texts: Vec<String>,
+    metadata: Vec<Option<String>>,
+    not_before: Vec<Option<i64>>,
+    of: Vec<i64>,
+    index: Vec<i64>,
+    due: Vec<Option<i64>>,
+    chunk_texts: Vec<Option<String>>,
+    channel_ids: Vec<i64>,
+}
+
+impl InsertColumns {
+    fn of(rows: &[NewRow<'_>]) -> Self {
+        let n = rows.len();
+        let mut c = InsertColumns {
+            ids: Vec::with_capacity(n),
+            uids: Vec::with_capacity(n),
+            channels: Vec::with_capacity(n),
+            chats: Vec::with_capacity(n),
+            senders: Vec::with_capacity(n),
+            keys: Vec::with_capacity(n),
+            statuses: Vec::with_capacity(n),
+            counts: Vec::with_capacity(n),
+            created: Vec::with_capacity(n),
+            texts: Vec::with_capacity(n),
+            metadata: Vec::with_capacity(n),
+            not_before: Vec::with_capacity(n),
+            of: Vec::new(),
+            index: Vec::new(),
+            due: Vec::new(),
+            chunk_texts: Vec::new(),
+            channel_ids: Vec::new(),
+        };
+        for row in rows {
+            let d = row.delivery;
+            c.ids.push(row.row);
+            c.uids.push(row.uid.to_owned());
+            c.channels.push(d.channel.clone());
+            c.chats.push(d.chat_id.clone());
+            c.senders.push(d.sender.clone());
+            c.keys.push(d.idempotency_key.clone());
+            c.statuses
+                .push(if row.active { "pending" } else { "queued" });
+            c.counts.push(d.chunks.len() as i64);
+            c.created.push(row.now);
+            c.texts.push(d.text.clone());
+            c.metadata.push(d.metadata.clone());
+            c.not_before.push(d.not_before);
+            if row.chunk_rows {
+                for (i, text) in d.chunks.iter().enumerate() {
+                    c.of.push(row.row);
+                    c.index.push(i as i64);
+                    c.due.push(if i == 0 { row.head_due } else { None });
+                    // A chunk that is the whole text points at the delivery's copy (NULL).
+                    c.chunk_texts.push((*text != d.text).then(|| text.clone()));
+                    c.channel_ids.push(row.channel_id);
+                }
+            }
+        }
+        c
+    }
+
+    /// The statement's values, in the order of its parameters.
+    fn into_values(self) -> Vec<Box<dyn ToSql + Sync + Send>> {
+        vec![
+            owned(self.ids),
+            owned(self.uids),
+            owned(self.channels),
+            owned(self.chats),
+            owned(self.senders),
+            owned(self.keys),
+            owned(self.statuses),
+            owned(self.counts),
+            owned(self.created),
+            owned(self.texts),
+            owned(self.metadata),
+            owned(self.not_before),
+            owned(self.of),
+            owned(self.index),
+            owned(self.due),
+            owned(self.chunk_texts),
+            owned(self.channel_ids),
+        ]
+    }
+}
 
 /// Adds finalized replies to channels' counters, each to the row of this connection's
 /// shard (see `V3__sharded_stats.sql`): `$rows` gives (channel, latest, count, latency
@@ -224,68 +322,20 @@ impl DeliveryStore for PgTx<'_> {
     }
 
     fn insert_deliveries(&self, rows: &[NewRow<'_>]) -> Result<Vec<bool>> {
-        let mut ids = Vec::with_capacity(rows.len());
-        let mut uids = Vec::with_capacity(rows.len());
-        let mut channels = Vec::with_capacity(rows.len());
-        let mut chats = Vec::with_capacity(rows.len());
-        let mut senders = Vec::with_capacity(rows.len());
-        let mut keys = Vec::with_capacity(rows.len());
-        let mut statuses = Vec::with_capacity(rows.len());
-        let mut counts = Vec::with_capacity(rows.len());
-        let mut created = Vec::with_capacity(rows.len());
-        let mut texts = Vec::with_capacity(rows.len());
-        let mut metadata = Vec::with_capacity(rows.len());
-        let mut not_before = Vec::with_capacity(rows.len());
-        // The chunk rows, one entry each.
-        let (mut of, mut index, mut due, mut chunk_texts, mut channel_ids) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for row in rows {
-            let d = row.delivery;
-            ids.push(row.row);
-            uids.push(row.uid);
-            channels.push(d.channel.as_str());
-            chats.push(d.chat_id.as_str());
-            senders.push(d.sender.as_deref());
-            keys.push(d.idempotency_key.as_deref());
-            statuses.push(if row.active { "pending" } else { "queued" });
-            counts.push(d.chunks.len() as i64);
-            created.push(row.now);
-            texts.push(d.text.as_str());
-            metadata.push(d.metadata.as_deref());
-            not_before.push(d.not_before);
-            if row.chunk_rows {
-                for (i, text) in d.chunks.iter().enumerate() {
-                    of.push(row.row);
-                    index.push(i as i64);
-                    due.push(if i == 0 { row.head_due } else { None });
-                    // A chunk that is the whole text points at the delivery's copy (NULL).
-                    chunk_texts.push((*text != d.text).then_some(text.as_str()));
-                    channel_ids.push(row.channel_id);
-                }
-            }
+        let columns = InsertColumns::of(rows);
+        if rows.iter().all(|r| r.delivery.idempotency_key.is_none()) {
+            // Only a caller key can make the insert leave a row out: without one, each
+            // row is stored or the statement fails. Its answer unread, it is sent with
+            // the transaction's next statement (or its COMMIT, which a failure makes a
+            // rollback).
+            self.defer(INSERT_SQL, columns.into_values(), Some(1))?;
+            return Ok(vec![true; rows.len()]);
         }
-        let r = self.query_one(
-            INSERT_SQL,
-            &[
-                &ids,
-                &uids,
-                &channels,
-                &chats,
-                &senders,
-                &keys,
-                &statuses,
-                &counts,
-                &created,
-                &texts,
-                &metadata,
-                &not_before,
-                &of,
-                &index,
-                &due,
-                &chunk_texts,
-                &channel_ids,
-            ],
-        )?;
+        let ids = columns.ids.clone();
+        let values = columns.into_values();
+        let params: Vec<&(dyn ToSql + Sync)> =
+            values.iter().map(|v| &**v as &(dyn ToSql + Sync)).collect();
+        let r = self.query_one(INSERT_SQL, &params)?;
         self.note_xid(&r, 1)?;
         // The key's lock does not cover an application's transaction that staged a
         // reply with the same key (it takes no lock of ours): its row decides.

@@ -2,7 +2,7 @@
 //! the head of a lane read under that lock is the head as committed; each statement
 //! sees what was committed before it began (READ COMMITTED).
 
-use super::PgTx;
+use super::{PgTx, owned};
 use crate::error::Result;
 use crate::store::pg_param;
 use crate::store::{Activation, DeliveryLane, HeadRow, LaneRef, LaneStore, Waiting};
@@ -210,26 +210,40 @@ impl LaneStore for PgTx<'_> {
         let ids: Vec<i64> = heads.iter().map(|h| h.waiting.id).collect();
         let indexes: Vec<i64> = heads.iter().map(|h| h.waiting.head_index).collect();
         let earliest: Vec<i64> = heads.iter().map(|h| h.earliest).collect();
-        let channels: Vec<&str> = heads.iter().map(|h| h.lane.channel).collect();
-        let chats: Vec<&str> = heads.iter().map(|h| h.lane.chat_id).collect();
-        let statuses: Vec<&str> = heads.iter().map(|h| h.status.as_str()).collect();
-        self.execute(
+        let channels: Vec<String> = heads.iter().map(|h| h.lane.channel.to_owned()).collect();
+        let chats: Vec<String> = heads.iter().map(|h| h.lane.chat_id.to_owned()).collect();
+        let statuses: Vec<&'static str> = heads.iter().map(|h| h.status.as_str()).collect();
+        // (Its answer unread: sent with the next statement, or the COMMIT.)
+        self.defer(
             ACTIVATE_MANY_SQL,
-            &[&ids, &indexes, &earliest, &channels, &chats, &statuses],
-        )?;
-        Ok(())
+            vec![
+                owned(ids),
+                owned(indexes),
+                owned(earliest),
+                owned(channels),
+                owned(chats),
+                owned(statuses),
+            ],
+            None,
+        )
     }
 
     fn make_due(&self, delivery: i64, index: i64, lane: LaneRef<'_>, earliest: i64) -> Result<()> {
-        self.execute(
+        self.defer(
             concat!(
                 "UPDATE outbound_delivery_chunks SET due_at = ",
                 lane_due!("$3", "$4", "$5"),
                 " WHERE delivery_id = $1 AND chunk_index = $2"
             ),
-            &[&delivery, &index, &earliest, &lane.channel, &lane.chat_id],
-        )?;
-        Ok(())
+            vec![
+                owned(delivery),
+                owned(index),
+                owned(earliest),
+                owned(lane.channel.to_owned()),
+                owned(lane.chat_id.to_owned()),
+            ],
+            None,
+        )
     }
 
     fn lane_due_time(&self, lane: LaneRef<'_>, earliest: i64) -> Result<i64> {
@@ -242,13 +256,17 @@ impl LaneStore for PgTx<'_> {
     }
 
     fn note_lane_send(&self, lane: LaneRef<'_>, next_at: i64) -> Result<()> {
-        self.execute(
+        self.defer(
             "INSERT INTO outbound_lanes (channel, chat_id, next_send_at) VALUES ($1, $2, $3)
              ON CONFLICT (channel, chat_id) DO UPDATE
              SET next_send_at = greatest(outbound_lanes.next_send_at, excluded.next_send_at)",
-            &[&lane.channel, &lane.chat_id, &next_at],
-        )?;
-        Ok(())
+            vec![
+                owned(lane.channel.to_owned()),
+                owned(lane.chat_id.to_owned()),
+                owned(next_at),
+            ],
+            None,
+        )
     }
 
     fn pause_lane(&self, lane: LaneRef<'_>, until: i64) -> Result<i64> {

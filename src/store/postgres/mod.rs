@@ -58,6 +58,7 @@
 
 pub(crate) mod application;
 pub(crate) mod chunks;
+pub(crate) mod client;
 pub(crate) mod deliveries;
 pub(crate) mod lanes;
 pub(crate) mod listen;
@@ -77,8 +78,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use postgres::types::{ToSql, Type};
-use postgres::{NoTls, Row, Statement};
-use r2d2_postgres::PostgresConnectionManager;
+use postgres::{Row, Statement};
 
 use crate::clock::ServerTime;
 use crate::error::{Error, Result};
@@ -221,7 +221,7 @@ impl PgStore {
         pooled: bool,
         time: Arc<ServerTime>,
     ) -> Result<Self> {
-        let mut config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
+        let mut config: tokio_postgres::Config = url.parse().map_err(|e: postgres::Error| {
             Error::invalid(
                 "database url",
                 format!(
@@ -233,17 +233,13 @@ impl PgStore {
         noticing_cuts(&mut config, timeout);
         let target = describe(&config);
         let manager = Manager {
-            inner: PostgresConnectionManager::new(config.clone(), NoTls),
+            config: config.clone(),
             pooled,
         };
         // The first connection is made here, not by the pool: a wrong address, a refused
         // login or a missing socket fails at once with what the OS or the server said
         // (the pool would retry until its timeout and keep only "error connecting").
-        let mut first =
-            r2d2::ManageConnection::connect(&manager).map_err(|e| Error::Connection {
-                target: target.clone(),
-                message: with_causes(&e),
-            })?;
+        let mut first = r2d2::ManageConnection::connect(&manager)?;
         // A connection idle for a while is checked when taken (a server restarted or
         // a connection ended meanwhile is replaced, not handed out; see
         // `Manager::is_valid`), and dropped when found broken.
@@ -257,7 +253,7 @@ impl PgStore {
         let pool = Pool(Some(pool));
         let mut store = PgStore {
             pool,
-            config,
+            config: config.into(),
             quoted_schema: String::new(),
             target,
             read_only,
@@ -297,19 +293,22 @@ impl PgStore {
         kind: Begin,
         f: impl FnOnce(PgTx<'_>) -> Result<T> + Send,
     ) -> Result<T> {
+        self.transaction_trusting(kind, None, f)
+    }
+
+    /// As [`transaction`](Self::transaction); with `moved`, the transaction may take the
+    /// handle's copy of the rules on trust (`RuleStore::rules_version_or`) and sets
+    /// `moved` if its `BEGIN` then finds them changed (it has failed, and nothing it
+    /// did counts).
+    pub(crate) fn transaction_trusting<T: Send>(
+        &self,
+        kind: Begin,
+        moved: Option<&std::sync::atomic::AtomicBool>,
+        f: impl FnOnce(PgTx<'_>) -> Result<T> + Send,
+    ) -> Result<T> {
         runtime::off_runtime(|| {
             let mut conn = self.connection()?;
-            let before = self.time.local_ms();
-            let tx = PgTx::begin(&mut conn, kind, &self.begins)?;
-            if let Some(server) = tx.server_ms.get() {
-                self.time.observe(server, before, self.time.local_ms());
-            }
-            // A newer build migrated the schema while this process ran: its statements
-            // may rely on what the migration changed, so it writes nothing more.
-            let supported = schema::latest_version();
-            if let Some(found) = tx.schema_version.get().filter(|v| *v > supported) {
-                return Err(Error::SchemaTooNew { found, supported });
-            }
+            let tx = PgTx::begin(&mut conn, kind, &self.begins, &self.time, moved);
             f(tx)
         })
     }
@@ -423,7 +422,7 @@ impl PgStore {
 /// Host, port and database of a connection string, never its password:
 /// `postgres://db.internal:5432/chat`, or for a Unix socket
 /// `postgres:///chat?host=/run/postgresql&port=5432`.
-fn describe(config: &postgres::Config) -> String {
+fn describe(config: &tokio_postgres::Config) -> String {
     let port = config.get_ports().first().copied().unwrap_or(5432);
     let db = config.get_dbname().unwrap_or("");
     match config.get_hosts().first() {
@@ -457,7 +456,7 @@ fn with_causes(err: &dyn std::error::Error) -> String {
 /// every 5 s, 3 of them; data unacknowledged for 15 s ends the connection
 /// (`tcp_user_timeout`); and a connect waits at most the busy timeout (at least 1 s).
 /// The server frees a lost client's locks sooner still (see [`bounds`]).
-fn noticing_cuts(config: &mut postgres::Config, busy_timeout: Duration) {
+fn noticing_cuts(config: &mut tokio_postgres::Config, busy_timeout: Duration) {
     config.keepalives(true);
     if config.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
         config.keepalives_idle(Duration::from_secs(10));
@@ -478,20 +477,20 @@ fn noticing_cuts(config: &mut postgres::Config, busy_timeout: Duration) {
 
 /// Opens connections for the pool.
 pub(crate) struct Manager {
-    inner: PostgresConnectionManager<NoTls>,
+    config: tokio_postgres::Config,
     /// Connections go through a pooler in transaction mode (see [`PgConn::pooled`]).
     pooled: bool,
 }
 
 impl r2d2::ManageConnection for Manager {
     type Connection = PgConn;
-    type Error = postgres::Error;
+    type Error = Error;
 
-    fn connect(&self) -> std::result::Result<PgConn, postgres::Error> {
+    fn connect(&self) -> Result<PgConn> {
         // Nothing is set for the session: behind a transaction pooler another client
         // would get it. What a transaction needs it sets itself (see `bounds`).
         Ok(PgConn {
-            client: self.inner.connect()?,
+            client: client::Client::connect(&self.config)?,
             statements: HashMap::new(),
             types: HashMap::new(),
             taken: std::time::Instant::now(),
@@ -502,7 +501,7 @@ impl r2d2::ManageConnection for Manager {
     /// A connection last taken less than [`TRUSTED_FOR`] ago is handed out as it is (a
     /// round trip per transaction saved while the outbox is busy); one idle longer is
     /// asked whether it still works.
-    fn is_valid(&self, conn: &mut PgConn) -> std::result::Result<(), postgres::Error> {
+    fn is_valid(&self, conn: &mut PgConn) -> Result<()> {
         if conn.taken.elapsed() >= TRUSTED_FOR {
             conn.client.simple_query("")?;
         }
@@ -517,7 +516,7 @@ impl r2d2::ManageConnection for Manager {
 
 /// A connection with the statements prepared on it.
 pub(crate) struct PgConn {
-    pub(crate) client: postgres::Client,
+    pub(crate) client: client::Client,
     statements: HashMap<(usize, usize), Statement>,
     /// Through a pooler in transaction mode, instead: the parameter types of each
     /// statement (the same on every server connection), learned by preparing it once;
@@ -536,8 +535,18 @@ enum Prepared {
 }
 
 /// `params` with the types the statement takes.
-fn typed<'p>(params: Params<'p>, types: &[Type]) -> Vec<(&'p (dyn ToSql + Sync), Type)> {
+fn typed<'p>(
+    params: &[&'p (dyn ToSql + Sync)],
+    types: &[Type],
+) -> Vec<(&'p (dyn ToSql + Sync), Type)> {
     params.iter().copied().zip(types.iter().cloned()).collect()
+}
+
+/// An answer of another kind than the one asked for: [`client`] answers each request
+/// with the kind it names.
+fn unasked(answer: Option<client::Answer>) -> ! {
+    let kind = answer.map(|a| std::mem::discriminant(&a));
+    unreachable!("the client answered a statement with another kind of answer ({kind:?})")
 }
 
 /// How long after its last use a connection is handed out without a check: a server
@@ -562,8 +571,23 @@ pub(crate) enum Begin {
 }
 
 /// One transaction on a connection: every primitive of the seam.
+///
+/// Its `BEGIN` and the statements whose answers the rules do not read (locks, and
+/// writes such as an activation or a keyless insert) are kept back and sent with the
+/// next statement that must be answered, or with the `COMMIT`, in one round trip (see
+/// [`client`]).
 pub(crate) struct PgTx<'c> {
     conn: RefCell<&'c mut PgConn>,
+    /// Kept back, in order: the `BEGIN` (until the first round trip), then statements
+    /// whose answers the rules do not read.
+    deferred: RefCell<Vec<Deferred<'c>>>,
+    /// The handle's time, which each `BEGIN`'s reading of the server's clock corrects.
+    time: &'c ServerTime,
+    /// Set when the rules taken on trust turn out to have changed (see
+    /// [`PgStore::transaction_trusting`]); `None`: nothing is taken on trust.
+    moved: Option<&'c std::sync::atomic::AtomicBool>,
+    /// The rules' version taken on trust, which the `BEGIN`'s answer must confirm.
+    assumed_rules: Cell<Option<i64>>,
     /// Whether the transaction is still to be ended (rolled back when dropped).
     open: Cell<bool>,
     /// The rules' lock its `BEGIN` took (exclusively?), if any.
@@ -572,43 +596,211 @@ pub(crate) struct PgTx<'c> {
     rules_version: Cell<Option<i64>>,
     /// Its transaction id, once a write returned it (see [`PgTx::note_xid`]).
     xid: Cell<Option<i64>>,
-    /// The server's clock as its `BEGIN` read it (writes only).
-    server_ms: Cell<Option<i64>>,
-    /// The schema's version as its `BEGIN` read it (writes only).
-    schema_version: Cell<Option<i64>>,
     dead_letters: RefCell<Vec<(i64, String)>>,
 }
 
+/// A value of a statement kept back (see [`PgTx::defer`]).
+pub(crate) fn owned<T: ToSql + Sync + Send + 'static>(value: T) -> Box<dyn ToSql + Sync + Send> {
+    Box::new(value)
+}
+
+/// The values of each statement kept back, as the client takes them.
+fn values_of<'d>(deferred: &'d [Deferred<'_>]) -> Vec<Vec<&'d (dyn ToSql + Sync)>> {
+    deferred
+        .iter()
+        .map(|d| match d {
+            Deferred::Begin(_) => Vec::new(),
+            Deferred::Statement { values, .. } => {
+                values.iter().map(|v| &**v as &(dyn ToSql + Sync)).collect()
+            }
+        })
+        .collect()
+}
+
+/// The requests that send what was kept back (`values`: [`values_of`] it).
+fn requests_of<'d>(
+    deferred: &'d [Deferred<'_>],
+    values: &'d [Vec<&'d (dyn ToSql + Sync)>],
+) -> Vec<client::Request<'d>> {
+    deferred
+        .iter()
+        .zip(values)
+        .map(|(d, values)| client::Request {
+            sql: match d {
+                Deferred::Begin(sql) => client::Sql::Simple(sql),
+                Deferred::Statement {
+                    prepared: Prepared::Named(stmt),
+                    ..
+                } => client::Sql::Prepared(stmt, values.clone()),
+                Deferred::Statement {
+                    sql,
+                    prepared: Prepared::Unnamed(types),
+                    ..
+                } => client::Sql::Unnamed(sql, typed(values, types)),
+            },
+            want: client::Want::Rows,
+        })
+        .collect()
+}
+
+/// What a transaction keeps back until its next round trip.
+enum Deferred<'c> {
+    /// Its `BEGIN` (see [`Begins`]).
+    Begin(&'c str),
+    /// A statement whose answer the rules do not read; with `xid`, the column of its
+    /// row that holds the transaction's id.
+    Statement {
+        sql: &'static str,
+        prepared: Prepared,
+        values: Vec<Box<dyn ToSql + Sync + Send>>,
+        xid: Option<usize>,
+    },
+}
+
 impl<'c> PgTx<'c> {
-    /// Begins a write transaction (READ COMMITTED, with the rules' locks; READ ONLY
-    /// for a read-only handle, so the server refuses its writes), or a read transaction
-    /// that sees one snapshot throughout (REPEATABLE READ, READ ONLY), in one round trip
-    /// (see [`Begins`]).
-    pub(crate) fn begin(conn: &'c mut PgConn, kind: Begin, begins: &Begins) -> Result<Self> {
+    /// A write transaction (READ COMMITTED, with the rules' locks; READ ONLY for a
+    /// read-only handle, so the server refuses its writes), or a read transaction that
+    /// sees one snapshot throughout (REPEATABLE READ, READ ONLY), begun by one simple
+    /// query (see [`Begins`]) sent with its first statement.
+    pub(crate) fn begin(
+        conn: &'c mut PgConn,
+        kind: Begin,
+        begins: &'c Begins,
+        time: &'c ServerTime,
+        moved: Option<&'c std::sync::atomic::AtomicBool>,
+    ) -> Self {
         let rules_locked = match kind {
             Begin::Write { change_rules } | Begin::WriteRefused { change_rules } => {
                 Some(change_rules)
             }
             Begin::Read => None,
         };
-        let tx = PgTx {
+        PgTx {
+            deferred: RefCell::new(vec![Deferred::Begin(begins.sql(kind))]),
+            time,
+            moved,
+            assumed_rules: Cell::new(None),
             open: Cell::new(true),
             rules_locked: Cell::new(rules_locked),
             rules_version: Cell::new(None),
             xid: Cell::new(None),
-            server_ms: Cell::new(None),
-            schema_version: Cell::new(None),
             dead_letters: RefCell::new(Vec::new()),
             conn: RefCell::new(conn),
+        }
+    }
+
+    /// Whether the `BEGIN` is still kept back (nothing was sent yet).
+    fn unsent(&self) -> bool {
+        matches!(self.deferred.borrow().first(), Some(Deferred::Begin(_)))
+    }
+
+    /// Keeps `sql` back until the next round trip: a statement whose answer the rules
+    /// do not read (with `xid`, the column of its row that holds the transaction's id).
+    fn defer(
+        &self,
+        sql: &'static str,
+        values: Vec<Box<dyn ToSql + Sync + Send>>,
+        xid: Option<usize>,
+    ) -> Result<()> {
+        let prepared = self.statement(sql)?;
+        self.deferred.borrow_mut().push(Deferred::Statement {
+            sql,
+            prepared,
+            values,
+            xid,
+        });
+        Ok(())
+    }
+
+    /// Sends what was kept back, if anything, and reads its answers.
+    fn flush(&self) -> Result<()> {
+        if self.deferred.borrow().is_empty() {
+            return Ok(());
+        }
+        self.send(None).map(drop)
+    }
+
+    /// Sends `last` after what was kept back, in one round trip, and answers `last`'s
+    /// answer; the first error is the answer (after a failed statement, every later one
+    /// of the transaction fails too).
+    fn send(&self, last: Option<client::Request<'_>>) -> Result<Option<client::Answer>> {
+        let deferred = self.deferred.take();
+        let values = values_of(&deferred);
+        let mut requests = requests_of(&deferred, &values);
+        requests.extend(last);
+        let before = self.time.local_ms();
+        let mut answers = self.conn.borrow_mut().client.pipeline(&requests)?;
+        let after = self.time.local_ms();
+        let last = (answers.len() > deferred.len())
+            .then(|| answers.pop())
+            .flatten();
+        for (d, answer) in deferred.iter().zip(answers) {
+            self.settle(d, answer?, before, after)?;
+        }
+        Ok(last.transpose()?)
+    }
+
+    /// Runs one statement (after what was kept back) for the answer `want` asks for.
+    fn run(
+        &self,
+        sql: &'static str,
+        params: Params<'_>,
+        want: client::Want,
+    ) -> Result<client::Answer> {
+        let prepared = self.statement(sql)?;
+        let sql = match &prepared {
+            Prepared::Named(stmt) => client::Sql::Prepared(stmt, params.to_vec()),
+            Prepared::Unnamed(types) => client::Sql::Unnamed(sql, typed(params, types)),
         };
-        let answer = tx.conn.borrow_mut().client.simple_query(begins.sql(kind))?;
-        let column = |i: usize| simple_column(&answer, i).and_then(|v| v.parse().ok());
-        // Without it (a read, or no row 1), `rules_version` asks again and reports
-        // what it finds.
-        tx.rules_version.set(column(0));
-        tx.server_ms.set(column(1));
-        tx.schema_version.set(column(2));
-        Ok(tx)
+        match self.send(Some(client::Request { sql, want }))? {
+            Some(answer) => Ok(answer),
+            None => unasked(None),
+        }
+    }
+
+    /// Takes in the answer to a statement that was kept back.
+    fn settle(
+        &self,
+        sent: &Deferred<'_>,
+        answer: client::Answer,
+        before: i64,
+        after: i64,
+    ) -> Result<()> {
+        match (sent, answer) {
+            (Deferred::Begin(_), client::Answer::Simple(answer)) => {
+                let column = |i: usize| simple_column(&answer, i).and_then(|v| v.parse().ok());
+                // A newer build migrated the schema while this process ran: its
+                // statements may rely on what the migration changed, so it writes
+                // nothing more.
+                let supported = schema::latest_version();
+                if let Some(found) = column(2).filter(|v| *v > supported) {
+                    return Err(Error::SchemaTooNew { found, supported });
+                }
+                if let Some(server) = column(1) {
+                    self.time.observe(server, before, after);
+                }
+                // Without it (a read, or no row 1), `rules_version` asks again and
+                // reports what it finds.
+                let version = column(0);
+                match self.assumed_rules.get() {
+                    Some(assumed) if version != Some(assumed) => {
+                        if let Some(moved) = self.moved {
+                            moved.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        return Err(Error::Busy);
+                    }
+                    Some(_) => {}
+                    None => self.rules_version.set(version),
+                }
+            }
+            (Deferred::Statement { xid: Some(i), .. }, client::Answer::Rows(rows)) => {
+                if let Some(row) = rows.first() {
+                    self.note_xid(row, *i)?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     /// Keeps the transaction id a write returned in column `i` (its
@@ -621,9 +813,22 @@ impl<'c> PgTx<'c> {
         Ok(())
     }
 
-    /// The rules' version read by `BEGIN`, once.
-    pub(crate) fn version_read_at_begin(&self) -> Option<i64> {
-        self.rules_version.take()
+    /// The rules' version read by `BEGIN`, once (the `BEGIN` is sent now if it was
+    /// kept back).
+    pub(crate) fn version_read_at_begin(&self) -> Result<Option<i64>> {
+        self.flush()?;
+        Ok(self.rules_version.take())
+    }
+
+    /// `cached` taken on trust as the rules' version when the `BEGIN` is still kept
+    /// back and the transaction may be run again: its answer confirms it, or sets
+    /// `moved` and fails the transaction (see [`PgStore::transaction_trusting`]).
+    pub(crate) fn assume_rules_version(&self, cached: i64) -> bool {
+        if self.moved.is_none() || !self.unsent() {
+            return false;
+        }
+        self.assumed_rules.set(Some(cached));
+        true
     }
 
     /// Commits the transaction; with `announce`, its commit also wakes the idle
@@ -631,36 +836,80 @@ impl<'c> PgTx<'c> {
     /// same round trip. The transaction's id is read first, so that a commit whose
     /// answer is lost can be looked up ([`PgStore::commit`]).
     fn commit_or_lose(self, announce: bool) -> std::result::Result<(), LostCommit> {
-        // Known from a write that returned it, else read now (None as well in a
-        // transaction a failed statement aborted, whose COMMIT is a rollback, and on a
-        // broken connection, whose COMMIT fails at once).
-        let xid = self.xid.get().or_else(|| {
-            self.query_one(TXID_SQL, &[])
-                .ok()
-                .and_then(|row| row.get::<_, Option<i64>>(0))
-        });
+        if matches!(self.deferred.borrow().as_slice(), [Deferred::Begin(_)]) && !announce {
+            // Nothing was sent, nor kept back but the `BEGIN`: there is nothing to
+            // commit.
+            self.open.set(false);
+            return Ok(());
+        }
+        // Known from a write that returned it, else read now, with whatever was kept
+        // back: a statement of those that failed has made the COMMIT a rollback.
+        let xid = match self.xid.get() {
+            Some(xid) => Some(xid),
+            None => match self.query_one(TXID_SQL, &[]) {
+                Ok(row) => row.get::<_, Option<i64>>(0),
+                Err(e) => return Err(LostCommit::Failed(e)),
+            },
+        };
         self.open.set(false);
-        let mut conn = self.conn.borrow_mut();
         let sql = if announce {
             listen::COMMIT_ANNOUNCED
         } else {
             "COMMIT"
         };
-        match conn.client.batch_execute(sql) {
-            Ok(()) => Ok(()),
-            // The server refused the commit (a serialization failure, say): it did
-            // not happen. (A backend ended while it commits answers with an error too,
-            // `57P01`, when the commit may well have happened: that is a lost one.)
-            Err(e) if !connection_lost(&e) => {
+        // What was kept back (writes whose answers the rules do not read) rides with
+        // the COMMIT: if one of them fails, the COMMIT is a rollback.
+        let deferred = self.deferred.take();
+        let values = values_of(&deferred);
+        let mut requests = requests_of(&deferred, &values);
+        requests.push(client::Request {
+            sql: client::Sql::Simple(sql),
+            want: client::Want::Rows,
+        });
+        let lost = |e: &postgres::Error| LostCommit::Lost {
+            xid,
+            message: e.to_string(),
+        };
+        let before = self.time.local_ms();
+        let mut answers = match self.conn.borrow_mut().client.pipeline(&requests) {
+            Ok(answers) => answers,
+            Err(e) if connection_lost(&e) => return Err(lost(&e)),
+            Err(e) => return Err(LostCommit::Failed(e.into())),
+        };
+        let after = self.time.local_ms();
+        let commit = answers.pop();
+        let mut failed = None;
+        for (d, answer) in deferred.iter().zip(answers) {
+            match answer {
+                Err(e) if connection_lost(&e) => return Err(lost(&e)),
+                Err(e) => failed = failed.or(Some(Error::from(e))),
+                Ok(answer) => {
+                    if let Err(e) = self.settle(d, answer, before, after) {
+                        failed = failed.or(Some(e));
+                    }
+                }
+            }
+        }
+        let mut conn = self.conn.borrow_mut();
+        match commit {
+            Some(Ok(_)) if failed.is_none() => Ok(()),
+            // The server refused the commit (a serialization failure, say), or a
+            // statement sent with it failed: it did not happen. (A backend ended
+            // while it commits answers with an error too, `57P01`, when the commit
+            // may well have happened: that is a lost one.)
+            Some(Err(e)) if connection_lost(&e) => Err(lost(&e)),
+            commit => {
                 // If the notification failed, COMMIT never ran: end the transaction
                 // (after a refused COMMIT there is none left, and this does nothing).
                 let _ = conn.client.batch_execute("ROLLBACK");
-                Err(LostCommit::Failed(e.into()))
+                let refused = match commit {
+                    Some(Err(e)) => Some(Error::from(e)),
+                    _ => None,
+                };
+                Err(LostCommit::Failed(
+                    failed.or(refused).unwrap_or_else(|| unasked(None)),
+                ))
             }
-            Err(e) => Err(LostCommit::Lost {
-                xid,
-                message: e.to_string(),
-            }),
         }
     }
 
@@ -688,50 +937,50 @@ impl<'c> PgTx<'c> {
     }
 
     pub(crate) fn query(&self, sql: &'static str, params: Params<'_>) -> Result<Vec<Row>> {
-        let prepared = self.statement(sql)?;
-        let client = &mut self.conn.borrow_mut().client;
-        Ok(match prepared {
-            Prepared::Named(stmt) => client.query(&stmt, params)?,
-            Prepared::Unnamed(types) => client.query_typed(sql, &typed(params, &types))?,
-        })
+        match self.run(sql, params, client::Want::Rows)? {
+            client::Answer::Rows(rows) => Ok(rows),
+            other => unasked(Some(other)),
+        }
     }
 
     pub(crate) fn query_opt(&self, sql: &'static str, params: Params<'_>) -> Result<Option<Row>> {
-        let prepared = self.statement(sql)?;
-        let client = &mut self.conn.borrow_mut().client;
-        Ok(match prepared {
-            Prepared::Named(stmt) => client.query_opt(&stmt, params)?,
-            Prepared::Unnamed(types) => client.query_typed_opt(sql, &typed(params, &types))?,
-        })
+        match self.run(sql, params, client::Want::Opt)? {
+            client::Answer::Opt(row) => Ok(row),
+            other => unasked(Some(other)),
+        }
     }
 
     pub(crate) fn query_one(&self, sql: &'static str, params: Params<'_>) -> Result<Row> {
-        let prepared = self.statement(sql)?;
-        let client = &mut self.conn.borrow_mut().client;
-        Ok(match prepared {
-            Prepared::Named(stmt) => client.query_one(&stmt, params)?,
-            Prepared::Unnamed(types) => client.query_typed_one(sql, &typed(params, &types))?,
-        })
+        match self.run(sql, params, client::Want::One)? {
+            client::Answer::One(row) => Ok(row),
+            other => unasked(Some(other)),
+        }
     }
 
     pub(crate) fn execute(&self, sql: &'static str, params: Params<'_>) -> Result<u64> {
-        let prepared = self.statement(sql)?;
-        let client = &mut self.conn.borrow_mut().client;
-        Ok(match prepared {
-            Prepared::Named(stmt) => client.execute(&stmt, params)?,
-            Prepared::Unnamed(types) => client.execute_typed(sql, &typed(params, &types))?,
-        })
+        match self.run(sql, params, client::Want::Count)? {
+            client::Answer::Count(n) => Ok(n),
+            other => unasked(Some(other)),
+        }
     }
 
     /// A statement made at run time (a listing's filters, the application's text):
     /// prepared for this use only.
     pub(crate) fn query_dynamic(&self, sql: &str, params: Params<'_>) -> Result<Vec<Row>> {
-        Ok(self.conn.borrow_mut().client.query(sql, params)?)
+        let request = client::Request {
+            sql: client::Sql::Text(sql, params.to_vec()),
+            want: client::Want::Rows,
+        };
+        match self.send(Some(request))? {
+            Some(client::Answer::Rows(rows)) => Ok(rows),
+            other => unasked(other),
+        }
     }
 
-    /// Runs `f` on the client itself.
-    pub(crate) fn with_client<T>(&self, f: impl FnOnce(&mut postgres::Client) -> T) -> T {
-        f(&mut self.conn.borrow_mut().client)
+    /// Runs `f` on the client itself, once what was kept back is sent.
+    pub(crate) fn with_client<T>(&self, f: impl FnOnce(&mut client::Client) -> T) -> Result<T> {
+        self.flush()?;
+        Ok(f(&mut self.conn.borrow_mut().client))
     }
 
     /// Runs `f` with plans that read whole tables priced out (sequential scans, and
@@ -764,14 +1013,18 @@ impl<'c> PgTx<'c> {
     }
 
     pub(crate) fn batch(&self, sql: &str) -> Result<()> {
-        self.conn.borrow_mut().client.batch_execute(sql)?;
-        Ok(())
+        let request = client::Request {
+            sql: client::Sql::Simple(sql),
+            want: client::Want::Rows,
+        };
+        self.send(Some(request)).map(drop)
     }
 }
 
 impl Drop for PgTx<'_> {
     fn drop(&mut self) {
-        if self.open.get() {
+        // (Nothing was sent if the `BEGIN` was kept back: there is nothing to end.)
+        if self.open.get() && !self.unsent() {
             let mut conn = self.conn.borrow_mut();
             // A failed rollback leaves a broken connection, which the pool drops.
             let _ = conn.client.batch_execute("ROLLBACK");
@@ -874,29 +1127,31 @@ impl Locks for PgTx<'_> {
             // Taken by `BEGIN`.
             return Ok(());
         }
-        self.query_one(
-            if exclusive {
-                LOCK_RULES
-            } else {
-                LOCK_RULES_SHARED
-            },
-            &[],
-        )?;
-        Ok(())
+        // (Sent with the next statement: nothing is read under it before then.)
+        let sql = if exclusive {
+            LOCK_RULES
+        } else {
+            LOCK_RULES_SHARED
+        };
+        self.defer(sql, Vec::new(), None)
     }
 
     fn lock_lanes(&self, lanes: &mut [LaneRef<'_>]) -> Result<()> {
         if crate::sabotage::planted("no_lane_locks") {
             return Ok(());
         }
-        let r = if let [lane] = lanes {
-            self.query_one(LOCK_LANE, &[&lane.channel, &lane.chat_id])?
-        } else {
-            let channels: Vec<&str> = lanes.iter().map(|l| l.channel).collect();
-            let chats: Vec<&str> = lanes.iter().map(|l| l.chat_id).collect();
-            self.query_one(LOCK_LANES, &[&channels, &chats])?
-        };
-        self.note_xid(&r, 0)
+        // Sent with the next statement, which the server runs once the locks are
+        // granted; its row is the transaction's id.
+        if let [lane] = lanes {
+            let values = vec![
+                owned(lane.channel.to_owned()),
+                owned(lane.chat_id.to_owned()),
+            ];
+            return self.defer(LOCK_LANE, values, Some(0));
+        }
+        let channels: Vec<String> = lanes.iter().map(|l| l.channel.to_owned()).collect();
+        let chats: Vec<String> = lanes.iter().map(|l| l.chat_id.to_owned()).collect();
+        self.defer(LOCK_LANES, vec![owned(channels), owned(chats)], Some(0))
     }
 
     fn try_lock_lane(&self, lane: LaneRef<'_>) -> Result<bool> {
@@ -940,8 +1195,9 @@ impl Locks for PgTx<'_> {
     }
 
     fn lock_key(&self, channel: &str, key: &str) -> Result<()> {
-        self.query_one(LOCK_KEY, &[&channel, &key])?;
-        Ok(())
+        // (Sent with the next statement: the key's reply is read after it.)
+        let values = vec![owned(channel.to_owned()), owned(key.to_owned())];
+        self.defer(LOCK_KEY, values, None)
     }
 
     fn lock_channel_slot(&self, row: ChannelRow) -> Result<Option<ChannelRow>> {

@@ -11,12 +11,21 @@ const BUMP: &str = "UPDATE outbound_policy SET version = version + 1 WHERE id = 
 
 impl RuleStore for PgTx<'_> {
     fn rules_version(&self) -> Result<i64> {
-        if let Some(version) = self.version_read_at_begin() {
+        if let Some(version) = self.version_read_at_begin()? {
             return Ok(version);
         }
         Ok(self
             .query_one("SELECT version FROM outbound_policy WHERE id = 1", &[])?
             .try_get(0)?)
+    }
+
+    /// Taken on trust while the `BEGIN` that reads it under the rules' lock is still
+    /// kept back: it is confirmed in the transaction's first round trip.
+    fn rules_version_or(&self, cached: i64) -> Result<i64> {
+        if self.assume_rules_version(cached) {
+            return Ok(cached);
+        }
+        self.rules_version()
     }
 
     fn load_rules(&self) -> Result<Stored> {

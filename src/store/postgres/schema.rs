@@ -79,11 +79,11 @@ fn current_schema(conn: &mut PgConn) -> Result<String> {
 /// refused if a newer build wrote them ([`Error::SchemaTooNew`]) or, with `upgrade`
 /// off, if they need an upgrade. Runs under a lock of the schema, so a second process
 /// waits and then finds the work done.
-pub(crate) fn migrate(conn: &mut PgConn, upgrade: bool) -> Result<()> {
+pub(crate) fn migrate(conn: &mut PgConn, config: &postgres::Config, upgrade: bool) -> Result<()> {
     let schema = current_schema(conn)?;
     let lock = "SELECT pg_advisory_lock(hashtextextended(current_schema() || '/migrate', 0))";
     conn.client.query_one(lock, &[])?;
-    let result = migrate_locked(conn, upgrade, &schema);
+    let result = migrate_locked(conn, config, upgrade, &schema);
     let unlock = "SELECT pg_advisory_unlock(hashtextextended(current_schema() || '/migrate', 0))";
     let unlocked = conn.client.query_one(unlock, &[]);
     result?;
@@ -91,7 +91,12 @@ pub(crate) fn migrate(conn: &mut PgConn, upgrade: bool) -> Result<()> {
     Ok(())
 }
 
-fn migrate_locked(conn: &mut PgConn, upgrade: bool, schema: &str) -> Result<()> {
+fn migrate_locked(
+    conn: &mut PgConn,
+    config: &postgres::Config,
+    upgrade: bool,
+    schema: &str,
+) -> Result<()> {
     let found = applied_version(conn)?;
     let latest = latest_version();
     if found > latest {
@@ -116,13 +121,16 @@ fn migrate_locked(conn: &mut PgConn, upgrade: bool, schema: &str) -> Result<()> 
             }
         });
     }
+    // refinery runs on the blocking client: a connection of its own, for this once
+    // (the lock above is held by the store's).
+    let mut client = config.connect(postgres::NoTls)?;
     let mut runner = embedded::migrations::runner();
     runner.set_migration_table_name(HISTORY);
     runner
         .set_grouped(true)
         .set_abort_divergent(true)
         .set_abort_missing(true)
-        .run(&mut conn.client)
+        .run(&mut client)
         .map_err(|e| Error::Migration {
             version: latest,
             statement: String::new(),

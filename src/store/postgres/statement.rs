@@ -166,7 +166,7 @@ pub(crate) fn describe(
         Err(reason) => return Ok(Err(reason)),
     };
     tx.batch("SAVEPOINT chunked_outbox_describe")?;
-    let prepared = tx.with_client(|c| c.prepare(&numbered.text));
+    let prepared = tx.with_client(|c| c.prepare(&numbered.text))?;
     let shape = match prepared {
         Ok(stmt) => Ok(StatementShape {
             read_only: matches!(
@@ -213,7 +213,7 @@ pub(crate) fn run(tx: &PgTx<'_>, sql: &str, values: &[Value]) -> Result<()> {
         })?;
         bound.push(&values[at]);
     }
-    tx.with_client(|c| c.execute(numbered.text.as_str(), &bound))?;
+    tx.with_client(|c| c.execute(numbered.text.as_str(), &bound))??;
     Ok(())
 }
 
