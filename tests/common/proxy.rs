@@ -157,9 +157,13 @@ impl Stream {
     }
 
     fn shutdown(&self) {
+        self.shutdown_as(Shutdown::Both);
+    }
+
+    fn shutdown_as(&self, how: Shutdown) {
         let _ = match self {
-            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
-            Stream::Unix(s) => s.shutdown(Shutdown::Both),
+            Stream::Tcp(s) => s.shutdown(how),
+            Stream::Unix(s) => s.shutdown(how),
         };
     }
 }
@@ -249,12 +253,17 @@ fn serve(mut client: Stream, mut server: Stream, state: &State) {
             return close(&client, &server);
         }
         if armed == Some(Cut::AfterCommit) {
-            // The client's side first, so no answer can reach it, then the commit.
+            // The client's side first, so no answer can reach it, then the commit. The
+            // server's side is closed for its reading only: it runs what it was sent
+            // (statements sent with the commit too) and its answers, which it can
+            // still write, go nowhere — a network that lost them.
             client.shutdown();
             let _ = server.write_all(&kind);
             let _ = server.write_all(&message);
             let _ = server.flush();
-            return cut(&client, &server);
+            state.cut.fetch_add(1, Ordering::SeqCst);
+            server.shutdown_as(Shutdown::Write);
+            return;
         }
         if server.write_all(&kind).is_err() || server.write_all(&message).is_err() {
             return close(&client, &server);

@@ -503,11 +503,14 @@ impl ClaimStore for PgTx<'_> {
         let (deliveries, indexes): (Vec<i64>, Vec<i64>) =
             chunks.iter().map(|(id, _)| chunk_key(*id)).unzip();
         let tokens: Vec<i64> = chunks.iter().map(|(_, token)| *token).collect();
-        let r = self.query_one(
-            MARK_SENDING_MANY_SQL,
-            &[&deliveries, &indexes, &tokens, &lease_until],
-        )?;
-        self.note_xid(&r, 1)
+        // Its answer (a count) unread: sent with the next statement, or the COMMIT.
+        let values = vec![
+            owned(deliveries),
+            owned(indexes),
+            owned(tokens),
+            owned(lease_until),
+        ];
+        self.defer(MARK_SENDING_MANY_SQL, values, Some(1))
     }
 
     fn set_due(&self, chunk: i64, due: i64) -> Result<()> {

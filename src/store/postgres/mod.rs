@@ -1095,11 +1095,15 @@ const LOCK_LANE: &str = lock_lanes_sql!("VALUES ($1, $2)");
 pub(crate) const LOCK_LANES: &str =
     lock_lanes_sql!("SELECT DISTINCT * FROM unnest($1::text[], $2::text[]) ORDER BY 1, 2");
 
-/// Locks a lane's row unless another transaction holds it.
-const TRY_LOCK_LANE: &str = "SELECT 1 FROM outbound_lanes WHERE channel = $1 AND chat_id = $2
-     FOR NO KEY UPDATE SKIP LOCKED";
-/// The lanes of `$1`, `$2` no other transaction holds, locked.
-pub(crate) const TRY_LOCK_LANES: &str = "SELECT l.channel, l.chat_id
+/// Locks a lane's row unless another transaction holds it; answers the transaction's
+/// id (read once the row is locked, which assigns one), so that the writes after it can
+/// ride with the `COMMIT`.
+const TRY_LOCK_LANE: &str = "SELECT txid_current_if_assigned() FROM (
+         SELECT 1 FROM outbound_lanes WHERE channel = $1 AND chat_id = $2
+         FOR NO KEY UPDATE SKIP LOCKED) l";
+/// The lanes of `$1`, `$2` no other transaction holds, locked, with the transaction's
+/// id (as [`TRY_LOCK_LANE`]).
+pub(crate) const TRY_LOCK_LANES: &str = "SELECT l.channel, l.chat_id, txid_current_if_assigned()
      FROM unnest($1::text[], $2::text[]) AS u(ch, chat)
      CROSS JOIN LATERAL (
          SELECT channel, chat_id FROM outbound_lanes WHERE channel = u.ch AND chat_id = u.chat
@@ -1159,7 +1163,14 @@ impl Locks for PgTx<'_> {
             return Ok(true);
         }
         let params: Params<'_> = &[&lane.channel, &lane.chat_id];
-        if self.query_opt(TRY_LOCK_LANE, params)?.is_some() {
+        let locked = |tx: &Self| -> Result<bool> {
+            let Some(row) = tx.query_opt(TRY_LOCK_LANE, params)? else {
+                return Ok(false);
+            };
+            tx.note_xid(&row, 0)?;
+            Ok(true)
+        };
+        if locked(self)? {
             return Ok(true);
         }
         if self.query_opt(LANE_EXISTS, params)?.is_some() {
@@ -1168,7 +1179,7 @@ impl Locks for PgTx<'_> {
         // Every enqueue stores its lane's row, and a purge removes only lanes with
         // nothing unfinished; a lane without its row is rare, and made here.
         self.execute(CREATE_LANE, params)?;
-        Ok(self.query_opt(TRY_LOCK_LANE, params)?.is_some())
+        locked(self)
     }
 
     fn try_lock_lanes(&self, lanes: &[LaneRef<'_>]) -> Result<Vec<bool>> {
@@ -1177,8 +1188,11 @@ impl Locks for PgTx<'_> {
         }
         let channels: Vec<&str> = lanes.iter().map(|l| l.channel).collect();
         let chats: Vec<&str> = lanes.iter().map(|l| l.chat_id).collect();
-        let taken: std::collections::HashSet<(String, String)> = self
-            .query(TRY_LOCK_LANES, &[&channels, &chats])?
+        let rows = self.query(TRY_LOCK_LANES, &[&channels, &chats])?;
+        if let Some(row) = rows.first() {
+            self.note_xid(row, 2)?;
+        }
+        let taken: std::collections::HashSet<(String, String)> = rows
             .iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
             .collect::<Result<_>>()?;
