@@ -213,7 +213,8 @@ impl Client {
     }
 
     pub(crate) fn is_closed(&self) -> bool {
-        self.ended || self.client.as_ref().is_none_or(|c| c.is_closed())
+        // (A connection that ended has closed the client's channel.)
+        self.client.as_ref().is_none_or(|c| c.is_closed())
     }
 }
 
@@ -229,5 +230,33 @@ impl Drop for Client {
         let _ = self
             .runtime
             .block_on(std::future::poll_fn(|cx| connection.as_mut().poll(cx)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::test_server::server_url;
+
+    /// A connection the server ended says so (the pool drops it, instead of handing it
+    /// out again), once a statement has met the end.
+    #[test]
+    fn a_connection_the_server_ended_is_closed() {
+        let Some(url) = server_url() else {
+            return;
+        };
+        let config: tokio_postgres::Config = url.parse().unwrap();
+        let mut client = Client::connect(&config).unwrap();
+        let pid: i32 = client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .unwrap()
+            .get(0);
+        assert!(!client.is_closed(), "a live connection");
+        let mut admin = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        admin
+            .execute("SELECT pg_terminate_backend($1)", &[&pid])
+            .unwrap();
+        assert!(client.batch_execute("SELECT 1").is_err());
+        assert!(client.is_closed(), "a connection the server ended");
     }
 }
