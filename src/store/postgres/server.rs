@@ -120,18 +120,18 @@ impl Store for PgStore {
         // statement. If another handle changed the rules since this one read them, the
         // first round trip says so, nothing of the transaction counts, and the work
         // runs again on the rules read first.
+        let mut run = |moved: Option<&AtomicBool>| {
+            self.transaction_trusting(kind, moved, |tx: PgTx<'_>| {
+                work(&tx)?;
+                self.commit(tx, announce, self.patience)
+            })
+        };
         let moved = AtomicBool::new(false);
-        let trusting = self.transaction_trusting(kind, Some(&moved), |tx: PgTx<'_>| {
-            work(&tx)?;
-            self.commit(tx, announce, self.patience)
-        });
+        let trusting = run(Some(&moved));
         if !moved.load(Ordering::Relaxed) {
             return trusting;
         }
-        self.transaction(kind, |tx: PgTx<'_>| {
-            work(&tx)?;
-            self.commit(tx, announce, self.patience)
-        })
+        run(None)
     }
 
     fn read(&self, work: &mut (dyn FnMut(&dyn StoreTx) -> Result<()> + Send)) -> Result<()> {
