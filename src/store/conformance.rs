@@ -328,6 +328,27 @@ pub(super) fn channel_numbers_are_stable(fresh: Fresh) {
     assert_eq!(write(&ob, |tx| tx.load_rules()).channel_ids["a"], a);
 }
 
+/// A write that takes a version of the rules on trust acts on the version stored: a
+/// store that confirms it later finds another one and runs the write again, with the
+/// version read.
+pub(super) fn a_version_taken_on_trust_is_the_stored_one(fresh: Fresh) {
+    let ob = fresh_at_t0(fresh);
+    let stored = write(&ob, |tx| tx.rules_version());
+    assert_eq!(write(&ob, |tx| tx.rules_version_or(stored)), stored);
+    assert_eq!(write(&ob, |tx| tx.rules_version_or(stored - 1)), stored);
+    assert_eq!(write(&ob, |tx| tx.rules_version_or(stored + 7)), stored);
+    // The rules changed behind the handle's copy (a primitive's write, as another
+    // handle's would be): a write that reads nothing still acts on the stored ones.
+    let which = FileRules {
+        lane_order: true,
+        ..FileRules::default()
+    };
+    write(&ob, |tx| tx.store_file_rules(&Rules::default(), which));
+    let now = ob.write(|_, rules| Ok(rules.version)).unwrap();
+    assert_eq!(now, write(&ob, |tx| tx.rules_version()));
+    assert!(now > stored);
+}
+
 /// Stored rules read back as stored, each change raising the version; a rule not
 /// named keeps what is stored.
 pub(super) fn rules_read_back_as_stored(fresh: Fresh) {
@@ -1478,6 +1499,7 @@ macro_rules! conformance {
                 a_queued_replys_chunk_is_supplied,
                 keys_are_found_per_channel,
                 channel_numbers_are_stable,
+                a_version_taken_on_trust_is_the_stored_one,
                 rules_read_back_as_stored,
                 budgets_count_and_reset,
                 nested_transactions_undo_or_keep,

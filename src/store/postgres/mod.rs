@@ -782,16 +782,13 @@ impl<'c> PgTx<'c> {
                 // Without it (a read, or no row 1), `rules_version` asks again and
                 // reports what it finds.
                 let version = column(0);
-                match self.assumed_rules.get() {
-                    Some(assumed) if version != Some(assumed) => {
-                        if let Some(moved) = self.moved {
-                            moved.store(true, std::sync::atomic::Ordering::Relaxed);
-                        }
-                        return Err(Error::Busy);
+                if self.assumed_rules.get().is_some_and(|a| version != Some(a)) {
+                    if let Some(moved) = self.moved {
+                        moved.store(true, std::sync::atomic::Ordering::Relaxed);
                     }
-                    Some(_) => {}
-                    None => self.rules_version.set(version),
+                    return Err(Error::Busy);
                 }
+                self.rules_version.set(version);
             }
             (Deferred::Statement { xid: Some(i), .. }, client::Answer::Rows(rows)) => {
                 if let Some(row) = rows.first() {
@@ -824,7 +821,11 @@ impl<'c> PgTx<'c> {
     /// back and the transaction may be run again: its answer confirms it, or sets
     /// `moved` and fails the transaction (see [`PgStore::transaction_trusting`]).
     pub(crate) fn assume_rules_version(&self, cached: i64) -> bool {
-        if self.moved.is_none() || !self.unsent() {
+        // (One version on trust per transaction: another is read.)
+        if self.moved.is_none()
+            || !self.unsent()
+            || self.assumed_rules.get().is_some_and(|a| a != cached)
+        {
             return false;
         }
         self.assumed_rules.set(Some(cached));
@@ -836,9 +837,12 @@ impl<'c> PgTx<'c> {
     /// same round trip. The transaction's id is read first, so that a commit whose
     /// answer is lost can be looked up ([`PgStore::commit`]).
     fn commit_or_lose(self, announce: bool) -> std::result::Result<(), LostCommit> {
-        if matches!(self.deferred.borrow().as_slice(), [Deferred::Begin(_)]) && !announce {
-            // Nothing was sent, nor kept back but the `BEGIN`: there is nothing to
-            // commit.
+        if matches!(self.deferred.borrow().as_slice(), [Deferred::Begin(_)])
+            && !announce
+            && self.assumed_rules.get().is_none()
+        {
+            // Nothing was sent, nor kept back but the `BEGIN`, nor taken on trust that
+            // its answer must confirm: there is nothing to commit.
             self.open.set(false);
             return Ok(());
         }
