@@ -75,6 +75,21 @@ pub(crate) enum Answer {
 
 type Reply<'a> = Pin<Box<dyn Future<Output = Result<Answer, Error>> + Send + 'a>>;
 
+/// What `want` asks of `stmt` (prepared, or text prepared for this use).
+async fn answer<S: ?Sized + ToStatement + Sync>(
+    client: &tokio_postgres::Client,
+    stmt: &S,
+    params: &[&(dyn ToSql + Sync)],
+    want: Want,
+) -> Result<Answer, Error> {
+    match want {
+        Want::Rows => client.query(stmt, params).await.map(Answer::Rows),
+        Want::One => client.query_one(stmt, params).await.map(Answer::One),
+        Want::Opt => client.query_opt(stmt, params).await.map(Answer::Opt),
+        Want::Count => client.execute(stmt, params).await.map(Answer::Count),
+    }
+}
+
 /// The answer `request` asks `client` for.
 fn reply<'a>(client: &'a tokio_postgres::Client, request: &'a Request<'a>) -> Reply<'a> {
     use Answer as A;
@@ -82,22 +97,8 @@ fn reply<'a>(client: &'a tokio_postgres::Client, request: &'a Request<'a>) -> Re
         (Sql::Simple(sql), _) => {
             Box::pin(async move { client.simple_query(sql).await.map(A::Simple) })
         }
-        (Sql::Prepared(stmt, params), want) => Box::pin(async move {
-            match want {
-                Want::Rows => client.query(*stmt, params).await.map(A::Rows),
-                Want::One => client.query_one(*stmt, params).await.map(A::One),
-                Want::Opt => client.query_opt(*stmt, params).await.map(A::Opt),
-                Want::Count => client.execute(*stmt, params).await.map(A::Count),
-            }
-        }),
-        (Sql::Text(sql, params), want) => Box::pin(async move {
-            match want {
-                Want::Rows => client.query(*sql, params).await.map(A::Rows),
-                Want::One => client.query_one(*sql, params).await.map(A::One),
-                Want::Opt => client.query_opt(*sql, params).await.map(A::Opt),
-                Want::Count => client.execute(*sql, params).await.map(A::Count),
-            }
-        }),
+        (Sql::Prepared(stmt, params), want) => Box::pin(answer(client, *stmt, params, want)),
+        (Sql::Text(sql, params), want) => Box::pin(answer(client, *sql, params, want)),
         (Sql::Unnamed(sql, params), want) => Box::pin(async move {
             match want {
                 Want::Rows => client.query_typed(sql, params).await.map(A::Rows),
