@@ -1367,6 +1367,55 @@ pub(super) fn batched_writes_leave_the_rows_one_at_a_time_leaves(fresh: Fresh) {
     });
 }
 
+/// A finalization whose delivery is not stored is refused as the rules refuse it, with
+/// every finalization of its batch: the store may answer fewer than asked (and the
+/// rules refuse), or fail the transaction itself (by its commit at the latest).
+pub(super) fn a_finalization_without_its_delivery_is_refused(fresh: Fresh) {
+    let ob = fresh_at_t0(fresh);
+    let id = enqueue(&ob, "a", "a1");
+    let _sending = claim_one(&ob);
+    let stored = (row(&ob, id) * CHUNK_STRIDE, row(&ob, id), Some("p-1"));
+    let missing = (
+        row(&ob, id) * CHUNK_STRIDE + 1_000_000 * CHUNK_STRIDE,
+        row(&ob, id) + 1_000_000,
+        None,
+    );
+    let tally = |count| ChannelTally {
+        channel: "t",
+        latest: T0,
+        count,
+        latency_sum_ms: 0,
+        latency_le: [count; 6],
+    };
+    let before = write(&ob, |tx| tx.table_rows());
+    let refused = ob.write(|tx, _| {
+        let acks = [stored, missing];
+        if tx.finalize_delivered(&acks, &[tally(2)], T0)? != acks.len() {
+            return Err(crate::error::Error::invalid("delivery", "not stored"));
+        }
+        Ok(())
+    });
+    assert!(
+        matches!(
+            refused,
+            Err(crate::error::Error::InvalidInput {
+                what: "delivery",
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(
+        write(&ob, |tx| tx.table_rows()),
+        before,
+        "nothing finalized"
+    );
+    // The same finalization without the missing one is taken.
+    let n = write(&ob, |tx| tx.finalize_delivered(&[stored], &[tally(1)], T0));
+    assert_eq!(n, 1);
+    assert_ne!(write(&ob, |tx| tx.table_rows()), before);
+}
+
 /// An enqueue's entry into lanes (`enter_lanes`, `next_delivery_row_in`) reads what the
 /// one-at-a-time reads say, replies staged in a lane included, and draws fresh rows in
 /// ascending order.
@@ -1524,6 +1573,7 @@ macro_rules! conformance {
                 the_only_writer_holds_every_lock,
                 batched_reads_agree_with_one_at_a_time,
                 batched_writes_leave_the_rows_one_at_a_time_leaves,
+                a_finalization_without_its_delivery_is_refused,
                 lanes_are_entered_as_their_reads_say,
                 staged_replies_are_listed_taken_and_renumbered,
             );

@@ -894,7 +894,9 @@ pub(crate) trait StoreTx:
     /// and [`mark_finalized`](FinalizeStore::mark_finalized); then
     /// [`add_channel_stats`](FinalizeStore::add_channel_stats) of each tally (in the order
     /// given: channel name order) — in one go where the store can, the history rows in
-    /// the order given. How many deliveries were there to copy.
+    /// the order given. How many deliveries were there to copy; a store that answers
+    /// before it knows may answer all of them, and then must fail the transaction,
+    /// its commit at the latest, with the rules' refusal when one was missing.
     fn finalize_delivered(
         &self,
         chunks: &[(i64, i64, Option<&str>)],

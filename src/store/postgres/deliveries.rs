@@ -190,8 +190,9 @@ const STATS_SQL: &str = stats_sql!(
 
 /// The last chunks (`$1`, `$2`) delivered at `$4` with platform ids `$3`, their
 /// deliveries finalized and copied into the history in the order given, and the
-/// channels' counters (`$5`..`$14`, as [`stats_sql!`] reads them) added to: how many
-/// were copied, and the transaction's id.
+/// channels' counters (`$5`..`$14`, as [`stats_sql!`] reads them) added to: 1 and the
+/// transaction's id, or the statement fails as [`CHECK_FAILED`](super::CHECK_FAILED)
+/// says unless it copied every delivery.
 pub(crate) const FINALIZE_DELIVERED_SQL: &str = concat!(
     "WITH u AS (
          SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[])
@@ -222,7 +223,8 @@ pub(crate) const FINALIZE_DELIVERED_SQL: &str = concat!(
         $10::bigint[], $11::bigint[], $12::bigint[], $13::bigint[], $14::bigint[])"
     ),
     ")
-     SELECT count(*), txid_current_if_assigned() FROM h"
+     SELECT 1 / (count(*) = cardinality($1::bigint[]))::int, txid_current_if_assigned()
+     FROM h"
 );
 
 /// [`HISTORY_SQL`] with the first character cut off: the planted fault

@@ -648,13 +648,34 @@ enum Deferred<'c> {
     /// Its `BEGIN` (see [`Begins`]).
     Begin(&'c str),
     /// A statement whose answer the rules do not read; with `xid`, the column of its
-    /// row that holds the transaction's id.
+    /// row that holds the transaction's id; with `refusal`, the error it stands for
+    /// when it fails its own check (see [`CHECK_FAILED`]).
     Statement {
         sql: &'static str,
         prepared: Prepared,
         values: Vec<Box<dyn ToSql + Sync + Send>>,
         xid: Option<usize>,
+        refusal: Option<fn() -> Error>,
     },
+}
+
+/// How a statement kept back checks what the rules would check in its answer, which
+/// they no longer read: it divides by zero when the check fails, so that the server
+/// fails it (and the transaction, the `COMMIT` it may ride with included), and the
+/// store reports the refusal it stands for ([`Deferred::Statement`]'s `refusal`).
+const CHECK_FAILED: postgres::error::SqlState = postgres::error::SqlState::DIVISION_BY_ZERO;
+
+impl Deferred<'_> {
+    /// The error of this statement's answer: its refusal when its check failed.
+    fn error(&self, e: postgres::Error) -> Error {
+        match self {
+            Deferred::Statement {
+                refusal: Some(refusal),
+                ..
+            } if e.code() == Some(&CHECK_FAILED) => refusal(),
+            _ => e.into(),
+        }
+    }
 }
 
 impl<'c> PgTx<'c> {
@@ -702,12 +723,25 @@ impl<'c> PgTx<'c> {
         values: Vec<Box<dyn ToSql + Sync + Send>>,
         xid: Option<usize>,
     ) -> Result<()> {
+        self.defer_checked(sql, values, xid, None)
+    }
+
+    /// [`defer`](Self::defer) a statement that checks its own answer, failing as
+    /// [`CHECK_FAILED`] says with `refusal` when the check fails.
+    fn defer_checked(
+        &self,
+        sql: &'static str,
+        values: Vec<Box<dyn ToSql + Sync + Send>>,
+        xid: Option<usize>,
+        refusal: Option<fn() -> Error>,
+    ) -> Result<()> {
         let prepared = self.statement(sql)?;
         self.deferred.borrow_mut().push(Deferred::Statement {
             sql,
             prepared,
             values,
             xid,
+            refusal,
         });
         Ok(())
     }
@@ -735,7 +769,7 @@ impl<'c> PgTx<'c> {
             .then(|| answers.pop())
             .flatten();
         for (d, answer) in deferred.iter().zip(answers) {
-            self.settle(d, answer?, before, after)?;
+            self.settle(d, answer.map_err(|e| d.error(e))?, before, after)?;
         }
         Ok(last.transpose()?)
     }
@@ -886,7 +920,7 @@ impl<'c> PgTx<'c> {
         for (d, answer) in deferred.iter().zip(answers) {
             match answer {
                 Err(e) if connection_lost(&e) => return Err(lost(&e)),
-                Err(e) => failed = failed.or(Some(Error::from(e))),
+                Err(e) => failed = failed.or(Some(d.error(e))),
                 Ok(answer) => {
                     if let Err(e) = self.settle(d, answer, before, after) {
                         failed = failed.or(Some(e));
@@ -1300,35 +1334,51 @@ impl StoreTx for PgTx<'_> {
         tallies: &[crate::store::ChannelTally<'_>],
         now: i64,
     ) -> Result<usize> {
+        if chunks.is_empty() && tallies.is_empty() {
+            return Ok(0);
+        }
         let (deliveries, indexes): (Vec<i64>, Vec<i64>) =
             chunks.iter().map(|(id, ..)| chunk_key(*id)).unzip();
-        let ids: Vec<Option<&str>> = chunks.iter().map(|(.., id)| *id).collect();
-        let channels: Vec<&str> = tallies.iter().map(|t| t.channel).collect();
-        let column = |f: fn(&crate::store::ChannelTally<'_>) -> i64| -> Vec<i64> {
-            tallies.iter().map(f).collect()
+        let ids: Vec<Option<String>> = chunks
+            .iter()
+            .map(|(.., id)| id.map(str::to_owned))
+            .collect();
+        let channels: Vec<String> = tallies.iter().map(|t| t.channel.to_owned()).collect();
+        let column = |f: fn(&crate::store::ChannelTally<'_>) -> i64| {
+            owned(tallies.iter().map(f).collect::<Vec<i64>>())
         };
-        let bucket = |i: usize| -> Vec<i64> { tallies.iter().map(|t| t.latency_le[i]).collect() };
-        let r = self.query_one(
+        let bucket = |i: usize| {
+            owned(
+                tallies
+                    .iter()
+                    .map(|t| t.latency_le[i])
+                    .collect::<Vec<i64>>(),
+            )
+        };
+        // Kept back: the statement itself fails unless it copied every delivery (the
+        // rules' check of its count), and the transaction with it.
+        self.defer_checked(
             deliveries::FINALIZE_DELIVERED_SQL,
-            &[
-                &deliveries,
-                &indexes,
-                &ids,
-                &now,
-                &channels,
-                &column(|t| t.latest),
-                &column(|t| t.count),
-                &column(|t| t.latency_sum_ms),
-                &bucket(0),
-                &bucket(1),
-                &bucket(2),
-                &bucket(3),
-                &bucket(4),
-                &bucket(5),
+            vec![
+                owned(deliveries),
+                owned(indexes),
+                owned(ids),
+                owned(now),
+                owned(channels),
+                column(|t| t.latest),
+                column(|t| t.count),
+                column(|t| t.latency_sum_ms),
+                bucket(0),
+                bucket(1),
+                bucket(2),
+                bucket(3),
+                bucket(4),
+                bucket(5),
             ],
+            Some(1),
+            Some(|| Error::invalid("delivery", "a delivery to finalize is not stored")),
         )?;
-        self.note_xid(&r, 1)?;
-        Ok(count(&r, 0)? as usize)
+        Ok(chunks.len())
     }
 
     fn note_dead_letter(&self, delivery: i64, error: &str) {
