@@ -115,11 +115,14 @@ const CLAIM_SQL_UNLOCKED: &str = claim_sql!("");
 
 /// The channels named `$1` (every channel, for NULL) as [`channel_row`] reads them,
 /// each with the claim's read of its due chunks (`$2` now, at most `$3`) if it has no
-/// rate and no pause (NULLs when it has none).
+/// rate and no pause (NULLs when it has none); after them, whether each chunk's lane
+/// row was locked here, `$lane_lock`ed unless another transaction holds it (the claim
+/// tries those lanes next: see [`PgTx::held_lanes`](super::PgTx)), and the
+/// transaction's id (which those row locks assign).
 macro_rules! due_in_channels_sql {
-    ($lock:literal) => {
+    ($lock:literal, $lane_lock:literal) => {
         concat!(
-            "SELECT ch.*, c.*
+            "SELECT ch.*, c.*, l.held, txid_current_if_assigned()
              FROM (SELECT ch.id, ch.name,
                           coalesce(ch.channel_interval_us, p.channel_interval_us, 0) AS interval_us,
                           ch.next_send_at_us, ch.paused_until
@@ -132,13 +135,30 @@ macro_rules! due_in_channels_sql {
                 $lock
             ),
             ") c ON true
+             LEFT JOIN LATERAL (SELECT true AS held FROM (
+                 SELECT 1 FROM outbound_lanes
+                 WHERE channel = ch.name AND chat_id = c.chat_id ",
+            $lane_lock,
+            ") locked) l ON true
              ORDER BY ch.id, c.due_at, c.delivery_id, c.chunk_index"
         )
     };
 }
 
-pub(crate) const DUE_IN_CHANNELS_SQL: &str = due_in_channels_sql!("FOR UPDATE OF c SKIP LOCKED");
-const DUE_IN_CHANNELS_SQL_UNLOCKED: &str = due_in_channels_sql!("");
+/// The column of [`DUE_IN_CHANNELS_SQL`] that says whether the chunk's lane was locked.
+const DUE_LANE_HELD: usize = 5 + 13;
+
+pub(crate) const DUE_IN_CHANNELS_SQL: &str = due_in_channels_sql!(
+    "FOR UPDATE OF c SKIP LOCKED",
+    "FOR NO KEY UPDATE SKIP LOCKED"
+);
+/// [`DUE_IN_CHANNELS_SQL`] without its chunk row locks: the planted fault
+/// `no_claim_locks`.
+const DUE_IN_CHANNELS_SQL_UNLOCKED: &str =
+    due_in_channels_sql!("", "FOR NO KEY UPDATE SKIP LOCKED");
+/// [`DUE_IN_CHANNELS_SQL`] locking no lane: the planted fault `no_lane_locks`.
+const DUE_IN_CHANNELS_SQL_NO_LANES: &str =
+    due_in_channels_sql!("FOR UPDATE OF c SKIP LOCKED", "AND false");
 
 /// Chunks (`$1`, `$2`) `sending` under tokens `$3` until `$4`: how many, and the
 /// transaction's id.
@@ -454,12 +474,19 @@ impl ClaimStore for PgTx<'_> {
     ) -> Result<Vec<(ChannelRow, Option<Vec<Candidate>>)>> {
         let sql = if crate::sabotage::planted("no_claim_locks") {
             DUE_IN_CHANNELS_SQL_UNLOCKED
+        } else if crate::sabotage::planted("no_lane_locks") {
+            DUE_IN_CHANNELS_SQL_NO_LANES
         } else {
             DUE_IN_CHANNELS_SQL
         };
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut channels: Vec<(ChannelRow, Option<Vec<Candidate>>)> = Vec::new();
         for r in self.query(sql, &[&names, &now, &limit])? {
+            // The lanes of its chunks it locked, which the claim tries next.
+            if r.try_get::<_, Option<bool>>(DUE_LANE_HELD)? == Some(true) {
+                self.hold_lane(r.try_get(1)?, r.try_get(5 + 6)?);
+                self.note_xid(&r, DUE_LANE_HELD + 1)?;
+            }
             let row = channel_row(&r)?;
             if channels.last().is_none_or(|(last, _)| last.id != row.id) {
                 // (The statement read its chunks under the same condition.)

@@ -596,6 +596,9 @@ pub(crate) struct PgTx<'c> {
     rules_version: Cell<Option<i64>>,
     /// Its transaction id, once a write returned it (see [`PgTx::note_xid`]).
     xid: Cell<Option<i64>>,
+    /// Lanes (channel, chat) whose rows it locked while it read their due chunks, so
+    /// that trying them costs no round trip (see `due_in_channels`).
+    held_lanes: RefCell<Vec<(String, String)>>,
     dead_letters: RefCell<Vec<(i64, String)>>,
 }
 
@@ -705,6 +708,7 @@ impl<'c> PgTx<'c> {
             rules_locked: Cell::new(rules_locked),
             rules_version: Cell::new(None),
             xid: Cell::new(None),
+            held_lanes: RefCell::new(Vec::new()),
             dead_letters: RefCell::new(Vec::new()),
             conn: RefCell::new(conn),
         }
@@ -832,6 +836,20 @@ impl<'c> PgTx<'c> {
             _ => {}
         }
         Ok(())
+    }
+
+    /// Notes that the transaction holds lane (`channel`, `chat`)'s row.
+    pub(crate) fn hold_lane(&self, channel: String, chat: String) {
+        self.held_lanes.borrow_mut().push((channel, chat));
+    }
+
+    /// Whether the transaction holds `lane`'s row, as [`hold_lane`](Self::hold_lane)
+    /// noted.
+    fn holds_lane(&self, lane: LaneRef<'_>) -> bool {
+        self.held_lanes
+            .borrow()
+            .iter()
+            .any(|(channel, chat)| channel == lane.channel && chat == lane.chat_id)
     }
 
     /// Keeps the transaction id a write returned in column `i` (its
@@ -1197,7 +1215,7 @@ impl Locks for PgTx<'_> {
     }
 
     fn try_lock_lane(&self, lane: LaneRef<'_>) -> Result<bool> {
-        if crate::sabotage::planted("no_lane_locks") {
+        if crate::sabotage::planted("no_lane_locks") || self.holds_lane(lane) {
             return Ok(true);
         }
         let params: Params<'_> = &[&lane.channel, &lane.chat_id];
@@ -1221,7 +1239,8 @@ impl Locks for PgTx<'_> {
     }
 
     fn try_lock_lanes(&self, lanes: &[LaneRef<'_>]) -> Result<Vec<bool>> {
-        if lanes.len() < 2 || crate::sabotage::planted("no_lane_locks") {
+        let unheld = lanes.iter().filter(|l| !self.holds_lane(**l)).count();
+        if unheld < 2 || crate::sabotage::planted("no_lane_locks") {
             return lanes.iter().map(|lane| self.try_lock_lane(*lane)).collect();
         }
         let channels: Vec<&str> = lanes.iter().map(|l| l.channel).collect();
