@@ -245,7 +245,7 @@ fn run(pg: &Pg, db: &str, kind: Kind, n: usize) -> (f64, String) {
             assert_eq!(counts.iter().sum::<usize>(), n, "every reply claimed once");
             assert_finalized(&outbox, &mut admin, n);
             assert_chat_order(&mut admin);
-            notes = format!("{}; an Outbox handle each", common::spread(&counts));
+            notes = format!("an Outbox handle each; rep 0: {}", common::spread(&counts));
             n as f64 / s
         }
         Kind::Dispatch(workers) => {
@@ -372,7 +372,7 @@ fn main() {
     let server: String = admin.query_one(common::VERSION_SQL, &[]).unwrap().get(0);
     let lock = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.lock"))
         .unwrap_or_default();
-    let versions = common::versions(&lock, &["chunked-outbox", "postgres", "r2d2_postgres"]);
+    let versions = common::versions(&lock, &["chunked-outbox", "postgres", "tokio-postgres"]);
     for wl in workloads.iter().filter(|w| args.wants(w.name)) {
         let n = args.n(wl.default_n);
         let mut runs = Vec::new();
