@@ -6,7 +6,9 @@
 /// is read before and after each timed part, and `pg_waldump --stats=record` counts the
 /// records between: heap inserts and updates are the row versions written, B-tree leaf
 /// inserts the index entries. Everything the server logged in the window counts
-/// (autovacuum too), as it costs the same disk. Both reads and the count are untimed.
+/// (autovacuum too), as it costs the same disk. The machine's busy CPU time in the
+/// window (`/proc/stat`: server, client and everything else) is counted too. The reads
+/// and the count are untimed.
 pub mod footprint {
     use std::process::Command;
     use std::sync::Mutex;
@@ -14,11 +16,30 @@ pub mod footprint {
     #[derive(Default)]
     struct Sum {
         bytes: u64,
+        /// Busy CPU time of the whole machine, in clock ticks.
+        busy_ticks: u64,
         counts: Vec<(String, u64)>,
         failed: Option<String>,
     }
 
-    static STARTED: Mutex<Option<u64>> = Mutex::new(None);
+    static STARTED: Mutex<Option<(u64, u64)>> = Mutex::new(None);
+
+    /// The machine's busy CPU time so far, in clock ticks (`/proc/stat`'s first line
+    /// less idle and iowait; 0 where there is none).
+    fn busy_ticks() -> u64 {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let ticks: Vec<u64> = stat
+            .lines()
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|t| t.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq steal (guest time is in user)
+        ticks.iter().take(8).sum::<u64>() - ticks.get(3).copied().unwrap_or(0)
+            - ticks.get(4).copied().unwrap_or(0)
+    }
     static SUM: Mutex<Option<Sum>> = Mutex::new(None);
 
     fn bin(name: &str) -> String {
@@ -49,20 +70,22 @@ pub mod footprint {
     }
 
     pub fn start() {
-        *STARTED.lock().unwrap() = position().ok();
+        *STARTED.lock().unwrap() = position().ok().map(|at| (at, busy_ticks()));
     }
 
     pub fn stop() {
+        let busy = busy_ticks();
         let started = STARTED.lock().unwrap().take();
         let measured = started
             .ok_or_else(|| "no WAL position at the start".to_owned())
-            .and_then(|from| Ok((from, position()?)))
-            .and_then(|(from, to)| Ok((to - from, records(from, to)?)));
+            .and_then(|(from, busy_from)| Ok((from, position()?, busy - busy_from)))
+            .and_then(|(from, to, busy)| Ok((to - from, busy, records(from, to)?)));
         let mut sum = SUM.lock().unwrap();
         let sum = sum.get_or_insert_with(Sum::default);
         match measured {
-            Ok((bytes, counts)) => {
+            Ok((bytes, busy, counts)) => {
                 sum.bytes += bytes;
+                sum.busy_ticks += busy;
                 for (kind, n) in counts {
                     match sum.counts.iter_mut().find(|(k, _)| *k == kind) {
                         Some((_, total)) => *total += n,
@@ -119,10 +142,13 @@ pub mod footprint {
         let locks = count(&|k| kind(k) == "Heap/LOCK");
         let index = count(&|k| kind(k).starts_with("Btree/INSERT"));
         let commits = count(&|k| kind(k) == "Transaction/COMMIT");
+        // (USER_HZ is 100 on every Linux port that matters here.)
+        let cpu_ms = sum.busy_ticks as f64 * 10.0 / n;
         Some(format!(
             "footprint per message: {:.0} WAL bytes, {:.2} row versions ({inserts:.2} inserted, \
              {updates:.2} updated, {hot:.2} HOT-updated), {deletes:.2} deleted, {locks:.2} \
-             row locks, {index:.2} index entries, {commits:.2} commits",
+             row locks, {index:.2} index entries, {commits:.2} commits, {cpu_ms:.3} ms of \
+             CPU (the machine's)",
             sum.bytes as f64 / n,
             inserts + updates + hot,
         ))
