@@ -1413,7 +1413,15 @@ pub(super) fn a_finalization_without_its_delivery_is_refused(fresh: Fresh) {
     // The same finalization without the missing one is taken.
     let n = write(&ob, |tx| tx.finalize_delivered(&[stored], &[tally(1)], T0));
     assert_eq!(n, 1);
-    assert_ne!(write(&ob, |tx| tx.table_rows()), before);
+    let finalized = write(&ob, |tx| tx.table_rows());
+    assert_ne!(finalized, before);
+    // A second copy is refused by the history's schema, not as a missing delivery.
+    let again = ob.write(|tx, _| tx.finalize_delivered(&[stored], &[tally(1)], T0));
+    assert!(
+        matches!(&again, Err(e) if !matches!(e, crate::error::Error::InvalidInput { .. })),
+        "{again:?}"
+    );
+    assert_eq!(write(&ob, |tx| tx.table_rows()), finalized);
 }
 
 /// An enqueue's entry into lanes (`enter_lanes`, `next_delivery_row_in`) reads what the

@@ -260,6 +260,43 @@ mod tests {
         assert_eq!(held(Begin::Read), Vec::<String>::new());
     }
 
+    /// A write on a connection of its own opens with the prepared statements of
+    /// `OPENING_SQL`; behind a transaction pooler, where statements run unnamed, with
+    /// `outbound_begin`'s one call. Both set the transaction's bounds and plans.
+    #[test]
+    fn a_write_opens_as_its_connection_allows() {
+        let Some(url) = fresh_schema_url() else {
+            return;
+        };
+        for pooler in [false, true] {
+            let mut options = OutboxOptions::default().with_transaction_pooler(pooler);
+            let store = PgStore::open(&url, &mut options, false).unwrap();
+            let (prepared, settings) = store
+                .transaction(
+                    Begin::Write {
+                        change_rules: false,
+                    },
+                    |tx: PgTx<'_>| {
+                        let row = tx.query_one(
+                            "SELECT current_setting('lock_timeout'),
+                                current_setting('idle_in_transaction_session_timeout'),
+                                current_setting('plan_cache_mode')",
+                            &[],
+                        )?;
+                        let setting = |i| row.try_get::<_, String>(i);
+                        Ok((tx.opening > 1, [setting(0)?, setting(1)?, setting(2)?]))
+                    },
+                )
+                .unwrap();
+            assert_eq!(prepared, !pooler, "behind a pooler: {pooler}");
+            assert_eq!(
+                settings,
+                ["5s", "10s", "force_generic_plan"],
+                "behind a pooler: {pooler}"
+            );
+        }
+    }
+
     /// The round trips of the hot path's operations, counted on the client (the
     /// fewest over a few runs: a statement's first use on a connection prepares it,
     /// and a connection idle for a while is checked when taken). A transaction's
