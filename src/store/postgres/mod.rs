@@ -1380,6 +1380,8 @@ impl StoreTx for PgTx<'_> {
         if keep {
             self.batch("RELEASE SAVEPOINT chunked_outbox_nested")
         } else {
+            // The row locks taken since are released: a lane noted as held may not be.
+            self.held_lanes.borrow_mut().clear();
             self.batch(
                 "ROLLBACK TO SAVEPOINT chunked_outbox_nested;
                  RELEASE SAVEPOINT chunked_outbox_nested",

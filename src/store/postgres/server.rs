@@ -297,6 +297,45 @@ mod tests {
         }
     }
 
+    /// A lane the claim's read locked inside a nested transaction that was rolled back
+    /// is no longer taken as held: trying it asks the server, and another transaction
+    /// may hold it by then.
+    #[test]
+    fn a_lane_locked_in_a_rolled_back_nested_transaction_is_tried_again() {
+        use crate::store::{ClaimStore, LaneRef, Locks};
+        use crate::{NewDelivery, Outbox};
+        let Some(url) = fresh_schema_url() else {
+            return;
+        };
+        let outbox = Outbox::connect(&url, OutboxOptions::default()).unwrap();
+        outbox.enqueue(&NewDelivery::single("t", "a", "x")).unwrap();
+        let store = PgStore::open(&url, &mut OutboxOptions::default(), false).unwrap();
+        let lane = LaneRef::new("t", "a");
+        let (held_then, taken_now) = store
+            .transaction(
+                Begin::Write {
+                    change_rules: false,
+                },
+                |tx: PgTx<'_>| {
+                    tx.begin_nested()?;
+                    tx.due_in_channels(None, i64::MAX, 10)?;
+                    let held_then = tx.holds_lane(lane);
+                    tx.end_nested(false)?;
+                    let mut other = postgres::Client::connect(&url, postgres::NoTls)?;
+                    other.batch_execute(
+                        "BEGIN; SELECT 1 FROM outbound_lanes
+                     WHERE channel = 't' AND chat_id = 'a' FOR NO KEY UPDATE",
+                    )?;
+                    let taken_now = tx.try_lock_lane(lane)?;
+                    other.batch_execute("ROLLBACK")?;
+                    Ok((held_then, taken_now))
+                },
+            )
+            .unwrap();
+        assert!(held_then, "the read locked the lane");
+        assert!(!taken_now, "another transaction holds it now");
+    }
+
     /// The round trips of the hot path's operations, counted on the client (the
     /// fewest over a few runs: a statement's first use on a connection prepares it,
     /// and a connection idle for a while is checked when taken). A transaction's
