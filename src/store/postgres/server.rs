@@ -299,7 +299,7 @@ mod tests {
 
     /// A lane the claim's read locked inside a nested transaction that was rolled back
     /// is no longer taken as held: trying it asks the server, and another transaction
-    /// may hold it by then.
+    /// may hold it by then. Nor is a lane of the same channel that the read did not lock.
     #[test]
     fn a_lane_locked_in_a_rolled_back_nested_transaction_is_tried_again() {
         use crate::store::{ClaimStore, LaneRef, Locks};
@@ -334,6 +334,31 @@ mod tests {
             .unwrap();
         assert!(held_then, "the read locked the lane");
         assert!(!taken_now, "another transaction holds it now");
+        // A lane of the same channel the read did not lock is not held either.
+        outbox.enqueue(&NewDelivery::single("t", "b", "y")).unwrap();
+        let mut other = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        other
+            .batch_execute(
+                "BEGIN; SELECT 1 FROM outbound_lanes
+                 WHERE channel = 't' AND chat_id = 'b' FOR NO KEY UPDATE",
+            )
+            .unwrap();
+        let (a, b) = store
+            .transaction(
+                Begin::Write {
+                    change_rules: false,
+                },
+                |tx: PgTx<'_>| {
+                    tx.due_in_channels(None, i64::MAX, 10)?;
+                    Ok((
+                        tx.holds_lane(lane),
+                        tx.try_lock_lane(LaneRef::new("t", "b"))?,
+                    ))
+                },
+            )
+            .unwrap();
+        other.batch_execute("ROLLBACK").unwrap();
+        assert!(a && !b, "lane a held: {a}; lane b taken: {b}");
     }
 
     /// The round trips of the hot path's operations, counted on the client (the
