@@ -671,16 +671,14 @@ fn requests_of<'d>(
         .map(|(d, values)| client::Request {
             sql: match d {
                 Deferred::Begin { sql, .. } => client::Sql::Simple(sql),
-                Deferred::State(Prepared::Named(stmt)) => {
-                    client::Sql::Prepared(stmt, values.clone())
-                }
-                Deferred::State(Prepared::Unnamed(_)) => {
-                    client::Sql::Unnamed(STATE_SQL, Vec::new())
-                }
-                Deferred::Statement {
+                Deferred::State(Prepared::Named(stmt))
+                | Deferred::Statement {
                     prepared: Prepared::Named(stmt),
                     ..
                 } => client::Sql::Prepared(stmt, values.clone()),
+                Deferred::State(Prepared::Unnamed(_)) => {
+                    client::Sql::Unnamed(STATE_SQL, Vec::new())
+                }
                 Deferred::Statement {
                     sql,
                     prepared: Prepared::Unnamed(types),
