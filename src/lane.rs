@@ -21,7 +21,7 @@ use crate::error::Result;
 use crate::rules::{LaneFailurePolicy, LaneOrder};
 use crate::rules::{Rules, Stored};
 use crate::status::DeliveryStatus;
-use crate::store::{Activation, HeadRow, LaneRef, StoreTx, Waiting};
+use crate::store::{Activation, HeadRow, LaneRef, LaneStore, StoreTx, Waiting};
 
 /// Where a lane stands for scheduling purposes.
 pub(crate) enum LaneHead {
@@ -45,12 +45,22 @@ pub(crate) fn head_of(
     lane: LaneRef<'_>,
     first: Option<HeadRow>,
 ) -> Result<LaneHead> {
+    head_under(tx, rules.lane_failure, lane, first)
+}
+
+/// [`head_of`] under failure policy `failure`.
+fn head_under<T: LaneStore + ?Sized>(
+    tx: &T,
+    failure: LaneFailurePolicy,
+    lane: LaneRef<'_>,
+    first: Option<HeadRow>,
+) -> Result<LaneHead> {
     let next = match first {
         Some(HeadRow::Active) => return Ok(LaneHead::Busy),
         Some(HeadRow::Queued(waiting)) => Some(waiting),
         None => None,
     };
-    if rules.lane_failure == LaneFailurePolicy::Block
+    if failure == LaneFailurePolicy::Block
         && tx
             .lane_held(lane)?
             .is_some_and(|held| next.as_ref().is_none_or(|n| held < n.position))
@@ -69,18 +79,11 @@ pub(crate) fn advance(
     lane: LaneRef<'_>,
     earliest: i64,
 ) -> Result<()> {
-    if rules.lane_order == LaneOrder::Parallel {
-        return Ok(());
-    }
-    if let LaneHead::Next(waiting) = head(tx, rules, lane)? {
-        activate(tx, &waiting, lane, earliest)?;
-    }
-    Ok(())
+    advance_many(tx, rules, &mut vec![lane], earliest)
 }
 
-/// [`advance`] of several lanes, reading their heads and activating the next queued
-/// deliveries in one go each. A lane given twice advances once (the second would find
-/// the first's activation).
+/// [`advance`] of several lanes. A lane given twice advances once (the second would
+/// find the first's activation).
 pub(crate) fn advance_many(
     tx: &dyn StoreTx,
     rules: &Rules,
@@ -93,9 +96,24 @@ pub(crate) fn advance_many(
     }
     lanes.sort_unstable();
     lanes.dedup();
+    tx.advance_lanes(lanes, rules.lane_failure, earliest)
+}
+
+/// The rule of [`advance`] for distinct FIFO lanes under failure policy `failure`, as
+/// the store's reads and writes compose it — the lanes' heads read, then the next
+/// queued delivery of each free lane activated — and what
+/// [`LaneStore::advance_lanes`] does unless a store does it in one go (the conformance
+/// contract `advancing_lanes_in_one_go_leaves_what_the_rules_leave` holds the two to
+/// the same rows).
+pub(crate) fn advance_lanes<T: LaneStore + ?Sized>(
+    tx: &T,
+    lanes: &[LaneRef<'_>],
+    failure: LaneFailurePolicy,
+    earliest: i64,
+) -> Result<()> {
     let mut starting = Vec::new();
     for (lane, first) in lanes.iter().zip(tx.lane_heads(lanes)?) {
-        if let LaneHead::Next(waiting) = head_of(tx, rules, *lane, first)? {
+        if let LaneHead::Next(waiting) = head_under(tx, failure, *lane, first)? {
             starting.push(activation(waiting, *lane, earliest));
         }
     }

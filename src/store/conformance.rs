@@ -1367,6 +1367,98 @@ pub(super) fn batched_writes_leave_the_rows_one_at_a_time_leaves(fresh: Fresh) {
     });
 }
 
+/// [`LaneStore::advance_lanes`](crate::store::LaneStore::advance_lanes) leaves the rows
+/// the rule ([`lane::advance_lanes`](crate::lane::advance_lanes)) leaves, over lanes in
+/// every state a head can be in and under both failure policies.
+pub(super) fn advancing_lanes_in_one_go_leaves_what_the_rules_leave(fresh: Fresh) {
+    use crate::rules::LaneFailurePolicy;
+    let clock = ManualClock::new(T0);
+    // (Under `Block` the scene's own failures leave their lanes as they are.)
+    let ob = fresh(options(&clock).with_lane_failure(LaneFailurePolicy::Block));
+    let at = |ms: i64| crate::clock::to_datetime(T0 + ms);
+    // busy: an active head; next: a head finished below, then queued replies (stored
+    // without chunk rows); partial: a delayed reply with a chunk delivered, put back in
+    // its lane below; later: a delayed reply behind a head; paused: the lane paused;
+    // failed and unsure: a dead letter and an uncertain reply ahead of queued ones;
+    // idle: nothing at all.
+    enqueue(&ob, "busy", "b1");
+    enqueue(&ob, "busy", "b2");
+    let n0 = enqueue(&ob, "next", "n0");
+    let n1 = enqueue(&ob, "next", "n1");
+    enqueue(&ob, "next", "n2");
+    let p1 = ob
+        .enqueue(&NewDelivery::chunked("t", "partial", "p1p1", ["p1", "p1"]).not_before(at(2_000)))
+        .unwrap()
+        .id;
+    let l0 = enqueue(&ob, "later", "l0");
+    let l1 = ob
+        .enqueue(&NewDelivery::single("t", "later", "l1").not_before(at(5_000)))
+        .unwrap()
+        .id;
+    let s0 = enqueue(&ob, "paused", "s0");
+    let s1 = enqueue(&ob, "paused", "s1");
+    enqueue(&ob, "failed", "f0");
+    let f1 = enqueue(&ob, "failed", "f1");
+    enqueue(&ob, "unsure", "u0");
+    let u1 = enqueue(&ob, "unsure", "u1");
+    clock.set(T0 + 2_000);
+    for claim in ob.claim(20).unwrap() {
+        let outcome = match claim.chat_id.as_str() {
+            "partial" => Outcome::delivered(None),
+            "failed" => Outcome::Permanent { error: "no".into() },
+            "unsure" => Outcome::Ambiguous { error: "?".into() },
+            _ => continue,
+        };
+        ob.record(&claim, outcome).unwrap();
+    }
+    let lanes = [
+        "busy", "failed", "idle", "later", "next", "partial", "paused", "unsure",
+    ]
+    .map(lane);
+    write(&ob, |tx| {
+        for finished in [n0, l0, s0] {
+            tx.mark_finalized(row(&ob, finished), T0)?;
+        }
+        tx.set_queued(row(&ob, p1))?;
+        tx.pause_lane(lane("paused"), T0 + 60_000)?;
+        // The scene as the rules read it (the scene's own acks and failures advanced
+        // their lanes through the store's way, which must have left them so).
+        let queued = |id: DeliveryId, head_index: i64, not_before: Option<i64>| {
+            Some(HeadRow::Queued(crate::store::Waiting {
+                id: row(&ob, id),
+                position: row(&ob, id),
+                head_index,
+                not_before,
+            }))
+        };
+        assert_eq!(
+            tx.lane_heads(&lanes)?,
+            [
+                Some(HeadRow::Active),
+                queued(f1, 0, None),
+                None,
+                queued(l1, 0, Some(T0 + 5_000)),
+                queued(n1, 0, None),
+                queued(p1, 1, Some(T0 + 2_000)),
+                queued(s1, 0, None),
+                queued(u1, 0, None),
+            ],
+            "the lanes' heads"
+        );
+        for failure in [LaneFailurePolicy::Skip, LaneFailurePolicy::Block] {
+            for earliest in [T0 + 1_000, T0 + 9_000] {
+                same_both_ways(
+                    tx,
+                    &format!("advance_lanes {failure:?} from {earliest}"),
+                    || tx.advance_lanes(&lanes, failure, earliest),
+                    || crate::lane::advance_lanes(tx, &lanes, failure, earliest),
+                )?;
+            }
+        }
+        Ok(())
+    });
+}
+
 /// A finalization whose delivery is not stored is refused as the rules refuse it, with
 /// every finalization of its batch: the store may answer fewer than asked (and the
 /// rules refuse), or fail the transaction itself (by its commit at the latest).
@@ -1582,6 +1674,7 @@ macro_rules! conformance {
                 batched_reads_agree_with_one_at_a_time,
                 batched_writes_leave_the_rows_one_at_a_time_leaves,
                 a_finalization_without_its_delivery_is_refused,
+                advancing_lanes_in_one_go_leaves_what_the_rules_leave,
                 lanes_are_entered_as_their_reads_say,
                 staged_replies_are_listed_taken_and_renumbered,
             );

@@ -482,6 +482,18 @@ pub(crate) trait LaneStore {
     fn activate_many(&self, heads: &[Activation<'_>]) -> Result<()> {
         composed::activate_many(self, heads)
     }
+    /// Activates the next queued delivery of each free lane of `lanes` (distinct FIFO
+    /// lanes) under failure policy `failure`, its head chunk due no earlier than
+    /// `earliest`: [`lane::advance_lanes`](crate::lane::advance_lanes), the rule, in one
+    /// go where the store can.
+    fn advance_lanes(
+        &self,
+        lanes: &[LaneRef<'_>],
+        failure: crate::rules::LaneFailurePolicy,
+        earliest: i64,
+    ) -> Result<()> {
+        crate::lane::advance_lanes(self, lanes, failure, earliest)
+    }
     /// Makes chunk `index` of `delivery` due at [`lane_due_time`](Self::lane_due_time)
     /// of `earliest`.
     fn make_due(&self, delivery: i64, index: i64, lane: LaneRef<'_>, earliest: i64) -> Result<()>;

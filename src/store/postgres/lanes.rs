@@ -4,6 +4,7 @@
 
 use super::{PgTx, owned};
 use crate::error::Result;
+use crate::rules::LaneFailurePolicy;
 use crate::store::pg_param;
 use crate::store::{Activation, DeliveryLane, HeadRow, LaneRef, LaneStore, Waiting};
 
@@ -126,23 +127,67 @@ pub(crate) const PAUSE_DUE_SQL: &str = "UPDATE outbound_delivery_chunks c SET du
        AND c.delivery_id = d.id AND c.chunk_index = d.delivered_count
        AND c.due_at < $3 AND c.status IN ('pending', 'retry')";
 
+/// Gives each delivery `id` of CTE `u` status `status` with its chunk `head` due at
+/// the lane's due time of `earliest` (lane `ch`, `chat`), storing the chunk's row if it
+/// has none; `$u` is that CTE's definition.
+macro_rules! activate_sql {
+    ($u:expr) => {
+        concat!(
+            "WITH u AS (",
+            $u,
+            "),
+             a AS (
+                 UPDATE outbound_deliveries d SET status = u.status
+                 FROM u WHERE d.id = u.id)
+             INSERT INTO outbound_delivery_chunks
+                 (delivery_id, chunk_index, status, due_at, channel_id)
+             SELECT u.id, u.head, 'pending',
+                    coalesce((SELECT greatest(u.earliest, l.paused_until, l.next_send_at)
+                              FROM outbound_lanes l
+                              WHERE l.channel = u.ch AND l.chat_id = u.chat), u.earliest),
+                    (SELECT id FROM outbound_channels WHERE name = u.ch)
+             FROM u
+             ON CONFLICT (delivery_id, chunk_index) DO UPDATE SET due_at = excluded.due_at"
+        )
+    };
+}
+
 /// Gives each delivery `$1` status `$6` with its chunk `$2` due at the lane's due time
 /// of `$3` (lane `$4`, `$5`), storing the chunk's row if it has none.
-pub(crate) const ACTIVATE_MANY_SQL: &str = "WITH u AS (
-         SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::bigint[], $4::text[],
-                              $5::text[], $6::text[]) AS u(id, head, earliest, ch, chat, status)),
-     a AS (
-         UPDATE outbound_deliveries d SET status = u.status
-         FROM u WHERE d.id = u.id)
-     INSERT INTO outbound_delivery_chunks
-         (delivery_id, chunk_index, status, due_at, channel_id)
-     SELECT u.id, u.head, 'pending',
-            coalesce((SELECT greatest(u.earliest, l.paused_until, l.next_send_at)
-                      FROM outbound_lanes l
-                      WHERE l.channel = u.ch AND l.chat_id = u.chat), u.earliest),
-            (SELECT id FROM outbound_channels WHERE name = u.ch)
-     FROM u
-     ON CONFLICT (delivery_id, chunk_index) DO UPDATE SET due_at = excluded.due_at";
+pub(crate) const ACTIVATE_MANY_SQL: &str = activate_sql!(
+    "SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::bigint[], $4::text[],
+                          $5::text[], $6::text[]) AS u(id, head, earliest, ch, chat, status)"
+);
+
+/// [`lane::advance_lanes`](crate::lane::advance_lanes) of lanes `$1`, `$2` from
+/// `$3` (`$4`: under `LaneFailurePolicy::Block`) in one statement: the head of each
+/// lane as [`head_sql!`] reads it; a queued one, unless the lane is held (as
+/// [`HELD_SQL`] reads it) before its position under `Block`, activated as
+/// [`ACTIVATE_MANY_SQL`] activates it — `partial` if chunks of it were delivered, else
+/// `pending`, a delayed reply not before it asked.
+macro_rules! advance_sql {
+    ($order:literal) => {
+        activate_sql!(concat!(
+            "SELECT h.id, h.head_index AS head,
+                    CASE WHEN h.head_index = 0 AND h.not_before IS NOT NULL
+                         THEN greatest($3::bigint, h.not_before) ELSE $3::bigint END AS earliest,
+                    l.ch, l.chat,
+                    CASE WHEN h.head_index > 0 THEN 'partial' ELSE 'pending' END AS status
+             FROM unnest($1::text[], $2::text[]) AS l(ch, chat)
+             CROSS JOIN LATERAL (",
+            head_sql!("l.ch", "l.chat", $order),
+            ") h(queued, id, head_index, not_before)
+             WHERE h.queued
+               AND NOT ($4::boolean AND coalesce((",
+            crate::store::held_sql!("l.ch", "l.chat"),
+            ") < h.id, false))"
+        ))
+    };
+}
+
+pub(crate) const ADVANCE_SQL: &str = advance_sql!("id");
+/// [`ADVANCE_SQL`] with the newest queued reply first: the planted fault `out_of_order`.
+const ADVANCE_SQL_NEWEST_FIRST: &str = advance_sql!("id DESC");
 
 pub(crate) const QUEUED_ALL_SQL: &str = "SELECT id, channel, chat_id FROM outbound_deliveries
      WHERE status = 'queued' ORDER BY id";
@@ -197,6 +242,36 @@ impl LaneStore for PgTx<'_> {
         Ok(self
             .query_one(HELD_SQL, &[&lane.channel, &lane.chat_id])?
             .try_get(0)?)
+    }
+
+    fn advance_lanes(
+        &self,
+        lanes: &[LaneRef<'_>],
+        failure: LaneFailurePolicy,
+        earliest: i64,
+    ) -> Result<()> {
+        if lanes.is_empty() {
+            return Ok(());
+        }
+        let sql = if crate::sabotage::planted("out_of_order") {
+            ADVANCE_SQL_NEWEST_FIRST
+        } else {
+            ADVANCE_SQL
+        };
+        let channels: Vec<String> = lanes.iter().map(|l| l.channel.to_owned()).collect();
+        let chats: Vec<String> = lanes.iter().map(|l| l.chat_id.to_owned()).collect();
+        // Read and written where it stands among the transaction's statements: sent
+        // with the next one, or the COMMIT.
+        self.defer(
+            sql,
+            vec![
+                owned(channels),
+                owned(chats),
+                owned(earliest),
+                owned(failure == LaneFailurePolicy::Block),
+            ],
+            None,
+        )
     }
 
     fn activate(&self, head: &Activation<'_>) -> Result<()> {

@@ -11,7 +11,8 @@ use super::chunks::{
 };
 use super::deliveries::{FINALIZE_DELIVERED_SQL, HISTORY_SQL, INSERT_SQL, SWEEP_SQL};
 use super::lanes::{
-    ACTIVATE_MANY_SQL, ENTER_SQL, HEAD_SQL, HEADS_SQL, HELD_SQL, PAUSE_DUE_SQL, QUEUED_ALL_SQL,
+    ACTIVATE_MANY_SQL, ADVANCE_SQL, ENTER_SQL, HEAD_SQL, HEADS_SQL, HELD_SQL, PAUSE_DUE_SQL,
+    QUEUED_ALL_SQL,
 };
 use super::operator::DEAD_LETTER_CHUNKS_SQL;
 use super::reads::{OPEN_CHUNKS_SQL, OPEN_DELIVERIES_SQL};
@@ -63,6 +64,12 @@ const STATEMENTS: &[(&str, &str, &str, bool)] = &[
         "activate",
         ACTIVATE_MANY_SQL,
         "'{5,6}', '{0,0}', '{0,0}', '{t,t}', '{c1,c2}', '{pending,partial}'",
+        false,
+    ),
+    (
+        "advance lanes",
+        ADVANCE_SQL,
+        "'{t,t}', '{c1,c2}', 0, true",
         false,
     ),
     ("enter lanes", ENTER_SQL, "'{t,t}', '{c1,c2}', 2", false),

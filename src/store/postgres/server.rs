@@ -399,7 +399,7 @@ mod tests {
         });
         assert_eq!(
             (first, queued, claim, record),
-            (2, 2, 2, 3),
+            (2, 2, 2, 2),
             "round trips of an enqueue (lane free, lane busy), a claim(1), a record"
         );
     }
