@@ -1270,6 +1270,8 @@ pub(super) fn batched_writes_leave_the_rows_one_at_a_time_leaves(fresh: Fresh) {
         .id;
     let claims = ob.claim(10).unwrap();
     assert_eq!(claims.len(), 3, "the head of each lane");
+    ob.enqueue(&NewDelivery::single("t", "z", "z1").with_idempotency_key("k-taken"))
+        .unwrap();
     let chunk = |id: DeliveryId, index: i64| row(&ob, id) * CHUNK_STRIDE + index;
     write(&ob, |tx| {
         let pending = [(chunk(c1, 1), 7), (chunk(b2, 0), 8)];
@@ -1290,6 +1292,9 @@ pub(super) fn batched_writes_leave_the_rows_one_at_a_time_leaves(fresh: Fresh) {
                 .with_metadata("{}")
                 .not_before(crate::clock::to_datetime(T0 + 5_000)),
             NewDelivery::chunked("t", "e", "e2e2", ["e2", "e2"]),
+            // (its caller key taken, as by an application's transaction the key's lock
+            // does not cover)
+            NewDelivery::chunked("t", "f", "f1f1", ["f1", "f1"]).with_idempotency_key("k-taken"),
         ];
         let uids: Vec<String> = (first..)
             .take(replies.len())
@@ -1300,6 +1305,7 @@ pub(super) fn batched_writes_leave_the_rows_one_at_a_time_leaves(fresh: Fresh) {
             (false, None, false),
             (true, Some(T0 + 5_000), true),
             (false, None, true),
+            (true, Some(T0), true),
         ]
         .into_iter()
         .enumerate()
@@ -1320,6 +1326,21 @@ pub(super) fn batched_writes_leave_the_rows_one_at_a_time_leaves(fresh: Fresh) {
             || tx.insert_deliveries(&rows),
             || crate::store::composed::insert_deliveries(tx, &rows),
         )?;
+        // The reply whose key is taken is not stored, nor are its chunks.
+        let stored = |rows: &[NewRow<'_>]| -> crate::error::Result<_> {
+            tx.begin_nested()?;
+            let stored = tx.insert_deliveries(rows)?;
+            let left = tx.table_rows()?;
+            tx.end_nested(false)?;
+            Ok((stored, left))
+        };
+        let (all, left) = stored(&rows)?;
+        assert_eq!(all, [true, true, true, true, false], "insert_deliveries");
+        assert_eq!(
+            left,
+            stored(&rows[..4])?.1,
+            "a reply whose key is taken left rows"
+        );
 
         let acks = [
             (chunk(a1, 0), row(&ob, a1), Some("p-a1")),

@@ -52,7 +52,7 @@ pub(crate) const INSERT_SQL: &str = "WITH d AS (
          SELECT u.d, u.i, 'pending', u.due, u.t, u.ch
          FROM unnest($13::bigint[], $14::bigint[], $15::bigint[], $16::text[], $17::bigint[])
               AS u(d, i, due, t, ch)
-         WHERE u.d IN (SELECT id FROM d))
+         WHERE u.d = ANY (ARRAY(SELECT id FROM d)))
      SELECT array(SELECT id FROM d), txid_current_if_assigned()";
 
 /// The values of [`INSERT_SQL`] for some rows: the deliveries' columns, then their
@@ -207,7 +207,7 @@ pub(crate) const FINALIZE_DELIVERED_SQL: &str = concat!(
          SET status = 'delivered', delivered_count = chunk_count, updated_at = $4,
              finished_at = $4, finalize_error = NULL
          FROM u WHERE d.id = u.d
-         RETURNING d.id, d.uid, d.channel, d.chat_id, d.sender, d.text, d.chunk_count,
+         RETURNING u.n, d.uid, d.channel, d.chat_id, d.sender, d.text, d.chunk_count,
                    d.created_at),
      h AS (
          INSERT INTO outbound_messages
@@ -215,7 +215,7 @@ pub(crate) const FINALIZE_DELIVERED_SQL: &str = concat!(
               delivered_at)
          SELECT f.uid, f.channel, f.chat_id, f.sender, f.text, f.chunk_count,
                 f.created_at, $4
-         FROM f JOIN u ON u.d = f.id ORDER BY u.n
+         FROM f ORDER BY f.n
          RETURNING 1),
      s AS (",
     stats_sql!(

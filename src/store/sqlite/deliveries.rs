@@ -59,26 +59,34 @@ impl DeliveryStore for Tx<'_> {
 
     fn insert_delivery(&self, row: &NewRow<'_>) -> Result<bool> {
         let d = row.delivery;
-        self.prepare_cached(
-            "INSERT INTO outbound_deliveries
+        let stored = self
+            .prepare_cached(
+                "INSERT INTO outbound_deliveries
                  (id, uid, channel, chat_id, sender, idempotency_key, status, chunk_count,
                   created_at, updated_at, text, metadata, not_before)
-             VALUES (?10, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, ?9, ?11, ?12)",
-        )?
-        .execute(params![
-            row.uid,
-            d.channel,
-            d.chat_id,
-            d.sender,
-            d.idempotency_key,
-            if row.active { "pending" } else { "queued" },
-            d.chunks.len() as i64,
-            row.now,
-            d.text,
-            row.row,
-            d.metadata,
-            d.not_before,
-        ])?;
+             VALUES (?10, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, ?9, ?11, ?12)
+             ON CONFLICT (channel, idempotency_key) WHERE idempotency_key IS NOT NULL
+             DO NOTHING",
+            )?
+            .execute(params![
+                row.uid,
+                d.channel,
+                d.chat_id,
+                d.sender,
+                d.idempotency_key,
+                if row.active { "pending" } else { "queued" },
+                d.chunks.len() as i64,
+                row.now,
+                d.text,
+                row.row,
+                d.metadata,
+                d.not_before,
+            ])?;
+        if stored == 0 {
+            // Its caller key is taken. (Under the file's one writer the rules' check of
+            // the key comes first; the answer is the store contract's all the same.)
+            return Ok(false);
+        }
         if !row.chunk_rows {
             return Ok(true);
         }
