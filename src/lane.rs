@@ -21,7 +21,7 @@ use crate::error::Result;
 use crate::rules::{LaneFailurePolicy, LaneOrder};
 use crate::rules::{Rules, Stored};
 use crate::status::DeliveryStatus;
-use crate::store::{Activation, HeadRow, LaneRef, LaneStore, StoreTx, Waiting};
+use crate::store::{Activation, HeadRow, LaneRef, StoreTx, Waiting};
 
 /// Where a lane stands for scheduling purposes.
 pub(crate) enum LaneHead {
@@ -49,8 +49,8 @@ pub(crate) fn head_of(
 }
 
 /// [`head_of`] under failure policy `failure`.
-fn head_under<T: LaneStore + ?Sized>(
-    tx: &T,
+fn head_under(
+    tx: &dyn StoreTx,
     failure: LaneFailurePolicy,
     lane: LaneRef<'_>,
     first: Option<HeadRow>,
@@ -96,17 +96,18 @@ pub(crate) fn advance_many(
     }
     lanes.sort_unstable();
     lanes.dedup();
-    tx.advance_lanes(lanes, rules.lane_failure, earliest)
+    if tx.advance_lanes(lanes, rules.lane_failure, earliest)? {
+        return Ok(());
+    }
+    advance_lanes(tx, lanes, rules.lane_failure, earliest)
 }
 
-/// The rule of [`advance`] for distinct FIFO lanes under failure policy `failure`, as
-/// the store's reads and writes compose it — the lanes' heads read, then the next
-/// queued delivery of each free lane activated — and what
-/// [`LaneStore::advance_lanes`] does unless a store does it in one go (the conformance
-/// contract `advancing_lanes_in_one_go_leaves_what_the_rules_leave` holds the two to
-/// the same rows).
-pub(crate) fn advance_lanes<T: LaneStore + ?Sized>(
-    tx: &T,
+/// The rule of [`advance`] for distinct FIFO lanes under failure policy `failure`,
+/// composed of the store's reads and writes — the lanes' heads read, then the next
+/// queued delivery of each free lane activated — where the store does not do it in one
+/// go ([`LaneStore::advance_lanes`](crate::store::LaneStore::advance_lanes)).
+pub(crate) fn advance_lanes(
+    tx: &dyn StoreTx,
     lanes: &[LaneRef<'_>],
     failure: LaneFailurePolicy,
     earliest: i64,

@@ -249,9 +249,9 @@ impl LaneStore for PgTx<'_> {
         lanes: &[LaneRef<'_>],
         failure: LaneFailurePolicy,
         earliest: i64,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         if lanes.is_empty() {
-            return Ok(());
+            return Ok(true);
         }
         let sql = if crate::sabotage::planted("out_of_order") {
             ADVANCE_SQL_NEWEST_FIRST
@@ -271,7 +271,8 @@ impl LaneStore for PgTx<'_> {
                 owned(failure == LaneFailurePolicy::Block),
             ],
             None,
-        )
+        )?;
+        Ok(true)
     }
 
     fn activate(&self, head: &Activation<'_>) -> Result<()> {
