@@ -147,7 +147,16 @@ pub(crate) struct ServerTime {
     /// Server time minus the handle's clock, in milliseconds (0 for a clock not
     /// corrected).
     offset: AtomicI64,
+    /// The latest time handed out (of a wall clock).
+    latest: AtomicI64,
 }
+
+/// How far back a corrected wall clock may move and be held where it was instead: a
+/// new reading of the offset is off by its error (half a round trip, and a millisecond
+/// of rounding), which would move the time back now and then, and a due time this
+/// handle just wrote would not be due to its own next claim. A step back beyond this
+/// (a clock set back) is followed.
+const HELD_BACK_MS: i64 = 1_000;
 
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 impl ServerTime {
@@ -155,6 +164,7 @@ impl ServerTime {
         ServerTime {
             local,
             offset: AtomicI64::new(0),
+            latest: AtomicI64::new(i64::MIN),
         }
     }
 
@@ -179,9 +189,22 @@ impl ServerTime {
 
 impl Clock for ServerTime {
     fn now_ms(&self) -> i64 {
-        self.local
+        let now = self
+            .local
             .now_ms()
-            .saturating_add(self.offset.load(Ordering::Acquire))
+            .saturating_add(self.offset.load(Ordering::Acquire));
+        if !self.local.is_wall_clock() {
+            return now;
+        }
+        let latest = self.latest.fetch_max(now, Ordering::AcqRel);
+        if now >= latest {
+            now
+        } else if latest - now <= HELD_BACK_MS {
+            latest
+        } else {
+            self.latest.store(now, Ordering::Release);
+            now
+        }
     }
 
     fn is_wall_clock(&self) -> bool {
@@ -234,6 +257,29 @@ mod tests {
         assert_eq!(time.now_ms(), 1_000, "6 ms off is within the error");
         time.observe(1_012, 0, 10);
         assert_eq!(time.now_ms(), 1_007, "7 ms off is beyond it");
+    }
+
+    /// Found: a claim right after an enqueue on one handle missed the reply now and
+    /// then, its due time a millisecond or two after the claim's time (a new reading
+    /// of the offset had moved the time back by its error).
+    #[test]
+    fn a_corrected_clock_never_moves_back_by_a_readings_error() {
+        let host = ManualClock::new(0);
+        let time = ServerTime::new(Arc::new(Wall(host.clone())));
+        time.observe(1_000, 0, 0);
+        assert_eq!(time.now_ms(), 1_000);
+        // A reading 2 ms behind the last (beyond its error: it moves the offset).
+        time.observe(998, 0, 0);
+        assert_eq!(time.now_ms(), 1_000, "held where it was");
+        host.advance(Duration::from_millis(1));
+        assert_eq!(time.now_ms(), 1_000);
+        host.advance(Duration::from_millis(2));
+        assert_eq!(time.now_ms(), 1_001, "and on from there");
+        // A step back beyond a second is the clock set back: followed.
+        time.observe(-2_000, 3, 3);
+        assert_eq!(time.now_ms(), -2_000);
+        host.advance(Duration::from_millis(1));
+        assert_eq!(time.now_ms(), -1_999);
     }
 
     #[test]
