@@ -270,7 +270,12 @@ fn insert_keyless(
     let mut heads = Vec::with_capacity(lanes.len());
     if rules.policy.lane_order == LaneOrder::Fifo {
         for (lane, entry) in lanes.iter().zip(&entries) {
-            heads.push(lane::head_of(tx, &rules.policy, *lane, entry.head.clone())?);
+            heads.push(lane::head_of(
+                tx,
+                rules.policy.lane_failure,
+                *lane,
+                entry.head.clone(),
+            )?);
         }
     }
     if rows

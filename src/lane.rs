@@ -35,21 +35,12 @@ pub(crate) enum LaneHead {
 
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
 pub(crate) fn head(tx: &dyn StoreTx, rules: &Rules, lane: LaneRef<'_>) -> Result<LaneHead> {
-    head_of(tx, rules, lane, tx.lane_head(lane)?)
+    head_of(tx, rules.lane_failure, lane, tx.lane_head(lane)?)
 }
 
-/// [`head`], from the lane's first unfinished delivery as read.
+/// [`head`], from the lane's first unfinished delivery as read, under failure policy
+/// `failure`.
 pub(crate) fn head_of(
-    tx: &dyn StoreTx,
-    rules: &Rules,
-    lane: LaneRef<'_>,
-    first: Option<HeadRow>,
-) -> Result<LaneHead> {
-    head_under(tx, rules.lane_failure, lane, first)
-}
-
-/// [`head_of`] under failure policy `failure`.
-fn head_under(
     tx: &dyn StoreTx,
     failure: LaneFailurePolicy,
     lane: LaneRef<'_>,
@@ -114,7 +105,7 @@ pub(crate) fn advance_lanes(
 ) -> Result<()> {
     let mut starting = Vec::new();
     for (lane, first) in lanes.iter().zip(tx.lane_heads(lanes)?) {
-        if let LaneHead::Next(waiting) = head_under(tx, failure, *lane, first)? {
+        if let LaneHead::Next(waiting) = head_of(tx, failure, *lane, first)? {
             starting.push(activation(waiting, *lane, earliest));
         }
     }
