@@ -154,43 +154,71 @@ impl InsertColumns {
 
 /// Adds finalized replies to channels' counters, each to the row of this connection's
 /// shard (see `V3__sharded_stats.sql`): `$rows` gives (channel, latest, count, latency
-/// sum, the six buckets), in channel name order.
-macro_rules! stats_sql {
+/// sum, the six buckets), in channel name order. Three common table expressions: the
+/// rows (`st`), the update of the shard rows that exist (`su`: a plain update, which
+/// stays HOT and writes no row lock of its own) and the insert of those missing
+/// (`si`; another connection of the same shard may have inserted one meanwhile, then
+/// its row is added to).
+macro_rules! stats_ctes {
     ($rows:literal) => {
         concat!(
-            "INSERT INTO outbound_channel_stats AS s
-                 (channel, shard, delivered, last_delivered_at, finalized_total,
-                  latency_count, latency_sum_ms, latency_le_1s, latency_le_5s, latency_le_30s,
-                  latency_le_120s, latency_le_600s, latency_le_3600s)
-             SELECT channel, pg_backend_pid() % 16, n, latest, n, n, sum_ms, le_1s, le_5s,
-                    le_30s, le_120s, le_600s, le_3600s
-             FROM ",
+            "st AS (
+                 SELECT * FROM ",
             $rows,
-            " AS t(channel, latest, n, sum_ms, le_1s, le_5s, le_30s, le_120s, le_600s, le_3600s)
-             ON CONFLICT (channel, shard) DO UPDATE
-             SET delivered = s.delivered + excluded.delivered,
-                 last_delivered_at = greatest(s.last_delivered_at, excluded.last_delivered_at),
-                 finalized_total = s.finalized_total + excluded.finalized_total,
-                 latency_count = s.latency_count + excluded.latency_count,
-                 latency_sum_ms = s.latency_sum_ms + excluded.latency_sum_ms,
-                 latency_le_1s = s.latency_le_1s + excluded.latency_le_1s,
-                 latency_le_5s = s.latency_le_5s + excluded.latency_le_5s,
-                 latency_le_30s = s.latency_le_30s + excluded.latency_le_30s,
-                 latency_le_120s = s.latency_le_120s + excluded.latency_le_120s,
-                 latency_le_600s = s.latency_le_600s + excluded.latency_le_600s,
-                 latency_le_3600s = s.latency_le_3600s + excluded.latency_le_3600s"
+            " AS t(channel, latest, n, sum_ms, le_1s, le_5s, le_30s, le_120s, le_600s,
+                    le_3600s)),
+             su AS (
+                 UPDATE outbound_channel_stats s
+                 SET delivered = s.delivered + st.n,
+                     last_delivered_at = greatest(s.last_delivered_at, st.latest),
+                     finalized_total = s.finalized_total + st.n,
+                     latency_count = s.latency_count + st.n,
+                     latency_sum_ms = s.latency_sum_ms + st.sum_ms,
+                     latency_le_1s = s.latency_le_1s + st.le_1s,
+                     latency_le_5s = s.latency_le_5s + st.le_5s,
+                     latency_le_30s = s.latency_le_30s + st.le_30s,
+                     latency_le_120s = s.latency_le_120s + st.le_120s,
+                     latency_le_600s = s.latency_le_600s + st.le_600s,
+                     latency_le_3600s = s.latency_le_3600s + st.le_3600s
+                 FROM st WHERE s.channel = st.channel AND s.shard = pg_backend_pid() % 16
+                 RETURNING s.channel),
+             si AS (
+                 INSERT INTO outbound_channel_stats AS s
+                     (channel, shard, delivered, last_delivered_at, finalized_total,
+                      latency_count, latency_sum_ms, latency_le_1s, latency_le_5s,
+                      latency_le_30s, latency_le_120s, latency_le_600s, latency_le_3600s)
+                 SELECT channel, pg_backend_pid() % 16, n, latest, n, n, sum_ms, le_1s,
+                        le_5s, le_30s, le_120s, le_600s, le_3600s
+                 FROM st WHERE channel NOT IN (SELECT channel FROM su)
+                 ON CONFLICT (channel, shard) DO UPDATE
+                 SET delivered = s.delivered + excluded.delivered,
+                     last_delivered_at = greatest(s.last_delivered_at,
+                                                  excluded.last_delivered_at),
+                     finalized_total = s.finalized_total + excluded.finalized_total,
+                     latency_count = s.latency_count + excluded.latency_count,
+                     latency_sum_ms = s.latency_sum_ms + excluded.latency_sum_ms,
+                     latency_le_1s = s.latency_le_1s + excluded.latency_le_1s,
+                     latency_le_5s = s.latency_le_5s + excluded.latency_le_5s,
+                     latency_le_30s = s.latency_le_30s + excluded.latency_le_30s,
+                     latency_le_120s = s.latency_le_120s + excluded.latency_le_120s,
+                     latency_le_600s = s.latency_le_600s + excluded.latency_le_600s,
+                     latency_le_3600s = s.latency_le_3600s + excluded.latency_le_3600s)"
         )
     };
 }
 
-const STATS_SQL: &str = stats_sql!(
-    "(VALUES ($1::text, $2::bigint, $3::bigint, $4::bigint,
-      $5::bigint, $6::bigint, $7::bigint, $8::bigint, $9::bigint, $10::bigint))"
+const STATS_SQL: &str = concat!(
+    "WITH ",
+    stats_ctes!(
+        "(VALUES ($1::text, $2::bigint, $3::bigint, $4::bigint,
+          $5::bigint, $6::bigint, $7::bigint, $8::bigint, $9::bigint, $10::bigint))"
+    ),
+    " SELECT 1"
 );
 
 /// The last chunks (`$1`, `$2`) delivered at `$4` with platform ids `$3`, their
 /// deliveries finalized and copied into the history in the order given, and the
-/// channels' counters (`$5`..`$14`, as [`stats_sql!`] reads them) added to: 1 and the
+/// channels' counters (`$5`..`$14`, as [`stats_ctes!`] reads them) added to: 1 and the
 /// transaction's id, or the statement fails as [`CHECK_FAILED`](super::CHECK_FAILED)
 /// says unless it copied every delivery.
 pub(crate) const FINALIZE_DELIVERED_SQL: &str = concat!(
@@ -217,12 +245,12 @@ pub(crate) const FINALIZE_DELIVERED_SQL: &str = concat!(
                 f.created_at, $4
          FROM f ORDER BY f.n
          RETURNING 1),
-     s AS (",
-    stats_sql!(
+     ",
+    stats_ctes!(
         "unnest($5::text[], $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[],
         $10::bigint[], $11::bigint[], $12::bigint[], $13::bigint[], $14::bigint[])"
     ),
-    ")
+    "
      SELECT 1 / (count(*) = cardinality($1::bigint[]))::int, txid_current_if_assigned()
      FROM h"
 );
