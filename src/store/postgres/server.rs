@@ -397,10 +397,26 @@ mod tests {
             let claim = claims.next().unwrap();
             outbox.record(&claim, Outcome::delivered(None)).unwrap();
         });
+        // A dispatcher's step: the outcome of its last send recorded and its next send
+        // claimed, in one transaction.
+        for i in 0..13 {
+            outbox.enqueue(&reply(format!("step-{i}"))).unwrap();
+        }
+        let mut held = outbox.claim(1).unwrap();
+        let step = fewest(&mut |_| {
+            let claim = held.pop().unwrap();
+            let outcomes = [(claim, Outcome::delivered(None))];
+            let step = outbox
+                .record_and_claim(&outcomes, &["t"], 1, crate::claim::Isolation::Busy)
+                .unwrap();
+            assert!(step.recorded[0].is_ok());
+            held = step.claims;
+        });
         assert_eq!(
-            (first, queued, claim, record),
-            (2, 2, 2, 2),
-            "round trips of an enqueue (lane free, lane busy), a claim(1), a record"
+            (first, queued, claim, record, step),
+            (2, 2, 2, 2, 3),
+            "round trips of an enqueue (lane free, lane busy), a claim(1), a record, \
+             a dispatcher's record-and-claim step"
         );
     }
 
