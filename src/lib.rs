@@ -158,6 +158,9 @@ mod adapters;
 mod claim;
 mod classify;
 pub mod clock;
+#[cfg(feature = "console")]
+#[cfg_attr(docsrs, doc(cfg(feature = "console")))]
+pub mod console;
 pub mod dispatch;
 mod enqueue;
 mod entry;

@@ -1046,6 +1046,23 @@ fn serve_answers_scrapers_and_load_balancers() -> Result<()> {
         body.starts_with("fail: ") && body.contains("1 unacknowledged dead letters"),
         "{body}"
     );
+
+    // The console, under /console, with its security headers.
+    let response = reqwest::blocking::get(format!("{base}/console")).expect("HTTP answer");
+    assert_eq!(response.status().as_u16(), 200);
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let csp = header("content-security-policy").unwrap_or_default();
+    assert!(csp.contains("default-src 'none'"), "{csp:?}");
+    assert_eq!(header("x-content-type-options").as_deref(), Some("nosniff"));
+    let page = response.text().unwrap();
+    assert!(page.contains("<th scope=\"row\">telegram</th>"), "{page}");
+    assert_eq!(get(format!("{base}/console/nowhere")).0, 404);
     Ok(())
 }
 

@@ -1,4 +1,5 @@
-//! `outbox serve`: the health snapshot over HTTP, for scrapers and load balancers.
+//! `outbox serve`: the health snapshot over HTTP, for scrapers and load balancers, and
+//! the operator console (`chunked_outbox::console`) under `/console`.
 //!
 //! Meant to be reachable on a network, so no client can hold it up: each connection is
 //! a task of its own (a client that pipelines requests and never reads its answers
@@ -14,6 +15,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use chunked_outbox::Outbox;
+use chunked_outbox::console::{self, Console};
 use chunked_outbox::monitoring::Endpoint;
 use clap::Args;
 use http_body_util::Full;
@@ -53,16 +55,29 @@ pub fn serve(outbox: &Outbox, args: &ServeArgs) -> CliResult<u8> {
         .thread_name("outbox-serve")
         .enable_all()
         .build()?;
-    let endpoint = Arc::new(Endpoint::new(outbox.clone(), args.thresholds.to_library()));
-    runtime.block_on(accept(endpoint, args))
+    let pages = Arc::new(Pages {
+        endpoint: Endpoint::new(outbox.clone(), args.thresholds.to_library()),
+        console: Console::new(outbox.clone()),
+    });
+    runtime.block_on(accept(pages, args))
 }
 
-async fn accept(endpoint: Arc<Endpoint>, args: &ServeArgs) -> CliResult<u8> {
+/// What the server answers: the health endpoint and the console (under
+/// [`console::BASE`]).
+struct Pages {
+    endpoint: Endpoint,
+    console: Console,
+}
+
+async fn accept(pages: Arc<Pages>, args: &ServeArgs) -> CliResult<u8> {
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
-    println!("serving http://{addr}/metrics, /healthz and /health.json");
+    println!(
+        "serving http://{addr}/metrics, /healthz, /health.json and the console at {}",
+        console::BASE
+    );
     std::io::Write::flush(&mut std::io::stdout())?;
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
@@ -79,18 +94,19 @@ async fn accept(endpoint: Arc<Endpoint>, args: &ServeArgs) -> CliResult<u8> {
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             continue; // dropped: closed at once
         };
-        let endpoint = endpoint.clone();
+        let pages = pages.clone();
         let header_timeout = args.header_timeout;
         tokio::spawn(async move {
             let _slot = slot;
             let service = service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
-                let endpoint = endpoint.clone();
+                let pages = pages.clone();
                 let target = request
                     .uri()
                     .path_and_query()
                     .map_or("/", |p| p.as_str())
                     .to_owned();
-                async move { Ok::<_, Infallible>(answer(endpoint, target).await) }
+                let method = request.method().as_str().to_owned();
+                async move { Ok::<_, Infallible>(answer(pages, method, target).await) }
             });
             let connection = http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -103,17 +119,36 @@ async fn accept(endpoint: Arc<Endpoint>, args: &ServeArgs) -> CliResult<u8> {
     }
 }
 
-/// The endpoint's answer to `target`, read on the blocking pool (a snapshot is a
-/// database read).
-async fn answer(endpoint: Arc<Endpoint>, target: String) -> hyper::Response<Full<Bytes>> {
-    let (status, content_type, body) =
-        match tokio::task::spawn_blocking(move || endpoint.respond(&target)).await {
-            Ok(answer) => (answer.status, answer.content_type, answer.body),
-            Err(e) => (500, "text/plain; charset=utf-8", format!("fail: {e}\n")),
-        };
-    hyper::Response::builder()
+/// The answer to `method` on `target`, read on the blocking pool (a snapshot is a
+/// database read): the console's pages with their security headers, else the health
+/// endpoint's.
+async fn answer(pages: Arc<Pages>, method: String, target: String) -> hyper::Response<Full<Bytes>> {
+    let path = target.split('?').next().unwrap_or_default();
+    let in_console = path
+        .strip_prefix(console::BASE)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
+    let read = move || {
+        if in_console {
+            let page = pages.console.respond(&method, &target);
+            (page.status, page.content_type, page.body)
+        } else {
+            let answer = pages.endpoint.respond(&target);
+            (answer.status, answer.content_type, answer.body)
+        }
+    };
+    let (status, content_type, body) = match tokio::task::spawn_blocking(read).await {
+        Ok(answer) => answer,
+        Err(e) => (500, "text/plain; charset=utf-8", format!("fail: {e}\n")),
+    };
+    let mut response = hyper::Response::builder()
         .status(status)
-        .header(hyper::header::CONTENT_TYPE, content_type)
+        .header(hyper::header::CONTENT_TYPE, content_type);
+    if in_console {
+        for (name, value) in console::SECURITY_HEADERS {
+            response = response.header(name, value);
+        }
+    }
+    response
         .body(Full::new(Bytes::from(body)))
         .unwrap_or_else(|_| hyper::Response::new(Full::new(Bytes::from_static(b"fail\n"))))
 }
