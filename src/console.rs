@@ -2,8 +2,10 @@
 //! `console`, part of `cli`; `outbox serve` mounts it under `/console`).
 //!
 //! This first part is read-only: the overview (what [`health`](crate::Outbox::health)
-//! says, per channel) and a reply's story (every part with its state, attempts, keys,
-//! errors, times and platform ids). Like [`Endpoint`](crate::monitoring::Endpoint) it
+//! says, per channel), the replies that wait for a person (uncertain ones and dead
+//! letters, newest first, filtered by channel), a reply's story (every part with its
+//! state, attempts, keys, errors, times and platform ids; found by its id) and the
+//! stored rules. Like [`Endpoint`](crate::monitoring::Endpoint) it
 //! answers a request as a value, so any HTTP server can mount it; every answer carries
 //! its security headers, every value is escaped (a reply whose text is `<script>`
 //! renders as text), and a reply's text is shown only when asked for (`?text=1`).
@@ -25,8 +27,9 @@ use maud::{DOCTYPE, Markup, html};
 
 use crate::health::{ChannelHealth, Health};
 use crate::ids::DeliveryId;
-use crate::inspect::DeliveryView;
+use crate::inspect::{DeliveryView, ListFilter};
 use crate::outbox::Outbox;
+use crate::status::DeliveryStatus;
 
 /// Where the console's pages live; a server mounts every path under it.
 pub const BASE: &str = "/console";
@@ -61,6 +64,9 @@ enum Route {
     Overview,
     Style,
     Delivery,
+    Find,
+    Waiting(DeliveryStatus),
+    Rules,
 }
 
 /// A console's answer, for the server to send as it is, with [`SECURITY_HEADERS`].
@@ -78,6 +84,9 @@ pub struct Page {
 
 const HTML: &str = "text/html; charset=utf-8";
 
+/// The most replies a page of uncertain replies or dead letters lists (newest first).
+const WAITING_LISTED: usize = 50;
+
 impl Console {
     /// The console of `outbox`.
     pub fn new(outbox: Outbox) -> Self {
@@ -87,6 +96,16 @@ impl Console {
             (format!("{BASE}/"), Route::Overview),
             (format!("{BASE}/style.css"), Route::Style),
             (format!("{BASE}/deliveries/{{id}}"), Route::Delivery),
+            (format!("{BASE}/deliveries"), Route::Find),
+            (
+                format!("{BASE}/uncertain"),
+                Route::Waiting(DeliveryStatus::Uncertain),
+            ),
+            (
+                format!("{BASE}/dead-letters"),
+                Route::Waiting(DeliveryStatus::Failed),
+            ),
+            (format!("{BASE}/rules"), Route::Rules),
         ] {
             // The paths are fixed and distinct.
             routes.insert(path, route).expect("distinct console routes");
@@ -121,27 +140,62 @@ impl Console {
                 Ok(health) => ok(overview(&health)),
                 Err(e) => unreadable(&e),
             },
-            Route::Delivery => {
-                let Some(id) = found
-                    .params
-                    .get("id")
-                    .and_then(|id| id.parse::<DeliveryId>().ok())
-                else {
-                    return not_found("That is not a delivery id.");
-                };
-                match self.outbox.delivery(id) {
-                    Ok(Some(view)) => ok(story(&view, asked_for_text(query))),
-                    Ok(None) => not_found("No reply has that id (it may have been purged)."),
+            Route::Delivery => self.delivery(found.params.get("id"), query),
+            Route::Find => self.delivery(parameter(query, "id").as_deref(), query),
+            &Route::Waiting(status) => {
+                let mut filter = ListFilter::default().status(status).limit(WAITING_LISTED);
+                let channel = parameter(query, "channel").filter(|c| !c.is_empty());
+                if let Some(channel) = &channel {
+                    filter = filter.channel(channel.clone());
+                }
+                // Listed without their parts; each one's story tells its last error.
+                let views = self.outbox.list(&filter).and_then(|listed| {
+                    listed
+                        .into_iter()
+                        .map(|view| Ok(self.outbox.delivery(view.id)?.unwrap_or(view)))
+                        .collect::<crate::Result<Vec<_>>>()
+                });
+                match views {
+                    Ok(views) => ok(waiting(status, channel.as_deref(), &views)),
                     Err(e) => unreadable(&e),
                 }
             }
+            Route::Rules => match self.outbox.rules() {
+                Ok(rules) => ok(layout(
+                    "Rules",
+                    html! {
+                        p { "As stored: every process on this outbox follows them. Read-only here;                              `outbox config` changes them." }
+                        pre { (serde_json::to_string_pretty(&rules).unwrap_or_default()) }
+                    },
+                )),
+                Err(e) => unreadable(&e),
+            },
+        }
+    }
+
+    /// A reply's story, by its id as text.
+    fn delivery(&self, id: Option<&str>, query: &str) -> Page {
+        let Some(id) = id.and_then(|id| id.trim().parse::<DeliveryId>().ok()) else {
+            return not_found("That is not a delivery id.");
+        };
+        match self.outbox.delivery(id) {
+            Ok(Some(view)) => ok(story(&view, asked_for_text(query))),
+            Ok(None) => not_found("No reply has that id (it may have been purged)."),
+            Err(e) => unreadable(&e),
         }
     }
 }
 
 /// Whether the query asks for the reply's text (`text=1`).
 fn asked_for_text(query: &str) -> bool {
-    query.split('&').any(|pair| pair == "text=1")
+    parameter(query, "text").as_deref() == Some("1")
+}
+
+/// The value of `name` in a query string, decoded.
+fn parameter(query: &str, name: &str) -> Option<String> {
+    form_urlencoded::parse(query.as_bytes())
+        .find(|(key, _)| key == name)
+        .map(|(_, value)| value.into_owned())
 }
 
 fn ok(body: Markup) -> Page {
@@ -182,7 +236,16 @@ fn layout(title: &str, content: Markup) -> Markup {
                 link rel="stylesheet" href={ (BASE) "/style.css" };
             }
             body {
-                nav { a href=(BASE) { "Overview" } }
+                nav {
+                    a href=(BASE) { "Overview" }
+                    a href={ (BASE) "/uncertain" } { "Uncertain" }
+                    a href={ (BASE) "/dead-letters" } { "Dead letters" }
+                    a href={ (BASE) "/rules" } { "Rules" }
+                    form method="get" action={ (BASE) "/deliveries" } {
+                        label { "Reply id " input type="search" name="id" required; }
+                        button { "Show" }
+                    }
+                }
                 h1 { (title) }
                 (content)
             }
@@ -232,6 +295,57 @@ fn overview(health: &Health) -> Markup {
                 tbody {
                     @for (name, channel) in &health.channels { (row(name, channel)) }
                     (row("all channels", &health.totals))
+                }
+            }
+        },
+    )
+}
+
+fn waiting(status: DeliveryStatus, channel: Option<&str>, views: &[DeliveryView]) -> Markup {
+    let (title, what) = match status {
+        DeliveryStatus::Uncertain => (
+            "Uncertain replies",
+            "A part of each may or may not have reached the platform; the channel's replay \
+             policy holds it for a decision (`outbox resolve`).",
+        ),
+        _ => (
+            "Dead letters",
+            "Replies that failed for good; `outbox requeue` sends them again, \
+             `outbox dismiss-dead-letters` acknowledges them.",
+        ),
+    };
+    layout(
+        title,
+        html! {
+            p { (what) }
+            form method="get" {
+                label { "Channel " input type="search" name="channel" value=(channel.unwrap_or("")); }
+                button { "Filter" }
+            }
+            @if views.is_empty() {
+                p { "None." }
+            } @else {
+                table {
+                    thead {
+                        tr {
+                            th scope="col" { "reply" }
+                            th scope="col" { "channel, chat" }
+                            th scope="col" { "parts delivered" }
+                            th scope="col" { "last error" }
+                            th scope="col" { "enqueued" }
+                        }
+                    }
+                    tbody {
+                        @for view in views {
+                            tr {
+                                td { a href={ (BASE) "/deliveries/" (view.id) } { (view.id) } }
+                                td { (view.channel) ", " (view.chat_id) }
+                                td { (view.delivered_count) " of " (view.chunk_count) }
+                                td { (view.chunks.iter().rev().find_map(|c| c.last_error.as_deref()).unwrap_or("–")) }
+                                td { (time(Some(view.created_at))) }
+                            }
+                        }
+                    }
                 }
             }
         },
@@ -346,6 +460,53 @@ mod tests {
         );
         assert_eq!(console.respond("POST", "/console").status, 405);
         assert_eq!(console.respond("GET", "/console/style.css").status, 200);
+    }
+
+    #[test]
+    fn dead_letters_and_uncertain_replies_are_listed_by_channel() {
+        let outbox = Outbox::open_in_memory(OutboxOptions::default()).unwrap();
+        for channel in ["telegram", "discord"] {
+            outbox
+                .enqueue(&NewDelivery::single(channel, "7", "x"))
+                .unwrap();
+            let claim = outbox.claim(1).unwrap().pop().unwrap();
+            outbox
+                .record_error_text(&claim, "Forbidden: bot was blocked by the user")
+                .unwrap();
+        }
+        let console = Console::new(outbox);
+        let all = console.respond("GET", "/console/dead-letters");
+        assert_eq!(all.status, 200);
+        assert_eq!(
+            all.body.matches("bot was blocked").count(),
+            2,
+            "{}",
+            all.body
+        );
+        let one = console.respond("GET", "/console/dead-letters?channel=discord");
+        assert_eq!(
+            one.body.matches("bot was blocked").count(),
+            1,
+            "{}",
+            one.body
+        );
+        assert!(one.body.contains("discord, 7") && !one.body.contains("telegram, 7"));
+        let uncertain = console.respond("GET", "/console/uncertain");
+        assert!(uncertain.body.contains("None."), "{}", uncertain.body);
+    }
+
+    #[test]
+    fn a_reply_is_found_by_its_id_and_the_rules_are_shown() {
+        let (console, id) = console_with("x");
+        let found = console.respond("GET", &format!("/console/deliveries?id=+{id}+"));
+        assert_eq!(found.status, 200);
+        assert!(found.body.contains(&id.to_string()));
+        assert_eq!(
+            console.respond("GET", "/console/deliveries?id=").status,
+            404
+        );
+        let rules = console.respond("GET", "/console/rules");
+        assert!(rules.body.contains("lane_order"), "{}", rules.body);
     }
 
     #[test]
