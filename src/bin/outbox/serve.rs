@@ -35,9 +35,10 @@ const MAX_HEAD_BYTES: usize = 8 * 1024;
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// The address to listen on, such as 127.0.0.1:9464 (port 0: any free port; the
-    /// first line printed names it).
-    #[arg(long, value_name = "ADDR")]
+    /// The address to listen on (port 0: any free port; the first line printed names
+    /// it). The loopback address by default: the console shows what the bot sends, so
+    /// reaching it from elsewhere is a choice to make.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9464")]
     listen: String,
     /// How long a client may take to send a request's head; a connection that has not
     /// sent one whole by then is closed (such as 10s, 500ms).
