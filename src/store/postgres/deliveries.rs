@@ -158,7 +158,9 @@ impl InsertColumns {
 /// rows (`st`), the update of the shard rows that exist (`su`: a plain update, which
 /// stays HOT and writes no row lock of its own) and the insert of those missing
 /// (`si`; another connection of the same shard may have inserted one meanwhile, then
-/// its row is added to).
+/// its row is added to). `si` reads `su`, which makes the update run first: unread, a
+/// data-modifying expression runs after those declared later, and the upsert would
+/// take every row, lock included.
 macro_rules! stats_ctes {
     ($rows:literal) => {
         concat!(
