@@ -164,7 +164,10 @@ impl Console {
                 Ok(rules) => ok(layout(
                     "Rules",
                     html! {
-                        p { "As stored: every process on this outbox follows them. Read-only here;                              `outbox config` changes them." }
+                        p {
+                            "As stored: every process on this outbox follows them. Read-only \
+                             here; " code { "outbox config" } " changes them."
+                        }
                         pre { (serde_json::to_string_pretty(&rules).unwrap_or_default()) }
                     },
                 )),
@@ -305,13 +308,17 @@ fn waiting(status: DeliveryStatus, channel: Option<&str>, views: &[DeliveryView]
     let (title, what) = match status {
         DeliveryStatus::Uncertain => (
             "Uncertain replies",
-            "A part of each may or may not have reached the platform; the channel's replay \
-             policy holds it for a decision (`outbox resolve`).",
+            html! {
+                "A part of each may or may not have reached the platform; the channel's \
+                 replay policy holds it for a decision (" code { "outbox resolve" } ")."
+            },
         ),
         _ => (
             "Dead letters",
-            "Replies that failed for good; `outbox requeue` sends them again, \
-             `outbox dismiss-dead-letters` acknowledges them.",
+            html! {
+                "Replies that failed for good; " code { "outbox requeue" } " sends them again, "
+                code { "outbox dismiss-dead-letters" } " acknowledges them."
+            },
         ),
     };
     layout(
