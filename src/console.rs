@@ -256,6 +256,11 @@ fn layout(title: &str, content: Markup) -> Markup {
     }
 }
 
+/// A table's head of `names`.
+fn columns(names: &[&str]) -> Markup {
+    html! { thead { tr { @for name in names { th scope="col" { (name) } } } } }
+}
+
 fn time(t: Option<chrono::DateTime<chrono::Utc>>) -> String {
     t.map_or_else(
         || "–".into(),
@@ -283,18 +288,7 @@ fn overview(health: &Health) -> Markup {
         html! {
             p { "Snapshot taken " (time(Some(health.generated_at))) "." }
             table {
-                thead {
-                    tr {
-                        th scope="col" { "channel" }
-                        th scope="col" { "due" }
-                        th scope="col" { "moving" }
-                        th scope="col" { "uncertain" }
-                        th scope="col" { "dead letters" }
-                        th scope="col" { "oldest due" }
-                        th scope="col" { "delivered" }
-                        th scope="col" { "last delivered" }
-                    }
-                }
+                (columns(&["channel", "due", "moving", "uncertain", "dead letters", "oldest due", "delivered", "last delivered"]))
                 tbody {
                     @for (name, channel) in &health.channels { (row(name, channel)) }
                     (row("all channels", &health.totals))
@@ -333,15 +327,7 @@ fn waiting(status: DeliveryStatus, channel: Option<&str>, views: &[DeliveryView]
                 p { "None." }
             } @else {
                 table {
-                    thead {
-                        tr {
-                            th scope="col" { "reply" }
-                            th scope="col" { "channel, chat" }
-                            th scope="col" { "parts delivered" }
-                            th scope="col" { "last error" }
-                            th scope="col" { "enqueued" }
-                        }
-                    }
+                    (columns(&["reply", "channel, chat", "parts delivered", "last error", "enqueued"]))
                     tbody {
                         @for view in views {
                             tr {
@@ -382,18 +368,7 @@ fn story(view: &DeliveryView, with_text: bool) -> Markup {
             }
             h2 { "Parts" }
             table {
-                thead {
-                    tr {
-                        th scope="col" { "part" }
-                        th scope="col" { "state" }
-                        th scope="col" { "attempts" }
-                        th scope="col" { "key" }
-                        th scope="col" { "last error" }
-                        th scope="col" { "next attempt" }
-                        th scope="col" { "delivered" }
-                        th scope="col" { "platform id" }
-                    }
-                }
+                (columns(&["part", "state", "attempts", "key", "last error", "next attempt", "delivered", "platform id"]))
                 tbody {
                     @for chunk in &view.chunks {
                         tr {
