@@ -5,9 +5,9 @@
 //! says, per channel), the replies that wait for a person (uncertain ones and dead
 //! letters, newest first, filtered by channel), a reply's story (every part with its
 //! state, attempts, keys, errors, times and platform ids; found by its id) and the
-//! stored rules. Like [`Endpoint`](crate::monitoring::Endpoint) it
-//! answers a request as a value, so any HTTP server can mount it; every answer carries
-//! its security headers, every value is escaped (a reply whose text is `<script>`
+//! stored rules. Like [`Endpoint`](crate::monitoring::Endpoint) it answers a request
+//! with a [`Response`], so any HTTP server can mount it; every answer is sent with
+//! [`SECURITY_HEADERS`], every value is escaped (a reply whose text is `<script>`
 //! renders as text), and a reply's text is shown only when asked for (`?text=1`).
 //!
 //! ```
@@ -28,6 +28,7 @@ use maud::{DOCTYPE, Markup, html};
 use crate::health::{ChannelHealth, Health};
 use crate::ids::DeliveryId;
 use crate::inspect::{DeliveryView, ListFilter};
+use crate::monitoring::Response;
 use crate::outbox::Outbox;
 use crate::status::DeliveryStatus;
 
@@ -69,19 +70,6 @@ enum Route {
     Rules,
 }
 
-/// A console's answer, for the server to send as it is, with [`SECURITY_HEADERS`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Page {
-    /// 200; 404 for an unknown page or reply; 405 for a method other than `GET`; 503
-    /// when the outbox cannot be read.
-    pub status: u16,
-    /// The `Content-Type` header.
-    pub content_type: &'static str,
-    /// The body.
-    pub body: String,
-}
-
 const HTML: &str = "text/html; charset=utf-8";
 
 /// The most replies a page of uncertain replies or dead letters lists (newest first).
@@ -118,20 +106,20 @@ impl Console {
 
     /// The answer to `method` on `target` (a path with its query string). It blocks for
     /// one read transaction of the outbox.
-    pub fn respond(&self, method: &str, target: &str) -> Page {
+    pub fn respond(&self, method: &str, target: &str) -> Response {
         let (path, query) = target.split_once('?').unwrap_or((target, ""));
         let Ok(found) = self.routes.at(path) else {
             return not_found("No such page.");
         };
         if method != "GET" && method != "HEAD" {
-            return Page {
+            return Response {
                 status: 405,
                 content_type: "text/plain; charset=utf-8",
                 body: "the console is read-only: only GET\n".into(),
             };
         }
         match found.value {
-            Route::Style => Page {
+            Route::Style => Response {
                 status: 200,
                 content_type: "text/css; charset=utf-8",
                 body: STYLE.into(),
@@ -177,7 +165,7 @@ impl Console {
     }
 
     /// A reply's story, by its id as text.
-    fn delivery(&self, id: Option<&str>, query: &str) -> Page {
+    fn delivery(&self, id: Option<&str>, query: &str) -> Response {
         let Some(id) = id.and_then(|id| id.trim().parse::<DeliveryId>().ok()) else {
             return not_found("That is not a delivery id.");
         };
@@ -201,24 +189,24 @@ fn parameter(query: &str, name: &str) -> Option<String> {
         .map(|(_, value)| value.into_owned())
 }
 
-fn ok(body: Markup) -> Page {
-    Page {
+fn ok(body: Markup) -> Response {
+    Response {
         status: 200,
         content_type: HTML,
         body: body.into_string(),
     }
 }
 
-fn not_found(why: &str) -> Page {
-    Page {
+fn not_found(why: &str) -> Response {
+    Response {
         status: 404,
         content_type: HTML,
         body: layout("Not found", html! { p { (why) } }).into_string(),
     }
 }
 
-fn unreadable(e: &crate::Error) -> Page {
-    Page {
+fn unreadable(e: &crate::Error) -> Response {
+    Response {
         status: 503,
         content_type: HTML,
         body: layout(

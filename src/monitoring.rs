@@ -272,12 +272,13 @@ pub struct Endpoint {
     thresholds: Thresholds,
 }
 
-/// An [`Endpoint`]'s answer, for the server to send as it is.
+/// An [`Endpoint`]'s (or the console's) answer, for the server to send as it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Response {
     /// 200; 503 from `/healthz` when the verdict is [`Level::Fail`] or the file cannot
-    /// be read; 404 for another path.
+    /// be read (from the console: when the outbox cannot be read); 404 for another
+    /// path; 405 from the console for a method other than `GET`.
     pub status: u16,
     /// The `Content-Type` header.
     pub content_type: &'static str,
