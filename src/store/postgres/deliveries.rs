@@ -152,6 +152,48 @@ impl InsertColumns {
     }
 }
 
+/// What a finalization adds to a counter row `s` from the row `$from` (named as the
+/// table's columns): the update's and the upsert's one list.
+macro_rules! stats_added {
+    ($from:literal) => {
+        concat!(
+            "delivered = s.delivered + ",
+            $from,
+            ".delivered,
+             last_delivered_at = greatest(s.last_delivered_at, ",
+            $from,
+            ".last_delivered_at),
+             finalized_total = s.finalized_total + ",
+            $from,
+            ".finalized_total,
+             latency_count = s.latency_count + ",
+            $from,
+            ".latency_count,
+             latency_sum_ms = s.latency_sum_ms + ",
+            $from,
+            ".latency_sum_ms,
+             latency_le_1s = s.latency_le_1s + ",
+            $from,
+            ".latency_le_1s,
+             latency_le_5s = s.latency_le_5s + ",
+            $from,
+            ".latency_le_5s,
+             latency_le_30s = s.latency_le_30s + ",
+            $from,
+            ".latency_le_30s,
+             latency_le_120s = s.latency_le_120s + ",
+            $from,
+            ".latency_le_120s,
+             latency_le_600s = s.latency_le_600s + ",
+            $from,
+            ".latency_le_600s,
+             latency_le_3600s = s.latency_le_3600s + ",
+            $from,
+            ".latency_le_3600s"
+        )
+    };
+}
+
 /// Adds finalized replies to channels' counters, each to the row of this connection's
 /// shard (see `V3__sharded_stats.sql`): `$rows` gives (channel, latest, count, latency
 /// sum, the six buckets), in channel name order. Three common table expressions: the
@@ -165,46 +207,30 @@ macro_rules! stats_ctes {
     ($rows:literal) => {
         concat!(
             "st AS (
-                 SELECT * FROM ",
+                 SELECT channel, pg_backend_pid() % 16 AS shard, n AS delivered,
+                        latest AS last_delivered_at, n AS finalized_total, n AS latency_count,
+                        sum_ms AS latency_sum_ms, le_1s AS latency_le_1s,
+                        le_5s AS latency_le_5s, le_30s AS latency_le_30s,
+                        le_120s AS latency_le_120s, le_600s AS latency_le_600s,
+                        le_3600s AS latency_le_3600s
+                 FROM ",
             $rows,
             " AS t(channel, latest, n, sum_ms, le_1s, le_5s, le_30s, le_120s, le_600s,
                     le_3600s)),
              su AS (
-                 UPDATE outbound_channel_stats s
-                 SET delivered = s.delivered + st.n,
-                     last_delivered_at = greatest(s.last_delivered_at, st.latest),
-                     finalized_total = s.finalized_total + st.n,
-                     latency_count = s.latency_count + st.n,
-                     latency_sum_ms = s.latency_sum_ms + st.sum_ms,
-                     latency_le_1s = s.latency_le_1s + st.le_1s,
-                     latency_le_5s = s.latency_le_5s + st.le_5s,
-                     latency_le_30s = s.latency_le_30s + st.le_30s,
-                     latency_le_120s = s.latency_le_120s + st.le_120s,
-                     latency_le_600s = s.latency_le_600s + st.le_600s,
-                     latency_le_3600s = s.latency_le_3600s + st.le_3600s
-                 FROM st WHERE s.channel = st.channel AND s.shard = pg_backend_pid() % 16
+                 UPDATE outbound_channel_stats s SET ",
+            stats_added!("st"),
+            " FROM st WHERE s.channel = st.channel AND s.shard = st.shard
                  RETURNING s.channel),
              si AS (
                  INSERT INTO outbound_channel_stats AS s
                      (channel, shard, delivered, last_delivered_at, finalized_total,
                       latency_count, latency_sum_ms, latency_le_1s, latency_le_5s,
                       latency_le_30s, latency_le_120s, latency_le_600s, latency_le_3600s)
-                 SELECT channel, pg_backend_pid() % 16, n, latest, n, n, sum_ms, le_1s,
-                        le_5s, le_30s, le_120s, le_600s, le_3600s
-                 FROM st WHERE channel NOT IN (SELECT channel FROM su)
-                 ON CONFLICT (channel, shard) DO UPDATE
-                 SET delivered = s.delivered + excluded.delivered,
-                     last_delivered_at = greatest(s.last_delivered_at,
-                                                  excluded.last_delivered_at),
-                     finalized_total = s.finalized_total + excluded.finalized_total,
-                     latency_count = s.latency_count + excluded.latency_count,
-                     latency_sum_ms = s.latency_sum_ms + excluded.latency_sum_ms,
-                     latency_le_1s = s.latency_le_1s + excluded.latency_le_1s,
-                     latency_le_5s = s.latency_le_5s + excluded.latency_le_5s,
-                     latency_le_30s = s.latency_le_30s + excluded.latency_le_30s,
-                     latency_le_120s = s.latency_le_120s + excluded.latency_le_120s,
-                     latency_le_600s = s.latency_le_600s + excluded.latency_le_600s,
-                     latency_le_3600s = s.latency_le_3600s + excluded.latency_le_3600s)"
+                 SELECT * FROM st WHERE channel NOT IN (SELECT channel FROM su)
+                 ON CONFLICT (channel, shard) DO UPDATE SET ",
+            stats_added!("excluded"),
+            ")"
         )
     };
 }
