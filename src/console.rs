@@ -1,42 +1,64 @@
 //! An operator console: HTML pages over a live outbox, for the person on call (feature
 //! `console`, part of `cli`; `outbox serve` mounts it under `/console`).
 //!
-//! This first part is read-only: the overview (what [`health`](crate::Outbox::health)
-//! says, per channel), the replies that wait for a person (uncertain ones and dead
-//! letters, newest first, filtered by channel), a reply's story (every part with its
-//! state, attempts, keys, errors, times and platform ids; found by its id) and the
-//! stored rules. Like [`Endpoint`](crate::monitoring::Endpoint) it answers a request
-//! with a [`Response`], so any HTTP server can mount it; every answer is sent with
-//! [`SECURITY_HEADERS`], every value is escaped (a reply whose text is `<script>`
-//! renders as text), and a reply's text is shown only when asked for (`?text=1`).
+//! Pages: the overview (what [`health`](crate::Outbox::health) says, per channel), the
+//! chats whose lanes are held (why, since when, what would free them), the replies
+//! that wait for a person (uncertain ones and dead letters, newest first, filtered by
+//! channel), a reply's story (every part with its state, attempts, keys, errors, times
+//! and platform ids; found by its id or caller key) and the stored rules.
+//!
+//! Like [`Endpoint`](crate::monitoring::Endpoint) it answers a [`Request`] with a
+//! [`Response`], so any HTTP server can mount it. It is safe by default:
+//!
+//! - **read-only** unless [`with_actions`](Console::with_actions) gives it a token; a
+//!   person who signs in with that token (a cookie, `HttpOnly`, `SameSite=Strict`)
+//!   gets buttons to requeue, resolve, resend and dismiss, each with what it does to
+//!   the platform written beside it;
+//! - every action is a `POST` carrying the console's form token (CSRF), and changes the
+//!   outbox in one transaction of the operation it names, as the `outbox` tool would;
+//! - every answer carries [`SECURITY_HEADERS`] (no script runs, nothing is loaded from
+//!   elsewhere, no other site frames it), every value is escaped (a reply whose text is
+//!   `<script>` renders as text), and a reply's text is shown only when asked for
+//!   (`?text=1`).
 //!
 //! ```
-//! use chunked_outbox::console::Console;
+//! use chunked_outbox::console::{Console, Request};
 //! use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
 //!
 //! let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
 //! outbox.enqueue(&NewDelivery::single("telegram", "42", "<b>hi</b>"))?;
 //! let console = Console::new(outbox);
-//! let page = console.respond("GET", "/console");
+//! let page = console.respond(&Request::get("/console"));
 //! assert_eq!(page.status, 200);
 //! assert!(page.body.contains("telegram"));
+//! // Read-only: no action is taken.
+//! let refused = console.respond(&Request::post("/console/actions/dismiss", b"channel="));
+//! assert_eq!(refused.status, 403);
 //! # Ok::<(), chunked_outbox::Error>(())
 //! ```
 
-use maud::{DOCTYPE, Markup, html};
+mod pages;
 
-use crate::health::{ChannelHealth, Health};
+use std::sync::Arc;
+
+use subtle::ConstantTimeEq;
+
+use crate::error::{Error, Result};
 use crate::ids::DeliveryId;
 use crate::inspect::{DeliveryView, ListFilter};
-use crate::monitoring::Response;
+use crate::operator::Resolution;
 use crate::outbox::Outbox;
-use crate::status::DeliveryStatus;
+use crate::rules::LaneFailurePolicy;
+use crate::status::{ChunkStatus, DeliveryStatus};
+
+use pages::StuckChat;
 
 /// Where the console's pages live; a server mounts every path under it.
 pub const BASE: &str = "/console";
 
 /// The headers every answer carries: no script runs, nothing is loaded from elsewhere,
-/// no other site frames the pages, and no page's address leaves in a `Referer`.
+/// forms post only here, no other site frames the pages, and no page's address leaves
+/// in a `Referer`.
 pub const SECURITY_HEADERS: [(&str, &str); 4] = [
     (
         "Content-Security-Policy",
@@ -48,15 +70,114 @@ pub const SECURITY_HEADERS: [(&str, &str); 4] = [
     ("Cache-Control", "no-store"),
 ];
 
-/// The console's style sheet (served at `/console/style.css`: the security policy
-/// allows no inline style).
-const STYLE: &str = include_str!("console/style.css");
+/// The cookie a signed-in person's browser sends back.
+const COOKIE: &str = "outbox_console";
+
+/// The shortest action token accepted: a guessable one would open the actions to
+/// anyone who reaches the port.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// The most a form's body may be; a server may refuse a longer one before reading it.
+pub const MAX_FORM_BYTES: usize = 16 * 1024;
+
+/// A request as the console needs it.
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    /// `GET`, `HEAD` or `POST`.
+    pub method: &'a str,
+    /// The path and query string.
+    pub target: &'a str,
+    /// The `Cookie` header, if any.
+    pub cookie: Option<&'a str>,
+    /// The body of a `POST` (`application/x-www-form-urlencoded`).
+    pub body: &'a [u8],
+}
+
+impl<'a> Request<'a> {
+    /// A `GET` of `target` with no cookie.
+    pub fn get(target: &'a str) -> Self {
+        Request {
+            method: "GET",
+            target,
+            cookie: None,
+            body: b"",
+        }
+    }
+
+    /// A `POST` of the form `body` to `target` with no cookie.
+    pub fn post(target: &'a str, body: &'a [u8]) -> Self {
+        Request {
+            method: "POST",
+            target,
+            cookie: None,
+            body,
+        }
+    }
+
+    /// The same request with the `Cookie` header `cookie`.
+    pub fn with_cookie(self, cookie: &'a str) -> Self {
+        Request {
+            cookie: Some(cookie),
+            ..self
+        }
+    }
+}
+
+/// The console's answer: status, headers (the content type and
+/// [`SECURITY_HEADERS`] among them) and body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    /// The HTTP status.
+    pub status: u16,
+    /// The headers to send, in order.
+    pub headers: Vec<(&'static str, String)>,
+    /// The body.
+    pub body: String,
+}
+
+impl Response {
+    /// The first value of header `name` (compared ignoring case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn new(status: u16, content_type: &str, body: String) -> Self {
+        let mut headers = vec![("Content-Type", content_type.to_owned())];
+        headers.extend(SECURITY_HEADERS.map(|(n, v)| (n, v.to_owned())));
+        Response {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    fn html(status: u16, markup: maud::Markup) -> Self {
+        Response::new(status, "text/html; charset=utf-8", markup.into_string())
+    }
+
+    /// A `303 See Other` to `location` (after an action, so a reload repeats nothing).
+    fn see_other(location: String) -> Self {
+        let mut answer = Response::new(303, "text/plain; charset=utf-8", String::new());
+        answer.headers.push(("Location", location));
+        answer
+    }
+}
 
 /// The pages of the console, answered for one outbox.
 #[derive(Clone)]
 pub struct Console {
     outbox: Outbox,
-    routes: std::sync::Arc<matchit::Router<Route>>,
+    routes: Arc<matchit::Router<Route>>,
+    actions: Option<Arc<Secrets>>,
+}
+
+/// What turns the actions on: the operator's token and this console's form token.
+struct Secrets {
+    token: String,
+    csrf: String,
 }
 
 /// The pages, by path.
@@ -64,117 +185,513 @@ pub struct Console {
 enum Route {
     Overview,
     Style,
+    Chats,
     Delivery,
     Find,
     Waiting(DeliveryStatus),
     Rules,
+    SignIn,
+    SignOut,
+    Act(Action),
 }
 
-const HTML: &str = "text/html; charset=utf-8";
+/// What a person can do, each the outbox operation of the same name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Action {
+    /// [`Outbox::requeue_delivery`].
+    Requeue,
+    /// [`Outbox::resolve_uncertain`] with [`Resolution::Delivered`].
+    ResolveDelivered,
+    /// [`Outbox::resolve_uncertain`] with [`Resolution::Resend`].
+    Resend,
+    /// [`Resolution::Resend`] of every uncertain part of a channel.
+    ReplayChannel,
+    /// [`Outbox::requeue_dead_letters`].
+    RequeueDeadLetters,
+    /// [`Outbox::dismiss_dead_letters`].
+    Dismiss,
+}
+
+/// Who is asking: whether actions are on, and whether this person signed in.
+pub(crate) struct Viewer<'a> {
+    /// The form token, when the person may act.
+    pub(crate) csrf: Option<&'a str>,
+    /// Whether actions are on at all (a sign-in link is shown then).
+    pub(crate) actions_on: bool,
+    /// What the last action did (after its redirect).
+    pub(crate) notice: Option<String>,
+}
 
 /// The most replies a page of uncertain replies or dead letters lists (newest first).
 const WAITING_LISTED: usize = 50;
+/// The most held chats the chats page lists.
+const CHATS_LISTED: usize = 50;
+/// The most uncertain parts one replay of a channel resends.
+const REPLAY_AT_MOST: usize = 500;
 
 impl Console {
-    /// The console of `outbox`.
+    /// The console of `outbox`, read-only.
     pub fn new(outbox: Outbox) -> Self {
         let mut routes = matchit::Router::new();
-        for (path, route) in [
-            (BASE.to_owned(), Route::Overview),
-            (format!("{BASE}/"), Route::Overview),
-            (format!("{BASE}/style.css"), Route::Style),
-            (format!("{BASE}/deliveries/{{id}}"), Route::Delivery),
-            (format!("{BASE}/deliveries"), Route::Find),
+        let pages = [
+            ("", Route::Overview),
+            ("/", Route::Overview),
+            ("/style.css", Route::Style),
+            ("/chats", Route::Chats),
+            ("/deliveries/{id}", Route::Delivery),
+            ("/deliveries", Route::Find),
+            ("/uncertain", Route::Waiting(DeliveryStatus::Uncertain)),
+            ("/dead-letters", Route::Waiting(DeliveryStatus::Failed)),
+            ("/rules", Route::Rules),
+            ("/sign-in", Route::SignIn),
+            ("/sign-out", Route::SignOut),
+            ("/actions/requeue", Route::Act(Action::Requeue)),
+            ("/actions/resolve", Route::Act(Action::ResolveDelivered)),
+            ("/actions/resend", Route::Act(Action::Resend)),
+            ("/actions/replay", Route::Act(Action::ReplayChannel)),
             (
-                format!("{BASE}/uncertain"),
-                Route::Waiting(DeliveryStatus::Uncertain),
+                "/actions/requeue-dead-letters",
+                Route::Act(Action::RequeueDeadLetters),
             ),
-            (
-                format!("{BASE}/dead-letters"),
-                Route::Waiting(DeliveryStatus::Failed),
-            ),
-            (format!("{BASE}/rules"), Route::Rules),
-        ] {
+            ("/actions/dismiss", Route::Act(Action::Dismiss)),
+        ];
+        for (path, route) in pages {
             // The paths are fixed and distinct.
-            routes.insert(path, route).expect("distinct console routes");
+            routes
+                .insert(format!("{BASE}{path}"), route)
+                .expect("distinct console routes");
         }
         Self {
             outbox,
-            routes: std::sync::Arc::new(routes),
+            routes: Arc::new(routes),
+            actions: None,
         }
     }
 
-    /// The answer to `method` on `target` (a path with its query string). It blocks for
-    /// one read transaction of the outbox.
-    pub fn respond(&self, method: &str, target: &str) -> Response {
-        let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    /// Turns the actions on for whoever signs in with `token` (at least
+    /// [`MIN_TOKEN_LEN`] characters; keep it out of the command line and the logs).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for a shorter token, or one with characters a cookie
+    /// cannot carry (only visible ASCII other than `"`, `,`, `;` and `\`).
+    pub fn with_actions(mut self, token: &str) -> Result<Self> {
+        let token = token.trim();
+        let invalid = |reason: &str| Error::InvalidInput {
+            what: "console token",
+            reason: reason.into(),
+        };
+        if token.len() < MIN_TOKEN_LEN {
+            return Err(invalid(&format!(
+                "{} characters; at least {MIN_TOKEN_LEN} are needed",
+                token.len()
+            )));
+        }
+        if !token
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && !b"\",;\\".contains(&b))
+        {
+            return Err(invalid(
+                "only visible ASCII characters other than \" , ; \\ can be carried in a cookie",
+            ));
+        }
+        let mut random = [0u8; 16];
+        getrandom::fill(&mut random).map_err(|e| Error::Io {
+            path: "the system's random source".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        self.actions = Some(Arc::new(Secrets {
+            token: token.to_owned(),
+            csrf: random.iter().map(|b| format!("{b:02x}")).collect(),
+        }));
+        Ok(self)
+    }
+
+    /// Whether a person who signs in may act (see [`with_actions`](Self::with_actions)).
+    pub fn takes_actions(&self) -> bool {
+        self.actions.is_some()
+    }
+
+    /// The answer to `request`. It blocks for the reads of one page, or for one
+    /// action's transactions.
+    pub fn respond(&self, request: &Request<'_>) -> Response {
+        let (path, query) = request
+            .target
+            .split_once('?')
+            .unwrap_or((request.target, ""));
         let Ok(found) = self.routes.at(path) else {
             return not_found("No such page.");
         };
-        if method != "GET" && method != "HEAD" {
-            return Response {
-                status: 405,
-                content_type: "text/plain; charset=utf-8",
-                body: "the console is read-only: only GET\n".into(),
-            };
-        }
-        match found.value {
-            Route::Style => Response {
-                status: 200,
-                content_type: "text/css; charset=utf-8",
-                body: STYLE.into(),
-            },
-            Route::Overview => match self.outbox.health() {
-                Ok(health) => ok(overview(&health)),
-                Err(e) => unreadable(&e),
-            },
-            Route::Delivery => self.delivery(found.params.get("id"), query),
-            Route::Find => self.delivery(parameter(query, "id").as_deref(), query),
-            &Route::Waiting(status) => {
-                let mut filter = ListFilter::default().status(status).limit(WAITING_LISTED);
-                let channel = parameter(query, "channel").filter(|c| !c.is_empty());
-                if let Some(channel) = &channel {
-                    filter = filter.channel(channel.clone());
-                }
-                // Listed without their parts; each one's story tells its last error.
-                let views = self.outbox.list(&filter).and_then(|listed| {
-                    listed
-                        .into_iter()
-                        .map(|view| Ok(self.outbox.delivery(view.id)?.unwrap_or(view)))
-                        .collect::<crate::Result<Vec<_>>>()
-                });
-                match views {
-                    Ok(views) => ok(waiting(status, channel.as_deref(), &views)),
-                    Err(e) => unreadable(&e),
-                }
+        let route = *found.value;
+        let posting = matches!(route, Route::SignIn | Route::SignOut | Route::Act(_));
+        let mut viewer = self.viewer(request.cookie);
+        match (request.method, posting) {
+            ("GET" | "HEAD", _) => {}
+            ("POST", true) => return self.post(route, request, &viewer),
+            _ => {
+                let allowed = if posting { "GET or POST" } else { "GET" };
+                let mut answer = Response::new(
+                    405,
+                    "text/plain; charset=utf-8",
+                    format!("this page answers only {allowed}\n"),
+                );
+                answer
+                    .headers
+                    .push(("Allow", allowed.replace(" or ", ", ")));
+                return answer;
             }
-            Route::Rules => match self.outbox.rules() {
-                Ok(rules) => ok(layout(
-                    "Rules",
-                    html! {
-                        p {
-                            "As stored: every process on this outbox follows them. Read-only \
-                             here; " code { "outbox config" } " changes them."
-                        }
-                        pre { (serde_json::to_string_pretty(&rules).unwrap_or_default()) }
-                    },
-                )),
-                Err(e) => unreadable(&e),
-            },
+        }
+        // Only the fixed notices of `pages::notice`: nothing of the query is echoed.
+        viewer.notice = parameter(query, "done")
+            .and_then(|done| pages::notice(&done, parameter(query, "n").as_deref()));
+        let v = &viewer;
+        let read = || -> Result<Response> {
+            Ok(match route {
+                Route::Style => {
+                    Response::new(200, "text/css; charset=utf-8", pages::STYLE.to_owned())
+                }
+                Route::Overview => Response::html(200, pages::overview(v, &self.outbox.health()?)),
+                Route::Chats => Response::html(200, pages::chats(v, &self.stuck_chats()?)),
+                Route::Delivery => self.delivery(v, found.params.get("id"), query)?,
+                Route::Find => self.find(v, query)?,
+                Route::Waiting(status) => {
+                    let channel = parameter(query, "channel").filter(|c| !c.is_empty());
+                    let views = self.waiting(status, channel.as_deref())?;
+                    Response::html(200, pages::waiting(v, status, channel.as_deref(), &views))
+                }
+                Route::Rules => Response::html(200, pages::rules(v, &self.outbox.rules()?)),
+                Route::SignIn => Response::html(200, pages::sign_in(v, self.sign_in_csrf(), None)),
+                Route::SignOut | Route::Act(_) => Response::html(
+                    200,
+                    pages::message(v, "Actions", "Actions are taken with the page's buttons."),
+                ),
+            })
+        };
+        read().unwrap_or_else(|e| unreadable(v, &e))
+    }
+
+    fn viewer(&self, cookie: Option<&str>) -> Viewer<'_> {
+        let signed_in = self.actions.as_ref().filter(|secrets| {
+            cookie.is_some_and(|header| {
+                header.split(';').any(|pair| {
+                    pair.trim()
+                        .strip_prefix(COOKIE)
+                        .and_then(|rest| rest.strip_prefix('='))
+                        .is_some_and(|value| same(value, &secrets.token))
+                })
+            })
+        });
+        Viewer {
+            csrf: signed_in.map(|s| s.csrf.as_str()),
+            actions_on: self.actions.is_some(),
+            notice: None,
         }
     }
 
-    /// A reply's story, by its id as text.
-    fn delivery(&self, id: Option<&str>, query: &str) -> Response {
-        let Some(id) = id.and_then(|id| id.trim().parse::<DeliveryId>().ok()) else {
-            return not_found("That is not a delivery id.");
+    fn sign_in_csrf(&self) -> Option<&str> {
+        self.actions.as_deref().map(|s| s.csrf.as_str())
+    }
+
+    /// A `POST`: sign in, sign out, or an action.
+    fn post(&self, route: Route, request: &Request<'_>, viewer: &Viewer<'_>) -> Response {
+        let Some(secrets) = &self.actions else {
+            return refused(
+                viewer,
+                "The console is read-only: it was started without an action token \
+                 (outbox serve --console-token-file).",
+            );
         };
-        match self.outbox.delivery(id) {
-            Ok(Some(view)) => ok(story(&view, asked_for_text(query))),
-            Ok(None) => not_found("No reply has that id (it may have been purged)."),
-            Err(e) => unreadable(&e),
+        if request.body.len() > MAX_FORM_BYTES {
+            return Response::new(413, "text/plain; charset=utf-8", "form too large\n".into());
+        }
+        let form = Form(form_urlencoded::parse(request.body).into_owned().collect());
+        if !form.get("csrf").is_some_and(|t| same(t, &secrets.csrf)) {
+            return refused(
+                viewer,
+                "The form's token is missing or out of date (the console was restarted, or \
+                 the form came from another site). Reload the page and try again.",
+            );
+        }
+        match route {
+            Route::SignIn => {
+                if !form
+                    .get("token")
+                    .is_some_and(|t| same(t.trim(), &secrets.token))
+                {
+                    return Response::html(
+                        403,
+                        pages::sign_in(viewer, Some(&secrets.csrf), Some("That is not the token.")),
+                    );
+                }
+                let mut answer = Response::see_other(BASE.to_owned());
+                answer.headers.push((
+                    "Set-Cookie",
+                    format!(
+                        "{COOKIE}={}; Path={BASE}; HttpOnly; SameSite=Strict",
+                        secrets.token
+                    ),
+                ));
+                answer
+            }
+            Route::SignOut => {
+                let mut answer = Response::see_other(BASE.to_owned());
+                answer.headers.push((
+                    "Set-Cookie",
+                    format!("{COOKIE}=; Path={BASE}; HttpOnly; SameSite=Strict; Max-Age=0"),
+                ));
+                answer
+            }
+            Route::Act(action) if viewer.csrf.is_some() => {
+                let back = form
+                    .get("back")
+                    .filter(|b| b.starts_with(&format!("{BASE}/")) && !b.contains(['?', '#', '\\']))
+                    .unwrap_or(BASE)
+                    .to_owned();
+                match self.act(action, &form) {
+                    Ok(count) => {
+                        Response::see_other(format!("{back}?done={}&n={count}", action.notice()))
+                    }
+                    Err(e) => Response::html(
+                        409,
+                        pages::message(viewer, "Not done", &format!("Nothing was changed: {e}")),
+                    ),
+                }
+            }
+            _ => refused(viewer, "Sign in with the console's token to act."),
         }
     }
+
+    /// Carries out `action` as the form asks; how many replies it touched.
+    fn act(&self, action: Action, form: &Form) -> Result<u64> {
+        let channel = form.get("channel").filter(|c| !c.is_empty());
+        match action {
+            Action::RequeueDeadLetters => self.outbox.requeue_dead_letters(channel),
+            Action::Dismiss => self.outbox.dismiss_dead_letters(channel),
+            Action::ReplayChannel => {
+                let channel = channel.ok_or_else(|| Error::InvalidInput {
+                    what: "channel",
+                    reason: "a replay names the channel whose uncertain parts to resend".into(),
+                })?;
+                let filter = ListFilter::default()
+                    .status(DeliveryStatus::Uncertain)
+                    .channel(channel)
+                    .limit(REPLAY_AT_MOST);
+                let mut resent = 0;
+                for listed in self.outbox.list(&filter)? {
+                    for part in self.parts_in(listed.id, ChunkStatus::Uncertain)? {
+                        self.outbox.resolve_uncertain(part, Resolution::Resend)?;
+                        resent += 1;
+                    }
+                }
+                Ok(resent)
+            }
+            Action::Requeue | Action::ResolveDelivered | Action::Resend => {
+                let id = form
+                    .get("delivery")
+                    .and_then(|id| id.parse::<DeliveryId>().ok())
+                    .ok_or_else(|| Error::InvalidInput {
+                        what: "delivery",
+                        reason: "the form names no reply id".into(),
+                    })?;
+                if action == Action::Requeue {
+                    self.outbox.requeue_delivery(id)?;
+                    return Ok(1);
+                }
+                let resolution = if action == Action::Resend {
+                    Resolution::Resend
+                } else {
+                    Resolution::Delivered {
+                        platform_message_id: form
+                            .get("platform_id")
+                            .map(str::trim)
+                            .filter(|p| !p.is_empty())
+                            .map(str::to_owned),
+                    }
+                };
+                let parts = self.parts_in(id, ChunkStatus::Uncertain)?;
+                let part = parts.first().ok_or(Error::DeliveryState {
+                    delivery: id,
+                    status: self.status_of(id)?,
+                    action: "resolve",
+                    expected: "uncertain",
+                })?;
+                self.outbox.resolve_uncertain(*part, resolution)?;
+                Ok(1)
+            }
+        }
+    }
+
+    fn parts_in(&self, id: DeliveryId, status: ChunkStatus) -> Result<Vec<crate::ids::ChunkId>> {
+        let view = self
+            .outbox
+            .delivery(id)?
+            .ok_or(Error::DeliveryNotFound(id))?;
+        Ok(view
+            .chunks
+            .iter()
+            .filter(|c| c.status == status)
+            .map(|c| c.id)
+            .collect())
+    }
+
+    fn status_of(&self, id: DeliveryId) -> Result<DeliveryStatus> {
+        let view = self
+            .outbox
+            .delivery(id)?
+            .ok_or(Error::DeliveryNotFound(id))?;
+        Ok(view.status)
+    }
+
+    /// Uncertain replies or dead letters, newest first, each with its parts (their
+    /// last error is the reason shown).
+    fn waiting(&self, status: DeliveryStatus, channel: Option<&str>) -> Result<Vec<DeliveryView>> {
+        let mut filter = ListFilter::default().status(status).limit(WAITING_LISTED);
+        if let Some(channel) = channel {
+            filter = filter.channel(channel);
+        }
+        self.outbox
+            .list(&filter)?
+            .into_iter()
+            .map(|view| Ok(self.outbox.delivery(view.id)?.unwrap_or(view)))
+            .collect()
+    }
+
+    /// The chats with replies queued behind one that is not going out as it should
+    /// (not being sent under a live lease, nor due now), oldest wait first, with what
+    /// holds them.
+    fn stuck_chats(&self) -> Result<Vec<StuckChat>> {
+        let queued = self.outbox.list(
+            &ListFilter::default()
+                .status(DeliveryStatus::Queued)
+                .limit(crate::inspect::MAX_LIST_LIMIT),
+        )?;
+        let mut lanes: Vec<(String, String)> = Vec::new();
+        // Newest first: the last one seen of a lane is its oldest queued reply.
+        for view in queued.iter().rev() {
+            let lane = (view.channel.clone(), view.chat_id.clone());
+            if !lanes.contains(&lane) {
+                lanes.push(lane);
+            }
+        }
+        lanes.truncate(CHATS_LISTED);
+        let blocking = self.outbox.rules()?.lane_failure == LaneFailurePolicy::Block;
+        let now = self.outbox.now();
+        lanes
+            .into_iter()
+            .map(|(channel, chat_id)| {
+                let unfinished = self.outbox.list(
+                    &ListFilter::default()
+                        .channel(channel.clone())
+                        .chat_id(chat_id.clone())
+                        .unfinished()
+                        .limit(crate::inspect::MAX_LIST_LIMIT),
+                )?;
+                let mut queued: Vec<DeliveryView> = Vec::new();
+                let mut holder = None;
+                for view in unfinished.into_iter().rev() {
+                    // A dead letter holds its lane only under `Block`, until dismissed.
+                    let holds = view.status != DeliveryStatus::Failed
+                        || (blocking && view.acknowledged_at.is_none());
+                    if view.status == DeliveryStatus::Queued {
+                        queued.push(view);
+                    } else if holds && holder.is_none() {
+                        // The lane's oldest unfinished reply that is not queued: read
+                        // whole, for its parts.
+                        holder = Some(self.outbox.delivery(view.id)?.unwrap_or(view));
+                    }
+                }
+                Ok(
+                    (!holder.as_ref().is_some_and(|h| moving(h, now))).then_some(StuckChat {
+                        channel,
+                        chat_id,
+                        holder,
+                        queued,
+                    }),
+                )
+            })
+            .filter_map(Result::transpose)
+            .collect()
+    }
+
+    /// A reply's story, by its id as text.
+    fn delivery(&self, viewer: &Viewer<'_>, id: Option<&str>, query: &str) -> Result<Response> {
+        let Some(id) = id.and_then(|id| id.trim().parse::<DeliveryId>().ok()) else {
+            return Ok(not_found("That is not a reply id."));
+        };
+        Ok(match self.outbox.delivery(id)? {
+            Some(view) => Response::html(200, pages::story(viewer, &view, asked_for_text(query))),
+            None => not_found("No reply has that id (it may have been purged)."),
+        })
+    }
+
+    /// A reply found by its id, or by its caller key.
+    fn find(&self, viewer: &Viewer<'_>, query: &str) -> Result<Response> {
+        let asked = parameter(query, "id").unwrap_or_default();
+        let asked = asked.trim();
+        if asked.parse::<DeliveryId>().is_ok() {
+            return self.delivery(viewer, Some(asked), query);
+        }
+        if !asked.is_empty() {
+            let by_key = ListFilter::default().idempotency_key(asked).limit(1);
+            if let Some(view) = self.outbox.list(&by_key)?.pop() {
+                return Ok(Response::see_other(format!(
+                    "{BASE}/deliveries/{}",
+                    view.id
+                )));
+            }
+        }
+        Ok(not_found("No reply has that id or caller key."))
+    }
+}
+
+/// Whether an active reply's next part goes out as it should: sent under a live lease,
+/// or due now.
+fn moving(view: &DeliveryView, now: chrono::DateTime<chrono::Utc>) -> bool {
+    matches!(
+        view.status,
+        DeliveryStatus::Pending | DeliveryStatus::Partial
+    ) && view
+        .chunks
+        .iter()
+        .find(|c| c.status != ChunkStatus::Delivered)
+        .is_some_and(|part| match part.status {
+            ChunkStatus::Sending => part.lease_until.is_some_and(|until| until > now),
+            ChunkStatus::Pending | ChunkStatus::Retry => {
+                part.next_attempt_at.is_some_and(|at| at <= now)
+            }
+            _ => false,
+        })
+}
+
+impl Action {
+    /// The notice shown after it (see `pages::notice`).
+    fn notice(self) -> &'static str {
+        match self {
+            Action::Requeue => "requeued",
+            Action::ResolveDelivered => "resolved",
+            Action::Resend => "resent",
+            Action::ReplayChannel => "replayed",
+            Action::RequeueDeadLetters => "requeued-all",
+            Action::Dismiss => "dismissed",
+        }
+    }
+}
+
+/// A form's fields.
+struct Form(Vec<(String, String)>);
+
+impl Form {
+    fn get(&self, name: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.as_str())
+    }
+}
+
+/// Whether two secrets are equal, in a time that does not tell where they differ.
+fn same(given: &str, secret: &str) -> bool {
+    given.len() == secret.len() && bool::from(given.as_bytes().ct_eq(secret.as_bytes()))
 }
 
 /// Whether the query asks for the reply's text (`text=1`).
@@ -189,302 +706,29 @@ fn parameter(query: &str, name: &str) -> Option<String> {
         .map(|(_, value)| value.into_owned())
 }
 
-fn ok(body: Markup) -> Response {
-    Response {
-        status: 200,
-        content_type: HTML,
-        body: body.into_string(),
-    }
-}
-
 fn not_found(why: &str) -> Response {
-    Response {
-        status: 404,
-        content_type: HTML,
-        body: layout("Not found", html! { p { (why) } }).into_string(),
-    }
+    let nobody = Viewer {
+        csrf: None,
+        actions_on: false,
+        notice: None,
+    };
+    Response::html(404, pages::message(&nobody, "Not found", why))
 }
 
-fn unreadable(e: &crate::Error) -> Response {
-    Response {
-        status: 503,
-        content_type: HTML,
-        body: layout(
+fn refused(viewer: &Viewer<'_>, why: &str) -> Response {
+    Response::html(403, pages::message(viewer, "Not allowed", why))
+}
+
+fn unreadable(viewer: &Viewer<'_>, e: &Error) -> Response {
+    Response::html(
+        503,
+        pages::message(
+            viewer,
             "Cannot read the outbox",
-            html! { p { "The outbox cannot be read: " (e.to_string()) } },
-        )
-        .into_string(),
-    }
-}
-
-fn layout(title: &str, content: Markup) -> Markup {
-    html! {
-        (DOCTYPE)
-        html lang="en" {
-            head {
-                meta charset="utf-8";
-                title { (title) " · outbox" }
-                link rel="stylesheet" href={ (BASE) "/style.css" };
-            }
-            body {
-                nav {
-                    a href=(BASE) { "Overview" }
-                    a href={ (BASE) "/uncertain" } { "Uncertain" }
-                    a href={ (BASE) "/dead-letters" } { "Dead letters" }
-                    a href={ (BASE) "/rules" } { "Rules" }
-                    form method="get" action={ (BASE) "/deliveries" } {
-                        label { "Reply id " input type="search" name="id" required; }
-                        button { "Show" }
-                    }
-                }
-                h1 { (title) }
-                (content)
-            }
-        }
-    }
-}
-
-/// A table's head of `names`.
-fn columns(names: &[&str]) -> Markup {
-    html! { thead { tr { @for name in names { th scope="col" { (name) } } } } }
-}
-
-fn time(t: Option<chrono::DateTime<chrono::Utc>>) -> String {
-    t.map_or_else(
-        || "–".into(),
-        |t| t.format("%Y-%m-%d %H:%M:%S UTC").to_string(),
-    )
-}
-
-fn overview(health: &Health) -> Markup {
-    let row = |name: &str, c: &ChannelHealth| {
-        html! {
-            tr {
-                th scope="row" { (name) }
-                td { (c.due_chunks) }
-                td { (c.moving_chunks) }
-                td { (c.uncertain_chunks) }
-                td { (c.unacknowledged_dead_letters) }
-                td { (c.oldest_due_age_ms.map_or_else(|| "–".into(), |ms| format!("{} s", ms / 1000))) }
-                td { (c.finalized_total) }
-                td { (time(c.last_delivered_at)) }
-            }
-        }
-    };
-    layout(
-        "Overview",
-        html! {
-            p { "Snapshot taken " (time(Some(health.generated_at))) "." }
-            table {
-                (columns(&["channel", "due", "moving", "uncertain", "dead letters", "oldest due", "delivered", "last delivered"]))
-                tbody {
-                    @for (name, channel) in &health.channels { (row(name, channel)) }
-                    (row("all channels", &health.totals))
-                }
-            }
-        },
-    )
-}
-
-fn waiting(status: DeliveryStatus, channel: Option<&str>, views: &[DeliveryView]) -> Markup {
-    let (title, what) = match status {
-        DeliveryStatus::Uncertain => (
-            "Uncertain replies",
-            html! {
-                "A part of each may or may not have reached the platform; the channel's \
-                 replay policy holds it for a decision (" code { "outbox resolve" } ")."
-            },
+            &format!("The outbox cannot be read: {e}"),
         ),
-        _ => (
-            "Dead letters",
-            html! {
-                "Replies that failed for good; " code { "outbox requeue" } " sends them again, "
-                code { "outbox dismiss-dead-letters" } " acknowledges them."
-            },
-        ),
-    };
-    layout(
-        title,
-        html! {
-            p { (what) }
-            form method="get" {
-                label { "Channel " input type="search" name="channel" value=(channel.unwrap_or("")); }
-                button { "Filter" }
-            }
-            @if views.is_empty() {
-                p { "None." }
-            } @else {
-                table {
-                    (columns(&["reply", "channel, chat", "parts delivered", "last error", "enqueued"]))
-                    tbody {
-                        @for view in views {
-                            tr {
-                                td { a href={ (BASE) "/deliveries/" (view.id) } { (view.id) } }
-                                td { (view.channel) ", " (view.chat_id) }
-                                td { (view.delivered_count) " of " (view.chunk_count) }
-                                td { (view.chunks.iter().rev().find_map(|c| c.last_error.as_deref()).unwrap_or("–")) }
-                                td { (time(Some(view.created_at))) }
-                            }
-                        }
-                    }
-                }
-            }
-        },
-    )
-}
-
-fn story(view: &DeliveryView, with_text: bool) -> Markup {
-    layout(
-        &format!("Reply {}", view.id),
-        html! {
-            dl {
-                dt { "channel, chat" } dd { (view.channel) ", " (view.chat_id) }
-                dt { "state" } dd { (view.status.as_str()) }
-                dt { "parts delivered" } dd { (view.delivered_count) " of " (view.chunk_count) }
-                dt { "caller key" } dd { (view.idempotency_key.as_deref().unwrap_or("–")) }
-                dt { "enqueued" } dd { (time(Some(view.created_at))) }
-                dt { "finished" } dd { (time(view.finished_at)) }
-                @if let Some(error) = &view.finalize_error {
-                    dt { "finalization refused" } dd { (error) }
-                }
-            }
-            @if with_text {
-                h2 { "Text" }
-                pre { (view.text) }
-            } @else {
-                p { a href={ (BASE) "/deliveries/" (view.id) "?text=1" } { "Show the reply's text" } }
-            }
-            h2 { "Parts" }
-            table {
-                (columns(&["part", "state", "attempts", "key", "last error", "next attempt", "delivered", "platform id"]))
-                tbody {
-                    @for chunk in &view.chunks {
-                        tr {
-                            td { (chunk.index) }
-                            td { (chunk.status.as_str()) }
-                            td { (chunk.attempts) }
-                            td { code { (chunk.idempotency_key) } }
-                            td { (chunk.last_error.as_deref().unwrap_or("–")) }
-                            td { (time(chunk.next_attempt_at)) }
-                            td { (time(chunk.delivered_at)) }
-                            td { (chunk.platform_message_id.as_deref().unwrap_or("–")) }
-                        }
-                    }
-                }
-            }
-        },
     )
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{NewDelivery, OutboxOptions};
-
-    fn console_with(text: &str) -> (Console, DeliveryId) {
-        let outbox = Outbox::open_in_memory(OutboxOptions::default()).unwrap();
-        let id = outbox
-            .enqueue(&NewDelivery::single("<i>chan</i>", "42", text))
-            .unwrap()
-            .id;
-        (Console::new(outbox), id)
-    }
-
-    #[test]
-    fn every_value_is_escaped() {
-        let (console, id) = console_with("<script>alert(1)</script>");
-        let page = console.respond("GET", &format!("/console/deliveries/{id}?text=1"));
-        assert_eq!(page.status, 200);
-        assert!(!page.body.contains("<script>"), "{}", page.body);
-        assert!(page.body.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
-        let overview = console.respond("GET", "/console");
-        assert!(!overview.body.contains("<i>chan</i>"));
-        assert!(overview.body.contains("&lt;i&gt;chan&lt;/i&gt;"));
-    }
-
-    #[test]
-    fn the_text_is_shown_only_when_asked_for() {
-        let (console, id) = console_with("a secret reply");
-        let page = console.respond("GET", &format!("/console/deliveries/{id}"));
-        assert_eq!(page.status, 200);
-        assert!(!page.body.contains("a secret reply"));
-        assert!(page.body.contains("Show the reply"));
-        let asked = console.respond("GET", &format!("/console/deliveries/{id}?text=1"));
-        assert!(asked.body.contains("a secret reply"));
-    }
-
-    #[test]
-    fn unknown_pages_ids_and_methods_are_refused() {
-        let (console, _) = console_with("x");
-        assert_eq!(console.respond("GET", "/console/nowhere").status, 404);
-        assert_eq!(
-            console.respond("GET", "/console/deliveries/nope").status,
-            404
-        );
-        let absent = "01890a5d-ac96-774b-bcce-b302099a8057";
-        assert_eq!(
-            console
-                .respond("GET", &format!("/console/deliveries/{absent}"))
-                .status,
-            404
-        );
-        assert_eq!(console.respond("POST", "/console").status, 405);
-        assert_eq!(console.respond("GET", "/console/style.css").status, 200);
-    }
-
-    #[test]
-    fn dead_letters_and_uncertain_replies_are_listed_by_channel() {
-        let outbox = Outbox::open_in_memory(OutboxOptions::default()).unwrap();
-        for channel in ["telegram", "discord"] {
-            outbox
-                .enqueue(&NewDelivery::single(channel, "7", "x"))
-                .unwrap();
-            let claim = outbox.claim(1).unwrap().pop().unwrap();
-            outbox
-                .record_error_text(&claim, "Forbidden: bot was blocked by the user")
-                .unwrap();
-        }
-        let console = Console::new(outbox);
-        let all = console.respond("GET", "/console/dead-letters");
-        assert_eq!(all.status, 200);
-        assert_eq!(
-            all.body.matches("bot was blocked").count(),
-            2,
-            "{}",
-            all.body
-        );
-        let one = console.respond("GET", "/console/dead-letters?channel=discord");
-        assert_eq!(
-            one.body.matches("bot was blocked").count(),
-            1,
-            "{}",
-            one.body
-        );
-        assert!(one.body.contains("discord, 7") && !one.body.contains("telegram, 7"));
-        let uncertain = console.respond("GET", "/console/uncertain");
-        assert!(uncertain.body.contains("None."), "{}", uncertain.body);
-    }
-
-    #[test]
-    fn a_reply_is_found_by_its_id_and_the_rules_are_shown() {
-        let (console, id) = console_with("x");
-        let found = console.respond("GET", &format!("/console/deliveries?id=+{id}+"));
-        assert_eq!(found.status, 200);
-        assert!(found.body.contains(&id.to_string()));
-        assert_eq!(
-            console.respond("GET", "/console/deliveries?id=").status,
-            404
-        );
-        let rules = console.respond("GET", "/console/rules");
-        assert!(rules.body.contains("lane_order"), "{}", rules.body);
-    }
-
-    #[test]
-    fn the_overview_counts_per_channel() {
-        let (console, _) = console_with("x");
-        let page = console.respond("GET", "/console/");
-        assert_eq!(page.status, 200);
-        // one due part on the channel and in the totals
-        assert_eq!(page.body.matches("<td>1</td>").count(), 4, "{}", page.body);
-    }
-}
+mod tests;

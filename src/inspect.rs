@@ -99,6 +99,9 @@ pub struct ListFilter {
     pub chat_id: Option<String>,
     /// Only the delivery enqueued with this caller idempotency key.
     pub idempotency_key: Option<String>,
+    /// Only deliveries not delivered or cancelled: queued, active, uncertain, failed or
+    /// unfinalized.
+    pub unfinished: bool,
     /// At most this many (default 100, at most [`MAX_LIST_LIMIT`]).
     pub limit: usize,
 }
@@ -110,6 +113,7 @@ impl Default for ListFilter {
             channel: None,
             chat_id: None,
             idempotency_key: None,
+            unfinished: false,
             limit: 100,
         }
     }
@@ -144,6 +148,14 @@ impl ListFilter {
     pub fn idempotency_key(self, key: impl Into<String>) -> Self {
         ListFilter {
             idempotency_key: Some(key.into()),
+            ..self
+        }
+    }
+
+    /// Only deliveries not delivered or cancelled.
+    pub fn unfinished(self) -> Self {
+        ListFilter {
+            unfinished: true,
             ..self
         }
     }

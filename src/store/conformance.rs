@@ -1102,6 +1102,14 @@ pub(super) fn deliveries_are_viewed_listed_and_reported(fresh: Fresh) {
     );
     ob.record(&claim, Outcome::delivered(None)).unwrap();
     assert_eq!(ids(all.clone().status(DeliveryStatus::Delivered)), [a]);
+    // Unfinished: neither delivered nor cancelled.
+    let d = ob
+        .enqueue(&NewDelivery::single("u", "d", "four"))
+        .unwrap()
+        .id;
+    ob.cancel(d).unwrap();
+    assert_eq!(ids(all.clone().unfinished()), [c, b]);
+    assert_eq!(ids(all.clone().unfinished().chat_id("c")), [c]);
     assert!(write(&ob, |tx| tx.corrupt_rows()).is_empty());
     write(&ob, |tx| {
         tx.set_corrupt(row(&ob, c) * CHUNK_STRIDE, row(&ob, c), "bad text", T0)

@@ -237,6 +237,8 @@ fn run(cli: Cli) -> CliResult<u8> {
     let db = cli.db.as_deref();
     match cli.command {
         Command::Health(args) => health(&open_read_only(db)?, &args),
+        // Read-only unless the console may act: then opened as a repair is.
+        Command::Serve(args) if args.takes_actions() => serve::serve(&open_for_repair(db)?, &args),
         Command::Serve(args) => serve::serve(&open_read_only(db)?, &args),
         Command::List(args) => {
             let mut filter = ListFilter::default().limit(args.limit);

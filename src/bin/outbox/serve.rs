@@ -18,7 +18,7 @@ use chunked_outbox::Outbox;
 use chunked_outbox::console::{self, Console};
 use chunked_outbox::monitoring::Endpoint;
 use clap::Args;
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -44,8 +44,22 @@ pub struct ServeArgs {
     /// sent one whole by then is closed (such as 10s, 500ms).
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
     header_timeout: Duration,
+    /// A file holding the console's action token (at least 16 characters): whoever
+    /// signs in with it may requeue, resolve, resend and dismiss from the console.
+    /// Without it the console is read-only. A file, so the token stays out of the
+    /// process list and the shell's history.
+    #[arg(long, value_name = "PATH", env = "OUTBOX_CONSOLE_TOKEN_FILE")]
+    console_token_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     thresholds: Thresholds,
+}
+
+impl ServeArgs {
+    /// Whether the console may act (a token file is given): the outbox is opened for
+    /// writing then.
+    pub fn takes_actions(&self) -> bool {
+        self.console_token_file.is_some()
+    }
 }
 
 /// Answers requests until the process is stopped. Each answer reads a fresh snapshot,
@@ -56,9 +70,15 @@ pub fn serve(outbox: &Outbox, args: &ServeArgs) -> CliResult<u8> {
         .thread_name("outbox-serve")
         .enable_all()
         .build()?;
+    let mut console = Console::new(outbox.clone());
+    if let Some(path) = &args.console_token_file {
+        let token = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read the console token file {}: {e}", path.display()))?;
+        console = console.with_actions(&token)?;
+    }
     let pages = Arc::new(Pages {
         endpoint: Endpoint::new(outbox.clone(), args.thresholds.to_library()),
-        console: Console::new(outbox.clone()),
+        console,
     });
     runtime.block_on(accept(pages, args))
 }
@@ -76,8 +96,13 @@ async fn accept(pages: Arc<Pages>, args: &ServeArgs) -> CliResult<u8> {
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
     println!(
-        "serving http://{addr}/metrics, /healthz, /health.json and the console at {}",
-        console::BASE
+        "serving http://{addr}/metrics, /healthz, /health.json and the console at {} ({})",
+        console::BASE,
+        if pages.console.takes_actions() {
+            "actions on for whoever signs in with the token"
+        } else {
+            "read-only"
+        }
     );
     std::io::Write::flush(&mut std::io::stdout())?;
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
@@ -101,13 +126,7 @@ async fn accept(pages: Arc<Pages>, args: &ServeArgs) -> CliResult<u8> {
             let _slot = slot;
             let service = service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
                 let pages = pages.clone();
-                let target = request
-                    .uri()
-                    .path_and_query()
-                    .map_or("/", |p| p.as_str())
-                    .to_owned();
-                let method = request.method().as_str().to_owned();
-                async move { Ok::<_, Infallible>(answer(pages, method, target).await) }
+                async move { Ok::<_, Infallible>(answer(pages, request).await) }
             });
             let connection = http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -120,36 +139,65 @@ async fn accept(pages: Arc<Pages>, args: &ServeArgs) -> CliResult<u8> {
     }
 }
 
-/// The answer to `method` on `target`, read on the blocking pool (a snapshot is a
-/// database read): the console's pages with their security headers, else the health
-/// endpoint's.
-async fn answer(pages: Arc<Pages>, method: String, target: String) -> hyper::Response<Full<Bytes>> {
+/// The answer to `request`, read on the blocking pool (a snapshot is a database read):
+/// the console's pages (with their own headers), else the health endpoint's.
+async fn answer(
+    pages: Arc<Pages>,
+    request: hyper::Request<hyper::body::Incoming>,
+) -> hyper::Response<Full<Bytes>> {
+    let target = request
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    let method = request.method().as_str().to_owned();
+    let cookie = request
+        .headers()
+        .get(hyper::header::COOKIE)
+        .and_then(|c| c.to_str().ok())
+        .map(str::to_owned);
     let path = target.split('?').next().unwrap_or_default();
     let in_console = path
         .strip_prefix(console::BASE)
         .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
+    // A form's body, read only for the console, and only up to what a form may be.
+    let body = if in_console && method == "POST" {
+        let limited = Limited::new(request.into_body(), console::MAX_FORM_BYTES);
+        match limited.collect().await {
+            Ok(body) => body.to_bytes(),
+            Err(_) => return plain(413, "form too large or cut off\n"),
+        }
+    } else {
+        Bytes::new()
+    };
     let read = move || {
         if in_console {
-            let page = pages.console.respond(&method, &target);
-            (page.status, page.content_type, page.body)
+            let mut asked = console::Request::get(&target);
+            asked.method = &method;
+            asked.cookie = cookie.as_deref();
+            asked.body = &body;
+            let page = pages.console.respond(&asked);
+            (page.status, page.headers, page.body)
         } else {
             let answer = pages.endpoint.respond(&target);
-            (answer.status, answer.content_type, answer.body)
+            let headers = vec![("Content-Type", answer.content_type.to_owned())];
+            (answer.status, headers, answer.body)
         }
     };
-    let (status, content_type, body) = match tokio::task::spawn_blocking(read).await {
-        Ok(answer) => answer,
-        Err(e) => (500, "text/plain; charset=utf-8", format!("fail: {e}\n")),
+    let Ok((status, headers, body)) = tokio::task::spawn_blocking(read).await else {
+        return plain(500, "fail: the page could not be read\n");
     };
-    let mut response = hyper::Response::builder()
-        .status(status)
-        .header(hyper::header::CONTENT_TYPE, content_type);
-    if in_console {
-        for (name, value) in console::SECURITY_HEADERS {
-            response = response.header(name, value);
-        }
+    let mut response = hyper::Response::builder().status(status);
+    for (name, value) in headers {
+        response = response.header(name, value);
     }
     response
         .body(Full::new(Bytes::from(body)))
-        .unwrap_or_else(|_| hyper::Response::new(Full::new(Bytes::from_static(b"fail\n"))))
+        .unwrap_or_else(|_| plain(500, "fail\n"))
+}
+
+fn plain(status: u16, text: &'static str) -> hyper::Response<Full<Bytes>> {
+    let mut response = hyper::Response::new(Full::new(Bytes::from_static(text.as_bytes())));
+    *response.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or_default();
+    response
 }

@@ -104,6 +104,9 @@ impl ReadStore for PgTx<'_> {
                 sql.push_str(" AND status <> 'delivered'");
             }
         }
+        if filter.unfinished {
+            sql.push_str(" AND status <> 'delivered' AND status <> 'cancelled'");
+        }
         if let Some(channel) = &filter.channel {
             values.push(channel);
             sql.push_str(&format!(" AND channel = ${}", values.len()));

@@ -117,6 +117,9 @@ impl ReadStore for Tx<'_> {
                 sql.push_str(" AND status <> 'delivered'");
             }
         }
+        if filter.unfinished {
+            sql.push_str(" AND status <> 'delivered' AND status <> 'cancelled'");
+        }
         if let Some(channel) = &filter.channel {
             values.push(Value::Text(channel.clone()));
             sql.push_str(&format!(" AND channel = ?{}", values.len()));

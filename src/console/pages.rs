@@ -1,0 +1,464 @@
+//! The console's pages as markup: every value goes through maud, which escapes it.
+
+use maud::{DOCTYPE, Markup, html};
+
+use super::{BASE, Viewer};
+use crate::health::{ChannelHealth, Health};
+use crate::inspect::{ChunkView, DeliveryView};
+use crate::rules::Rules;
+use crate::status::{ChunkStatus, DeliveryStatus};
+
+/// The style sheet (served at `/console/style.css`: the security policy allows no
+/// inline style).
+pub(super) const STYLE: &str = include_str!("style.css");
+
+/// A chat whose lane holds queued replies, and what is ahead of them.
+pub(crate) struct StuckChat {
+    pub(crate) channel: String,
+    pub(crate) chat_id: String,
+    /// The lane's oldest unfinished reply that is not queued (with its parts).
+    pub(crate) holder: Option<DeliveryView>,
+    /// The replies waiting behind it, oldest first.
+    pub(crate) queued: Vec<DeliveryView>,
+}
+
+/// The text of a notice after an action (`?done=…&n=…`); `None` for anything else.
+pub(super) fn notice(done: &str, count: Option<&str>) -> Option<String> {
+    let n: u64 = count.and_then(|n| n.parse().ok()).unwrap_or(1);
+    let replies = if n == 1 { "reply" } else { "replies" };
+    let parts = if n == 1 { "part" } else { "parts" };
+    Some(match done {
+        "requeued" => "Requeued: the reply goes out again.".into(),
+        "resolved" => "Resolved as delivered: nothing was sent.".into(),
+        "resent" => "Resent: the part goes out again under its key.".into(),
+        "replayed" => format!("Resent {n} uncertain {parts}."),
+        "requeued-all" => format!("Requeued {n} dead {replies}."),
+        "dismissed" => format!("Dismissed {n} dead {replies}."),
+        _ => return None,
+    })
+}
+
+pub(super) fn layout(viewer: &Viewer<'_>, title: &str, content: Markup) -> Markup {
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                title { (title) " · outbox" }
+                link rel="stylesheet" href={ (BASE) "/style.css" };
+            }
+            body {
+                nav {
+                    a href=(BASE) { "Overview" }
+                    a href={ (BASE) "/chats" } { "Chats" }
+                    a href={ (BASE) "/uncertain" } { "Uncertain" }
+                    a href={ (BASE) "/dead-letters" } { "Dead letters" }
+                    a href={ (BASE) "/rules" } { "Rules" }
+                    form method="get" action={ (BASE) "/deliveries" } {
+                        label { "Reply id or caller key " input type="search" name="id" required; }
+                        button { "Show" }
+                    }
+                    @if let Some(csrf) = viewer.csrf {
+                        form.inline method="post" action={ (BASE) "/sign-out" } {
+                            input type="hidden" name="csrf" value=(csrf);
+                            button { "Sign out" }
+                        }
+                    } @else if viewer.actions_on {
+                        a href={ (BASE) "/sign-in" } { "Sign in to act" }
+                    }
+                }
+                @if let Some(notice) = &viewer.notice {
+                    p.notice role="status" { (notice) }
+                }
+                h1 { (title) }
+                (content)
+            }
+        }
+    }
+}
+
+/// A page that only says something.
+pub(super) fn message(viewer: &Viewer<'_>, title: &str, text: &str) -> Markup {
+    layout(viewer, title, html! { p { (text) } })
+}
+
+/// A button that posts `fields` to the action `path`, with what it does beside it.
+/// Shown only to a person who signed in.
+fn action(
+    viewer: &Viewer<'_>,
+    path: &str,
+    fields: &[(&str, &str)],
+    button: &str,
+    effect: Markup,
+) -> Markup {
+    action_asking(viewer, path, fields, None, button, effect)
+}
+
+/// [`action`] with a text field the person may fill in: `(name, label)`.
+fn action_asking(
+    viewer: &Viewer<'_>,
+    path: &str,
+    fields: &[(&str, &str)],
+    asked: Option<(&str, &str)>,
+    button: &str,
+    effect: Markup,
+) -> Markup {
+    let Some(csrf) = viewer.csrf else {
+        return html! {};
+    };
+    html! {
+        form.action method="post" action={ (BASE) "/actions/" (path) } {
+            input type="hidden" name="csrf" value=(csrf);
+            @for (name, value) in fields {
+                input type="hidden" name=(name) value=(value);
+            }
+            @if let Some((name, label)) = asked {
+                label { (label) " " input type="text" name=(name) size="14"; }
+            }
+            button { (button) }
+            span.effect { (effect) }
+        }
+    }
+}
+
+/// A table's head of `names`.
+fn columns(names: &[&str]) -> Markup {
+    html! { thead { tr { @for name in names { th scope="col" { (name) } } } } }
+}
+
+fn time(t: Option<chrono::DateTime<chrono::Utc>>) -> String {
+    t.map_or_else(
+        || "–".into(),
+        |t| t.format("%Y-%m-%d %H:%M:%S UTC").to_string(),
+    )
+}
+
+fn reply_link(view: &DeliveryView) -> Markup {
+    html! { a href={ (BASE) "/deliveries/" (view.id) } { (view.id) } }
+}
+
+pub(super) fn overview(viewer: &Viewer<'_>, health: &Health) -> Markup {
+    let row = |name: &str, c: &ChannelHealth| {
+        html! {
+            tr {
+                th scope="row" { (name) }
+                td { (c.due_chunks) }
+                td { (c.moving_chunks) }
+                td { (c.uncertain_chunks) }
+                td { (c.unacknowledged_dead_letters) }
+                td { (c.oldest_due_age_ms.map_or_else(|| "–".into(), |ms| format!("{} s", ms / 1000))) }
+                td { (c.finalized_total) }
+                td { (time(c.last_delivered_at)) }
+            }
+        }
+    };
+    layout(
+        viewer,
+        "Overview",
+        html! {
+            p { "Snapshot taken " (time(Some(health.generated_at))) "." }
+            table {
+                (columns(&["channel", "due", "moving", "uncertain", "dead letters", "oldest due", "delivered", "last delivered"]))
+                tbody {
+                    @for (name, channel) in &health.channels { (row(name, channel)) }
+                    (row("all channels", &health.totals))
+                }
+            }
+        },
+    )
+}
+
+/// Why a lane holds its queued replies, since when, and what frees it.
+fn held_because(holder: Option<&DeliveryView>) -> (Markup, Markup) {
+    let Some(holder) = holder else {
+        return (
+            html! { "Nothing unfinished is ahead of them: the next one starts when the lane next advances." },
+            html! { code { "outbox recover" } " advances every lane now." },
+        );
+    };
+    let part = holder
+        .chunks
+        .iter()
+        .find(|c| c.status != ChunkStatus::Delivered);
+    let number = part.map_or(0, |c| c.index + 1);
+    let error = part
+        .and_then(|c| c.last_error.as_deref())
+        .unwrap_or("no error recorded");
+    match holder.status {
+        DeliveryStatus::Uncertain => (
+            html! {
+                "Part " (number) " of " (reply_link(holder)) " may or may not have reached the \
+                 platform (" (error) "); the channel's replay policy holds it for a decision."
+            },
+            html! { "Resolve it as delivered, or resend it, on " (reply_link(holder)) "." },
+        ),
+        DeliveryStatus::Failed => (
+            html! {
+                "Reply " (reply_link(holder)) " failed for good (" (error) "), and the lane \
+                 failure policy " code { "block" } " keeps the replies after it waiting."
+            },
+            html! { "Requeue or dismiss the dead letter." },
+        ),
+        DeliveryStatus::Unfinalized => (
+            html! {
+                "Every part of " (reply_link(holder)) " arrived, but the application's \
+                 finalization statement refused its history row."
+            },
+            html! { "Fix the application's table, then " code { "outbox recover" } "." },
+        ),
+        _ => active_part(holder, part),
+    }
+}
+
+/// Why an active reply's next part has not gone yet.
+fn active_part(holder: &DeliveryView, part: Option<&ChunkView>) -> (Markup, Markup) {
+    let Some(part) = part else {
+        return (
+            html! { "Reply " (reply_link(holder)) " is finishing." },
+            html! { "Nothing: it goes on by itself." },
+        );
+    };
+    let n = part.index + 1;
+    match part.status {
+        ChunkStatus::Sending => (
+            html! {
+                "Part " (n) " of " (reply_link(holder)) " was taken for sending, and its lease                  ran out at " (time(part.lease_until)) ": its dispatcher stopped or hangs."
+            },
+            html! { "Recovery: any running dispatcher's, or " code { "outbox recover" } "." },
+        ),
+        ChunkStatus::Retry => (
+            html! {
+                "Part " (n) " of " (reply_link(holder)) " failed (" (part.last_error.as_deref().unwrap_or("–"))
+                ") and is retried at " (time(part.next_attempt_at)) "."
+            },
+            html! { "Time, or the platform coming back." },
+        ),
+        _ => (
+            html! {
+                "Part " (n) " of " (reply_link(holder)) " is due at " (time(part.next_attempt_at))
+                " (the channel's pacing, a rate limit, or a delayed reply)."
+            },
+            html! { "A running dispatcher takes it when it is due." },
+        ),
+    }
+}
+
+pub(super) fn chats(viewer: &Viewer<'_>, chats: &[StuckChat]) -> Markup {
+    layout(
+        viewer,
+        "Held chats",
+        html! {
+            p {
+                "A chat's replies go out one at a time, in order. These chats have replies \
+                 queued behind one that is not going out now, the longest wait first."
+            }
+            @if chats.is_empty() {
+                p { "None: no chat has a reply held behind another." }
+            } @else {
+                table {
+                    (columns(&["channel, chat", "waiting since", "queued", "why", "what frees it"]))
+                    tbody {
+                        @for chat in chats {
+                            @let (why, frees) = held_because(chat.holder.as_ref());
+                            tr {
+                                td { (chat.channel) ", " (chat.chat_id) }
+                                td { (time(chat.queued.first().map(|q| q.created_at))) }
+                                td {
+                                    (chat.queued.len())
+                                    @for view in chat.queued.iter().take(3) { " " (reply_link(view)) }
+                                }
+                                td {
+                                    (why)
+                                    @if let Some(holder) = &chat.holder {
+                                        " Since " (time(Some(holder.updated_at))) "."
+                                    }
+                                }
+                                td { (frees) }
+                            }
+                        }
+                    }
+                }
+            }
+        },
+    )
+}
+
+pub(super) fn waiting(
+    viewer: &Viewer<'_>,
+    status: DeliveryStatus,
+    channel: Option<&str>,
+    views: &[DeliveryView],
+) -> Markup {
+    let uncertain = status == DeliveryStatus::Uncertain;
+    let (title, back, what) = if uncertain {
+        (
+            "Uncertain replies",
+            "/uncertain",
+            html! {
+                "A part of each may or may not have reached the platform; the channel's \
+                 replay policy holds it for a decision (" code { "outbox resolve" } ")."
+            },
+        )
+    } else {
+        (
+            "Dead letters",
+            "/dead-letters",
+            html! {
+                "Replies that failed for good; " code { "outbox requeue" } " sends them again, "
+                code { "outbox dismiss-dead-letters" } " marks them seen."
+            },
+        )
+    };
+    let back = format!("{BASE}{back}");
+    let channel_field = channel.unwrap_or("");
+    let scope = channel.map_or_else(|| "every channel".to_owned(), |c| format!("channel {c}"));
+    layout(
+        viewer,
+        title,
+        html! {
+            p { (what) }
+            form method="get" {
+                label { "Channel " input type="search" name="channel" value=(channel_field); }
+                button { "Filter" }
+            }
+            @if uncertain {
+                @if let Some(channel) = channel {
+                    (action(viewer, "replay", &[("channel", channel), ("back", &back)], &format!("Resend every uncertain part of {channel}"), html! {
+                        "Sends each again under its key, up to 500 at once. Where the platform \
+                         does not drop a repeat, a part that did arrive shows twice in its chat."
+                    }))
+                }
+            } @else if !views.is_empty() {
+                (action(viewer, "requeue-dead-letters", &[("channel", channel_field), ("back", &back)], &format!("Requeue the dead letters of {scope}"), html! {
+                    "Sends each again with a fresh attempt budget; each rejoins its chat's lane."
+                }))
+                (action(viewer, "dismiss", &[("channel", channel_field), ("back", &back)], &format!("Dismiss the dead letters of {scope}"), html! {
+                    "Sends nothing: marks them seen, so health stops counting them and a lane \
+                     they hold (lane failure policy block) moves on. They stay listed and \
+                     requeueable."
+                }))
+            }
+            @if views.is_empty() {
+                p { "None." }
+            } @else {
+                table {
+                    (columns(&["reply", "channel, chat", "parts delivered", "last error", "enqueued", "seen"]))
+                    tbody {
+                        @for view in views {
+                            tr {
+                                td { (reply_link(view)) }
+                                td { (view.channel) ", " (view.chat_id) }
+                                td { (view.delivered_count) " of " (view.chunk_count) }
+                                td { (view.chunks.iter().rev().find_map(|c| c.last_error.as_deref()).unwrap_or("–")) }
+                                td { (time(Some(view.created_at))) }
+                                td { (if view.acknowledged_at.is_some() { "dismissed" } else { "–" }) }
+                            }
+                        }
+                    }
+                }
+            }
+        },
+    )
+}
+
+pub(super) fn story(viewer: &Viewer<'_>, view: &DeliveryView, with_text: bool) -> Markup {
+    let back = format!("{BASE}/deliveries/{}", view.id);
+    let id = view.id.to_string();
+    let fields = [("delivery", id.as_str()), ("back", back.as_str())];
+    layout(
+        viewer,
+        &format!("Reply {}", view.id),
+        html! {
+            dl {
+                dt { "channel, chat" } dd { (view.channel) ", " (view.chat_id) }
+                dt { "state" } dd.state { (view.status.as_str()) }
+                dt { "parts delivered" } dd { (view.delivered_count) " of " (view.chunk_count) }
+                dt { "caller key" } dd { (view.idempotency_key.as_deref().unwrap_or("–")) }
+                dt { "enqueued" } dd { (time(Some(view.created_at))) }
+                dt { "last change" } dd { (time(Some(view.updated_at))) }
+                dt { "finished" } dd { (time(view.finished_at)) }
+                @if let Some(error) = &view.finalize_error {
+                    dt { "finalization refused" } dd { (error) }
+                }
+            }
+            @match view.status {
+                DeliveryStatus::Uncertain => {
+                    (action_asking(viewer, "resolve", &fields, Some(("platform_id", "platform id (if known)")), "Resolve as delivered", html! {
+                        "Sends nothing: records the part as delivered. Choose it when the chat \
+                         shows the part; the reply's next part (or its history row) follows."
+                    }))
+                    (action(viewer, "resend", &fields, "Resend", html! {
+                        "Sends the part again under the same key. Where the platform does not \
+                         drop a repeat, a part that did arrive shows twice."
+                    }))
+                }
+                DeliveryStatus::Failed => {
+                    (action(viewer, "requeue", &fields, "Requeue", html! {
+                        "Sends the failed part again with a fresh attempt budget; the reply \
+                         rejoins its chat's lane behind what is ahead of it."
+                    }))
+                }
+                _ => {}
+            }
+            @if with_text {
+                h2 { "Text" }
+                pre { (view.text) }
+            } @else {
+                p { a href={ (BASE) "/deliveries/" (view.id) "?text=1" } { "Show the reply's text" } }
+            }
+            h2 { "Parts" }
+            table {
+                (columns(&["part", "state", "attempts", "key", "last error", "next attempt", "delivered", "platform id"]))
+                tbody {
+                    @for chunk in &view.chunks {
+                        tr {
+                            td { (chunk.index + 1) }
+                            td { (chunk.status.as_str()) }
+                            td { (chunk.attempts) }
+                            td { code { (chunk.idempotency_key) } }
+                            td { (chunk.last_error.as_deref().unwrap_or("–")) }
+                            td { (time(chunk.next_attempt_at)) }
+                            td { (time(chunk.delivered_at)) }
+                            td { (chunk.platform_message_id.as_deref().unwrap_or("–")) }
+                        }
+                    }
+                }
+            }
+        },
+    )
+}
+
+pub(super) fn rules(viewer: &Viewer<'_>, rules: &Rules) -> Markup {
+    layout(
+        viewer,
+        "Rules",
+        html! {
+            p {
+                "As stored: every process on this outbox follows them. Read-only here; "
+                code { "outbox config" } " changes them."
+            }
+            pre { (serde_json::to_string_pretty(rules).unwrap_or_default()) }
+        },
+    )
+}
+
+pub(super) fn sign_in(viewer: &Viewer<'_>, csrf: Option<&str>, failed: Option<&str>) -> Markup {
+    layout(
+        viewer,
+        "Sign in",
+        html! {
+            @if let Some(csrf) = csrf {
+                @if let Some(failed) = failed { p.notice role="alert" { (failed) } }
+                p { "The token is the one " code { "outbox serve" } " was given (" code { "--console-token-file" } ")." }
+                form method="post" action={ (BASE) "/sign-in" } {
+                    input type="hidden" name="csrf" value=(csrf);
+                    label { "Token " input type="password" name="token" autocomplete="current-password" required; }
+                    button { "Sign in" }
+                }
+            } @else {
+                p { "This console is read-only: it was started without an action token." }
+            }
+        },
+    )
+}

@@ -1,0 +1,487 @@
+use super::*;
+use crate::rules::Rules;
+use crate::{NewDelivery, OutboxOptions, Outcome};
+
+const TOKEN: &str = "a-long-enough-console-token";
+
+fn outbox() -> Outbox {
+    Outbox::open_in_memory(OutboxOptions::default()).unwrap()
+}
+
+fn console_with(text: &str) -> (Console, DeliveryId) {
+    let outbox = outbox();
+    let id = outbox
+        .enqueue(&NewDelivery::single("<i>chan</i>", "42", text))
+        .unwrap()
+        .id;
+    (Console::new(outbox), id)
+}
+
+fn get(console: &Console, target: &str) -> Response {
+    console.respond(&Request::get(target))
+}
+
+/// A reply on `channel`, chat 7, whose send failed for good.
+fn dead_letter(outbox: &Outbox, channel: &str) -> DeliveryId {
+    let id = outbox
+        .enqueue(&NewDelivery::single(channel, "7", "x"))
+        .unwrap()
+        .id;
+    let claim = outbox.claim_channels(&[channel], 1).unwrap().pop().unwrap();
+    outbox
+        .record_error_text(&claim, "Forbidden: bot was blocked by the user")
+        .unwrap();
+    id
+}
+
+/// A reply on `channel`, chat 7, whose send may or may not have arrived.
+fn uncertain(outbox: &Outbox, channel: &str) -> DeliveryId {
+    let id = outbox
+        .enqueue(&NewDelivery::single(channel, "7", "x"))
+        .unwrap()
+        .id;
+    let claim = outbox.claim_channels(&[channel], 1).unwrap().pop().unwrap();
+    outbox
+        .record(
+            &claim,
+            Outcome::Ambiguous {
+                error: "read timeout".into(),
+            },
+        )
+        .unwrap();
+    id
+}
+
+/// A console with actions on, and the cookie and form token of a person signed in.
+fn signed_in(outbox: Outbox) -> (Console, String, String) {
+    let console = Console::new(outbox).with_actions(TOKEN).unwrap();
+    let page = get(&console, "/console/sign-in");
+    let csrf = form_token(&page.body);
+    let body = format!("csrf={csrf}&token={TOKEN}");
+    let answer = console.respond(&Request::post("/console/sign-in", body.as_bytes()));
+    assert_eq!(answer.status, 303, "{}", answer.body);
+    let cookie = answer.header("Set-Cookie").unwrap();
+    assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"));
+    let cookie = cookie.split(';').next().unwrap().to_owned();
+    (console, cookie, csrf)
+}
+
+/// The form token in a page.
+fn form_token(body: &str) -> String {
+    let at = body.find("name=\"csrf\" value=\"").expect("a form token") + 19;
+    body[at..at + 32].to_owned()
+}
+
+fn post(console: &Console, cookie: &str, target: &str, body: &str) -> Response {
+    console.respond(&Request::post(target, body.as_bytes()).with_cookie(cookie))
+}
+
+fn status(outbox: &Outbox, id: DeliveryId) -> DeliveryStatus {
+    outbox.delivery(id).unwrap().unwrap().status
+}
+
+#[test]
+fn every_value_is_escaped() {
+    let (console, id) = console_with("<script>alert(1)</script>");
+    let page = get(&console, &format!("/console/deliveries/{id}?text=1"));
+    assert_eq!(page.status, 200);
+    assert!(!page.body.contains("<script>"), "{}", page.body);
+    assert!(page.body.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
+    let overview = get(&console, "/console");
+    assert!(!overview.body.contains("<i>chan</i>"));
+    assert!(overview.body.contains("&lt;i&gt;chan&lt;/i&gt;"));
+    for (name, value) in SECURITY_HEADERS {
+        assert_eq!(overview.header(name), Some(value));
+    }
+}
+
+#[test]
+fn the_text_is_shown_only_when_asked_for() {
+    let (console, id) = console_with("a secret reply");
+    let page = get(&console, &format!("/console/deliveries/{id}"));
+    assert_eq!(page.status, 200);
+    assert!(!page.body.contains("a secret reply"));
+    assert!(page.body.contains("Show the reply"));
+    let asked = get(&console, &format!("/console/deliveries/{id}?text=1"));
+    assert!(asked.body.contains("a secret reply"));
+}
+
+#[test]
+fn unknown_pages_ids_and_methods_are_refused() {
+    let (console, _) = console_with("x");
+    assert_eq!(get(&console, "/console/nowhere").status, 404);
+    assert_eq!(get(&console, "/console/deliveries/nope").status, 404);
+    let absent = "01890a5d-ac96-774b-bcce-b302099a8057";
+    assert_eq!(
+        get(&console, &format!("/console/deliveries/{absent}")).status,
+        404
+    );
+    let post = console.respond(&Request::post("/console", b""));
+    assert_eq!((post.status, post.header("Allow")), (405, Some("GET")));
+    let put = Request {
+        method: "PUT",
+        ..Request::get("/console/actions/dismiss")
+    };
+    assert_eq!(console.respond(&put).header("Allow"), Some("GET, POST"));
+    assert_eq!(get(&console, "/console/style.css").status, 200);
+}
+
+#[test]
+fn dead_letters_and_uncertain_replies_are_listed_by_channel() {
+    let outbox = outbox();
+    for channel in ["telegram", "discord"] {
+        dead_letter(&outbox, channel);
+    }
+    let console = Console::new(outbox);
+    let all = get(&console, "/console/dead-letters");
+    assert_eq!(all.status, 200);
+    assert_eq!(
+        all.body.matches("bot was blocked").count(),
+        2,
+        "{}",
+        all.body
+    );
+    let one = get(&console, "/console/dead-letters?channel=discord");
+    assert_eq!(one.body.matches("bot was blocked").count(), 1);
+    assert!(one.body.contains("discord, 7") && !one.body.contains("telegram, 7"));
+    let uncertain = get(&console, "/console/uncertain");
+    assert!(uncertain.body.contains("None."), "{}", uncertain.body);
+}
+
+#[test]
+fn a_reply_is_found_by_its_id_or_caller_key_and_the_rules_are_shown() {
+    let outbox = outbox();
+    let id = outbox
+        .enqueue(&NewDelivery::single("t", "1", "x").with_idempotency_key("turn-9"))
+        .unwrap()
+        .id;
+    let console = Console::new(outbox);
+    let found = get(&console, &format!("/console/deliveries?id=+{id}+"));
+    assert_eq!(found.status, 200);
+    assert!(found.body.contains(&id.to_string()));
+    let by_key = get(&console, "/console/deliveries?id=turn-9");
+    assert_eq!(by_key.status, 303);
+    assert_eq!(
+        by_key.header("Location"),
+        Some(format!("/console/deliveries/{id}").as_str())
+    );
+    assert_eq!(get(&console, "/console/deliveries?id=turn-8").status, 404);
+    assert_eq!(get(&console, "/console/deliveries?id=").status, 404);
+    let rules = get(&console, "/console/rules");
+    assert!(rules.body.contains("lane_order"), "{}", rules.body);
+}
+
+#[test]
+fn the_overview_counts_per_channel() {
+    let (console, _) = console_with("x");
+    let page = get(&console, "/console/");
+    assert_eq!(page.status, 200);
+    // one due part on the channel and in the totals
+    assert_eq!(page.body.matches("<td>1</td>").count(), 4, "{}", page.body);
+}
+
+#[test]
+fn a_short_or_uncarriable_token_is_refused() {
+    for token in [
+        "short",
+        "a token with spaces in it",
+        "semicolon;semicolon;semi",
+    ] {
+        let refused = Console::new(outbox()).with_actions(token);
+        assert!(
+            matches!(
+                refused,
+                Err(Error::InvalidInput {
+                    what: "console token",
+                    ..
+                })
+            ),
+            "{token:?}"
+        );
+    }
+    assert!(Console::new(outbox()).with_actions(&"x".repeat(16)).is_ok());
+}
+
+#[test]
+fn a_read_only_console_takes_no_action() {
+    let outbox = outbox();
+    let id = dead_letter(&outbox, "telegram");
+    let console = Console::new(outbox.clone());
+    let answer = post(
+        &console,
+        "outbox_console=anything",
+        "/console/actions/requeue",
+        &format!("delivery={id}"),
+    );
+    assert_eq!(answer.status, 403);
+    assert!(answer.body.contains("read-only"));
+    assert_eq!(status(&outbox, id), DeliveryStatus::Failed);
+    // No buttons, and no sign-in link either.
+    let page = get(&console, &format!("/console/deliveries/{id}"));
+    assert!(!page.body.contains("<form class=\"action\"") && !page.body.contains("Sign in"));
+}
+
+#[test]
+fn signing_in_takes_the_token_and_a_form_token() {
+    let console = Console::new(outbox()).with_actions(TOKEN).unwrap();
+    let csrf = form_token(&get(&console, "/console/sign-in").body);
+    let wrong_token = console.respond(&Request::post(
+        "/console/sign-in",
+        format!("csrf={csrf}&token=not-the-token-at-all").as_bytes(),
+    ));
+    assert_eq!(wrong_token.status, 403);
+    assert_eq!(wrong_token.header("Set-Cookie"), None);
+    let no_csrf = console.respond(&Request::post(
+        "/console/sign-in",
+        format!("token={TOKEN}").as_bytes(),
+    ));
+    assert_eq!(no_csrf.status, 403);
+    assert_eq!(no_csrf.header("Set-Cookie"), None);
+    // Another console (another process) has another form token.
+    let other = Console::new(outbox()).with_actions(TOKEN).unwrap();
+    assert_ne!(form_token(&get(&other, "/console/sign-in").body), csrf);
+    let (console, cookie, _) = signed_in(outbox());
+    let page = console.respond(&Request::get("/console").with_cookie(&cookie));
+    assert!(page.body.contains("Sign out"), "{}", page.body);
+    // A wrong cookie is nobody.
+    let page = console.respond(&Request::get("/console").with_cookie("outbox_console=wrong"));
+    assert!(page.body.contains("Sign in to act") && !page.body.contains("Sign out"));
+}
+
+#[test]
+fn an_action_needs_the_cookie_and_the_form_token() {
+    let outbox = outbox();
+    let id = dead_letter(&outbox, "telegram");
+    let (console, cookie, csrf) = signed_in(outbox.clone());
+    let body = format!("csrf={csrf}&delivery={id}");
+    let no_cookie = console.respond(&Request::post("/console/actions/requeue", body.as_bytes()));
+    assert_eq!(no_cookie.status, 403);
+    let wrong_csrf = post(
+        &console,
+        &cookie,
+        "/console/actions/requeue",
+        &format!("csrf={}&delivery={id}", "0".repeat(32)),
+    );
+    assert_eq!(wrong_csrf.status, 403);
+    assert!(
+        wrong_csrf.body.contains("Reload the page"),
+        "{}",
+        wrong_csrf.body
+    );
+    assert_eq!(status(&outbox, id), DeliveryStatus::Failed);
+    let too_big = post(
+        &console,
+        &cookie,
+        "/console/actions/requeue",
+        &"x".repeat(MAX_FORM_BYTES + 1),
+    );
+    assert_eq!(too_big.status, 413);
+    assert_eq!(status(&outbox, id), DeliveryStatus::Failed);
+}
+
+#[test]
+fn requeue_resolve_resend_and_dismiss_change_the_rows() {
+    let outbox = outbox();
+    let failed = dead_letter(&outbox, "telegram");
+    let settled = uncertain(&outbox, "slack");
+    let resent = uncertain(&outbox, "discord");
+    let (console, cookie, csrf) = signed_in(outbox.clone());
+
+    let page = console
+        .respond(&Request::get(&format!("/console/deliveries/{failed}")).with_cookie(&cookie));
+    assert!(page.body.contains("Requeue") && page.body.contains("fresh attempt budget"));
+    let back = format!("/console/deliveries/{failed}");
+    let answer = post(
+        &console,
+        &cookie,
+        "/console/actions/requeue",
+        &format!("csrf={csrf}&delivery={failed}&back={back}"),
+    );
+    assert_eq!(answer.status, 303, "{}", answer.body);
+    assert_eq!(
+        answer.header("Location"),
+        Some(format!("{back}?done=requeued&n=1").as_str())
+    );
+    assert_eq!(status(&outbox, failed), DeliveryStatus::Pending);
+    let after =
+        console.respond(&Request::get(answer.header("Location").unwrap()).with_cookie(&cookie));
+    assert!(
+        after.body.contains("Requeued: the reply goes out again."),
+        "{}",
+        after.body
+    );
+
+    let answer = post(
+        &console,
+        &cookie,
+        "/console/actions/resolve",
+        &format!("csrf={csrf}&delivery={settled}&platform_id=ts-1"),
+    );
+    assert_eq!(answer.status, 303, "{}", answer.body);
+    let view = outbox.delivery(settled).unwrap().unwrap();
+    assert_eq!(view.status, DeliveryStatus::Delivered);
+    assert_eq!(view.chunks[0].platform_message_id.as_deref(), Some("ts-1"));
+
+    let answer = post(
+        &console,
+        &cookie,
+        "/console/actions/resend",
+        &format!("csrf={csrf}&delivery={resent}"),
+    );
+    assert_eq!(answer.status, 303, "{}", answer.body);
+    let view = outbox.delivery(resent).unwrap().unwrap();
+    assert_eq!(view.chunks[0].status, ChunkStatus::Retry);
+
+    // Resolving what is not uncertain changes nothing and says why.
+    let again = post(
+        &console,
+        &cookie,
+        "/console/actions/resolve",
+        &format!("csrf={csrf}&delivery={settled}"),
+    );
+    assert_eq!(again.status, 409);
+    assert!(again.body.contains("Nothing was changed"), "{}", again.body);
+
+    let later = dead_letter(&outbox, "viber");
+    let answer = post(
+        &console,
+        &cookie,
+        "/console/actions/dismiss",
+        &format!("csrf={csrf}&channel=viber"),
+    );
+    assert_eq!(
+        answer.header("Location"),
+        Some("/console?done=dismissed&n=1")
+    );
+    let view = outbox.delivery(later).unwrap().unwrap();
+    assert!(view.acknowledged_at.is_some() && view.status == DeliveryStatus::Failed);
+    let answer = post(
+        &console,
+        &cookie,
+        "/console/actions/requeue-dead-letters",
+        &format!("csrf={csrf}&channel="),
+    );
+    assert_eq!(
+        answer.header("Location"),
+        Some("/console?done=requeued-all&n=1")
+    );
+    assert_eq!(status(&outbox, later), DeliveryStatus::Pending);
+}
+
+#[test]
+fn a_replay_resends_every_uncertain_part_of_one_channel() {
+    let outbox = outbox();
+    let slack = [uncertain(&outbox, "slack"), uncertain(&outbox, "slack")];
+    let other = uncertain(&outbox, "discord");
+    let (console, cookie, csrf) = signed_in(outbox.clone());
+    let page =
+        console.respond(&Request::get("/console/uncertain?channel=slack").with_cookie(&cookie));
+    assert!(
+        page.body.contains("Resend every uncertain part of slack"),
+        "{}",
+        page.body
+    );
+    let answer = post(
+        &console,
+        &cookie,
+        "/console/actions/replay",
+        &format!("csrf={csrf}&channel=slack&back=/console/uncertain"),
+    );
+    assert_eq!(
+        answer.header("Location"),
+        Some("/console/uncertain?done=replayed&n=2")
+    );
+    for id in slack {
+        assert_eq!(
+            outbox.delivery(id).unwrap().unwrap().chunks[0].status,
+            ChunkStatus::Retry
+        );
+    }
+    assert_eq!(status(&outbox, other), DeliveryStatus::Uncertain);
+    let no_channel = post(
+        &console,
+        &cookie,
+        "/console/actions/replay",
+        &format!("csrf={csrf}&channel="),
+    );
+    assert_eq!(no_channel.status, 409);
+}
+
+#[test]
+fn an_action_goes_back_only_to_a_console_page() {
+    let outbox = outbox();
+    dead_letter(&outbox, "telegram");
+    let (console, cookie, csrf) = signed_in(outbox);
+    for back in [
+        "https://elsewhere.example/",
+        "//elsewhere.example/console/",
+        "/console/x?y=1",
+    ] {
+        let answer = post(
+            &console,
+            &cookie,
+            "/console/actions/dismiss",
+            &format!("csrf={csrf}&back={back}"),
+        );
+        assert_eq!(answer.status, 303);
+        assert!(
+            answer
+                .header("Location")
+                .unwrap()
+                .starts_with("/console?done="),
+            "{back}"
+        );
+    }
+}
+
+#[test]
+fn a_held_chat_says_what_holds_it_and_what_frees_it() {
+    let outbox = outbox();
+    outbox
+        .set_rules(Rules {
+            lane_failure: crate::rules::LaneFailurePolicy::Block,
+            ..outbox.rules().unwrap()
+        })
+        .unwrap();
+    let held = uncertain(&outbox, "slack");
+    let behind = outbox
+        .enqueue(&NewDelivery::single("slack", "7", "next"))
+        .unwrap()
+        .id;
+    let failed = dead_letter(&outbox, "telegram");
+    outbox
+        .enqueue(&NewDelivery::single("telegram", "7", "next"))
+        .unwrap();
+    // A chat with nothing queued is not listed, nor one whose first reply is due now.
+    outbox
+        .enqueue(&NewDelivery::single("discord", "9", "alone"))
+        .unwrap();
+    for text in ["first", "second"] {
+        outbox
+            .enqueue(&NewDelivery::single("line", "5", text))
+            .unwrap();
+    }
+    let console = Console::new(outbox.clone());
+    let page = get(&console, "/console/chats");
+    assert_eq!(page.status, 200);
+    assert!(
+        page.body.contains("slack, 7") && page.body.contains("telegram, 7"),
+        "{}",
+        page.body
+    );
+    assert!(!page.body.contains("discord, 9") && !page.body.contains("line, 5"));
+    assert!(page.body.contains(&format!(
+        "Part 1 of <a href=\"/console/deliveries/{held}\">"
+    )));
+    assert!(page.body.contains("may or may not have reached"));
+    assert!(page.body.contains(&behind.to_string()));
+    assert!(
+        page.body
+            .contains(&format!("Reply <a href=\"/console/deliveries/{failed}\">"))
+    );
+    assert!(page.body.contains("Requeue or dismiss"));
+    // Dismissed, the dead letter frees its lane: the chat is no longer held.
+    outbox.dismiss_dead_letters(Some("telegram")).unwrap();
+    let page = get(&console, "/console/chats");
+    assert!(!page.body.contains("telegram, 7"), "{}", page.body);
+}
