@@ -350,7 +350,7 @@ impl Console {
                 Route::Style => {
                     Response::new(200, "text/css; charset=utf-8", pages::STYLE.to_owned())
                 }
-                Route::Overview => Response::html(200, pages::overview(v, &self.outbox.health()?)),
+                Route::Overview => Response::html(200, pages::overview(v, &self.overview()?)),
                 Route::Chats => Response::html(200, pages::chats(v, &self.stuck_chats()?)),
                 Route::Delivery => self.delivery(v, found.params.get("id"), query)?,
                 Route::Find => self.find(v, query)?,
@@ -540,6 +540,19 @@ impl Console {
             .delivery(id)?
             .ok_or(Error::DeliveryNotFound(id))?;
         Ok(view.status)
+    }
+
+    /// What the overview shows: health, the rules, the channels paused, and the
+    /// finished replies of the last hour (per minute) and day (per half hour).
+    fn overview(&self) -> Result<pages::Overview> {
+        const HOUR: std::time::Duration = std::time::Duration::from_secs(3600);
+        Ok(pages::Overview {
+            health: self.outbox.health()?,
+            rules: self.outbox.rules()?,
+            pauses: self.outbox.channel_pauses()?,
+            hour: self.outbox.activity(HOUR, 60)?,
+            day: self.outbox.activity(24 * HOUR, 48)?,
+        })
     }
 
     /// Uncertain replies or dead letters, newest first, each with its parts (their

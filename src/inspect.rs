@@ -3,6 +3,7 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
+use crate::clock::to_datetime;
 use crate::error::{Error, Result};
 use crate::ids::{ChunkId, ClaimantId, DeliveryId};
 use crate::outbox::Outbox;
@@ -201,6 +202,136 @@ impl Outbox {
     /// Database errors.
     pub fn corrupt_rows(&self) -> Result<Vec<CorruptRow>> {
         self.read(|tx| tx.corrupt_rows())
+    }
+}
+
+/// The most buckets one [`Outbox::activity`] asks for.
+pub const MAX_ACTIVITY_BUCKETS: u32 = 1_440;
+
+/// Replies that finished over a window of time, bucket by bucket, from the stored rows
+/// (see [`Outbox::activity`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Activity {
+    /// The start of the first bucket.
+    pub since: DateTime<Utc>,
+    /// Each bucket's width, ms.
+    pub bucket_ms: u64,
+    /// Every bucket from `since` to now, oldest first (empty ones included).
+    pub buckets: Vec<ActivityBucket>,
+}
+
+/// One bucket of an [`Activity`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct ActivityBucket {
+    /// When it starts.
+    pub start: DateTime<Utc>,
+    /// Replies delivered (their last part acknowledged) in it.
+    pub delivered: u64,
+    /// Replies that failed for good (became dead letters) in it.
+    pub failed: u64,
+    /// The mean enqueue-to-delivery time of its delivered replies, ms (`None` when none).
+    pub mean_latency_ms: Option<u64>,
+    /// The longest enqueue-to-delivery time of its delivered replies, ms.
+    pub max_latency_ms: Option<u64>,
+}
+
+impl Outbox {
+    /// The replies delivered and failed for good over the last `window`, in `buckets`
+    /// buckets of equal width ending now, with their enqueue-to-delivery times: the
+    /// console's charts. Read from the stored rows over the index of finished
+    /// deliveries, so every host sees the same and a restart loses nothing; a reply
+    /// [`purge`](Self::purge)d is no longer counted.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
+    ///
+    /// let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
+    /// outbox.enqueue(&NewDelivery::single("telegram", "42", "hi"))?;
+    /// let claim = outbox.claim(1)?.remove(0);
+    /// outbox.ack(&claim, None)?;
+    /// let hour = outbox.activity(Duration::from_secs(3600), 60)?;
+    /// assert_eq!(hour.buckets.len(), 60);
+    /// assert_eq!(hour.buckets.iter().map(|b| b.delivered).sum::<u64>(), 1);
+    /// # Ok::<(), chunked_outbox::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for 0 or more than [`MAX_ACTIVITY_BUCKETS`] buckets, or a
+    /// window shorter than a millisecond per bucket; database errors.
+    pub fn activity(&self, window: std::time::Duration, buckets: u32) -> Result<Activity> {
+        if buckets == 0 || buckets > MAX_ACTIVITY_BUCKETS {
+            return Err(Error::invalid(
+                "buckets",
+                format!("{buckets} is outside 1..={MAX_ACTIVITY_BUCKETS}"),
+            ));
+        }
+        let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+        let width = i64::try_from(window_ms.div_ceil(u64::from(buckets))).unwrap_or(i64::MAX);
+        if width == 0 || width > i64::MAX / 2 / i64::from(buckets) {
+            return Err(Error::invalid(
+                "window",
+                format!("{window:?} in {buckets} buckets is out of range"),
+            ));
+        }
+        let now = self.options().now_ms();
+        // The last bucket ends just after now.
+        let since = now + 1 - width * i64::from(buckets);
+        let rows = self.read(|tx| tx.activity(since, width))?;
+        let mut out: Vec<ActivityBucket> = (0..i64::from(buckets))
+            .map(|n| ActivityBucket {
+                start: to_datetime(since + n * width),
+                delivered: 0,
+                failed: 0,
+                mean_latency_ms: None,
+                max_latency_ms: None,
+            })
+            .collect();
+        for row in rows {
+            // A row finished "in the future" by a clock ahead of this one is left out.
+            let Some(bucket) = usize::try_from(row.bucket)
+                .ok()
+                .and_then(|b| out.get_mut(b))
+            else {
+                continue;
+            };
+            bucket.delivered = u64::try_from(row.delivered).unwrap_or(0);
+            bucket.failed = u64::try_from(row.failed).unwrap_or(0);
+            if row.delivered > 0 {
+                bucket.mean_latency_ms = u64::try_from(row.latency_sum_ms / row.delivered).ok();
+                bucket.max_latency_ms = u64::try_from(row.latency_max_ms).ok();
+            }
+        }
+        Ok(Activity {
+            since: to_datetime(since),
+            bucket_ms: width as u64,
+            buckets: out,
+        })
+    }
+}
+
+impl Outbox {
+    /// The channels paused as a whole now — a rate limit of the platform's that stops
+    /// every send on the channel, from every process — with when each pause ends.
+    ///
+    /// # Errors
+    ///
+    /// Database errors.
+    pub fn channel_pauses(&self) -> Result<std::collections::BTreeMap<String, DateTime<Utc>>> {
+        let now = self.options().now_ms();
+        self.read(|tx| {
+            Ok(tx
+                .channels(None)?
+                .into_iter()
+                .filter_map(|c| {
+                    let until = c.paused_until.filter(|&until| until > now)?;
+                    Some((c.name, to_datetime(until)))
+                })
+                .collect())
+        })
     }
 }
 

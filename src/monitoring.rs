@@ -71,7 +71,9 @@
 //! The counters count events, so purging history never lowers them.
 
 pub use crate::health::{ChannelHealth, Health, LATENCY_BUCKETS, LatencyHistogram};
-pub use crate::inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
+pub use crate::inspect::{
+    Activity, ActivityBucket, ChunkView, CorruptRow, DeliveryView, ListFilter, MAX_ACTIVITY_BUCKETS,
+};
 pub use crate::status::{ChunkStatus, DeliveryStatus};
 
 use std::time::Duration;

@@ -679,6 +679,13 @@ fn a_queued_filter_lists_staged_replies() {
         .list(&chunked_outbox::monitoring::ListFilter::default().status(DeliveryStatus::Queued))
         .unwrap();
     assert_eq!(queued.iter().map(|v| v.id).collect::<Vec<_>>(), [staged]);
+    // Found by its caller key too, on a channel no reply of the crate's named yet.
+    let keyed = NewDelivery::single("never-seen", "c9", "keyed").with_idempotency_key("turn-7");
+    let keyed = committed(&outbox, &mut app, &keyed).id;
+    let found = outbox
+        .list(&chunked_outbox::monitoring::ListFilter::default().idempotency_key("turn-7"))
+        .unwrap();
+    assert_eq!(found.iter().map(|v| v.id).collect::<Vec<_>>(), [keyed]);
 }
 
 /// The SQL function and the crate refuse the same replies: each limit the crate

@@ -3,8 +3,12 @@
 use maud::{DOCTYPE, Markup, html};
 
 use super::{BASE, Viewer};
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+
 use crate::health::{ChannelHealth, Health};
-use crate::inspect::{ChunkView, DeliveryView};
+use crate::inspect::{Activity, ChunkView, DeliveryView};
 use crate::rules::Rules;
 use crate::status::{ChunkStatus, DeliveryStatus};
 
@@ -127,7 +131,7 @@ fn columns(names: &[&str]) -> Markup {
     html! { thead { tr { @for name in names { th scope="col" { (name) } } } } }
 }
 
-fn time(t: Option<chrono::DateTime<chrono::Utc>>) -> String {
+fn time(t: Option<DateTime<Utc>>) -> String {
     t.map_or_else(
         || "–".into(),
         |t| t.format("%Y-%m-%d %H:%M:%S UTC").to_string(),
@@ -138,8 +142,18 @@ fn reply_link(view: &DeliveryView) -> Markup {
     html! { a href={ (BASE) "/deliveries/" (view.id) } { (view.id) } }
 }
 
-pub(super) fn overview(viewer: &Viewer<'_>, health: &Health) -> Markup {
-    let row = |name: &str, c: &ChannelHealth| {
+/// What the overview shows besides health: the rules (for each channel's pacing), the
+/// channels paused as a whole, and the finished replies of the last hour and day.
+pub(super) struct Overview {
+    pub(super) health: Health,
+    pub(super) rules: Rules,
+    pub(super) pauses: BTreeMap<String, DateTime<Utc>>,
+    pub(super) hour: Activity,
+    pub(super) day: Activity,
+}
+
+pub(super) fn overview(viewer: &Viewer<'_>, o: &Overview) -> Markup {
+    let row = |name: &str, c: &ChannelHealth, channel: bool| {
         html! {
             tr {
                 th scope="row" { (name) }
@@ -147,9 +161,11 @@ pub(super) fn overview(viewer: &Viewer<'_>, health: &Health) -> Markup {
                 td { (c.moving_chunks) }
                 td { (c.uncertain_chunks) }
                 td { (c.unacknowledged_dead_letters) }
-                td { (c.oldest_due_age_ms.map_or_else(|| "–".into(), |ms| format!("{} s", ms / 1000))) }
+                td { (c.oldest_due_age_ms.map_or_else(|| "–".into(), duration)) }
                 td { (c.finalized_total) }
                 td { (time(c.last_delivered_at)) }
+                td { @if channel { (pacing(&o.rules, name)) } }
+                td { @if let Some(until) = o.pauses.get(name) { "until " (time(Some(*until))) } @else { "–" } }
             }
         }
     };
@@ -157,16 +173,127 @@ pub(super) fn overview(viewer: &Viewer<'_>, health: &Health) -> Markup {
         viewer,
         "Overview",
         html! {
-            p { "Snapshot taken " (time(Some(health.generated_at))) "." }
+            p { "Snapshot taken " (time(Some(o.health.generated_at))) "." }
             table {
-                (columns(&["channel", "due", "moving", "uncertain", "dead letters", "oldest due", "delivered", "last delivered"]))
+                (columns(&["channel", "due", "moving", "uncertain", "dead letters", "oldest due", "delivered", "last delivered", "pacing", "channel paused"]))
                 tbody {
-                    @for (name, channel) in &health.channels { (row(name, channel)) }
-                    (row("all channels", &health.totals))
+                    @for (name, channel) in &o.health.channels { (row(name, channel, true)) }
+                    (row("all channels", &o.health.totals, false))
                 }
+            }
+            h2 { "Replies finished" }
+            p.legend {
+                span.delivered { "■" } " delivered " span.failed { "■" } " failed for good; "
+                span.mean { "■" } " mean and " span.max { "■" } " longest time from enqueue to delivery. "
+                "From the stored rows: every host shows the same, and a restart loses nothing."
+            }
+            div.charts {
+                (chart("The last hour, per minute", &o.hour))
+                (chart("The last day, per half hour", &o.day))
             }
         },
     )
+}
+
+/// A channel's pacing as its rules set it.
+fn pacing(rules: &Rules, channel: &str) -> String {
+    let policy = rules.channel(channel);
+    let mut parts = Vec::new();
+    if !policy.lane_interval.is_zero() {
+        parts.push(format!(
+            "{} between sends to a chat",
+            duration(policy.lane_interval.as_millis() as u64)
+        ));
+    }
+    if !policy.channel_interval.is_zero() {
+        let per_second = 1.0 / policy.channel_interval.as_secs_f64();
+        parts.push(format!("at most {per_second:.4}/s on the channel").replace(".0000/", "/"));
+    }
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join("; ")
+    }
+}
+
+/// `ms` as a person reads it.
+fn duration(ms: u64) -> String {
+    match ms {
+        0..1_000 => format!("{ms} ms"),
+        1_000..60_000 => format!("{:.1} s", ms as f64 / 1e3),
+        60_000..3_600_000 => format!("{:.1} min", ms as f64 / 6e4),
+        _ => format!("{:.1} h", ms as f64 / 3.6e6),
+    }
+}
+
+/// The two charts of one window: replies finished, and enqueue-to-delivery times.
+fn chart(title: &str, activity: &Activity) -> Markup {
+    let delivered: u64 = activity.buckets.iter().map(|b| b.delivered).sum();
+    let failed: u64 = activity.buckets.iter().map(|b| b.failed).sum();
+    let longest = activity
+        .buckets
+        .iter()
+        .filter_map(|b| b.max_latency_ms)
+        .max();
+    let counts: Vec<(u64, u64)> = activity
+        .buckets
+        .iter()
+        .map(|b| (b.delivered, b.failed))
+        .collect();
+    let times: Vec<(u64, u64)> = activity
+        .buckets
+        .iter()
+        .map(|b| {
+            let mean = b.mean_latency_ms.unwrap_or(0);
+            (mean, b.max_latency_ms.unwrap_or(0).saturating_sub(mean))
+        })
+        .collect();
+    let start = activity.since.format("%b %-d, %H:%M UTC").to_string();
+    html! {
+        figure {
+            figcaption {
+                strong { (title) } ": " (delivered) " delivered, " (failed) " failed"
+                @if let Some(longest) = longest { "; the longest took " (duration(longest)) }
+                "."
+            }
+            (bars(&counts, ("delivered", "failed"), &format!("{delivered} replies delivered and {failed} failed since {start}"), &start, |n| n.to_string()))
+            (bars(&times, ("mean", "max"), &format!("time from enqueue to delivery since {start}"), &start, duration))
+        }
+    }
+}
+
+/// A bar chart of two stacked series, as inline SVG (no script, no style attribute: the
+/// security policy allows neither), labelled with its largest value and its time span.
+fn bars(
+    values: &[(u64, u64)],
+    (lower, upper): (&str, &str),
+    label: &str,
+    start: &str,
+    unit: impl Fn(u64) -> String,
+) -> Markup {
+    const WIDTH: f64 = 480.0;
+    const HEIGHT: f64 = 90.0;
+    let top = values.iter().map(|(a, b)| a + b).max().unwrap_or(0).max(1);
+    let step = WIDTH / values.len().max(1) as f64;
+    let scale = |v: u64| v as f64 / top as f64 * HEIGHT;
+    html! {
+        svg.chart viewBox={ "0 0 " (WIDTH + 60.0) " " (HEIGHT + 18.0) } role="img" aria-label=(label) {
+            line.axis x1="0" y1=(HEIGHT) x2=(WIDTH) y2=(HEIGHT) {}
+            @for (n, (a, b)) in values.iter().enumerate() {
+                @let x = n as f64 * step;
+                @if *a > 0 {
+                    rect class=(lower) x=(x) y=(HEIGHT - scale(*a)) width=(step * 0.85) height=(scale(*a)) {}
+                }
+                @if *b > 0 {
+                    rect class=(upper) x=(x) y=(HEIGHT - scale(a + b)) width=(step * 0.85) height=(scale(*b)) {}
+                }
+            }
+            text x=(WIDTH + 4.0) y="10" { (unit(top)) }
+            text x=(WIDTH + 4.0) y=(HEIGHT) { "0" }
+            text x="0" y=(HEIGHT + 14.0) { (start) }
+            text x=(WIDTH) y=(HEIGHT + 14.0) text-anchor="end" { "now" }
+        }
+    }
 }
 
 /// Why a lane holds its queued replies, since when, and what frees it.

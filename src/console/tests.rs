@@ -485,3 +485,54 @@ fn a_held_chat_says_what_holds_it_and_what_frees_it() {
     let page = get(&console, "/console/chats");
     assert!(!page.body.contains("telegram, 7"), "{}", page.body);
 }
+
+#[test]
+fn the_overview_shows_pacing_pauses_and_what_finished() {
+    let outbox = outbox();
+    for chat in ["1", "2"] {
+        outbox
+            .enqueue(&NewDelivery::single("telegram", chat, "x"))
+            .unwrap();
+        let claim = outbox.claim_channels(&["telegram"], 1).unwrap().remove(0);
+        outbox.ack(&claim, None).unwrap();
+    }
+    // (paced only now: the two sends above are not held apart)
+    outbox
+        .set_channel_policy(
+            "telegram",
+            Some(
+                crate::rules::ChannelPolicy::default()
+                    .with_lane_interval(std::time::Duration::from_secs(1))
+                    .with_channel_interval(std::time::Duration::from_micros(33_334)),
+            ),
+        )
+        .unwrap();
+    dead_letter(&outbox, "discord");
+    outbox
+        .enqueue(&NewDelivery::single("discord", "8", "x"))
+        .unwrap();
+    let claim = outbox.claim_channels(&["discord"], 1).unwrap().remove(0);
+    outbox
+        .record(
+            &claim,
+            Outcome::ChannelRateLimited {
+                retry_after: std::time::Duration::from_secs(600),
+                error: "global rate limit".into(),
+            },
+        )
+        .unwrap();
+    let page = get(&Console::new(outbox), "/console");
+    let body = &page.body;
+    assert!(
+        body.contains("1.0 s between sends to a chat; at most 29.9994/s on the channel"),
+        "{body}"
+    );
+    assert_eq!(body.matches("<td>until ").count(), 1, "{body}");
+    assert_eq!(
+        body.matches(": 2 delivered, 1 failed").count(),
+        2,
+        "the hour and the day: {body}"
+    );
+    assert!(body.contains("<svg class=\"chart\""));
+    assert!(body.contains("<rect class=\"delivered\"") && body.contains("<rect class=\"failed\""));
+}

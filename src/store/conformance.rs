@@ -18,7 +18,9 @@ use crate::outcome::Outcome;
 use crate::reply::NewDelivery;
 use crate::rules::{ChannelPolicy, FileRules, LaneOrder, Rules};
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::{Activation, ChannelTally, ChunkProgress, HeadRow, LaneRef, NewRow, StoreTx};
+use crate::store::{
+    Activation, ActivityRow, ChannelTally, ChunkProgress, HeadRow, LaneRef, NewRow, StoreTx,
+};
 
 /// The time every contract starts at, ms.
 const T0: i64 = 1_767_225_600_000;
@@ -1110,6 +1112,18 @@ pub(super) fn deliveries_are_viewed_listed_and_reported(fresh: Fresh) {
     ob.cancel(d).unwrap();
     assert_eq!(ids(all.clone().unfinished()), [c, b]);
     assert_eq!(ids(all.clone().unfinished().chat_id("c")), [c]);
+    // By caller key, on any channel or on the one given.
+    let keyed = ob
+        .enqueue(&NewDelivery::single("v", "e", "five").with_idempotency_key("turn-1"))
+        .unwrap()
+        .id;
+    assert_eq!(ids(all.clone().idempotency_key("turn-1")), [keyed]);
+    assert_eq!(
+        ids(all.clone().idempotency_key("turn-1").channel("v")),
+        [keyed]
+    );
+    assert_eq!(ids(all.clone().idempotency_key("turn-1").channel("t")), []);
+    assert_eq!(ids(all.clone().idempotency_key("turn-2")), []);
     assert!(write(&ob, |tx| tx.corrupt_rows()).is_empty());
     write(&ob, |tx| {
         tx.set_corrupt(row(&ob, c) * CHUNK_STRIDE, row(&ob, c), "bad text", T0)
@@ -1121,6 +1135,54 @@ pub(super) fn deliveries_are_viewed_listed_and_reported(fresh: Fresh) {
         (row(&ob, c), "bad text")
     );
     assert_eq!(corrupt[0].uid, c.to_string());
+}
+
+/// Finished replies are counted by the time they finished: delivered ones with their
+/// enqueue-to-finish times, dead letters apart, unfinished and cancelled ones not at all.
+pub(super) fn finished_replies_are_counted_by_time(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    // Each on a channel of its own, sent when the clock says.
+    let reply = |channel: &str| {
+        ob.enqueue(&NewDelivery::single(channel, "a", "x"))
+            .unwrap()
+            .id
+    };
+    let send = |channel: &str, outcome: Outcome| {
+        let claim = ob.claim_channels(&[channel], 1).unwrap().remove(0);
+        ob.record(&claim, outcome).unwrap();
+    };
+    for channel in ["quick", "slow", "dead", "never"] {
+        reply(channel);
+    }
+    let cancelled = reply("cancelled");
+    ob.cancel(cancelled).unwrap();
+    clock.set(T0 + 1_000);
+    send("quick", Outcome::delivered(None));
+    clock.set(T0 + 61_000);
+    send("slow", Outcome::delivered(None));
+    clock.set(T0 + 62_000);
+    send(
+        "dead",
+        Outcome::from_error_text("Forbidden: bot was blocked by the user"),
+    );
+    let row = |bucket, delivered, failed, sum, max| ActivityRow {
+        bucket,
+        delivered,
+        failed,
+        latency_sum_ms: sum,
+        latency_max_ms: max,
+    };
+    assert_eq!(
+        write(&ob, |tx| tx.activity(T0, 60_000)),
+        [row(0, 1, 0, 1_000, 1_000), row(1, 1, 1, 61_000, 61_000)]
+    );
+    // Counted from `since`, and nothing before it.
+    assert_eq!(
+        write(&ob, |tx| tx.activity(T0 + 1_001, 30_000)),
+        [row(1, 1, 0, 61_000, 61_000), row(2, 0, 1, 0, 0)]
+    );
+    assert_eq!(write(&ob, |tx| tx.activity(T0 + 62_001, 1_000)), []);
 }
 
 /// Lane rows whose pause and interval both ended are forgotten; others are kept.
@@ -1705,6 +1767,7 @@ macro_rules! conformance {
                 operator_lookups_match_row_and_uid,
                 health_counts_unfinished_rows,
                 deliveries_are_viewed_listed_and_reported,
+                finished_replies_are_counted_by_time,
                 idle_lanes_are_forgotten,
                 the_only_writer_holds_every_lock,
                 batched_reads_agree_with_one_at_a_time,

@@ -856,6 +856,22 @@ pub(crate) trait ReadStore {
     fn list(&self, filter: &ListFilter) -> Result<Vec<DeliveryView>>;
     /// Unfinished deliveries set aside as unreadable, or whose uid does not parse.
     fn corrupt_rows(&self) -> Result<Vec<CorruptRow>>;
+    /// Replies delivered or failed for good at `since` (ms) or later, in buckets of
+    /// `bucket` ms counted from `since`, in bucket order; only buckets with a reply.
+    /// Read over the index of finished deliveries: only those rows.
+    fn activity(&self, since: i64, bucket: i64) -> Result<Vec<ActivityRow>>;
+}
+
+/// One bucket of [`ReadStore::activity`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ActivityRow {
+    /// The bucket's number from `since` (0 is the first).
+    pub bucket: i64,
+    pub delivered: i64,
+    pub failed: i64,
+    /// The sum and the maximum of the delivered replies' enqueue-to-finish times, ms.
+    pub latency_sum_ms: i64,
+    pub latency_max_ms: i64,
 }
 
 /// One transaction of a store: every primitive, and the dead letters its work made.

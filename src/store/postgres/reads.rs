@@ -1,5 +1,6 @@
 //! The reads of monitoring and inspection on PostgreSQL, over the index of unfinished
-//! deliveries and the maintained counters, never the history. They run in one
+//! deliveries and the maintained counters; of the history, only what the index of
+//! finished deliveries finds (the console's charts). They run in one
 //! REPEATABLE READ, READ ONLY transaction.
 
 use postgres::Row;
@@ -12,7 +13,7 @@ use crate::error::Result;
 use crate::ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
 use crate::inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::{ChunkGroup, DeliveryGroup, HealthRows, ReadStore, StatsRow};
+use crate::store::{ActivityRow, ChunkGroup, DeliveryGroup, HealthRows, ReadStore, StatsRow};
 
 /// Each channel's counters, summed over its rows (see `V3__sharded_stats.sql`).
 pub(crate) const STATS_SQL: &str = "SELECT channel, sum(delivered)::bigint, max(last_delivered_at),
@@ -118,6 +119,15 @@ impl ReadStore for PgTx<'_> {
         if let Some(key) = &filter.idempotency_key {
             values.push(key);
             sql.push_str(&format!(" AND idempotency_key = ${}", values.len()));
+            if filter.channel.is_none() {
+                // Found through the index of keys per channel, one channel at a time,
+                // not by walking the history: every delivery's channel is registered,
+                // but for a reply an application's transaction staged (status `new`).
+                sql.push_str(
+                    " AND channel IN (SELECT name FROM outbound_channels
+                       UNION ALL SELECT channel FROM outbound_deliveries WHERE status = 'new')",
+                );
+            }
         }
         values.push(&limit);
         sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", values.len()));
@@ -127,6 +137,31 @@ impl ReadStore for PgTx<'_> {
             .iter()
             .filter_map(|r| delivery_row(r).ok().map(|(_, view)| view))
             .collect())
+    }
+
+    fn activity(&self, since: i64, bucket: i64) -> Result<Vec<ActivityRow>> {
+        let rows = self.query(
+            "SELECT (finished_at - $1) / $2,
+                    count(*) FILTER (WHERE status = 'delivered'),
+                    count(*) FILTER (WHERE status = 'failed'),
+                    coalesce(sum(finished_at - created_at) FILTER (WHERE status = 'delivered'), 0)::bigint,
+                    coalesce(max(finished_at - created_at) FILTER (WHERE status = 'delivered'), 0)
+             FROM outbound_deliveries
+             WHERE finished_at >= $1 AND status IN ('delivered', 'failed')
+             GROUP BY 1 ORDER BY 1",
+            &[&since, &bucket],
+        )?;
+        rows.iter()
+            .map(|r| {
+                Ok(ActivityRow {
+                    bucket: r.try_get(0)?,
+                    delivered: r.try_get(1)?,
+                    failed: r.try_get(2)?,
+                    latency_sum_ms: r.try_get(3)?,
+                    latency_max_ms: r.try_get(4)?,
+                })
+            })
+            .collect()
     }
 
     fn corrupt_rows(&self) -> Result<Vec<CorruptRow>> {

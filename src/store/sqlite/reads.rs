@@ -10,7 +10,7 @@ use crate::error::Result;
 use crate::ids::{CHUNK_STRIDE, ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
 use crate::inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::{ChunkGroup, DeliveryGroup, HealthRows, ReadStore, StatsRow};
+use crate::store::{ActivityRow, ChunkGroup, DeliveryGroup, HealthRows, ReadStore, StatsRow};
 
 /// Counted per channel and delivery status, over unfinished deliveries only.
 pub(crate) const OPEN_DELIVERIES_SQL: &str =
@@ -107,18 +107,27 @@ impl ReadStore for Tx<'_> {
     }
 
     fn list(&self, filter: &ListFilter) -> Result<Vec<DeliveryView>> {
-        let mut sql = format!("{DELIVERY_SELECT} WHERE 1");
+        // Asked for unfinished deliveries only, the partial index of those is read (and
+        // its rows sorted), not the whole history in id order: SQLite, left to itself,
+        // walks the table backwards for the ORDER BY, a million rows for fifty.
+        let unfinished = filter.unfinished
+            || filter
+                .status
+                .is_some_and(|status| status != DeliveryStatus::Delivered);
+        let mut sql = if unfinished {
+            format!(
+                "{DELIVERY_SELECT} INDEXED BY outbound_deliveries_open WHERE status <> 'delivered'"
+            )
+        } else {
+            format!("{DELIVERY_SELECT} WHERE 1")
+        };
         let mut values = Vec::new();
         if let Some(status) = filter.status {
             values.push(Value::Text(status.as_str().to_owned()));
             sql.push_str(&format!(" AND status = ?{}", values.len()));
-            if status != DeliveryStatus::Delivered {
-                // Lets SQLite use the partial index of unfinished deliveries.
-                sql.push_str(" AND status <> 'delivered'");
-            }
         }
         if filter.unfinished {
-            sql.push_str(" AND status <> 'delivered' AND status <> 'cancelled'");
+            sql.push_str(" AND status <> 'cancelled'");
         }
         if let Some(channel) = &filter.channel {
             values.push(Value::Text(channel.clone()));
@@ -131,6 +140,11 @@ impl ReadStore for Tx<'_> {
         if let Some(key) = &filter.idempotency_key {
             values.push(Value::Text(key.clone()));
             sql.push_str(&format!(" AND idempotency_key = ?{}", values.len()));
+            if filter.channel.is_none() {
+                // Found through the index of keys per channel, one channel at a time
+                // (every delivery's channel is registered), not by walking the history.
+                sql.push_str(" AND channel IN (SELECT name FROM outbound_channels)");
+            }
         }
         values.push(Value::Integer(filter.limit as i64));
         sql.push_str(&format!(" ORDER BY id DESC LIMIT ?{}", values.len()));
@@ -145,6 +159,29 @@ impl ReadStore for Tx<'_> {
             }
         }
         Ok(views)
+    }
+
+    fn activity(&self, since: i64, bucket: i64) -> Result<Vec<ActivityRow>> {
+        let mut stmt = self.prepare_cached(
+            "SELECT (finished_at - ?1) / ?2,
+                    count(*) FILTER (WHERE status = 'delivered'),
+                    count(*) FILTER (WHERE status = 'failed'),
+                    coalesce(sum(finished_at - created_at) FILTER (WHERE status = 'delivered'), 0),
+                    coalesce(max(finished_at - created_at) FILTER (WHERE status = 'delivered'), 0)
+             FROM outbound_deliveries INDEXED BY outbound_deliveries_finished
+             WHERE finished_at >= ?1 AND status IN ('delivered', 'failed')
+             GROUP BY 1 ORDER BY 1",
+        )?;
+        let rows = stmt.query_map([since, bucket], |r| {
+            Ok(ActivityRow {
+                bucket: r.get(0)?,
+                delivered: r.get(1)?,
+                failed: r.get(2)?,
+                latency_sum_ms: r.get(3)?,
+                latency_max_ms: r.get(4)?,
+            })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
     fn corrupt_rows(&self) -> Result<Vec<CorruptRow>> {

@@ -25,7 +25,7 @@ SELECT name, sql FROM main.sqlite_master
 WHERE (type = 'index' OR type = 'trigger') AND sql IS NOT NULL
   AND (tbl_name = 'outbound_deliveries' OR tbl_name = 'outbound_delivery_chunks')
   AND name <> 'outbound_deliveries_idempotency' AND name <> 'outbound_deliveries_open'
-  AND name <> 'outbound_delivery_chunks_due';
+  AND name <> 'outbound_delivery_chunks_due' AND name <> 'outbound_deliveries_finished';
 "
     };
 }
@@ -49,6 +49,7 @@ const MIGRATIONS: &[&str] = &[
         keep_application_schema!(),
         include_str!("../../../migrations/sqlite/0007_unfinalized_and_sent_before.sql")
     ),
+    include_str!("../../../migrations/sqlite/0008_finished_index.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:
@@ -344,7 +345,7 @@ mod tests {
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 7);
+        assert_eq!(SCHEMA_VERSION, 8);
     }
 
     fn schema_of(conn: &Connection) -> Vec<String> {
@@ -486,12 +487,15 @@ mod tests {
             rate_limits) FROM outbound_delivery_chunks ORDER BY id";
         let indexes = "SELECT name FROM sqlite_master WHERE type = 'index'
             AND name NOT LIKE 'sqlite_autoindex%' ORDER BY name";
-        let before = (
+        let mut before = (
             dump(&conn, deliveries),
             dump(&conn, chunks),
             dump(&conn, indexes),
         );
         migrate(&mut conn).unwrap();
+        // Version 8 adds one.
+        before.2.push("outbound_deliveries_finished".into());
+        before.2.sort();
         let after = (
             dump(&conn, deliveries),
             dump(&conn, chunks),
@@ -563,6 +567,7 @@ mod tests {
         assert_eq!(
             indexes,
             [
+                "outbound_deliveries_finished",
                 "outbound_deliveries_idempotency",
                 "outbound_deliveries_open"
             ]
