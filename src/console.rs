@@ -224,6 +224,8 @@ pub(crate) struct Viewer<'a> {
 
 /// The most replies a page of uncertain replies or dead letters lists (newest first).
 const WAITING_LISTED: usize = 50;
+/// The most replies an error filter looks through (newest first).
+const ERROR_SEARCHED: usize = 500;
 /// The most held chats the chats page lists.
 const CHATS_LISTED: usize = 50;
 /// The most uncertain parts one replay of a channel resends.
@@ -355,9 +357,13 @@ impl Console {
                 Route::Delivery => self.delivery(v, found.params.get("id"), query)?,
                 Route::Find => self.find(v, query)?,
                 Route::Waiting(status) => {
-                    let channel = parameter(query, "channel").filter(|c| !c.is_empty());
-                    let views = self.waiting(status, channel.as_deref())?;
-                    Response::html(200, pages::waiting(v, status, channel.as_deref(), &views))
+                    let asked = |name| parameter(query, name).filter(|c| !c.trim().is_empty());
+                    let filter = pages::Filter {
+                        channel: asked("channel"),
+                        error: asked("error"),
+                    };
+                    let views = self.waiting(status, &filter)?;
+                    Response::html(200, pages::waiting(v, status, &filter, &views))
                 }
                 Route::Rules => Response::html(200, pages::rules(v, &self.outbox.rules()?)),
                 Route::SignIn => Response::html(200, pages::sign_in(v, self.sign_in_csrf(), None)),
@@ -556,17 +562,34 @@ impl Console {
     }
 
     /// Uncertain replies or dead letters, newest first, each with its parts (their
-    /// last error is the reason shown).
-    fn waiting(&self, status: DeliveryStatus, channel: Option<&str>) -> Result<Vec<DeliveryView>> {
-        let mut filter = ListFilter::default().status(status).limit(WAITING_LISTED);
-        if let Some(channel) = channel {
-            filter = filter.channel(channel);
+    /// last error is the reason shown): of one channel, whose last error contains a
+    /// text, as `filter` asks. An error is looked for among the newest
+    /// [`ERROR_SEARCHED`] only.
+    fn waiting(&self, status: DeliveryStatus, filter: &pages::Filter) -> Result<Vec<DeliveryView>> {
+        let searched = if filter.error.is_some() {
+            ERROR_SEARCHED
+        } else {
+            WAITING_LISTED
+        };
+        let mut list = ListFilter::default().status(status).limit(searched);
+        if let Some(channel) = &filter.channel {
+            list = list.channel(channel.clone());
         }
-        self.outbox
-            .list(&filter)?
-            .into_iter()
-            .map(|view| Ok(self.outbox.delivery(view.id)?.unwrap_or(view)))
-            .collect()
+        let wanted = filter.error.as_deref().map(str::to_lowercase);
+        let mut views = Vec::new();
+        for listed in self.outbox.list(&list)? {
+            let view = self.outbox.delivery(listed.id)?.unwrap_or(listed);
+            let matches = wanted.as_deref().is_none_or(|wanted| {
+                pages::last_error(&view).is_some_and(|e| e.to_lowercase().contains(wanted))
+            });
+            if matches {
+                views.push(view);
+                if views.len() == WAITING_LISTED {
+                    break;
+                }
+            }
+        }
+        Ok(views)
     }
 
     /// The chats with replies queued behind one that is not going out as it should
@@ -637,23 +660,36 @@ impl Console {
         })
     }
 
-    /// A reply found by its id, or by its caller key.
+    /// A reply found by its id or its caller key; else the unfinished replies to the
+    /// chats of that id (a delivered reply is found by its id or key).
     fn find(&self, viewer: &Viewer<'_>, query: &str) -> Result<Response> {
         let asked = parameter(query, "id").unwrap_or_default();
         let asked = asked.trim();
         if asked.parse::<DeliveryId>().is_ok() {
             return self.delivery(viewer, Some(asked), query);
         }
-        if !asked.is_empty() {
-            let by_key = ListFilter::default().idempotency_key(asked).limit(1);
-            if let Some(view) = self.outbox.list(&by_key)?.pop() {
-                return Ok(Response::see_other(format!(
-                    "{BASE}/deliveries/{}",
-                    view.id
-                )));
-            }
+        if asked.is_empty() {
+            return Ok(not_found("Give a reply id, a caller key or a chat id."));
         }
-        Ok(not_found("No reply has that id or caller key."))
+        let by_key = ListFilter::default().idempotency_key(asked).limit(1);
+        if let Some(view) = self.outbox.list(&by_key)?.pop() {
+            return Ok(Response::see_other(format!(
+                "{BASE}/deliveries/{}",
+                view.id
+            )));
+        }
+        let by_chat = ListFilter::default()
+            .chat_id(asked)
+            .unfinished()
+            .limit(WAITING_LISTED);
+        let views = self.outbox.list(&by_chat)?;
+        if views.is_empty() {
+            return Ok(not_found(
+                "No reply has that id or caller key, and no unfinished reply goes to a chat \
+                 of that id.",
+            ));
+        }
+        Ok(Response::html(200, pages::chat(viewer, asked, &views)))
     }
 }
 

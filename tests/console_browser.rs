@@ -164,7 +164,10 @@ fn scene(outbox: &Outbox) -> Scene {
     reply("telegram", "42", "are you there?");
     let dead_alone = reply("viber", "7", "hi");
     send("viber", Outcome::from_error_text("chat not found"));
-    let script = reply("discord", "9", SCRIPT);
+    let script = outbox
+        .enqueue(&NewDelivery::single("discord", "9", SCRIPT).with_idempotency_key("turn-77"))
+        .unwrap()
+        .id;
     Scene {
         uncertain,
         behind_uncertain,
@@ -369,9 +372,23 @@ async fn walk(b: &Browser, outbox: &Outbox, scene: &Scene) {
     assert!(b.text().await.contains("Not allowed"));
     assert_eq!(status(outbox, scene.dead), DeliveryStatus::Failed);
 
+    // The rules, as stored.
+    b.click_link("Rules").await;
+    let rules = b.text().await;
+    assert!(rules.contains("\"lane_failure\": \"block\""), "{rules}");
+
+    // A search by chat lists its unfinished replies; by caller key, it opens the reply.
+    b.type_into("id", "42").await;
+    b.press("Show").await;
+    let chat = b.text().await;
+    assert!(
+        chat.contains("Chat 42") && chat.contains(&scene.dead.to_string()),
+        "{chat}"
+    );
+    b.type_into("id", "turn-77").await;
+    b.press("Show").await;
     // The script reply renders as text, and runs nothing.
-    b.goto(&format!("/console/deliveries/{}", scene.script))
-        .await;
+    assert!(b.text().await.contains(&format!("Reply {}", scene.script)));
     assert!(
         !b.text().await.contains(SCRIPT),
         "the text is shown only when asked for"

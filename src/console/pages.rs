@@ -411,12 +411,69 @@ pub(super) fn chats(viewer: &Viewer<'_>, chats: &[StuckChat]) -> Markup {
     )
 }
 
+/// What a list of uncertain replies or dead letters is narrowed to.
+#[derive(Default)]
+pub(super) struct Filter {
+    /// Only this channel's.
+    pub(super) channel: Option<String>,
+    /// Only those whose last error contains this (ignoring case).
+    pub(super) error: Option<String>,
+}
+
+/// The last error any part of a reply recorded.
+pub(super) fn last_error(view: &DeliveryView) -> Option<&str> {
+    view.chunks
+        .iter()
+        .rev()
+        .find_map(|c| c.last_error.as_deref())
+}
+
+/// A table of replies: id, channel and chat, parts delivered, state or last error, and
+/// when each was enqueued.
+fn replies(views: &[DeliveryView], error_column: bool) -> Markup {
+    html! {
+        table {
+            (columns(&["reply", "channel, chat", "parts delivered", if error_column { "last error" } else { "state" }, "enqueued", "seen"]))
+            tbody {
+                @for view in views {
+                    tr {
+                        td { (reply_link(view)) }
+                        td { (view.channel) ", " (view.chat_id) }
+                        td { (view.delivered_count) " of " (view.chunk_count) }
+                        @if error_column {
+                            td { (last_error(view).unwrap_or("–")) }
+                        } @else {
+                            td { (view.status.as_str()) }
+                        }
+                        td { (time(Some(view.created_at))) }
+                        td { (if view.acknowledged_at.is_some() { "dismissed" } else { "–" }) }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The unfinished replies to chats of id `chat` (a search that found no reply by id or
+/// caller key).
+pub(super) fn chat(viewer: &Viewer<'_>, chat: &str, views: &[DeliveryView]) -> Markup {
+    layout(
+        viewer,
+        &format!("Chat {chat}"),
+        html! {
+            p { "Its unfinished replies, newest first, on every channel. A delivered reply is found by its id or caller key." }
+            (replies(views, false))
+        },
+    )
+}
+
 pub(super) fn waiting(
     viewer: &Viewer<'_>,
     status: DeliveryStatus,
-    channel: Option<&str>,
+    filter: &Filter,
     views: &[DeliveryView],
 ) -> Markup {
+    let channel = filter.channel.as_deref();
     let uncertain = status == DeliveryStatus::Uncertain;
     let (title, back, what) = if uncertain {
         (
@@ -447,6 +504,7 @@ pub(super) fn waiting(
             p { (what) }
             form method="get" {
                 label { "Channel " input type="search" name="channel" value=(channel_field); }
+                label { "Error contains " input type="search" name="error" value=(filter.error.as_deref().unwrap_or("")); }
                 button { "Filter" }
             }
             @if uncertain {
@@ -455,6 +513,10 @@ pub(super) fn waiting(
                         "Sends each again under its key, up to 500 at once. Where the platform \
                          does not drop a repeat, a part that did arrive shows twice in its chat."
                     }))
+                }
+            } @else if filter.error.is_some() {
+                @if viewer.csrf.is_some() {
+                    p { "The buttons for all dead letters act on a whole channel, whatever their error: clear the error filter to see them. Each reply's page requeues that reply." }
                 }
             } @else if !views.is_empty() {
                 (action(viewer, "requeue-dead-letters", &[("channel", channel_field), ("back", &back)], &format!("Requeue the dead letters of {scope}"), html! {
@@ -469,21 +531,7 @@ pub(super) fn waiting(
             @if views.is_empty() {
                 p { "None." }
             } @else {
-                table {
-                    (columns(&["reply", "channel, chat", "parts delivered", "last error", "enqueued", "seen"]))
-                    tbody {
-                        @for view in views {
-                            tr {
-                                td { (reply_link(view)) }
-                                td { (view.channel) ", " (view.chat_id) }
-                                td { (view.delivered_count) " of " (view.chunk_count) }
-                                td { (view.chunks.iter().rev().find_map(|c| c.last_error.as_deref()).unwrap_or("–")) }
-                                td { (time(Some(view.created_at))) }
-                                td { (if view.acknowledged_at.is_some() { "dismissed" } else { "–" }) }
-                            }
-                        }
-                    }
-                }
+                (replies(views, true))
             }
         },
     )

@@ -536,3 +536,42 @@ fn the_overview_shows_pacing_pauses_and_what_finished() {
     assert!(body.contains("<svg class=\"chart\""));
     assert!(body.contains("<rect class=\"delivered\"") && body.contains("<rect class=\"failed\""));
 }
+
+#[test]
+fn dead_letters_are_filtered_by_error_and_chats_are_found() {
+    let outbox = outbox();
+    dead_letter(&outbox, "telegram");
+    let other = outbox
+        .enqueue(&NewDelivery::single("slack", "C9", "x"))
+        .unwrap()
+        .id;
+    let claim = outbox.claim_channels(&["slack"], 1).unwrap().remove(0);
+    outbox
+        .record_error_text(&claim, "channel_not_found")
+        .unwrap();
+    let (console, cookie, _) = signed_in(outbox.clone());
+    let page = console
+        .respond(&Request::get("/console/dead-letters?error=NOT_FOUND").with_cookie(&cookie));
+    assert!(page.body.contains(&other.to_string()), "{}", page.body);
+    assert!(!page.body.contains("bot was blocked"), "{}", page.body);
+    // The buttons for every dead letter of a channel are not offered under an error filter.
+    assert!(
+        !page.body.contains("/console/actions/dismiss"),
+        "{}",
+        page.body
+    );
+    let all = console.respond(&Request::get("/console/dead-letters").with_cookie(&cookie));
+    assert!(all.body.contains("/console/actions/dismiss"));
+    // A search by chat lists its unfinished replies, on every channel.
+    outbox
+        .enqueue(&NewDelivery::single("discord", "C9", "y"))
+        .unwrap();
+    let chat = get(&console, "/console/deliveries?id=C9");
+    assert_eq!(chat.status, 200);
+    assert!(
+        chat.body.contains("slack, C9") && chat.body.contains("discord, C9"),
+        "{}",
+        chat.body
+    );
+    assert_eq!(get(&console, "/console/deliveries?id=C8").status, 404);
+}
