@@ -190,3 +190,99 @@ mod endpoint {
         }
     }
 }
+
+/// The operator console in an application's own axum server (features `tokio` and
+/// `console`): the application hands each request under `/console` to
+/// `Console::respond` and sends back what it answers, headers included.
+#[cfg(all(feature = "tokio", feature = "console"))]
+mod console_mounted {
+    use super::*;
+    use axum::body::{Body, Bytes};
+    use axum::http::{HeaderMap, Method, Uri, header::COOKIE};
+    use chunked_outbox::console::{Console, Request};
+    use chunked_outbox::monitoring::{DeliveryStatus, ListFilter};
+
+    fn mount(console: Console) -> (tokio::runtime::Runtime, String) {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let console = Arc::new(console);
+        let page = move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
+            let console = console.clone();
+            async move {
+                let cookie = headers
+                    .get(COOKIE)
+                    .and_then(|c| c.to_str().ok())
+                    .map(str::to_owned);
+                // A page is a database read: off the runtime's workers.
+                let answer = tokio::task::spawn_blocking(move || {
+                    let target = uri.path_and_query().map_or("/", |p| p.as_str());
+                    let mut request = Request::get(target);
+                    request.method = method.as_str();
+                    request.cookie = cookie.as_deref();
+                    request.body = &body;
+                    console.respond(&request)
+                })
+                .await
+                .unwrap();
+                let mut response = axum::http::Response::builder().status(answer.status);
+                for (name, value) in answer.headers {
+                    response = response.header(name, value);
+                }
+                response.body(Body::from(answer.body)).unwrap()
+            }
+        };
+        let app = axum::Router::new()
+            .route("/console", axum::routing::any(page.clone()))
+            .route("/console/{*rest}", axum::routing::any(page));
+        runtime.spawn(async move { axum::serve(listener, app).await });
+        (runtime, base)
+    }
+
+    stores! {
+        fn the_console_mounted_in_axum_signs_in_and_acts() -> Result<()> {
+            let db = TestDb::on_system_clock(OutboxOptions::default());
+            let outbox = db.outbox.clone();
+            let id = outbox
+                .enqueue(&NewDelivery::single("telegram", "42", "hello"))?
+                .id;
+            let claim = outbox.claim(1)?.remove(0);
+            outbox.record(&claim, Outcome::Permanent { error: "chat not found".into() })?;
+            let console = Console::new(outbox.clone()).with_actions("an-application-chosen-token")?;
+            let (_runtime, base) = mount(console);
+            let client = reqwest::blocking::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .build()
+                .unwrap();
+            let page = client.get(format!("{base}/console/dead-letters")).send().unwrap();
+            assert_eq!(page.status().as_u16(), 200);
+            assert!(page.headers()["content-security-policy"].to_str().unwrap().contains("default-src 'none'"));
+            assert!(page.text().unwrap().contains("chat not found"));
+
+            let form = client.get(format!("{base}/console/sign-in")).send().unwrap().text().unwrap();
+            let at = form.find("name=\"csrf\" value=\"").unwrap() + 19;
+            let csrf = &form[at..at + 32];
+            let signed = client
+                .post(format!("{base}/console/sign-in"))
+                .body(format!("csrf={csrf}&token=an-application-chosen-token"))
+                .send()
+                .unwrap();
+            assert_eq!(signed.status().as_u16(), 303);
+            let cookie = signed.headers()["set-cookie"].to_str().unwrap();
+            let cookie = cookie.split(';').next().unwrap().to_owned();
+            let acted = client
+                .post(format!("{base}/console/actions/requeue"))
+                .header("cookie", &cookie)
+                .body(format!("csrf={csrf}&delivery={id}"))
+                .send()
+                .unwrap();
+            assert_eq!(acted.status().as_u16(), 303);
+            let failed = outbox.list(&ListFilter::default().status(DeliveryStatus::Failed))?;
+            assert!(failed.is_empty());
+            assert_eq!(outbox.delivery(id)?.unwrap().status, DeliveryStatus::Pending);
+            Ok(())
+        }
+    }
+}
