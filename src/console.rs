@@ -625,9 +625,13 @@ impl Console {
                 let mut queued: Vec<DeliveryView> = Vec::new();
                 let mut holder = None;
                 for view in unfinished.into_iter().rev() {
-                    // A dead letter holds its lane only under `Block`, until dismissed.
-                    let holds = view.status != DeliveryStatus::Failed
-                        || (blocking && view.acknowledged_at.is_none());
+                    // An uncertain reply holds its lane only under `Block`, and a dead
+                    // letter only until it is dismissed (`LaneStore::lane_held`).
+                    let holds = match view.status {
+                        DeliveryStatus::Uncertain => blocking,
+                        DeliveryStatus::Failed => blocking && view.acknowledged_at.is_none(),
+                        _ => true,
+                    };
                     if view.status == DeliveryStatus::Queued {
                         queued.push(view);
                     } else if holds && holder.is_none() {
@@ -695,12 +699,10 @@ impl Console {
 
 /// Whether an active reply's next part goes out as it should: sent under a live lease,
 /// or due now.
+/// (An uncertain, failed or unfinalized reply's first undelivered part, if any, is
+/// neither.)
 fn moving(view: &DeliveryView, now: chrono::DateTime<chrono::Utc>) -> bool {
-    matches!(
-        view.status,
-        DeliveryStatus::Pending | DeliveryStatus::Partial
-    ) && view
-        .chunks
+    view.chunks
         .iter()
         .find(|c| c.status != ChunkStatus::Delivered)
         .is_some_and(|part| match part.status {

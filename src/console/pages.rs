@@ -316,7 +316,8 @@ fn held_because(holder: Option<&DeliveryView>) -> (Markup, Markup) {
         DeliveryStatus::Uncertain => (
             html! {
                 "Part " (number) " of " (reply_link(holder)) " may or may not have reached the \
-                 platform (" (error) "); the channel's replay policy holds it for a decision."
+                 platform (" (error) "): the channel's replay policy holds it for a decision, \
+                 and the lane failure policy " code { "block" } " the replies after it."
             },
             html! { "Resolve it as delivered, or resend it, on " (reply_link(holder)) "." },
         ),
@@ -350,7 +351,7 @@ fn active_part(holder: &DeliveryView, part: Option<&ChunkView>) -> (Markup, Mark
     match part.status {
         ChunkStatus::Sending => (
             html! {
-                "Part " (n) " of " (reply_link(holder)) " was taken for sending, and its lease                  ran out at " (time(part.lease_until)) ": its dispatcher stopped or hangs."
+                "Part " (n) " of " (reply_link(holder)) " was taken for sending, and its lease ran out at " (time(part.lease_until)) ": its dispatcher stopped or hangs."
             },
             html! { "Recovery: any running dispatcher's, or " code { "outbox recover" } "." },
         ),

@@ -575,3 +575,122 @@ fn dead_letters_are_filtered_by_error_and_chats_are_found() {
     );
     assert_eq!(get(&console, "/console/deliveries?id=C8").status, 404);
 }
+
+#[test]
+fn a_form_up_to_the_limit_is_read_and_signing_out_forgets_the_cookie() {
+    let outbox = outbox();
+    let id = dead_letter(&outbox, "telegram");
+    assert!(!Console::new(outbox.clone()).takes_actions());
+    let (console, cookie, csrf) = signed_in(outbox.clone());
+    assert!(console.takes_actions());
+    // Exactly the limit: read (the padding is a field nobody asks for).
+    let mut body = format!("csrf={csrf}&delivery={id}&pad=");
+    body.push_str(&"x".repeat(MAX_FORM_BYTES - body.len()));
+    assert_eq!(body.len(), MAX_FORM_BYTES);
+    let answer = post(&console, &cookie, "/console/actions/requeue", &body);
+    assert_eq!(answer.status, 303, "{}", answer.body);
+    assert_eq!(status(&outbox, id), DeliveryStatus::Pending);
+    let out = post(
+        &console,
+        &cookie,
+        "/console/sign-out",
+        &format!("csrf={csrf}"),
+    );
+    assert_eq!(out.status, 303);
+    let cleared = out.header("Set-Cookie").unwrap();
+    assert!(
+        cleared.starts_with("outbox_console=;") && cleared.contains("Max-Age=0"),
+        "{cleared}"
+    );
+}
+
+#[test]
+fn a_chat_is_held_by_what_holds_it_not_by_a_dismissed_dead_letter_nor_a_live_send() {
+    let clock = crate::clock::ManualClock::new(1_767_225_600_000);
+    let outbox = Outbox::open_in_memory(
+        OutboxOptions::default()
+            .with_clock(std::sync::Arc::new(clock.clone()))
+            .with_lease(std::time::Duration::from_secs(60)),
+    )
+    .unwrap();
+    outbox
+        .set_rules(Rules {
+            lane_failure: crate::rules::LaneFailurePolicy::Block,
+            ..outbox.rules().unwrap()
+        })
+        .unwrap();
+    // A dismissed dead letter holds nothing: what holds slack's chat 7 is the uncertain
+    // reply after it.
+    let skipped = dead_letter(&outbox, "slack");
+    outbox.dismiss_dead_letters(None).unwrap();
+    let held = uncertain(&outbox, "slack");
+    outbox
+        .enqueue(&NewDelivery::single("slack", "7", "third"))
+        .unwrap();
+    // Discord's chat 7 is being sent, its lease running: it goes out as it should.
+    outbox
+        .enqueue(&NewDelivery::single("discord", "7", "first"))
+        .unwrap();
+    outbox.claim_channels(&["discord"], 1).unwrap();
+    outbox
+        .enqueue(&NewDelivery::single("discord", "7", "second"))
+        .unwrap();
+    let console = Console::new(outbox);
+    let page = get(&console, "/console/chats");
+    assert!(
+        page.body.contains(&format!(
+            "Part 1 of <a href=\"/console/deliveries/{held}\">"
+        )),
+        "{}",
+        page.body
+    );
+    assert!(!page.body.contains(&skipped.to_string()), "{}", page.body);
+    assert!(!page.body.contains("discord, 7"), "{}", page.body);
+    // Its lease runs out (at its end it has): its dispatcher stopped, and the chat is
+    // held.
+    clock.advance(std::time::Duration::from_secs(60));
+    let page = get(&console, "/console/chats");
+    assert!(
+        page.body.contains("discord, 7") && page.body.contains("its lease ran out"),
+        "{}",
+        page.body
+    );
+}
+
+#[test]
+fn under_skip_an_uncertain_reply_holds_nothing_and_a_retry_does() {
+    let outbox = outbox();
+    // Lane failure policy `skip` (the default): the uncertain reply lets the next one
+    // go, whose send failed and is retried later; the third waits for that one.
+    uncertain(&outbox, "slack");
+    let retried = outbox
+        .enqueue(&NewDelivery::single("slack", "7", "second"))
+        .unwrap()
+        .id;
+    let claim = outbox.claim_channels(&["slack"], 1).unwrap().remove(0);
+    assert_eq!(claim.delivery_id, retried);
+    outbox
+        .record(
+            &claim,
+            Outcome::Transient {
+                error: "502 Bad Gateway".into(),
+            },
+        )
+        .unwrap();
+    outbox
+        .enqueue(&NewDelivery::single("slack", "7", "third"))
+        .unwrap();
+    let page = get(&Console::new(outbox), "/console/chats");
+    assert!(
+        page.body.contains(&format!(
+            "Part 1 of <a href=\"/console/deliveries/{retried}\">"
+        )) && page.body.contains("502 Bad Gateway"),
+        "{}",
+        page.body
+    );
+    assert!(
+        !page.body.contains("may or may not have reached"),
+        "{}",
+        page.body
+    );
+}
