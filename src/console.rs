@@ -622,24 +622,22 @@ impl Console {
                         .unfinished()
                         .limit(crate::inspect::MAX_LIST_LIMIT),
                 )?;
-                let mut queued: Vec<DeliveryView> = Vec::new();
-                let mut holder = None;
-                for view in unfinished.into_iter().rev() {
-                    // An uncertain reply holds its lane only under `Block`, and a dead
-                    // letter only until it is dismissed (`LaneStore::lane_held`).
-                    let holds = match view.status {
-                        DeliveryStatus::Uncertain => blocking,
-                        DeliveryStatus::Failed => blocking && view.acknowledged_at.is_none(),
-                        _ => true,
-                    };
-                    if view.status == DeliveryStatus::Queued {
-                        queued.push(view);
-                    } else if holds && holder.is_none() {
-                        // The lane's oldest unfinished reply that is not queued: read
-                        // whole, for its parts.
-                        holder = Some(self.outbox.delivery(view.id)?.unwrap_or(view));
-                    }
-                }
+                // Oldest first. An uncertain reply holds its lane only under `Block`, and
+                // a dead letter only until it is dismissed (`LaneStore::lane_held`).
+                let (queued, others): (Vec<_>, Vec<_>) = unfinished
+                    .into_iter()
+                    .rev()
+                    .partition(|view| view.status == DeliveryStatus::Queued);
+                let holds = |view: &DeliveryView| match view.status {
+                    DeliveryStatus::Uncertain => blocking,
+                    DeliveryStatus::Failed => blocking && view.acknowledged_at.is_none(),
+                    _ => true,
+                };
+                // The oldest that holds the lane, read whole for its parts.
+                let holder = match others.into_iter().find(holds) {
+                    Some(view) => Some(self.outbox.delivery(view.id)?.unwrap_or(view)),
+                    None => None,
+                };
                 Ok(
                     (!holder.as_ref().is_some_and(|h| moving(h, now))).then_some(StuckChat {
                         channel,

@@ -60,7 +60,7 @@ pub(super) fn layout(viewer: &Viewer<'_>, title: &str, content: Markup) -> Marku
                     a href={ (BASE) "/dead-letters" } { "Dead letters" }
                     a href={ (BASE) "/rules" } { "Rules" }
                     form method="get" action={ (BASE) "/deliveries" } {
-                        label { "Reply id or caller key " input type="search" name="id" required; }
+                        label { "Reply id, caller key or chat " input type="search" name="id" required; }
                         button { "Show" }
                     }
                     @if let Some(csrf) = viewer.csrf {

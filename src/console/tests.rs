@@ -590,6 +590,12 @@ fn a_form_up_to_the_limit_is_read_and_signing_out_forgets_the_cookie() {
     let answer = post(&console, &cookie, "/console/actions/requeue", &body);
     assert_eq!(answer.status, 303, "{}", answer.body);
     assert_eq!(status(&outbox, id), DeliveryStatus::Pending);
+    // The documented 16 KiB: a form of 10,000 bytes is read too.
+    let id = dead_letter(&outbox, "viber");
+    let mut body = format!("csrf={csrf}&delivery={id}&pad=");
+    body.push_str(&"x".repeat(10_000 - body.len()));
+    let answer = post(&console, &cookie, "/console/actions/requeue", &body);
+    assert_eq!(answer.status, 303, "{}", answer.body);
     let out = post(
         &console,
         &cookie,
