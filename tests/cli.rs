@@ -982,35 +982,10 @@ fn the_tools_repairs_follow_the_files_rules() -> Result<()> {
 /// dead letter, the snapshot as JSON, 404 elsewhere.
 #[test]
 fn serve_answers_scrapers_and_load_balancers() -> Result<()> {
-    use std::io::BufRead;
-
-    struct Serving(std::process::Child);
-    impl Drop for Serving {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let serve = |db: &Path| -> (Serving, String) {
-        let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("outbox"))
-            .arg("--db")
-            .arg(db)
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .env_remove("OUTBOX_DB")
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .expect("spawn outbox serve");
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let base = line
-            .split_whitespace()
-            .nth(1)
-            .and_then(|url| url.strip_suffix("/metrics,"))
-            .unwrap_or_else(|| panic!("no address in {line:?}"))
-            .to_owned();
-        (Serving(child), base)
+    let serve = |db: &Path| {
+        let serving = common::serve::Serving::start(db, &[]);
+        let base = serving.base();
+        (serving, base)
     };
     let get = |url: String| {
         let response = reqwest::blocking::get(url).expect("HTTP answer");

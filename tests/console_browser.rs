@@ -14,7 +14,7 @@
 #[macro_use]
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -88,33 +88,14 @@ fn chromium() -> PathBuf {
 }
 
 /// `outbox serve` on `db` with the console's actions on, and its base URL.
-fn serve(db: &str, token_file: &Path) -> (Running, String) {
-    let mut child = Command::new(assert_cmd::cargo::cargo_bin("outbox"))
-        .args([
-            "--db",
-            db,
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--console-token-file",
-        ])
-        .arg(token_file)
-        .env_remove("OUTBOX_DB")
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn outbox serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(line.contains("actions on"), "{line}");
-    let base = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|url| url.strip_suffix("/metrics,"))
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_owned();
-    (Running(child), base)
+fn serve(db: &str, token_file: &Path) -> (common::serve::Serving, String) {
+    let serving = common::serve::Serving::start(
+        db,
+        &["--console-token-file".as_ref(), token_file.as_os_str()],
+    );
+    assert!(serving.banner.contains("actions on"), "{}", serving.banner);
+    let base = serving.base();
+    (serving, base)
 }
 
 /// What the console is shown: every kind of trouble a person on call meets.

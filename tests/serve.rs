@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::io::{BufRead, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -14,41 +14,12 @@ use std::time::{Duration, Instant};
 use common::*;
 
 /// A running `outbox serve`, stopped when dropped.
-struct Serving {
-    child: std::process::Child,
-    addr: String,
-}
-
-impl Drop for Serving {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+struct Serving(common::serve::Serving);
 
 impl Serving {
     fn start(db: &Path, extra: &[&str]) -> Serving {
-        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
-            .arg("--db")
-            .arg(db)
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(extra)
-            .env_remove("OUTBOX_DB")
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .expect("spawn outbox serve");
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .split_whitespace()
-            .nth(1)
-            .and_then(|url| url.strip_prefix("http://"))
-            .and_then(|url| url.strip_suffix("/metrics,"))
-            .unwrap_or_else(|| panic!("no address in {line:?}"))
-            .to_owned();
-        Serving { child, addr }
+        let extra: Vec<&std::ffi::OsStr> = extra.iter().map(std::ffi::OsStr::new).collect();
+        Serving(common::serve::Serving::start(db, &extra))
     }
 
     /// `/healthz` from a well-behaved client, which gives up after 10 s.
@@ -58,7 +29,7 @@ impl Serving {
             .build()
             .unwrap();
         client
-            .get(format!("http://{}/healthz", self.addr))
+            .get(format!("http://{}/healthz", self.0.addr))
             .send()
             .expect("/healthz answers while the others misbehave")
             .status()
@@ -67,7 +38,7 @@ impl Serving {
 
     /// The server's resident memory, KiB.
     fn rss_kib(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.0.pid())).unwrap();
         status
             .lines()
             .find_map(|l| l.strip_prefix("VmRSS:"))
@@ -76,7 +47,7 @@ impl Serving {
     }
 
     fn connect(&self) -> TcpStream {
-        let stream = TcpStream::connect(&self.addr).unwrap();
+        let stream = TcpStream::connect(&self.0.addr).unwrap();
         stream
             .set_write_timeout(Some(Duration::from_secs(2)))
             .unwrap();

@@ -11,6 +11,8 @@ pub mod emulator;
 pub mod postgres;
 #[cfg(feature = "postgres")]
 pub mod proxy;
+#[cfg(feature = "cli")]
+pub mod serve;
 
 use chunked_outbox::clock::ManualClock;
 use chunked_outbox::monitoring::DeliveryView;

@@ -1,0 +1,62 @@
+//! `outbox serve` started for a test on 127.0.0.1 (any free port), stopped when dropped.
+
+use std::ffi::OsStr;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+/// A running `outbox serve`.
+pub struct Serving {
+    child: Child,
+    /// Where it listens, `host:port`.
+    pub addr: String,
+    /// The first line it printed (what it serves, and whether the console may act).
+    pub banner: String,
+}
+
+impl Serving {
+    /// `outbox --db DB serve --listen 127.0.0.1:0 EXTRA…`, once it listens.
+    pub fn start(db: impl AsRef<OsStr>, extra: &[&OsStr]) -> Serving {
+        let mut child = Command::new(assert_cmd::cargo::cargo_bin("outbox"))
+            .arg("--db")
+            .arg(db)
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(extra)
+            .env_remove("OUTBOX_DB")
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn outbox serve");
+        let mut banner = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut banner)
+            .unwrap();
+        let addr = banner
+            .split_whitespace()
+            .nth(1)
+            .and_then(|url| url.strip_prefix("http://"))
+            .and_then(|url| url.strip_suffix("/metrics,"))
+            .unwrap_or_else(|| panic!("no address in {banner:?}"))
+            .to_owned();
+        Serving {
+            child,
+            addr,
+            banner,
+        }
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `http://host:port`.
+    pub fn base(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
