@@ -484,7 +484,7 @@ impl Console {
                     .limit(REPLAY_AT_MOST);
                 let mut resent = 0;
                 for listed in self.outbox.list(&filter)? {
-                    for part in self.parts_in(listed.id, ChunkStatus::Uncertain)? {
+                    for part in self.uncertain_parts(listed.id)?.1 {
                         self.outbox.resolve_uncertain(part, Resolution::Resend)?;
                         resent += 1;
                     }
@@ -514,10 +514,10 @@ impl Console {
                             .map(str::to_owned),
                     }
                 };
-                let parts = self.parts_in(id, ChunkStatus::Uncertain)?;
+                let (status, parts) = self.uncertain_parts(id)?;
                 let part = parts.first().ok_or(Error::DeliveryState {
                     delivery: id,
-                    status: self.status_of(id)?,
+                    status,
                     action: "resolve",
                     expected: "uncertain",
                 })?;
@@ -527,25 +527,22 @@ impl Console {
         }
     }
 
-    fn parts_in(&self, id: DeliveryId, status: ChunkStatus) -> Result<Vec<crate::ids::ChunkId>> {
+    /// The reply's status and its uncertain parts, in one read.
+    fn uncertain_parts(
+        &self,
+        id: DeliveryId,
+    ) -> Result<(DeliveryStatus, Vec<crate::ids::ChunkId>)> {
         let view = self
             .outbox
             .delivery(id)?
             .ok_or(Error::DeliveryNotFound(id))?;
-        Ok(view
+        let parts = view
             .chunks
             .iter()
-            .filter(|c| c.status == status)
+            .filter(|c| c.status == ChunkStatus::Uncertain)
             .map(|c| c.id)
-            .collect())
-    }
-
-    fn status_of(&self, id: DeliveryId) -> Result<DeliveryStatus> {
-        let view = self
-            .outbox
-            .delivery(id)?
-            .ok_or(Error::DeliveryNotFound(id))?;
-        Ok(view.status)
+            .collect();
+        Ok((view.status, parts))
     }
 
     /// What the overview shows: health, the rules, the channels paused, and the

@@ -460,6 +460,16 @@ async fn walk(b: &Browser, outbox: &Outbox, scene: &Scene) {
         "{listed}"
     );
     b.screenshot("dead-letters").await;
+    // Filtered by error: only the reply whose error says so.
+    b.type_into("error", "BLOCKED").await;
+    b.press("Filter").await;
+    let filtered = b.text().await;
+    assert!(filtered.contains(&scene.dead.to_string()), "{filtered}");
+    assert!(
+        !filtered.contains(&scene.dead_alone.to_string()),
+        "{filtered}"
+    );
+    b.click_link("Dead letters").await;
     b.click_link(&scene.dead.to_string()).await;
     b.press("Requeue").await;
     assert!(
