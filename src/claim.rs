@@ -547,7 +547,7 @@ pub(crate) fn claim_in(
             break;
         }
     }
-    tx.mark_sending_many(&sending, lease_until)?;
+    tx.mark_sending_many(&sending, now, lease_until)?;
     for (channel, next) in slots_taken {
         tx.set_channel_slot(channel, next)?;
     }

@@ -84,6 +84,15 @@ pub struct ChunkView {
     pub idempotency_key: String,
     /// Its text.
     pub text: String,
+    /// When a send of it was first claimed: the earliest it can have reached the
+    /// platform. `None` before its first send (and for a chunk sent only before schema
+    /// version 9 on SQLite, 6 on PostgreSQL).
+    pub first_sent_at: Option<DateTime<Utc>>,
+    /// What its platform was asked about it after a send that may have reached the
+    /// platform, what it answered and what was decided (see
+    /// [`ReplayPolicy::Ask`](crate::rules::ReplayPolicy::Ask)); `None` if nobody asked
+    /// since it last became uncertain.
+    pub settlement: Option<String>,
 }
 
 /// Which deliveries [`Outbox::list`] returns: all filters must match; newest first.

@@ -181,6 +181,7 @@ mod retention;
 pub mod rules;
 #[doc(hidden)]
 pub mod sabotage;
+pub mod settle;
 pub mod split;
 mod state;
 mod status;

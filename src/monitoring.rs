@@ -60,6 +60,7 @@
 //! | `outbox_finalized_total` | counter | `channel` | replies finalized (every chunk delivered, history written) |
 //! | `outbox_retries_total` | counter | `channel` | chunks put back for a retry |
 //! | `outbox_uncertain_total` | counter | `channel` | chunks held as possibly sent |
+//! | `outbox_settlements_total` | counter | `channel`, `decision` (`delivered`, `resend`, `hold`) | possibly-sent parts settled by asking the platform ([`settle`](crate::settle)) |
 //! | `outbox_dead_letters_total` | counter | `channel` | chunks failed for good |
 //! | `outbox_panics_total` | counter | — | adapter panics, recorded as ambiguous sends |
 //! | `outbox_send_timeouts_total` | counter | — | sends that outlived the send timeout |

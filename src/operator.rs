@@ -290,7 +290,7 @@ impl Outbox {
 
 /// Chunk `id` read under its lane's lock: read, locked, and read again, since the
 /// lane is known only from the row.
-fn locked_chunk(tx: &dyn StoreTx, id: ChunkId) -> Result<ChunkRef> {
+pub(crate) fn locked_chunk(tx: &dyn StoreTx, id: ChunkId) -> Result<ChunkRef> {
     let chunk = state::load_chunk(tx, id)?;
     tx.lock_lanes(&mut [chunk.lane()])?;
     state::load_chunk(tx, id)

@@ -432,7 +432,7 @@ fn apply(
         }
         Outcome::Ambiguous { error } => match rules.policy.channel(&chunk.channel).replay {
             ReplayPolicy::Replay => state::retry_or_fail(tx, rules, chunk, &error, now),
-            ReplayPolicy::Hold => {
+            ReplayPolicy::Hold | ReplayPolicy::Ask => {
                 state::hold_uncertain(tx, rules, chunk, &error, now)?;
                 Ok(Recorded::settled(ChunkStatus::Uncertain))
             }

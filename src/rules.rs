@@ -32,8 +32,18 @@ pub enum ReplayPolicy {
     /// Send it again with the same idempotency key. Right for platforms that deduplicate
     /// by key (Matrix `txnId`; Discord `nonce` with `enforce_nonce`, using
     /// [`Claim::compact_key`](crate::Claim::compact_key)), or where the application chose
-    /// at-least-once delivery.
+    /// at-least-once delivery. A replay is sent whenever the retry schedule says, even
+    /// after a platform's deduplication window has passed: [`Ask`](Self::Ask) is the
+    /// safer choice for a platform whose window is limited.
     Replay,
+    /// Hold the chunk as `uncertain`, then ask the platform through the channel's adapter
+    /// ([`ChannelAdapter::settle`](crate::ChannelAdapter::settle)): a dispatcher marks it
+    /// delivered when the platform has it, sends it again under the same key when the
+    /// platform does not have it or will deduplicate the resend (inside its window),
+    /// and leaves it held for a person only when the platform cannot tell. Every answer
+    /// is kept on the chunk ([`ChunkView::settlement`](crate::monitoring::ChunkView::settlement)).
+    /// See [`settle`](crate::settle).
+    Ask,
 }
 
 /// How deliveries to the same chat `(channel, chat_id)` are ordered.
@@ -292,6 +302,17 @@ impl ChannelPolicy {
     pub fn replayable() -> Self {
         ChannelPolicy {
             replay: ReplayPolicy::Replay,
+            ..Self::default()
+        }
+    }
+
+    /// A policy for platforms that can say whether a possibly-sent chunk reached them
+    /// (Slack, by a lookup) or deduplicate a resend for a while (Discord, LINE,
+    /// Matrix): such chunks are held and settled by asking the platform
+    /// ([`ReplayPolicy::Ask`]).
+    pub fn asking() -> Self {
+        ChannelPolicy {
+            replay: ReplayPolicy::Ask,
             ..Self::default()
         }
     }
@@ -562,6 +583,7 @@ pub(crate) fn replay_str(replay: ReplayPolicy) -> &'static str {
     match replay {
         ReplayPolicy::Hold => "hold",
         ReplayPolicy::Replay => "replay",
+        ReplayPolicy::Ask => "ask",
     }
 }
 
@@ -569,6 +591,7 @@ pub(crate) fn parse_replay(s: &str) -> Result<ReplayPolicy> {
     match s {
         "hold" => Ok(ReplayPolicy::Hold),
         "replay" => Ok(ReplayPolicy::Replay),
+        "ask" => Ok(ReplayPolicy::Ask),
         other => Err(unreadable("replay policy", other)),
     }
 }

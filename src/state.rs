@@ -368,7 +368,7 @@ pub(crate) fn expire(
     }
     match rules.policy.channel(&chunk.channel).replay {
         ReplayPolicy::Replay => Ok(Expired::Replayable),
-        ReplayPolicy::Hold => {
+        ReplayPolicy::Hold | ReplayPolicy::Ask => {
             let error = "lease expired while sending; the chunk may have reached the platform";
             tx.set_chunk_aside(chunk.id, ChunkStatus::Uncertain, error, true)?;
             set_delivery_aside(tx, chunk.delivery, ChunkStatus::Uncertain, now)?;
@@ -441,7 +441,7 @@ pub(crate) fn expect_status(
 
 /// Error text as every store keeps it: at most [`MAX_ERROR_BYTES`], and no NUL
 /// character (PostgreSQL's text cannot hold one; it shows as U+FFFD).
-fn storable_error(error: &str) -> std::borrow::Cow<'_, str> {
+pub(crate) fn storable_error(error: &str) -> std::borrow::Cow<'_, str> {
     storable(cut_at(error, MAX_ERROR_BYTES))
 }
 

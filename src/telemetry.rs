@@ -26,6 +26,11 @@ mod on {
         counter!(name).increment(n);
     }
 
+    pub(crate) fn settled(channel: &str, decision: &'static str) {
+        counter!("outbox_settlements_total", "channel" => channel.to_owned(), "decision" => decision)
+            .increment(1);
+    }
+
     /// The send's duration — claims are made right before their send, so claim to
     /// record is the send — and, for a finalized reply, its enqueue-to-finalization
     /// latency. Computed only here, so a build without the feature reads no clock.
@@ -60,6 +65,7 @@ mod on {
     pub(crate) fn outcome(_: &str, _: &'static str) {}
     pub(crate) fn chunk_state(_: &'static str, _: &str) {}
     pub(crate) fn events(_: &'static str, _: u64) {}
+    pub(crate) fn settled(_: &str, _: &'static str) {}
     pub(crate) fn timings(_: &crate::options::OutboxOptions, _: &crate::claim::Claim, _: bool) {}
 }
 

@@ -106,6 +106,26 @@ impl Dispatcher {
         self.shared.core.stats()
     }
 
+    /// One round of asking the platforms on the calling thread: each part held
+    /// uncertain on a served channel whose stored replay policy is
+    /// [`Ask`](crate::rules::ReplayPolicy::Ask), not asked about yet (up to 16 per
+    /// channel), goes to its adapter's [`settle`](ChannelAdapter::settle) and the
+    /// answer is recorded (see [`settle`](crate::settle)). Returns how many answers were
+    /// recorded. A started dispatcher does this every
+    /// [`settle_interval`](DispatcherBuilder::settle_interval).
+    pub fn settle_once(&self) -> usize {
+        let core = &self.shared.core;
+        let mut recorded = 0;
+        for part in core.unasked() {
+            let Some(adapter) = self.shared.adapters.get(&part.claim.channel) else {
+                continue;
+            };
+            let settlement = super::settle_guarded(|| adapter.settle(&part));
+            recorded += usize::from(core.settled(&part, settlement));
+        }
+        recorded
+    }
+
     /// Starts the worker threads and the thread that renews their leases.
     ///
     /// Each worker claims what it sends, sends it, and records the outcome together with
@@ -126,6 +146,7 @@ impl Dispatcher {
             run: run.clone(),
             workers: Vec::new(),
             keeper: None,
+            settler: None,
             done,
         };
         let spawn_error = |source| crate::Error::Io {
@@ -154,6 +175,20 @@ impl Dispatcher {
             std::thread::Builder::new()
                 .name("outbox-lease-keeper".into())
                 .spawn(move || keep_leases(&me.shared.core, &keeper_run))
+                .map_err(spawn_error)?,
+        );
+        let (me, settler_run) = (self.clone(), run.clone());
+        let interval = self.shared.core.settings.settle_interval;
+        running.settler = Some(
+            std::thread::Builder::new()
+                .name("outbox-settler".into())
+                .spawn(move || {
+                    super::every_while_live(&settler_run, interval, || {
+                        if !settler_run.stopping() {
+                            me.settle_once();
+                        }
+                    })
+                })
                 .map_err(spawn_error)?,
         );
         Ok(running)
@@ -472,6 +507,8 @@ pub struct RunningDispatcher {
     run: Arc<Run>,
     workers: Vec<JoinHandle<()>>,
     keeper: Option<JoinHandle<()>>,
+    /// Asks the platforms about uncertain parts (see [`Dispatcher::settle_once`]).
+    settler: Option<JoinHandle<()>>,
     /// One message per worker that has ended: whether it panicked.
     done: mpsc::Receiver<bool>,
 }
@@ -525,6 +562,12 @@ impl RunningDispatcher {
         {
             // The last worker to end woke it; it returns at once.
             let _ = keeper.join();
+        }
+        if let Some(settler) = self.settler.take()
+            && still_sending == 0
+        {
+            // Woken as the keeper is; it returns once a question in progress is answered.
+            let _ = settler.join();
         }
         if lost > 0 {
             warn!(workers = lost, "dispatcher workers ended by a panic");

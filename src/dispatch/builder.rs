@@ -63,6 +63,16 @@ impl<A: ?Sized> DispatcherBuilder<A> {
         self
     }
 
+    /// How often the dispatcher asks the platforms about parts held uncertain on its
+    /// channels whose stored replay policy is
+    /// [`Ask`](crate::rules::ReplayPolicy::Ask) (see [`settle`](crate::settle)): each
+    /// round asks about up to 16 parts of each such channel that nobody asked about yet.
+    /// Default 1 s.
+    pub fn settle_interval(mut self, interval: Duration) -> Self {
+        self.settings.settle_interval = interval;
+        self
+    }
+
     /// Records a send that has not returned within `timeout` as
     /// [`Outcome::Ambiguous`](crate::Outcome::Ambiguous) (it may have reached the platform) and moves on. Default
     /// none: an adapter should bound its own I/O. Without it, a send that hangs holds

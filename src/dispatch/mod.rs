@@ -43,6 +43,8 @@ use crate::error::{Error, Result};
 use crate::ids::{ChunkId, DeliveryId};
 use crate::outbox::Outbox;
 use crate::outcome::Outcome;
+use crate::rules::ReplayPolicy;
+use crate::settle::{Decision, PossiblySent, Settlement};
 use crate::state::Recorded;
 use crate::status::ChunkStatus;
 use crate::telemetry;
@@ -93,6 +95,15 @@ pub use builder::{DispatcherBuilder, ShutdownReport};
 pub trait ChannelAdapter: Send + Sync + 'static {
     /// Sends one chunk and says what happened.
     fn send(&self, claim: &Claim) -> Outcome;
+
+    /// Asks the platform about a part that may have reached it, on a channel whose
+    /// stored replay policy is [`Ask`](crate::rules::ReplayPolicy::Ask): found (it is
+    /// delivered), absent or safe to resend (it is sent again under the same key), or
+    /// cannot tell (a person decides). See [`settle`](crate::settle). Bound the I/O
+    /// with a timeout. The default cannot ask: it holds the part for a person.
+    fn settle(&self, part: &PossiblySent) -> Settlement {
+        cannot_ask(part)
+    }
 }
 
 /// An adapter shared with the rest of the application serves as one too.
@@ -100,7 +111,22 @@ impl<T: ChannelAdapter + ?Sized> ChannelAdapter for std::sync::Arc<T> {
     fn send(&self, claim: &Claim) -> Outcome {
         (**self).send(claim)
     }
+
+    fn settle(&self, part: &PossiblySent) -> Settlement {
+        (**self).settle(part)
+    }
 }
+
+/// The answer of an adapter that has no way to ask its platform.
+pub(crate) fn cannot_ask(part: &PossiblySent) -> Settlement {
+    Settlement::hold(
+        format!("the {} adapter", part.claim.channel),
+        "it has no way to ask its platform",
+    )
+}
+
+/// Parts of one channel asked about in one round of settling.
+pub(crate) const SETTLE_BATCH: usize = 16;
 
 /// Most sends one worker may have in flight at once ([`DispatcherBuilder::batch_size`]).
 pub(crate) const MAX_IN_FLIGHT: usize = 1024;
@@ -141,6 +167,21 @@ pub enum DispatchEvent {
         /// What the statement met.
         error: String,
     },
+    /// The platform was asked about a part that may have reached it (channel replay
+    /// policy [`Ask`](crate::rules::ReplayPolicy::Ask)), and its answer was recorded on
+    /// the part (see [`settle`](crate::settle)).
+    Settled {
+        /// The reply.
+        delivery_id: DeliveryId,
+        /// The part's position in the reply.
+        index: u32,
+        /// Its channel.
+        channel: String,
+        /// Its chat.
+        chat_id: String,
+        /// What was asked, what was answered, what it decided.
+        settlement: Settlement,
+    },
     /// A reply became a dead letter: a chunk failed for good.
     DeadLetter {
         /// The reply.
@@ -166,6 +207,8 @@ pub(crate) struct Settings {
     pub poll_interval: Duration,
     /// A send that has not returned by then is recorded as ambiguous.
     pub send_timeout: Option<Duration>,
+    /// How often the platforms are asked about the parts held uncertain.
+    pub settle_interval: Duration,
 }
 
 impl Default for Settings {
@@ -175,6 +218,7 @@ impl Default for Settings {
             batch: 1,
             poll_interval: Duration::from_millis(50),
             send_timeout: None,
+            settle_interval: Duration::from_secs(1),
         }
     }
 }
@@ -192,6 +236,9 @@ impl Settings {
         }
         if self.poll_interval.is_zero() {
             return Err(Error::invalid("poll interval", "must be above zero"));
+        }
+        if self.settle_interval.is_zero() {
+            return Err(Error::invalid("settle interval", "must be above zero"));
         }
         if self.send_timeout.is_some_and(|t| t.is_zero()) {
             return Err(Error::invalid(
@@ -237,6 +284,12 @@ pub struct DispatchStats {
     pub renewed: u64,
     /// Records retried after the database was busy or full.
     pub record_retries: u64,
+    /// Possibly-sent parts the platform said it has: delivered without a person.
+    pub settled_delivered: u64,
+    /// Possibly-sent parts the platform said it lacks or will deduplicate: sent again.
+    pub settled_resent: u64,
+    /// Possibly-sent parts the platform could not tell about: held for a person.
+    pub settled_held: u64,
 }
 
 #[derive(Debug, Default)]
@@ -254,6 +307,9 @@ struct Counters {
     timed_out: AtomicU64,
     renewed: AtomicU64,
     record_retries: AtomicU64,
+    settled_delivered: AtomicU64,
+    settled_resent: AtomicU64,
+    settled_held: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -281,6 +337,9 @@ impl Counters {
             timed_out: get(&self.timed_out),
             renewed: get(&self.renewed),
             record_retries: get(&self.record_retries),
+            settled_delivered: get(&self.settled_delivered),
+            settled_resent: get(&self.settled_resent),
+            settled_held: get(&self.settled_held),
         }
     }
 }
@@ -802,6 +861,68 @@ impl Core {
         }
     }
 
+    /// The served channels whose stored replay policy is
+    /// [`Ask`](ReplayPolicy::Ask), with up to [`SETTLE_BATCH`] of each one's parts
+    /// nobody asked the platform about yet.
+    pub(crate) fn unasked(&self) -> Vec<PossiblySent> {
+        let rules = match self.outbox.rules() {
+            Ok(rules) => rules,
+            Err(e) => {
+                warn!(error = %e, "could not read the rules to settle uncertain parts");
+                return Vec::new();
+            }
+        };
+        let mut parts = Vec::new();
+        for channel in &self.channels {
+            if rules.channel(channel).replay != ReplayPolicy::Ask {
+                continue;
+            }
+            match self.outbox.possibly_sent(channel, SETTLE_BATCH) {
+                Ok(found) => parts.extend(found),
+                Err(e) => warn!(%channel, error = %e, "could not read the uncertain parts"),
+            }
+        }
+        parts
+    }
+
+    /// Records the platform's answer about `part`, counts it and reports it; whether it
+    /// was recorded (not a `Later`, nor a part someone settled meanwhile).
+    pub(crate) fn settled(&self, part: &PossiblySent, settlement: Settlement) -> bool {
+        let claim = &part.claim;
+        let _entered = Core::span(claim).entered();
+        let recorded = match self.outbox.settle(part, &settlement) {
+            Ok(Some(recorded)) => recorded,
+            Ok(None) => return false,
+            Err(e) => {
+                bump(&self.counters.errors);
+                warn!(chunk = %claim.idempotency_key, error = %e, "could not record the platform's answer");
+                return false;
+            }
+        };
+        let c = &self.counters;
+        match settlement.decision {
+            Decision::Delivered { .. } => bump(&c.settled_delivered),
+            Decision::Resend => bump(&c.settled_resent),
+            Decision::Hold | Decision::Later => bump(&c.settled_held),
+        }
+        telemetry::settled(&claim.channel, settlement.decision.as_str());
+        info!(chunk = %claim.idempotency_key, decision = settlement.decision.as_str(), asked = %settlement.asked, answer = %settlement.answer, "asked the platform about a possibly-sent part");
+        self.emit(DispatchEvent::Settled {
+            delivery_id: claim.delivery_id,
+            index: claim.index,
+            channel: claim.channel.clone(),
+            chat_id: claim.chat_id.clone(),
+            settlement,
+        });
+        if recorded.finalized {
+            bump(&c.finalized);
+            self.report_delivered(claim, None);
+        } else if let Some(error) = &recorded.finalize_error {
+            self.report_delivered(claim, Some(error));
+        }
+        true
+    }
+
     /// Gives a claim back unsent, due again at once.
     fn release(&self, run: &Run, claim: &Claim) {
         run.let_go(claim.chunk_id);
@@ -819,6 +940,35 @@ impl Core {
 /// of its lease is left, until the run's last worker ended. Runs on a thread of its
 /// own in both flavours (it only does short database writes), so a busy worker — or
 /// an async runtime starved of threads — cannot keep it from renewing.
+/// Runs `round` every `interval` until the run's last worker has ended (woken by it, as
+/// the keeper is).
+pub(crate) fn every_while_live(run: &Run, interval: Duration, mut round: impl FnMut()) {
+    let (lock, wake) = &run.keeper;
+    loop {
+        if run.live.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        round();
+        let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = wake
+            .wait_timeout_while(guard, interval, |_| run.live.load(Ordering::SeqCst) > 0)
+            .unwrap_or_else(|e| e.into_inner());
+    }
+}
+
+/// An adapter's `settle` with its panic caught: a part the adapter panicked on is held
+/// for a person.
+pub(crate) fn settle_guarded(ask: impl FnOnce() -> Settlement) -> Settlement {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(ask))
+        .unwrap_or_else(|_| adapter_panicked())
+}
+
+/// What a panic of an adapter's `settle` answers: the part is held for a person.
+pub(crate) fn adapter_panicked() -> Settlement {
+    warn!("the adapter panicked while asking its platform; the part is held");
+    Settlement::hold("the adapter", "it panicked while asking its platform")
+}
+
 pub(crate) fn keep_leases(core: &Core, run: &Run) {
     let tick = renewal_tick(core.outbox.options().lease);
     let (lock, wake) = &run.keeper;

@@ -19,6 +19,7 @@ use crate::error::Result;
 use crate::health::Health;
 use crate::outbox::Outbox;
 use crate::outcome::Outcome;
+use crate::settle::{PossiblySent, Settlement};
 use crate::store::connections::{ChangeWatch, on_blocking_pool};
 
 /// Claims admitted to be sent now, each with its adapter.
@@ -52,12 +53,23 @@ pub type SendFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub trait AsyncChannelAdapter: Send + Sync + 'static {
     /// Sends one chunk and says what happened. Bound the I/O with a timeout.
     fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome>;
+
+    /// Asks the platform about a part that may have reached it (see
+    /// [`ChannelAdapter::settle`](crate::ChannelAdapter::settle)). Bound the I/O with a
+    /// timeout. The default cannot ask: it holds the part for a person.
+    fn settle<'a>(&'a self, part: &'a PossiblySent) -> SendFuture<'a, Settlement> {
+        Box::pin(std::future::ready(super::cannot_ask(part)))
+    }
 }
 
 /// An adapter shared with the rest of the application serves as one too.
 impl<T: AsyncChannelAdapter + ?Sized> AsyncChannelAdapter for Arc<T> {
     fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
         (**self).send(claim)
+    }
+
+    fn settle<'a>(&'a self, part: &'a PossiblySent) -> SendFuture<'a, Settlement> {
+        (**self).settle(part)
     }
 }
 
@@ -303,6 +315,40 @@ impl AsyncDispatcher {
         done
     }
 
+    /// One round of asking the platforms (see
+    /// [`Dispatcher::settle_once`](crate::Dispatcher::settle_once)): each part held
+    /// uncertain on a served channel whose stored replay policy is
+    /// [`Ask`](crate::rules::ReplayPolicy::Ask), not asked about yet, goes to its
+    /// adapter's [`settle`](AsyncChannelAdapter::settle), one at a time, and the answer
+    /// is recorded. Returns how many answers were recorded. A started dispatcher does
+    /// this every [`settle_interval`](DispatcherBuilder::settle_interval).
+    pub async fn settle_once(&self) -> usize {
+        let parts = self.blocking(|s| s.core.unasked()).await;
+        let mut recorded = 0;
+        for part in parts {
+            let Some(adapter) = self.shared.adapters.get(&part.claim.channel).cloned() else {
+                continue;
+            };
+            let settlement = CatchUnwind(adapter.settle(&part))
+                .await
+                .unwrap_or_else(|_| super::adapter_panicked());
+            recorded += usize::from(
+                self.blocking(move |s| s.core.settled(&part, settlement))
+                    .await,
+            );
+        }
+        recorded
+    }
+
+    /// Asks the platforms every settle interval until the run stops.
+    async fn settle_every(&self, run: &Run) {
+        let interval = self.shared.core.settings.settle_interval;
+        while !run.stopping() {
+            self.settle_once().await;
+            tokio::time::sleep(interval).await;
+        }
+    }
+
     /// Spawns the worker tasks on the current tokio runtime, and a thread that renews
     /// their leases.
     ///
@@ -340,10 +386,13 @@ impl AsyncDispatcher {
                 me.work(&run, watcher).await
             }));
         }
+        let (me, settler_run) = (self.clone(), run.clone());
+        let settler = tokio::spawn(async move { me.settle_every(&settler_run).await });
         Ok(RunningAsyncDispatcher {
             dispatcher: self.clone(),
             run,
             tasks,
+            settler,
         })
     }
 
@@ -424,12 +473,12 @@ impl AsyncDispatcher {
     }
 }
 
-/// An adapter's send future with its panics caught: a panic while polling it ends it
-/// with the panic's payload.
-struct CatchUnwind<'a>(SendFuture<'a, Outcome>);
+/// An adapter's future with its panics caught: a panic while polling it ends it with
+/// the panic's payload.
+struct CatchUnwind<'a, T>(SendFuture<'a, T>);
 
-impl Future for CatchUnwind<'_> {
-    type Output = std::thread::Result<Outcome>;
+impl<T> Future for CatchUnwind<'_, T> {
+    type Output = std::thread::Result<T>;
 
     fn poll(
         mut self: Pin<&mut Self>,
@@ -452,6 +501,8 @@ pub struct RunningAsyncDispatcher {
     dispatcher: AsyncDispatcher,
     run: Arc<Run>,
     tasks: Vec<JoinHandle<()>>,
+    /// Asks the platforms about uncertain parts; stopped with the workers.
+    settler: JoinHandle<()>,
 }
 
 impl RunningAsyncDispatcher {
@@ -481,6 +532,8 @@ impl RunningAsyncDispatcher {
                 Err(_) => still_sending += 1,
             }
         }
+        // A question in progress is dropped unanswered: the part is asked about again.
+        self.settler.abort();
         ShutdownReport {
             clean: still_sending == 0 && lost == 0,
             still_sending,
@@ -492,6 +545,7 @@ impl RunningAsyncDispatcher {
 
 impl Drop for RunningAsyncDispatcher {
     fn drop(&mut self) {
+        self.settler.abort();
         self.request_shutdown();
     }
 }

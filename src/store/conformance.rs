@@ -245,7 +245,7 @@ pub(super) fn leases_are_marked_renewed_and_expire(fresh: Fresh) {
     enqueue(&ob, "a", "x");
     let row = channel_t(&ob);
     let chunk = write(&ob, |tx| tx.due_chunks(&row, T0, 1)).remove(0).chunk;
-    write(&ob, |tx| tx.mark_sending(chunk, T0 + 1_000, 77));
+    write(&ob, |tx| tx.mark_sending(chunk, T0, T0 + 1_000, 77));
     let held = write(&ob, |tx| tx.claimed_chunk(chunk, 77)).unwrap();
     assert_eq!((held.status, held.attempts), (ChunkStatus::Sending, 1));
     assert_eq!(write(&ob, |tx| tx.next_due(row.id)), Some(T0 + 1_000));
@@ -744,7 +744,7 @@ pub(super) fn chunks_are_rescheduled(fresh: Fresh) {
         Some("f"),
         "kept"
     );
-    write(&ob, |tx| tx.mark_sending(chunk, T0 + 1_000, 9));
+    write(&ob, |tx| tx.mark_sending(chunk, T0, T0 + 1_000, 9));
     write(&ob, |tx| tx.retry_keeping_token(chunk, T0 + 70));
     let held = write(&ob, |tx| tx.claimed_chunk(chunk, 9)).expect("token kept");
     assert_eq!(held.status, ChunkStatus::Retry);
@@ -1348,8 +1348,8 @@ pub(super) fn batched_writes_leave_the_rows_one_at_a_time_leaves(fresh: Fresh) {
         same_both_ways(
             tx,
             "mark_sending_many",
-            || tx.mark_sending_many(&pending, T0 + 30_000),
-            || crate::store::composed::mark_sending_many(tx, &pending, T0 + 30_000),
+            || tx.mark_sending_many(&pending, T0, T0 + 30_000),
+            || crate::store::composed::mark_sending_many(tx, &pending, T0, T0 + 30_000),
         )?;
 
         let channel_id = tx.channel_number("t")?;

@@ -628,12 +628,13 @@ pub(crate) trait ClaimStore {
     }
     /// The earliest due time of channel `id`.
     fn next_due(&self, id: i64) -> Result<Option<i64>>;
-    /// `sending` under `token` until `lease_until`, one more attempt counted.
-    fn mark_sending(&self, chunk: i64, lease_until: i64, token: i64) -> Result<()>;
+    /// `sending` under `token` until `lease_until`, one more attempt counted; its first
+    /// send's time set to `now` if it had none.
+    fn mark_sending(&self, chunk: i64, now: i64, lease_until: i64, token: i64) -> Result<()>;
     /// [`mark_sending`](Self::mark_sending) of each `(chunk, token)`, in one go where
     /// the store can.
-    fn mark_sending_many(&self, chunks: &[(i64, i64)], lease_until: i64) -> Result<()> {
-        composed::mark_sending_many(self, chunks, lease_until)
+    fn mark_sending_many(&self, chunks: &[(i64, i64)], now: i64, lease_until: i64) -> Result<()> {
+        composed::mark_sending_many(self, chunks, now, lease_until)
     }
     /// Due at `due` (a chunk whose lane is not free yet).
     fn set_due(&self, chunk: i64, due: i64) -> Result<()>;
@@ -772,6 +773,29 @@ pub(crate) trait OperatorStore {
     /// Row, status and lane of the delivery with uid `uid`, which names row
     /// `delivery` (or, on PostgreSQL, the row it was staged as).
     fn delivery_state(&self, delivery: i64, uid: &str) -> Result<Option<DeliveryState>>;
+    /// Up to `limit` `uncertain` chunks of `channel` whose platform nobody asked about
+    /// since they became uncertain (no settlement), oldest delivery first.
+    fn unasked_uncertain(&self, channel: &str, limit: usize) -> Result<Vec<Unasked>>;
+    /// Keeps `settlement` on chunk `chunk` if it is still the unasked `uncertain` chunk
+    /// whose delivery last changed at `since`; whether it was.
+    fn note_settlement(&self, chunk: i64, since: i64, settlement: &str) -> Result<bool>;
+}
+
+/// An `uncertain` chunk nobody asked its platform about yet (see
+/// [`OperatorStore::unasked_uncertain`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Unasked {
+    pub chunk: ChunkRef,
+    /// Its delivery's uid, as stored (a row whose uid does not parse is left out by the
+    /// caller).
+    pub uid: String,
+    pub text: String,
+    pub metadata: Option<String>,
+    /// Its first send's claim, or its delivery's creation for a chunk claimed before
+    /// the time was kept.
+    pub first_sent_at: i64,
+    /// When its delivery last changed: when it became uncertain.
+    pub since: i64,
 }
 
 /// Retention.
@@ -960,10 +984,11 @@ pub(crate) mod composed {
     pub(crate) fn mark_sending_many<T: ClaimStore + ?Sized>(
         tx: &T,
         chunks: &[(i64, i64)],
+        now: i64,
         lease_until: i64,
     ) -> Result<()> {
         for (chunk, token) in chunks {
-            tx.mark_sending(*chunk, lease_until, *token)?;
+            tx.mark_sending(*chunk, now, lease_until, *token)?;
         }
         Ok(())
     }

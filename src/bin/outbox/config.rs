@@ -97,6 +97,7 @@ enum FailureArg {
 enum ReplayArg {
     Hold,
     Replay,
+    Ask,
 }
 
 #[derive(Clone, Copy)]
@@ -207,6 +208,7 @@ fn change_channel(rules: &mut ChannelPolicy, args: &SetArgs) {
         rules.replay = match replay {
             ReplayArg::Hold => ReplayPolicy::Hold,
             ReplayArg::Replay => ReplayPolicy::Replay,
+            ReplayArg::Ask => ReplayPolicy::Ask,
         };
     }
     if let Some(interval) = args.lane_interval {
@@ -273,6 +275,7 @@ fn retry_text(r: &RetryPolicy) -> String {
 fn replay_word(r: ReplayPolicy) -> &'static str {
     match r {
         ReplayPolicy::Replay => "replay",
+        ReplayPolicy::Ask => "ask",
         _ => "hold",
     }
 }

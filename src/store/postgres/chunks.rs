@@ -160,12 +160,12 @@ const DUE_IN_CHANNELS_SQL_UNLOCKED: &str =
 const DUE_IN_CHANNELS_SQL_NO_LANES: &str =
     due_in_channels_sql!("FOR UPDATE OF c SKIP LOCKED", "AND false");
 
-/// Chunks (`$1`, `$2`) `sending` under tokens `$3` until `$4`: how many, and the
-/// transaction's id.
+/// Chunks (`$1`, `$2`) `sending` under tokens `$3` until `$4`, first sent at `$5` if
+/// never before: how many, and the transaction's id.
 pub(crate) const MARK_SENDING_MANY_SQL: &str = "WITH m AS (
          UPDATE outbound_delivery_chunks c
          SET status = 'sending', attempts = c.attempts + 1, due_at = $4,
-             claim_token = u.token
+             claim_token = u.token, first_sent_at = coalesce(c.first_sent_at, $5)
          FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS u(d, i, token)
          WHERE c.delivery_id = u.d AND c.chunk_index = u.i
          RETURNING 1)
@@ -364,7 +364,8 @@ impl ChunkStore for PgTx<'_> {
         self.execute(
             "UPDATE outbound_delivery_chunks
              SET status = $3, due_at = NULL, last_error = $4,
-                 claim_token = CASE WHEN $5 THEN claim_token END
+                 claim_token = CASE WHEN $5 THEN claim_token END,
+                 settlement = CASE WHEN $3 = 'uncertain' THEN NULL ELSE settlement END
              WHERE delivery_id = $1 AND chunk_index = $2",
             &[&delivery, &index, &status.as_str(), &error, &keep_token],
         )?;
@@ -512,18 +513,19 @@ impl ClaimStore for PgTx<'_> {
         Ok(self.query_one(NEXT_DUE_SQL, &[&id])?.try_get(0)?)
     }
 
-    fn mark_sending(&self, chunk: i64, lease_until: i64, token: i64) -> Result<()> {
+    fn mark_sending(&self, chunk: i64, now: i64, lease_until: i64, token: i64) -> Result<()> {
         let (delivery, index) = chunk_key(chunk);
         self.execute(
             "UPDATE outbound_delivery_chunks
-             SET status = 'sending', attempts = attempts + 1, due_at = $3, claim_token = $4
+             SET status = 'sending', attempts = attempts + 1, due_at = $3, claim_token = $4,
+                 first_sent_at = coalesce(first_sent_at, $5)
              WHERE delivery_id = $1 AND chunk_index = $2",
-            &[&delivery, &index, &lease_until, &token],
+            &[&delivery, &index, &lease_until, &token, &now],
         )?;
         Ok(())
     }
 
-    fn mark_sending_many(&self, chunks: &[(i64, i64)], lease_until: i64) -> Result<()> {
+    fn mark_sending_many(&self, chunks: &[(i64, i64)], now: i64, lease_until: i64) -> Result<()> {
         if chunks.is_empty() {
             return Ok(());
         }
@@ -536,6 +538,7 @@ impl ClaimStore for PgTx<'_> {
             owned(indexes),
             owned(tokens),
             owned(lease_until),
+            owned(now),
         ];
         self.defer(MARK_SENDING_MANY_SQL, values, Some(1))
     }

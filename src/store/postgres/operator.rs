@@ -5,8 +5,8 @@ use super::{PgTx, chunk_status, count, delivery_status};
 use crate::error::Result;
 use crate::store::pg_param;
 use crate::store::{
-    ChunkProgress, ChunkRef, DeliveryState, OperatorStore, Purgeable, RetentionStore, finished_sql,
-    purgeable_sql,
+    ChunkProgress, ChunkRef, DeliveryState, OperatorStore, Purgeable, RetentionStore, Unasked,
+    finished_sql, purgeable_sql,
 };
 
 /// The failed chunks of dead letters (not set aside as unreadable), oldest first; `$1`
@@ -17,7 +17,50 @@ pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
      ORDER BY d.id, c.chunk_index"
 );
 
+/// [`OperatorStore::unasked_uncertain`]: `$1` the channel, `$2` the limit.
+pub(crate) const UNASKED_SQL: &str = concat!(
+    "SELECT ",
+    super::chunk_id!("c.delivery_id", "c.chunk_index"),
+    ", c.delivery_id, c.chunk_index, c.status, c.attempts, d.channel, d.chat_id,
+            d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text), d.metadata,
+            coalesce(c.first_sent_at, d.created_at), d.updated_at
+     FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
+     WHERE d.status = 'uncertain' AND d.status <> 'delivered' AND d.channel = $1
+       AND c.status = 'uncertain' AND c.settlement IS NULL
+     ORDER BY d.id, c.chunk_index
+     LIMIT $2"
+);
+
 impl OperatorStore for PgTx<'_> {
+    fn unasked_uncertain(&self, channel: &str, limit: usize) -> Result<Vec<Unasked>> {
+        let limit = limit as i64;
+        self.on_indexes(|| self.query(UNASKED_SQL, &[&channel, &limit]))?
+            .iter()
+            .map(|r| {
+                Ok(Unasked {
+                    chunk: chunk_ref(r)?,
+                    uid: r.try_get(9)?,
+                    text: r.try_get(10)?,
+                    metadata: r.try_get(11)?,
+                    first_sent_at: r.try_get(12)?,
+                    since: r.try_get(13)?,
+                })
+            })
+            .collect()
+    }
+
+    fn note_settlement(&self, chunk: i64, since: i64, settlement: &str) -> Result<bool> {
+        let (delivery, index) = super::chunk_key(chunk);
+        let changed = self.execute(
+            "UPDATE outbound_delivery_chunks c SET settlement = $4
+             FROM outbound_deliveries d
+             WHERE c.delivery_id = $1 AND c.chunk_index = $2 AND c.status = 'uncertain'
+               AND c.settlement IS NULL AND d.id = c.delivery_id AND d.updated_at = $3",
+            &[&delivery, &index, &since, &settlement],
+        )?;
+        Ok(changed == 1)
+    }
+
     fn dead_letter_chunks(&self, channel: Option<&str>) -> Result<Vec<ChunkRef>> {
         self.on_indexes(|| self.query(DEAD_LETTER_CHUNKS_SQL, &[&channel]))?
             .iter()

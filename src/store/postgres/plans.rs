@@ -49,7 +49,7 @@ const STATEMENTS: &[(&str, &str, &str, bool)] = &[
     (
         "mark sending",
         MARK_SENDING_MANY_SQL,
-        "'{5,6}', '{0,0}', '{7,8}', 0",
+        "'{5,6}', '{0,0}', '{7,8}', 0, 0",
         false,
     ),
     (

@@ -62,7 +62,7 @@ const CHUNKS_SQL: &str = concat!(
     ",
         coalesce(c.chunk_index, 0), coalesce(c.status, 'pending'), coalesce(c.attempts, 0),
         c.due_at, c.last_error, c.platform_message_id, c.delivered_at,
-        coalesce(c.text, d.text), c.claim_token
+        coalesce(c.text, d.text), c.claim_token, c.first_sent_at, c.settlement
      FROM outbound_deliveries d
           LEFT JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
      WHERE d.id = $1 AND (c.delivery_id IS NOT NULL OR d.status = 'queued')
@@ -279,5 +279,7 @@ fn chunk_view(r: &Row, id: &DeliveryId) -> Result<ChunkView> {
         idempotency_key: chunk_idempotency_key(id, index),
         text: r.try_get(8)?,
         claimant: r.try_get::<_, Option<i64>>(9)?.map(ClaimantId::of_token),
+        first_sent_at: r.try_get::<_, Option<i64>>(10)?.map(to_datetime),
+        settlement: r.try_get(11)?,
     })
 }

@@ -238,14 +238,16 @@ impl ChunkStore for Tx<'_> {
         if keep_token {
             self.prepare_cached(
                 "UPDATE outbound_delivery_chunks
-                 SET status = ?2, due_at = NULL, last_error = ?3
+                 SET status = ?2, due_at = NULL, last_error = ?3,
+                     settlement = CASE WHEN ?2 = 'uncertain' THEN NULL ELSE settlement END
                  WHERE id = ?1",
             )?
             .execute(params![chunk, status.as_str(), error])?;
         } else {
             self.prepare_cached(
                 "UPDATE outbound_delivery_chunks
-                 SET status = ?2, due_at = NULL, claim_token = NULL, last_error = ?3
+                 SET status = ?2, due_at = NULL, claim_token = NULL, last_error = ?3,
+                     settlement = CASE WHEN ?2 = 'uncertain' THEN NULL ELSE settlement END
                  WHERE id = ?1",
             )?
             .execute(params![chunk, status.as_str(), error])?;

@@ -118,14 +118,14 @@ impl ClaimStore for Tx<'_> {
             .query_row([id], |r| r.get(0))?)
     }
 
-    fn mark_sending(&self, chunk: i64, lease_until: i64, token: i64) -> Result<()> {
+    fn mark_sending(&self, chunk: i64, now: i64, lease_until: i64, token: i64) -> Result<()> {
         self.prepare_cached(
             "UPDATE outbound_delivery_chunks
              SET status = 'sending', attempts = attempts + 1, due_at = ?2,
-                 claim_token = ?3
+                 claim_token = ?3, first_sent_at = coalesce(first_sent_at, ?4)
              WHERE id = ?1",
         )?
-        .execute(params![chunk, lease_until, token])?;
+        .execute(params![chunk, lease_until, token, now])?;
         Ok(())
     }
 

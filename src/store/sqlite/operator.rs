@@ -6,7 +6,7 @@ use rusqlite::{OptionalExtension, params};
 use super::chunks::{DELETE_CHUNKS_SQL, chunk_ref, chunk_ref_where, chunks_of_delivery};
 use super::tx::Tx;
 use crate::error::Result;
-use crate::store::{ChunkProgress, ChunkRef, DeliveryState, OperatorStore};
+use crate::store::{ChunkProgress, ChunkRef, DeliveryState, OperatorStore, Unasked};
 
 /// The failed chunks of dead letters, oldest delivery first. Starts from the index of
 /// unfinished deliveries (a join led by the chunk table would read all of history).
@@ -18,7 +18,44 @@ pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
      ORDER BY d.id"
 );
 
+/// [`OperatorStore::unasked_uncertain`]: from the index of unfinished deliveries.
+const UNASKED_SQL: &str = "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
+        d.channel, d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text),
+        d.metadata, coalesce(c.first_sent_at, d.created_at), d.updated_at
+     FROM outbound_deliveries d JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
+     WHERE d.id IN (SELECT id FROM outbound_deliveries
+                    WHERE status = 'uncertain' AND status <> 'delivered' AND channel = ?1)
+       AND c.status = 'uncertain' AND c.settlement IS NULL
+     ORDER BY d.id, c.chunk_index
+     LIMIT ?2";
+
 impl OperatorStore for Tx<'_> {
+    fn unasked_uncertain(&self, channel: &str, limit: usize) -> Result<Vec<Unasked>> {
+        let mut stmt = self.prepare_cached(UNASKED_SQL)?;
+        let rows = stmt.query_map(params![channel, limit as i64], |r| {
+            Ok(Unasked {
+                chunk: chunk_ref(r)?,
+                uid: r.get(9)?,
+                text: r.get(10)?,
+                metadata: r.get(11)?,
+                first_sent_at: r.get(12)?,
+                since: r.get(13)?,
+            })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    fn note_settlement(&self, chunk: i64, since: i64, settlement: &str) -> Result<bool> {
+        let changed = self
+            .prepare_cached(
+                "UPDATE outbound_delivery_chunks SET settlement = ?3
+                 WHERE id = ?1 AND status = 'uncertain' AND settlement IS NULL
+                   AND (SELECT updated_at FROM outbound_deliveries WHERE id = delivery_id) = ?2",
+            )?
+            .execute(params![chunk, since, settlement])?;
+        Ok(changed == 1)
+    }
+
     fn dead_letter_chunks(&self, channel: Option<&str>) -> Result<Vec<ChunkRef>> {
         let mut stmt = self.prepare_cached(DEAD_LETTER_CHUNKS_SQL)?;
         let rows = stmt.query_map([channel], chunk_ref)?;

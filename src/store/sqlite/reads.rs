@@ -265,7 +265,8 @@ fn chunks_of(tx: &Tx<'_>, delivery: i64, id: &DeliveryId) -> Result<Vec<ChunkVie
         ", ",
         supplied!(attempts),
         ", c.due_at, c.last_error,
-                c.platform_message_id, c.delivered_at, coalesce(c.text, d.text), c.claim_token
+                c.platform_message_id, c.delivered_at, coalesce(c.text, d.text), c.claim_token,
+                c.first_sent_at, c.settlement
          FROM outbound_deliveries d",
         chunks_supplied!("?1"),
         " WHERE d.id = ?1 AND ",
@@ -290,6 +291,8 @@ fn chunks_of(tx: &Tx<'_>, delivery: i64, id: &DeliveryId) -> Result<Vec<ChunkVie
             idempotency_key: chunk_idempotency_key(id, index),
             text: r.get(8)?,
             claimant: r.get::<_, Option<i64>>(9)?.map(ClaimantId::of_token),
+            first_sent_at: r.get::<_, Option<i64>>(10)?.map(to_datetime),
+            settlement: r.get(11)?,
         })
     })?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)

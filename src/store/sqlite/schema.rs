@@ -50,6 +50,7 @@ const MIGRATIONS: &[&str] = &[
         include_str!("../../../migrations/sqlite/0007_unfinalized_and_sent_before.sql")
     ),
     include_str!("../../../migrations/sqlite/0008_finished_index.sql"),
+    include_str!("../../../migrations/sqlite/0009_settled_by_the_platform.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:

@@ -1,0 +1,295 @@
+//! Settling a possibly-sent part by asking the platform (replay policy `Ask`), on both
+//! stores, with a scripted adapter: each decision (delivered, resend, hold, later) is
+//! recorded on the part, reported and counted; a part is asked about once per time it
+//! becomes uncertain; an answer about a part that moved meanwhile changes nothing; the
+//! window of a deduplicating platform runs from the part's first send.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chunked_outbox::dispatch::DispatchEvent;
+use chunked_outbox::maintenance::Resolution;
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
+use chunked_outbox::rules::{ChannelPolicy, ReplayPolicy};
+use chunked_outbox::settle::{Decision, PossiblySent, Settlement};
+use chunked_outbox::{ChannelAdapter, Claim, Dispatcher, OutboxOptions, Outcome, Result};
+use common::*;
+
+/// What the scripted platform answers to a send and to a question.
+#[derive(Clone)]
+struct Scripted {
+    /// Outcomes of the sends, in order; `Delivered` once they run out.
+    sends: Arc<Mutex<Vec<Outcome>>>,
+    /// The answer to every question.
+    answer: Arc<Mutex<Settlement>>,
+    /// The keys it was asked about, and when their first send was.
+    asked: Arc<Mutex<Vec<(String, i64)>>>,
+    /// Keys of the sends it saw.
+    sent: Arc<Mutex<Vec<String>>>,
+}
+
+impl Scripted {
+    fn new(sends: Vec<Outcome>, answer: Settlement) -> Scripted {
+        Scripted {
+            sends: Arc::new(Mutex::new(sends)),
+            answer: Arc::new(Mutex::new(answer)),
+            asked: Arc::default(),
+            sent: Arc::default(),
+        }
+    }
+
+    fn answer(&self, answer: Settlement) {
+        *self.answer.lock().unwrap() = answer;
+    }
+
+    fn asked(&self) -> Vec<(String, i64)> {
+        self.asked.lock().unwrap().clone()
+    }
+
+    fn sent(&self) -> Vec<String> {
+        self.sent.lock().unwrap().clone()
+    }
+}
+
+impl ChannelAdapter for Scripted {
+    fn send(&self, claim: &Claim) -> Outcome {
+        self.sent
+            .lock()
+            .unwrap()
+            .push(claim.idempotency_key.clone());
+        let mut sends = self.sends.lock().unwrap();
+        if sends.is_empty() {
+            Outcome::delivered(Some(format!("m-{}", claim.index)))
+        } else {
+            sends.remove(0)
+        }
+    }
+
+    fn settle(&self, part: &PossiblySent) -> Settlement {
+        self.asked.lock().unwrap().push((
+            part.claim.idempotency_key.clone(),
+            part.first_sent_at.timestamp_millis(),
+        ));
+        self.answer.lock().unwrap().clone()
+    }
+}
+
+fn timeout() -> Outcome {
+    Outcome::Ambiguous {
+        error: "read timeout after the request was written".into(),
+    }
+}
+
+fn asking(replay: ReplayPolicy) -> OutboxOptions {
+    OutboxOptions::default().with_channel("chat", ChannelPolicy::default().with_replay(replay))
+}
+
+/// A reply of `chunks` to `chat` on the channel "chat".
+fn reply(
+    outbox: &chunked_outbox::Outbox,
+    chat: &str,
+    chunks: &[&str],
+) -> chunked_outbox::DeliveryId {
+    let text = chunks.join("\n\n");
+    outbox
+        .enqueue(&chunked_outbox::NewDelivery::chunked(
+            "chat",
+            chat,
+            text,
+            chunks.iter().copied(),
+        ))
+        .unwrap()
+        .id
+}
+
+/// A dispatcher on `db` with `adapter`, its events kept.
+fn dispatcher(db: &TestDb, adapter: &Scripted) -> (Dispatcher, Arc<Mutex<Vec<DispatchEvent>>>) {
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let kept = events.clone();
+    let dispatcher = Dispatcher::builder(db.outbox.clone())
+        .adapter("chat", adapter.clone())
+        .on_event(move |e| kept.lock().unwrap().push(e.clone()))
+        .build()
+        .unwrap();
+    (dispatcher, events)
+}
+
+stores! {
+    /// Found: the part is delivered with the platform's id, without a second send; the
+    /// reply is finalized; the answer is on the part, in the events and the stats.
+    fn a_part_the_platform_has_is_delivered_without_a_resend() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Ask));
+        let adapter = Scripted::new(
+            vec![timeout()],
+            Settlement::found("history of 1 for the key", "found, ts 17.5", Some("17.5".into())),
+        );
+        let (dispatcher, events) = dispatcher(&db, &adapter);
+        let id = reply(&db.outbox, "1", &["only"]);
+        let first_send = db.now_ms();
+        assert_eq!(dispatcher.run_once()?, 1);
+        assert_eq!(view(&db.outbox, id).status, DeliveryStatus::Uncertain);
+        db.clock.advance(Duration::from_secs(3));
+
+        assert_eq!(dispatcher.settle_once(), 1);
+        let v = view(&db.outbox, id);
+        assert_eq!(v.status, DeliveryStatus::Delivered);
+        let c = &v.chunks[0];
+        assert_eq!(c.platform_message_id.as_deref(), Some("17.5"));
+        assert_eq!(c.first_sent_at.map(|t| t.timestamp_millis()), Some(first_send));
+        let kept = c.settlement.as_deref().unwrap();
+        assert!(kept.contains("history of 1 for the key") && kept.contains("found, ts 17.5"), "{kept}");
+        assert_eq!(adapter.sent().len(), 1, "no second send");
+        assert_eq!(adapter.asked(), [(c.idempotency_key.clone(), first_send)]);
+        let stats = dispatcher.stats();
+        assert_eq!((stats.settled_delivered, stats.settled_resent, stats.settled_held), (1, 0, 0));
+        let events = events.lock().unwrap();
+        assert!(events.iter().any(|e| matches!(e, DispatchEvent::Settled { delivery_id, settlement, .. }
+            if *delivery_id == id && matches!(settlement.decision, Decision::Delivered { .. }))));
+        assert!(events.iter().any(|e| matches!(e, DispatchEvent::Finalized { delivery_id, .. } if *delivery_id == id)));
+        Ok(())
+    }
+
+    /// Absent (or deduplicated): sent again under the same key, and delivered.
+    fn a_part_the_platform_lacks_is_sent_again_under_its_key() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Ask));
+        let adapter = Scripted::new(vec![timeout()], Settlement::resend("history", "no message with the key"));
+        let (dispatcher, _) = dispatcher(&db, &adapter);
+        let id = reply(&db.outbox, "1", &["a", "b"]);
+        dispatcher.run_once()?;
+        assert_eq!(dispatcher.settle_once(), 1);
+        let v = view(&db.outbox, id);
+        assert_eq!(v.chunks[0].status, ChunkStatus::Retry);
+        assert!(v.chunks[0].settlement.as_deref().unwrap().contains("sent again"));
+        while dispatcher.run_once()? > 0 {}
+        assert_eq!(view(&db.outbox, id).status, DeliveryStatus::Delivered);
+        let sent = adapter.sent();
+        assert_eq!(sent.len(), 3);
+        assert_eq!(sent[0], sent[1], "the resend carries the same key");
+        assert_eq!(dispatcher.stats().settled_resent, 1);
+        Ok(())
+    }
+
+    /// Cannot tell: held for a person, the answer kept; not asked again until it
+    /// becomes uncertain again.
+    fn a_part_the_platform_cannot_tell_about_is_held_and_asked_once() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Ask));
+        let adapter = Scripted::new(vec![timeout(), timeout()], Settlement::hold("history", "internal_error"));
+        let (dispatcher, _) = dispatcher(&db, &adapter);
+        let id = reply(&db.outbox, "1", &["only"]);
+        dispatcher.run_once()?;
+        assert_eq!(dispatcher.settle_once(), 1);
+        assert_eq!(dispatcher.settle_once(), 0, "asked once");
+        assert_eq!(adapter.asked().len(), 1);
+        let v = view(&db.outbox, id);
+        assert_eq!(v.status, DeliveryStatus::Uncertain);
+        assert!(v.chunks[0].settlement.as_deref().unwrap().contains("held for a person"));
+        assert_eq!(dispatcher.stats().settled_held, 1);
+
+        // A person sends it again; it is uncertain again: a new question.
+        let first_send = v.chunks[0].first_sent_at.unwrap().timestamp_millis();
+        db.clock.advance(Duration::from_secs(60));
+        db.outbox.resolve_uncertain(v.chunks[0].id, Resolution::Resend)?;
+        dispatcher.run_once()?;
+        let v = view(&db.outbox, id);
+        assert_eq!(v.status, DeliveryStatus::Uncertain);
+        assert_eq!(v.chunks[0].settlement, None, "unasked since it became uncertain again");
+        adapter.answer(Settlement::found("history", "found", None));
+        assert_eq!(dispatcher.settle_once(), 1);
+        assert_eq!(view(&db.outbox, id).status, DeliveryStatus::Delivered);
+        // The window still runs from the very first send.
+        assert_eq!(adapter.asked()[1].1, first_send);
+        Ok(())
+    }
+
+    /// Later: nothing recorded, asked again at the next round.
+    fn a_later_answer_is_asked_again() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Ask));
+        let adapter = Scripted::new(vec![timeout()], Settlement::later("history", "ratelimited"));
+        let (dispatcher, _) = dispatcher(&db, &adapter);
+        let id = reply(&db.outbox, "1", &["only"]);
+        dispatcher.run_once()?;
+        assert_eq!(dispatcher.settle_once(), 0);
+        assert_eq!(view(&db.outbox, id).chunks[0].settlement, None);
+        adapter.answer(Settlement::resend("history", "absent"));
+        assert_eq!(dispatcher.settle_once(), 1);
+        assert_eq!(adapter.asked().len(), 2);
+        Ok(())
+    }
+
+    /// Under `Hold` nobody asks; under `Ask` a part whose lease ran out (a crash) is
+    /// asked about like one that timed out.
+    fn only_asking_channels_are_asked_and_a_crash_is_asked_about() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Hold).with_lease(Duration::from_secs(10)));
+        let adapter = Scripted::new(vec![timeout()], Settlement::found("history", "found", None));
+        let (dispatcher, _) = dispatcher(&db, &adapter);
+        let held = reply(&db.outbox, "1", &["only"]);
+        dispatcher.run_once()?;
+        assert_eq!(dispatcher.settle_once(), 0);
+        assert!(adapter.asked().is_empty());
+        assert_eq!(view(&db.outbox, held).status, DeliveryStatus::Uncertain);
+
+        let mut rules = db.outbox.rules()?;
+        rules.channels.insert("chat".into(), ChannelPolicy::asking());
+        db.outbox.set_rules(rules)?;
+        // The held part of before is asked about now; then a claim that dies.
+        assert_eq!(dispatcher.settle_once(), 1);
+        let crashed = reply(&db.outbox, "2", &["only"]);
+        let lost = claim_one(&db.outbox);
+        db.clock.advance(Duration::from_secs(11));
+        db.outbox.recover(Default::default())?;
+        assert_eq!(view(&db.outbox, crashed).status, DeliveryStatus::Uncertain);
+        assert_eq!(dispatcher.settle_once(), 1);
+        assert_eq!(adapter.asked().last().unwrap().0, lost.idempotency_key);
+        assert_eq!(view(&db.outbox, crashed).status, DeliveryStatus::Delivered);
+        Ok(())
+    }
+
+    /// An answer about a part that moved after it was read (resolved by a person, or
+    /// settled by another process) changes nothing.
+    fn an_answer_about_a_part_that_moved_is_dropped() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Ask));
+        let ob = &db.outbox;
+        let id = reply(ob, "1", &["only"]);
+        let claim = claim_one(ob);
+        ob.record(&claim, timeout())?;
+        let parts = ob.possibly_sent("chat", 16)?;
+        assert_eq!(parts.len(), 1);
+        let found = Settlement::found("history", "found", Some("p".into()));
+        // Another process answered first.
+        assert!(ob.settle(&parts[0], &Settlement::resend("history", "absent"))?.is_some());
+        assert_eq!(ob.settle(&parts[0], &found)?, None);
+        assert!(ob.possibly_sent("chat", 16)?.is_empty());
+        // Sent again and uncertain again: the old reading is stale still.
+        let again = claim_one(ob);
+        db.clock.advance(Duration::from_millis(5));
+        ob.record(&again, timeout())?;
+        assert_eq!(ob.settle(&parts[0], &found)?, None);
+        assert_eq!(view(ob, id).status, DeliveryStatus::Uncertain);
+        let fresh = ob.possibly_sent("chat", 16)?;
+        assert_eq!(ob.settle(&fresh[0], &found)?.map(|r| r.status), Some(ChunkStatus::Delivered));
+        Ok(())
+    }
+
+    /// A deduplication window runs from the first send, on the outbox's clock.
+    fn a_window_runs_from_the_first_send() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Ask));
+        let ob = &db.outbox;
+        let window = Duration::from_secs(120);
+        for chat in ["1", "2"] {
+            reply(ob, chat, &["only"]);
+            let claim = claim_one(ob);
+            ob.record(&claim, timeout())?;
+            db.clock.advance(Duration::from_secs(100));
+        }
+        // Now: chat 1 first sent 200 s ago, chat 2 100 s ago.
+        let parts = ob.possibly_sent("chat", 16)?;
+        let decided: Vec<(String, Decision)> = parts
+            .iter()
+            .map(|p| (p.claim.chat_id.clone(), Settlement::within_window(p, window, "test key").decision))
+            .collect();
+        assert_eq!(decided, [("1".to_owned(), Decision::Hold), ("2".to_owned(), Decision::Resend)]);
+        Ok(())
+    }
+}
