@@ -23,6 +23,13 @@ pub const FAULTS: &[&str] = &[
 #[cfg(feature = "sabotage")]
 pub const LOCK_FAULTS: &[&str] = &["no_lane_locks", "no_claim_locks"];
 
+/// Faults of settling a possibly-sent part by asking its platform: the decision
+/// removed, so that every part is held (`settle_holds`) or sent again blindly
+/// (`settle_resends`), whatever the platform answered. The settle tests (`tests/settle.rs`,
+/// the adapters' and `tests/platforms_dedupe.rs`) must fail under each.
+#[cfg(feature = "sabotage")]
+pub const SETTLE_FAULTS: &[&str] = &["settle_holds", "settle_resends"];
+
 /// Whether the fault `name` (one of [`FAULTS`] or [`LOCK_FAULTS`]) is planted in this
 /// process.
 #[cfg(feature = "sabotage")]

@@ -319,6 +319,14 @@ impl Outbox {
         if settlement.decision == Decision::Later {
             return Ok(None);
         }
+        let planted = if crate::sabotage::planted("settle_holds") {
+            Some(Decision::Hold)
+        } else if crate::sabotage::planted("settle_resends") {
+            Some(Decision::Resend)
+        } else {
+            None
+        };
+        let decision = planted.as_ref().unwrap_or(&settlement.decision);
         let text = settlement.record();
         self.write_and_wake(|tx, rules| {
             let Ok(chunk) = crate::operator::locked_chunk(tx, part.claim.chunk_id) else {
@@ -328,7 +336,7 @@ impl Outbox {
                 return Ok(None);
             }
             let now = self.options().now_ms();
-            let recorded = match &settlement.decision {
+            let recorded = match decision {
                 Decision::Delivered {
                     platform_message_id,
                 } => {

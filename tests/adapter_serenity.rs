@@ -3,7 +3,9 @@
 //! characters, deduplicated with `enforce_nonce`; content of at most 2,000 characters;
 //! 429 with `retry_after`; unknown channels; users who cannot be messaged; missing
 //! permissions; a bad token; an answer that never comes after the message was created —
-//! and every outcome recorded in a real outbox.
+//! and every outcome recorded in a real outbox. The nonce is remembered for "a few
+//! minutes" (3, on a clock the test moves): a possibly-sent part is sent again inside
+//! the adapter's window and held after it.
 
 mod common;
 
@@ -15,7 +17,7 @@ use chunked_outbox::clock::ManualClock;
 use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
 use chunked_outbox::platforms::discord::serenity::DiscordAdapter;
 use chunked_outbox::rules::ChannelPolicy;
-use chunked_outbox::{DeliveryId, NewDelivery, Outbox, OutboxOptions};
+use chunked_outbox::{AsyncDispatcher, DeliveryId, NewDelivery, Outbox, OutboxOptions};
 use common::emulator;
 use serde_json::{Value, json};
 
@@ -23,12 +25,17 @@ const TOKEN: &str = "Bot SECRET";
 
 /// What the emulated API holds: messages created, by nonce, and the channels it has
 /// rate-limited once.
-#[derive(Default)]
 struct State {
     created: Vec<Value>,
-    by_nonce: HashMap<String, usize>,
+    /// Each nonce's message, and when it was created (ms, on `clock`).
+    by_nonce: HashMap<String, (usize, i64)>,
     rate_limited: HashMap<String, bool>,
+    /// Discord's clock.
+    clock: ManualClock,
 }
+
+/// How long the emulated Discord remembers a nonce: "a few minutes".
+const NONCE_MEMORY_MS: i64 = 3 * 60 * 1000;
 
 /// The emulated API. Channel ids choose the behaviour: 10003 does not exist, 50007 is a
 /// user who blocks messages from the bot, 50013 lacks permissions, 429 answers its first
@@ -41,7 +48,17 @@ struct DiscordApi {
 
 impl DiscordApi {
     fn start() -> DiscordApi {
-        let state = Arc::new(Mutex::new(State::default()));
+        DiscordApi::start_at(&ManualClock::new(1_767_225_600_000))
+    }
+
+    /// An API whose clock is `clock`.
+    fn start_at(clock: &ManualClock) -> DiscordApi {
+        let state = Arc::new(Mutex::new(State {
+            created: Vec::new(),
+            by_nonce: HashMap::new(),
+            rate_limited: HashMap::new(),
+            clock: clock.clone(),
+        }));
         let url = emulator::serve(state.clone(), answer);
         DiscordApi { url, state }
     }
@@ -117,13 +134,14 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
                 let (message, fresh) = {
                     let mut s = state.lock().unwrap();
                     let enforced = body["enforce_nonce"] == true;
+                    let now = chunked_outbox::clock::Clock::now_ms(&s.clock);
                     match nonce
                         .as_ref()
                         .and_then(|n| s.by_nonce.get(n))
-                        .filter(|_| enforced)
+                        .filter(|(_, at)| enforced && now - at < NONCE_MEMORY_MS)
                     {
                         // The same nonce again: no new message, the first one returned.
-                        Some(&i) => (s.created[i].clone(), false),
+                        Some(&(i, _)) => (s.created[i].clone(), false),
                         None => {
                             let id = (1_189_283_621_932_285_000_u64 + s.created.len() as u64)
                                 .to_string();
@@ -132,7 +150,7 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
                             s.created.push(message.clone());
                             if let Some(n) = &nonce {
                                 let i = s.created.len() - 1;
-                                s.by_nonce.insert(n.clone(), i);
+                                s.by_nonce.insert(n.clone(), (i, now));
                             }
                             (message, true)
                         }
@@ -339,5 +357,99 @@ async fn a_bad_token_is_permanent_and_a_reply_reference_is_sent() {
     assert!(
         created[1]["message_reference"].is_null(),
         "only the first chunk replies"
+    );
+}
+
+/// An outbox on `clock` whose Discord channel asks its adapter about possibly-sent
+/// parts, a dispatcher with `adapter`, and a reply to channel 777 (created, answered
+/// too late) sent once: it is uncertain.
+async fn uncertain_on_777(
+    dir: &tempfile::TempDir,
+    clock: &ManualClock,
+    adapter: DiscordAdapter,
+) -> (Outbox, AsyncDispatcher, DeliveryId) {
+    let options = OutboxOptions::default()
+        .with_channel("discord", ChannelPolicy::asking())
+        .with_clock(Arc::new(clock.clone()));
+    let outbox = Outbox::open(dir.path().join("bot.db"), options).unwrap();
+    let id = outbox
+        .enqueue(&NewDelivery::single("discord", "777", "exactly once"))
+        .unwrap()
+        .id;
+    emulator::send_due(&outbox, &adapter).await;
+    assert_eq!(
+        outbox.delivery(id).unwrap().unwrap().status,
+        DeliveryStatus::Uncertain
+    );
+    let dispatcher = AsyncDispatcher::builder(outbox.clone())
+        .adapter("discord", adapter)
+        .build()
+        .unwrap();
+    (outbox, dispatcher, id)
+}
+
+/// Inside the nonce window: asked, the part is sent again with its nonce, and Discord
+/// returns the message it made: one message in the chat, no person involved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inside_the_nonce_window_a_possibly_sent_part_is_sent_again_once() {
+    let clock = ManualClock::new(1_767_225_600_000);
+    let api = DiscordApi::start_at(&clock);
+    let dir = tempfile::tempdir().unwrap();
+    let (outbox, dispatcher, id) =
+        uncertain_on_777(&dir, &clock, DiscordAdapter::new(api.http(TOKEN))).await;
+    clock.advance(Duration::from_secs(90));
+    assert_eq!(dispatcher.settle_once().await, 1);
+    let view = outbox.delivery(id).unwrap().unwrap();
+    assert_eq!(view.chunks[0].status, ChunkStatus::Retry);
+    let kept = view.chunks[0].settlement.clone().unwrap();
+    assert!(
+        kept.contains("first sent 90 s ago") && kept.contains("inside the window"),
+        "{kept}"
+    );
+    assert_eq!(
+        emulator::send_due(&outbox, &DiscordAdapter::new(api.http(TOKEN))).await,
+        1
+    );
+    let view = outbox.delivery(id).unwrap().unwrap();
+    assert_eq!(view.status, DeliveryStatus::Delivered);
+    let created = api.created();
+    assert_eq!(created.len(), 1, "one message in the chat: {created:?}");
+    assert_eq!(
+        view.chunks[0].platform_message_id.as_deref(),
+        created[0]["id"].as_str()
+    );
+    assert_eq!(dispatcher.stats().settled_resent, 1);
+}
+
+/// After the nonce window: a resend would be a second message, so the part is held
+/// for a person, with why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_the_nonce_window_a_possibly_sent_part_is_held() {
+    let clock = ManualClock::new(1_767_225_600_000);
+    let api = DiscordApi::start_at(&clock);
+    let dir = tempfile::tempdir().unwrap();
+    let (outbox, dispatcher, id) =
+        uncertain_on_777(&dir, &clock, DiscordAdapter::new(api.http(TOKEN))).await;
+    clock.advance(Duration::from_secs(5 * 60));
+    assert_eq!(dispatcher.settle_once().await, 1);
+    emulator::send_due(&outbox, &DiscordAdapter::new(api.http(TOKEN))).await;
+    let view = outbox.delivery(id).unwrap().unwrap();
+    assert_eq!(view.status, DeliveryStatus::Uncertain);
+    let kept = view.chunks[0].settlement.clone().unwrap();
+    assert!(
+        kept.contains("window has passed") && kept.contains("held for a person"),
+        "{kept}"
+    );
+    assert_eq!(api.created().len(), 1, "nothing sent again");
+    assert_eq!(dispatcher.stats().settled_held, 1);
+    // A shorter window of the application's own holds sooner.
+    let dir = tempfile::tempdir().unwrap();
+    let short = DiscordAdapter::new(api.http(TOKEN)).with_nonce_window(Duration::from_secs(30));
+    let (outbox, dispatcher, id) = uncertain_on_777(&dir, &clock, short).await;
+    clock.advance(Duration::from_secs(45));
+    dispatcher.settle_once().await;
+    assert_eq!(
+        outbox.delivery(id).unwrap().unwrap().status,
+        DeliveryStatus::Uncertain
     );
 }

@@ -2,7 +2,11 @@
 //! on 127.0.0.1 that enforces Slack's documented behaviour for `chat.postMessage` —
 //! text of at most 40,000 characters, `ratelimited` with a `Retry-After` header, unknown
 //! and archived channels, bad and deactivated tokens, `internal_error`, a post that is
-//! made but never answered — and every outcome recorded in a real outbox.
+//! made but never answered — and every outcome recorded in a real outbox. It keeps each
+//! post's message metadata and answers `conversations.history` and
+//! `conversations.replies` (`oldest`, `include_all_metadata`, pages of `limit` with a
+//! cursor), so a possibly-sent part can be looked up: found, absent, or a lookup that
+//! fails.
 
 mod common;
 
@@ -11,7 +15,8 @@ use std::time::Duration;
 
 use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
 use chunked_outbox::platforms::slack::slack_morphism::SlackAdapter;
-use chunked_outbox::{DeliveryId, NewDelivery, Outbox, OutboxOptions};
+use chunked_outbox::rules::ChannelPolicy;
+use chunked_outbox::{AsyncDispatcher, DeliveryId, NewDelivery, Outbox, OutboxOptions};
 use common::emulator;
 use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::{Value, json};
@@ -24,21 +29,45 @@ const TOKEN: &str = "xoxb-good";
 struct Posted {
     channel: String,
     body: Value,
+    ts: String,
+}
+
+/// What the emulated Web API holds: the posts, and the channels whose first post it
+/// swallowed.
+#[derive(Default)]
+struct State {
+    posted: Vec<Posted>,
+    swallowed: std::collections::HashSet<String>,
 }
 
 /// The emulated Web API. Channels choose the behaviour: C404 does not exist, CARCH is
 /// archived, C429 is rate limited (3 s), C500 fails inside Slack, C777 posts and answers
-/// too late. The token `xoxb-inactive` belongs to a deactivated account.
+/// too late; CLOST and CBROKEN read their first post and answer nothing (nothing is
+/// posted), and CBROKEN's history fails with `internal_error`. The token
+/// `xoxb-inactive` belongs to a deactivated account.
 struct SlackApi {
     url: String,
-    posted: Arc<Mutex<Vec<Posted>>>,
+    state: Arc<Mutex<State>>,
 }
 
 impl SlackApi {
     fn start() -> SlackApi {
-        let posted = Arc::new(Mutex::new(Vec::new()));
-        let url = format!("{}/api", emulator::serve(posted.clone(), answer));
-        SlackApi { url, posted }
+        let state = Arc::new(Mutex::new(State::default()));
+        let url = format!("{}/api", emulator::serve(state.clone(), answer));
+        SlackApi { url, state }
+    }
+
+    /// Another user's message in `channel`, now.
+    fn chatter(&self, channel: &str, n: usize) {
+        let mut s = self.state.lock().unwrap();
+        for i in 0..n {
+            let ts = next_ts(&s.posted);
+            s.posted.push(Posted {
+                channel: channel.into(),
+                body: json!({"channel": channel, "text": format!("chatter {i}")}),
+                ts,
+            });
+        }
     }
 
     fn adapter(&self, token: &str) -> SlackAdapter<SlackClientHyperConnector<HttpConnector>> {
@@ -46,8 +75,73 @@ impl SlackApi {
     }
 
     fn posted(&self) -> Vec<Posted> {
-        self.posted.lock().unwrap().clone()
+        self.state.lock().unwrap().posted.clone()
     }
+}
+
+/// A `ts` for a new message: the time now, in microseconds, after every earlier one.
+fn next_ts(posted: &[Posted]) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros();
+    let last = posted
+        .last()
+        .map_or(0, |p| p.ts.replace('.', "").parse::<u128>().unwrap());
+    let micros = now.max(last + 1);
+    format!("{}.{:06}", micros / 1_000_000, micros % 1_000_000)
+}
+
+/// A query parameter of the request's URL.
+fn query<'a>(url: &'a str, name: &str) -> Option<&'a str> {
+    url.split_once('?')?
+        .1
+        .split('&')
+        .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
+}
+
+/// `conversations.history` (top-level posts of the channel) or `conversations.replies`
+/// (the posts of thread `ts`), from `oldest` on, newest first, `limit` per page.
+fn history(url: &str, state: &Mutex<State>) -> Value {
+    let channel = query(url, "channel").unwrap_or_default();
+    if channel == "CBROKEN" {
+        return json!({"ok": false, "error": "internal_error"});
+    }
+    let oldest: f64 = query(url, "oldest")
+        .and_then(|o| o.parse().ok())
+        .unwrap_or(0.0);
+    let thread = query(url, "ts").filter(|_| url.contains("conversations.replies"));
+    let metadata = query(url, "include_all_metadata") == Some("true");
+    let limit: usize = query(url, "limit")
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(100);
+    let from: usize = query(url, "cursor")
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let s = state.lock().unwrap();
+    let all: Vec<Value> = s
+        .posted
+        .iter()
+        .rev()
+        .filter(|p| p.channel == channel && p.ts.parse::<f64>().unwrap() >= oldest)
+        .filter(|p| p.body["thread_ts"].as_str() == thread)
+        .map(|p| {
+            let mut m = json!({"type": "message", "ts": p.ts, "text": p.body["text"]});
+            if metadata && !p.body["metadata"].is_null() {
+                m["metadata"] = p.body["metadata"].clone();
+            }
+            m
+        })
+        .collect();
+    let page: Vec<Value> = all.iter().skip(from).take(limit).cloned().collect();
+    let more = from + limit < all.len();
+    let cursor = if more {
+        (from + limit).to_string()
+    } else {
+        String::new()
+    };
+    json!({"ok": true, "messages": page, "has_more": more,
+           "response_metadata": {"next_cursor": cursor}})
 }
 
 fn adapter_at(url: &str, token: &str) -> SlackAdapter<SlackClientHyperConnector<HttpConnector>> {
@@ -58,7 +152,7 @@ fn adapter_at(url: &str, token: &str) -> SlackAdapter<SlackClientHyperConnector<
         .with_timeout(Duration::from_millis(500))
 }
 
-fn answer(mut request: tiny_http::Request, log: &Mutex<Vec<Posted>>) {
+fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
     let body = emulator::json_body(&mut request);
     let url = request.url().to_owned();
     let token = emulator::header(&request, "Authorization")
@@ -72,6 +166,14 @@ fn answer(mut request: tiny_http::Request, log: &Mutex<Vec<Posted>>) {
         emulator::respond(request, status, &body.to_string(), headers);
     };
     let error = |code: &str| json!({"ok": false, "error": code});
+    if url.starts_with("/api/conversations.history")
+        || url.starts_with("/api/conversations.replies")
+    {
+        if token != TOKEN {
+            return respond(200, error("invalid_auth"), None);
+        }
+        return respond(200, history(&url, state), None);
+    }
     if !url.starts_with("/api/chat.postMessage") {
         return respond(404, error("unknown_method"), None);
     }
@@ -87,13 +189,22 @@ fn answer(mut request: tiny_http::Request, log: &Mutex<Vec<Posted>>) {
         _ if text.chars().count() > 40_000 => return respond(200, error("msg_too_long"), None),
         _ => {}
     }
+    if ["CLOST", "CBROKEN"].contains(&channel.as_str())
+        && state.lock().unwrap().swallowed.insert(channel.clone())
+    {
+        // Read, not posted, and no answer before the client gives up.
+        std::thread::sleep(Duration::from_secs(2));
+        return;
+    }
     let ts = {
-        let mut log = log.lock().unwrap();
-        log.push(Posted {
+        let mut s = state.lock().unwrap();
+        let ts = next_ts(&s.posted);
+        s.posted.push(Posted {
             channel: channel.clone(),
             body: body.clone(),
+            ts: ts.clone(),
         });
-        format!("1700000000.{:06}", log.len())
+        ts
     };
     if channel == "C777" {
         // Posted, but the answer comes after the client gave up.
@@ -136,9 +247,17 @@ async fn every_documented_answer_becomes_the_right_outcome() {
 
     let delivered = outbox.delivery(ids["C1"]).unwrap().unwrap();
     assert_eq!(delivered.status, DeliveryStatus::Delivered);
+    let posted = api.posted();
+    let first = posted.iter().find(|p| p.channel == "C1").unwrap();
     assert_eq!(
         delivered.chunks[0].platform_message_id.as_deref(),
-        Some("1700000000.000001")
+        Some(first.ts.as_str())
+    );
+    // Every post carries its part's key in the message metadata.
+    assert_eq!(first.body["metadata"]["event_type"], "chunked_outbox_part");
+    assert_eq!(
+        first.body["metadata"]["event_payload"]["key"],
+        delivered.chunks[0].idempotency_key
     );
 
     for (id, code) in [
@@ -231,4 +350,126 @@ async fn every_chunk_goes_into_the_thread_from_the_metadata() {
             .all(|p| p.body["thread_ts"] == "1503435956.000247"),
         "{posted:?}"
     );
+}
+
+/// An outbox whose Slack channel asks its adapter about possibly-sent parts, and an
+/// async dispatcher with `adapter` (no lookup grace, so the test need not wait).
+fn asking(
+    dir: &tempfile::TempDir,
+    adapter: SlackAdapter<SlackClientHyperConnector<HttpConnector>>,
+) -> (Outbox, AsyncDispatcher) {
+    let options = OutboxOptions::default().with_channel("slack", ChannelPolicy::asking());
+    let outbox = Outbox::open(dir.path().join("bot.db"), options).unwrap();
+    let dispatcher = AsyncDispatcher::builder(outbox.clone())
+        .adapter("slack", adapter.with_lookup_grace(Duration::ZERO))
+        .build()
+        .unwrap();
+    (outbox, dispatcher)
+}
+
+/// Posted, then no answer: the lookup finds the post by its key — past a page of
+/// other messages, and in a thread through `conversations.replies` — and the part is
+/// delivered with its `ts`, never posted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_possibly_sent_post_found_by_its_key_is_delivered() {
+    let api = SlackApi::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (outbox, dispatcher) = asking(&dir, api.adapter(TOKEN));
+    let ids = emulator::hello_each(&outbox, "slack", &["C777"]);
+    let threaded = NewDelivery::single("slack", "C777", "in the thread")
+        .with_metadata(r#"{"thread_ts": "1503435956.000247"}"#);
+    let threaded = outbox.enqueue(&threaded).unwrap().id;
+    // One reply after the other (one lane); the first held does not hold the second.
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    api.chatter("C777", 450);
+    for id in [ids["C777"], threaded] {
+        assert_eq!(state(&outbox, id).1, ChunkStatus::Uncertain);
+    }
+
+    assert_eq!(dispatcher.settle_once().await, 2);
+    let posted = api.posted();
+    for (id, text) in [(ids["C777"], "hello C777"), (threaded, "in the thread")] {
+        let view = outbox.delivery(id).unwrap().unwrap();
+        assert_eq!(view.status, DeliveryStatus::Delivered);
+        let post = posted.iter().find(|p| p.body["text"] == text).unwrap();
+        assert_eq!(
+            view.chunks[0].platform_message_id.as_deref(),
+            Some(post.ts.as_str())
+        );
+        let kept = view.chunks[0].settlement.clone().unwrap();
+        assert!(kept.contains("a message with the key"), "{kept}");
+    }
+    let kept = outbox.delivery(threaded).unwrap().unwrap().chunks[0]
+        .settlement
+        .clone()
+        .unwrap();
+    assert!(kept.contains("conversations.replies"), "{kept}");
+    assert_eq!(emulator::send_due(&outbox, &api.adapter(TOKEN)).await, 0);
+    assert_eq!(
+        api.posted().len(),
+        452,
+        "two posts and the chatter, nothing twice"
+    );
+    assert_eq!(dispatcher.stats().settled_delivered, 2);
+}
+
+/// Read but never posted: the lookup finds nothing with the key since the first send,
+/// so the part is posted again — once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_possibly_sent_post_absent_from_the_history_is_posted_again() {
+    let api = SlackApi::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (outbox, dispatcher) = asking(&dir, api.adapter(TOKEN));
+    let ids = emulator::hello_each(&outbox, "slack", &["CLOST"]);
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    assert_eq!(state(&outbox, ids["CLOST"]).1, ChunkStatus::Uncertain);
+    assert!(api.posted().is_empty());
+
+    assert_eq!(dispatcher.settle_once().await, 1);
+    let view = outbox.delivery(ids["CLOST"]).unwrap().unwrap();
+    let kept = view.chunks[0].settlement.clone().unwrap();
+    assert!(
+        kept.contains("no message with the key") && kept.contains("sent again"),
+        "{kept}"
+    );
+    assert_eq!(emulator::send_due(&outbox, &api.adapter(TOKEN)).await, 1);
+    assert_eq!(state(&outbox, ids["CLOST"]).0, DeliveryStatus::Delivered);
+    assert_eq!(api.posted().len(), 1, "posted once");
+    assert_eq!(dispatcher.stats().settled_resent, 1);
+}
+
+/// A lookup that fails cannot tell: the part is held for a person, with the error;
+/// and none is made before the grace has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_lookup_holds_the_part_for_a_person() {
+    let api = SlackApi::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (outbox, dispatcher) = asking(&dir, api.adapter(TOKEN));
+    let ids = emulator::hello_each(&outbox, "slack", &["CBROKEN"]);
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+
+    // With the default grace (10 s) nothing is asked yet: a post Slack is still making
+    // would not be in the history.
+    let patient = AsyncDispatcher::builder(outbox.clone())
+        .adapter("slack", api.adapter(TOKEN))
+        .build()
+        .unwrap();
+    assert_eq!(patient.settle_once().await, 0);
+    assert_eq!(
+        outbox.delivery(ids["CBROKEN"]).unwrap().unwrap().chunks[0].settlement,
+        None
+    );
+
+    assert_eq!(dispatcher.settle_once().await, 1);
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    let view = outbox.delivery(ids["CBROKEN"]).unwrap().unwrap();
+    assert_eq!(view.status, DeliveryStatus::Uncertain);
+    let kept = view.chunks[0].settlement.clone().unwrap();
+    assert!(
+        kept.contains("internal_error") && kept.contains("held for a person"),
+        "{kept}"
+    );
+    assert!(api.posted().is_empty(), "nothing posted");
+    assert_eq!(dispatcher.stats().settled_held, 1);
 }

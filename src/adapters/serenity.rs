@@ -10,8 +10,9 @@
 //! use chunked_outbox::rules::ChannelPolicy;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! // Discord drops a resend with the same nonce, so an ambiguous send may be replayed.
-//! let options = OutboxOptions::default().with_channel("discord", ChannelPolicy::replayable());
+//! // Discord drops a resend with the same nonce for a few minutes: a possibly-sent part
+//! // is sent again inside that window, and held for a person after it.
+//! let options = OutboxOptions::default().with_channel("discord", ChannelPolicy::asking());
 //! let outbox = Outbox::open("bot.db", options)?;
 //! let http = Arc::new(serenity::http::Http::new("TOKEN"));
 //! let dispatcher = AsyncDispatcher::builder(outbox)
@@ -26,8 +27,12 @@
 //! `{"reply_to_message_id": "…"}` makes the first chunk a reply.
 //!
 //! Discord checks the nonce "for uniqueness in the past few minutes": a resend after
-//! that is a new message. The outbox resends an ambiguous chunk within its lease and
-//! backoff — seconds — unless an operator waits longer.
+//! that is a new message. Under [`ReplayPolicy::Ask`](crate::rules::ReplayPolicy::Ask)
+//! the adapter's [`settle`](AsyncChannelAdapter::settle) says a possibly-sent part may
+//! be sent again while its first send is less than the nonce window ago
+//! ([`NONCE_WINDOW`](crate::platforms::discord::NONCE_WINDOW), 2 minutes; see
+//! [`DiscordAdapter::with_nonce_window`]) and holds it for a person after.
+//! (`ReplayPolicy::Replay` resends whenever the retry schedule says, window or not.)
 //!
 //! Keep serenity's ratelimiter on (the default): it reads Discord's buckets and waits
 //! out a 429 itself, so sends simply take longer. A 429 that still reaches the adapter
@@ -47,11 +52,14 @@
 //! | `Model` (serenity refused it before sending: content over 2,000 characters …), any other | `Permanent` |
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::claim::Claim;
 use crate::dispatch::tokio::{AsyncChannelAdapter, SendFuture};
 use crate::outcome::Outcome;
+use crate::platforms::discord::NONCE_WINDOW;
 use crate::platforms::{NoReply, no_reply};
+use crate::settle::{PossiblySent, Settlement};
 use serde::Deserialize;
 use serenity::Error;
 use serenity::builder::CreateMessage;
@@ -63,12 +71,25 @@ use serenity::model::id::{ChannelId, MessageId};
 #[derive(Debug, Clone)]
 pub struct DiscordAdapter {
     http: Arc<Http>,
+    nonce_window: Duration,
 }
 
 impl DiscordAdapter {
     /// An adapter that sends through `http`.
     pub fn new(http: Arc<Http>) -> Self {
-        DiscordAdapter { http }
+        DiscordAdapter {
+            http,
+            nonce_window: NONCE_WINDOW,
+        }
+    }
+
+    /// How long after a part's first send a resend is taken to be deduplicated by its
+    /// nonce ([`NONCE_WINDOW`], 2 minutes, by default).
+    pub fn with_nonce_window(self, window: Duration) -> Self {
+        DiscordAdapter {
+            nonce_window: window,
+            ..self
+        }
     }
 }
 
@@ -125,6 +146,13 @@ impl AsyncChannelAdapter for DiscordAdapter {
             }
         })
     }
+
+    fn settle<'a>(&'a self, part: &'a PossiblySent) -> SendFuture<'a, Settlement> {
+        Box::pin(std::future::ready(crate::platforms::discord::settle(
+            part,
+            self.nonce_window,
+        )))
+    }
 }
 
 /// Maps the result of a serenity message create to an [`Outcome`] (see the table in
@@ -144,7 +172,7 @@ pub fn outcome(result: Result<Message, Error>) -> Outcome {
             );
             match status {
                 429 => Outcome::RateLimited {
-                    retry_after: std::time::Duration::from_secs(1),
+                    retry_after: Duration::from_secs(1),
                     error,
                 },
                 400..=499 => Outcome::Permanent { error },

@@ -6,10 +6,13 @@
 //! use std::sync::Arc;
 //! use chunked_outbox::{AsyncDispatcher, Outbox, OutboxOptions};
 //! use chunked_outbox::platforms::slack::slack_morphism::SlackAdapter;
+//! use chunked_outbox::rules::ChannelPolicy;
 //! use slack_morphism::prelude::*;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let outbox = Outbox::open("bot.db", OutboxOptions::default())?;
+//! // A possibly-sent part is looked up in the channel's history by its key.
+//! let options = OutboxOptions::default().with_channel("slack", ChannelPolicy::asking());
+//! let outbox = Outbox::open("bot.db", options)?;
 //! let client = Arc::new(SlackClient::new(SlackClientHyperConnector::new()?));
 //! let token = SlackApiToken::new("xoxb-…".into());
 //! let dispatcher = AsyncDispatcher::builder(outbox)
@@ -24,11 +27,20 @@
 //! `{"thread_ts": "…"}` posts every chunk into that thread, so a long answer stays in
 //! one place.
 //!
-//! Slack cannot deduplicate a post, but a bot can look its messages up
-//! (`conversations.history`): keep the channel's
-//! [`ReplayPolicy::Hold`](crate::rules::ReplayPolicy::Hold) (the default) and settle an
-//! uncertain chunk by looking, then
-//! [`resolve_uncertain`](crate::Outbox::resolve_uncertain).
+//! Slack cannot deduplicate a post, but a bot can look its messages up. Every post
+//! carries the part's key in its message metadata (`event_type`
+//! [`METADATA_EVENT_TYPE`], `event_payload` `{"key": claim.idempotency_key}`), and under
+//! [`ReplayPolicy::Ask`](crate::rules::ReplayPolicy::Ask) the adapter's
+//! [`settle`](AsyncChannelAdapter::settle) looks a possibly-sent part up:
+//! `conversations.history` of the channel (`conversations.replies` of the thread for a
+//! part posted into one) with `include_all_metadata`, from a minute before the part's
+//! first send. Found: delivered, with its `ts`. Not among every message since: sent
+//! again. A lookup that fails, times out, or has more than 2,000 messages to read is
+//! held for a person; a rate-limited one is asked again later. It looks only once the
+//! part has been uncertain for [`SlackAdapter::with_lookup_grace`] (10 s), so that a
+//! post Slack was still working on when the send gave up is in the history by then.
+//! The token needs `channels:history` (and `groups:history`, `im:history`,
+//! `mpim:history` for those conversations).
 //!
 //! hyper puts no time limit on a request: the adapter bounds each send itself
 //! ([`SlackAdapter::with_timeout`], 30 s by default) and records one that runs out as
@@ -51,6 +63,7 @@ use crate::claim::Claim;
 use crate::dispatch::tokio::{AsyncChannelAdapter, SendFuture};
 use crate::outcome::Outcome;
 use crate::platforms::{NoReply, no_reply, slack};
+use crate::settle::{PossiblySent, Settlement};
 use serde::Deserialize;
 use slack_morphism::errors::SlackClientError;
 use slack_morphism::prelude::*;
@@ -60,7 +73,20 @@ pub struct SlackAdapter<C: SlackClientHttpConnector + Send + Sync> {
     client: Arc<SlackClient<C>>,
     token: SlackApiToken,
     timeout: Duration,
+    lookup_grace: Duration,
 }
+
+/// The `event_type` of the message metadata every post carries; its `event_payload` is
+/// `{"key": claim.idempotency_key}`.
+pub const METADATA_EVENT_TYPE: &str = "chunked_outbox_part";
+
+/// Messages read per page of a lookup, and pages read at most.
+const LOOKUP_PAGE: u16 = 200;
+const LOOKUP_PAGES: usize = 10;
+
+/// How far before a part's first send a lookup starts: room for the outbox's clock and
+/// Slack's to differ.
+const CLOCK_MARGIN: Duration = Duration::from_secs(60);
 
 impl<C: SlackClientHttpConnector + Send + Sync> std::fmt::Debug for SlackAdapter<C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -78,7 +104,95 @@ impl<C: SlackClientHttpConnector + Send + Sync> SlackAdapter<C> {
             client,
             token,
             timeout: Duration::from_secs(30),
+            lookup_grace: Duration::from_secs(10),
         }
+    }
+
+    /// Looks a possibly-sent part up only once it has been uncertain for `grace` (10 s
+    /// by default): a post Slack was still making when the send gave up is in the
+    /// history by then. Until then its question is asked again later.
+    pub fn with_lookup_grace(self, grace: Duration) -> Self {
+        SlackAdapter {
+            lookup_grace: grace,
+            ..self
+        }
+    }
+
+    /// Looks `part` up by its key in the messages since a minute before its first send.
+    async fn look_up(&self, part: &PossiblySent) -> Settlement {
+        let claim = &part.claim;
+        let thread = SendOptions::from_claim(claim)
+            .ok()
+            .and_then(|o| o.thread_ts);
+        let from =
+            part.first_sent_at - chrono::Duration::from_std(CLOCK_MARGIN).unwrap_or_default();
+        let oldest = format!("{}.{:06}", from.timestamp(), from.timestamp_subsec_micros());
+        let method = match thread {
+            Some(_) => "conversations.replies",
+            None => "conversations.history",
+        };
+        let asked = format!(
+            "{method} of {} since {} for the key {}",
+            claim.chat_id,
+            from.format("%Y-%m-%dT%H:%M:%SZ"),
+            claim.idempotency_key
+        );
+        let session = self.client.open_session(&self.token);
+        let mut cursor: Option<String> = None;
+        let mut read = 0;
+        for _ in 0..LOOKUP_PAGES {
+            let mut params: Vec<(&str, Option<String>)> = vec![
+                ("channel", Some(claim.chat_id.clone())),
+                ("oldest", Some(oldest.clone())),
+                ("inclusive", Some("true".into())),
+                ("include_all_metadata", Some("true".into())),
+                ("limit", Some(LOOKUP_PAGE.to_string())),
+                ("cursor", cursor.take()),
+            ];
+            if let Some(ts) = &thread {
+                params.push(("ts", Some(ts.clone())));
+            }
+            let page = session.http_session_api.http_get(method, &params, None);
+            let page: History = match tokio::time::timeout(self.timeout, page).await {
+                Ok(Ok(page)) => page,
+                Ok(Err(SlackClientError::RateLimitError(_))) => {
+                    return Settlement::later(asked, "ratelimited");
+                }
+                Ok(Err(e)) => return Settlement::hold(asked, format!("the lookup failed: {e}")),
+                Err(_) => {
+                    return Settlement::hold(
+                        asked,
+                        format!("the lookup got no answer within {:?}", self.timeout),
+                    );
+                }
+            };
+            read += page.messages.len();
+            if let Some(found) = page
+                .messages
+                .iter()
+                .find(|m| m.carries(&claim.idempotency_key))
+            {
+                return Settlement::found(
+                    asked,
+                    format!("a message with the key, ts {}", found.ts),
+                    Some(found.ts.clone()),
+                );
+            }
+            cursor = page
+                .response_metadata
+                .and_then(|m| m.next_cursor)
+                .filter(|c| !c.is_empty() && page.has_more.unwrap_or(true));
+            if cursor.is_none() {
+                return Settlement::resend(
+                    asked,
+                    format!("no message with the key among the {read} since then"),
+                );
+            }
+        }
+        Settlement::hold(
+            asked,
+            format!("more than {read} messages since the first send; not all were read"),
+        )
     }
 
     /// Bounds each send to `timeout` (30 s by default); a send that runs out is
@@ -108,12 +222,48 @@ impl SendOptions {
     }
 }
 
-/// The `chat.postMessage` request for a claim.
+/// A page of `conversations.history` or `conversations.replies`, as much of it as a
+/// lookup reads (another app's metadata of any shape does not stop it).
+#[derive(Debug, Deserialize)]
+struct History {
+    #[serde(default)]
+    messages: Vec<HistoryMessage>,
+    has_more: Option<bool>,
+    response_metadata: Option<Cursor>,
+}
+
+#[derive(Debug, Deserialize)]
+struct HistoryMessage {
+    ts: String,
+    metadata: Option<serde_json::Value>,
+}
+
+impl HistoryMessage {
+    /// Whether the message is a post of the part with `key`.
+    fn carries(&self, key: &str) -> bool {
+        self.metadata.as_ref().is_some_and(|m| {
+            m["event_type"] == METADATA_EVENT_TYPE && m["event_payload"]["key"] == key
+        })
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct Cursor {
+    next_cursor: Option<String>,
+}
+
+/// The `chat.postMessage` request for a claim: its text, its key in the message
+/// metadata, its thread from the delivery's metadata.
 fn request(claim: &Claim) -> Result<SlackApiChatPostMessageRequest, String> {
     let options = SendOptions::from_claim(claim)?;
+    let metadata = SlackMessageMetadata::new(METADATA_EVENT_TYPE.into()).with_event_payload(
+        std::collections::HashMap::from([("key".to_owned(), claim.idempotency_key.clone())]),
+    );
     let mut request = SlackApiChatPostMessageRequest::new(
         claim.chat_id.clone().into(),
-        SlackMessageContent::new().with_text(claim.text.clone()),
+        SlackMessageContent::new()
+            .with_text(claim.text.clone())
+            .with_metadata(metadata),
     );
     if let Some(ts) = options.thread_ts {
         request = request.with_thread_ts(ts.into());
@@ -139,6 +289,21 @@ where
                     format!("no answer from Slack within {:?}", self.timeout),
                 ),
             }
+        })
+    }
+
+    fn settle<'a>(&'a self, part: &'a PossiblySent) -> SendFuture<'a, Settlement> {
+        Box::pin(async move {
+            if part.uncertain_for() < self.lookup_grace {
+                return Settlement::later(
+                    "the channel's history",
+                    format!(
+                        "not before the part has been uncertain for {:?}",
+                        self.lookup_grace
+                    ),
+                );
+            }
+            self.look_up(part).await
         })
     }
 }

@@ -1,9 +1,14 @@
 //! Discord REST API (`POST /channels/{channel.id}/messages`).
 //!
 //! Discord deduplicates a message by its `nonce` when the request sets
-//! `enforce_nonce: true` (for a few minutes). The nonce allows at most 25 characters:
-//! send [`Claim::compact_key`](crate::Claim::compact_key), not the 38-character full key,
-//! and declare the channel [`ChannelPolicy::replayable`](crate::rules::ChannelPolicy::replayable).
+//! `enforce_nonce: true`, "in the past few minutes". The nonce allows at most 25
+//! characters: send [`Claim::compact_key`](crate::Claim::compact_key), not the
+//! 38-character full key. Declare the channel
+//! [`ChannelPolicy::asking`](crate::rules::ChannelPolicy::asking) and answer
+//! [`settle`](crate::ChannelAdapter::settle) with [`settle`]: a possibly-sent part is
+//! sent again inside [`NONCE_WINDOW`] of its first send, when Discord returns the
+//! message it made instead of posting another, and held for a person after (a resend
+//! then could post it twice; Discord's REST API cannot be asked for a nonce).
 //!
 //! With the feature `serenity`, `DiscordAdapter` sends through the application's
 //! serenity client and maps that library's error types (module `serenity`).
@@ -11,10 +16,26 @@
 #[cfg(feature = "serenity")]
 pub use crate::adapters::serenity::{self, DiscordAdapter};
 
+use std::time::Duration;
+
 use serde_json::Value;
 
 use super::{HttpReply, Scope, delivered, rate_limited, seconds};
 use crate::outcome::Outcome;
+use crate::settle::{PossiblySent, Settlement};
+
+/// How long after a part's first send a resend is taken to be deduplicated by its
+/// nonce: 2 minutes. Discord documents "the past few minutes" without a number, so
+/// this stays well inside it, leaving room for the clocks of the outbox and Discord to
+/// differ.
+pub const NONCE_WINDOW: Duration = Duration::from_secs(120);
+
+/// What a Discord adapter's [`settle`](crate::ChannelAdapter::settle) answers: a resend
+/// with the same enforced nonce while the first send is less than `window` ago
+/// ([`NONCE_WINDOW`] unless the application knows better), a hold for a person after.
+pub fn settle(part: &PossiblySent, window: Duration) -> Settlement {
+    Settlement::within_window(part, window, "Discord nonce (enforce_nonce)")
+}
 
 /// Maps Discord's answer to a message create.
 ///

@@ -2,13 +2,43 @@
 //!
 //! The transaction id in the URL makes a send idempotent for the same access token:
 //! use [`Claim::idempotency_key`](crate::Claim::idempotency_key) (URL-encoded) or
-//! [`Claim::compact_key`](crate::Claim::compact_key), and declare the channel
-//! [`ChannelPolicy::replayable`](crate::rules::ChannelPolicy::replayable).
+//! [`Claim::compact_key`](crate::Claim::compact_key). How long a homeserver remembers a
+//! transaction id is its own choice (Synapse: 30 minutes), so declare the channel
+//! [`ChannelPolicy::asking`](crate::rules::ChannelPolicy::asking) and answer
+//! [`settle`](crate::ChannelAdapter::settle) with [`settle`]: a possibly-sent part is
+//! sent again while the homeserver still knows its transaction id, and held for a
+//! person after.
+
+use std::time::Duration;
 
 use serde_json::Value;
 
 use super::{HttpReply, Scope, delivered, rate_limited, seconds};
 use crate::outcome::Outcome;
+use crate::settle::{PossiblySent, Settlement};
+
+/// How long Synapse, the reference homeserver, remembers a transaction id: 30 minutes.
+pub const SYNAPSE_TRANSACTION_WINDOW: Duration = Duration::from_secs(30 * 60);
+
+/// What a Matrix adapter's [`settle`](crate::ChannelAdapter::settle) answers: a resend
+/// under the same transaction id (and the same access token) while the first send is
+/// less than `window` ago — the homeserver returns the event it made instead of
+/// making another — and a hold for a person after.
+///
+/// ```
+/// use chunked_outbox::Claim;
+/// use chunked_outbox::platforms::matrix;
+/// use chunked_outbox::settle::{Decision, PossiblySent};
+///
+/// let first = chrono::Utc::now();
+/// let part = PossiblySent::for_testing(Claim::for_testing("matrix", "!room:example.org", "hi"),
+///     first, first + chrono::Duration::minutes(5));
+/// let answer = matrix::settle(&part, matrix::SYNAPSE_TRANSACTION_WINDOW);
+/// assert_eq!(answer.decision, Decision::Resend);
+/// ```
+pub fn settle(part: &PossiblySent, window: Duration) -> Settlement {
+    Settlement::within_window(part, window, "Matrix transaction id")
+}
 
 /// Maps the homeserver's answer to a send.
 ///

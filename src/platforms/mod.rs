@@ -74,6 +74,7 @@ use crate::outcome::Outcome;
 pub use crate::classify::{ErrorClass, classify_error};
 
 pub mod discord;
+pub mod line;
 pub mod matrix;
 pub mod slack;
 pub mod telegram;
@@ -86,6 +87,9 @@ pub struct HttpReply<'a> {
     pub status: u16,
     /// The `Retry-After` header's value, if the answer had one.
     pub retry_after: Option<&'a str>,
+    /// LINE's `X-Line-Accepted-Request-Id` header, if the answer had one: the request
+    /// that was accepted earlier under the same retry key (with a 409).
+    pub accepted_request_id: Option<&'a str>,
     /// The body, as text (the platforms answer JSON).
     pub body: &'a str,
 }
@@ -96,7 +100,16 @@ impl<'a> HttpReply<'a> {
         HttpReply {
             status,
             retry_after: None,
+            accepted_request_id: None,
             body,
+        }
+    }
+
+    /// The same answer with LINE's `X-Line-Accepted-Request-Id` header.
+    pub fn with_accepted_request_id(self, value: &'a str) -> Self {
+        HttpReply {
+            accepted_request_id: Some(value),
+            ..self
         }
     }
 
