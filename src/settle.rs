@@ -61,7 +61,7 @@ use crate::claim::Claim;
 use crate::clock::to_datetime;
 use crate::error::Result;
 use crate::finalize::Tally;
-use crate::ids::{ChunkId, DeliveryId, chunk_idempotency_key};
+use crate::ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
 use crate::outbox::Outbox;
 use crate::state::{self, Recorded, requeue};
 use crate::status::ChunkStatus;
@@ -84,6 +84,10 @@ pub struct PossiblySent {
     pub uncertain_since: DateTime<Utc>,
     /// The outbox's clock when the part was read.
     pub now: DateTime<Utc>,
+    /// The outbox handle whose claim left the part uncertain when its lease ran out (a
+    /// process that died, or hung, sending it); `None` for a send whose outcome was
+    /// recorded as ambiguous.
+    pub claimant: Option<ClaimantId>,
     /// The delivery row's last change (ms): recording an answer checks nothing moved.
     since_ms: i64,
 }
@@ -113,6 +117,7 @@ impl PossiblySent {
             first_sent_at: to_datetime(row.first_sent_at),
             uncertain_since: to_datetime(row.since),
             now: to_datetime(now),
+            claimant: row.token.map(ClaimantId::of_token),
             since_ms: row.since,
         })
     }
@@ -130,6 +135,7 @@ impl PossiblySent {
             first_sent_at,
             uncertain_since: first_sent_at,
             now,
+            claimant: None,
             since_ms: i64::MIN,
         }
     }

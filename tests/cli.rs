@@ -1152,3 +1152,37 @@ fn torture_and_demo_run_on_postgresql() {
     }
     assert_eq!(torture["kills"], 8);
 }
+
+#[test]
+fn a_channel_asks_its_platform_and_show_prints_what_it_answered() -> Result<()> {
+    let db = TestDb::default();
+    let (code, _) =
+        stdout(outbox(&db.path()).args(["config", "set", "--channel", "slack", "--replay", "ask"]));
+    assert_eq!(code, 0);
+    let (_, config) = stdout(outbox(&db.path()).args(["config", "show"]));
+    assert!(config.contains("ask"), "{config}");
+    // The tool's rules are the file's: the dispatcher's outbox holds and asks.
+    let ob = db.reopen(chunked_outbox::OutboxOptions::default());
+    let id = ob
+        .enqueue(&chunked_outbox::NewDelivery::single("slack", "C1", "hi"))?
+        .id;
+    let claim = claim_one(&ob);
+    ob.record(
+        &claim,
+        Outcome::Ambiguous {
+            error: "timeout".into(),
+        },
+    )?;
+    let part = ob.possibly_sent("slack", 4)?.remove(0);
+    let answer = chunked_outbox::settle::Settlement::hold(
+        "conversations.history of C1",
+        "internal_error \u{1b}[2J",
+    );
+    ob.settle(&part, &answer)?;
+    let (_, shown) = stdout(outbox(&db.path()).args(["show", &id.to_string()]));
+    assert!(
+        shown.contains("chunk 1 asked its platform: asked: conversations.history of C1; answered: internal_error \\u{1b}[2J; held for a person"),
+        "{shown}"
+    );
+    Ok(())
+}

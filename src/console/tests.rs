@@ -700,3 +700,21 @@ fn under_skip_an_uncertain_reply_holds_nothing_and_a_retry_does() {
         page.body
     );
 }
+
+#[test]
+fn a_reply_shows_what_its_platform_was_asked_escaped() {
+    let outbox = outbox();
+    let id = uncertain(&outbox, "slack");
+    let part = outbox.possibly_sent("slack", 1).unwrap().remove(0);
+    let answer = crate::settle::Settlement::hold("conversations.history", "<b>internal_error</b>");
+    outbox.settle(&part, &answer).unwrap();
+    let page = get(&Console::new(outbox), &format!("/console/deliveries/{id}"));
+    assert!(
+        page.body.contains(
+            "Part 1, its platform asked: asked: conversations.history; answered: \
+             &lt;b&gt;internal_error&lt;/b&gt;; held for a person"
+        ),
+        "{}",
+        page.body
+    );
+}

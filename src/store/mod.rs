@@ -796,6 +796,8 @@ pub(crate) struct Unasked {
     pub first_sent_at: i64,
     /// When its delivery last changed: when it became uncertain.
     pub since: i64,
+    /// The token of the claim that left it uncertain, if kept (a lease that ran out).
+    pub token: Option<i64>,
 }
 
 /// Retention.

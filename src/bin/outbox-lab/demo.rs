@@ -22,8 +22,8 @@ use serde::Serialize;
 
 use crate::CliResult;
 use crate::sim::{
-    CHANNELS, OperatorLog, PlatformApi, PlatformRecord, SimPlatform, chat_is_gone, open_platform,
-    reply_text, settle_like_an_operator, sim_options,
+    CHANNELS, OperatorLog, PlatformApi, PlatformRecord, Settling, SimPlatform, chat_is_gone,
+    open_platform, reply_text, settle_like_an_operator, sim_options,
 };
 use crate::target::Target;
 
@@ -69,6 +69,9 @@ pub struct WorkerArgs {
     /// Where it logs its claimant.
     #[arg(long)]
     claimants: PathBuf,
+    /// Where its platforms log their answers about possibly-sent parts.
+    #[arg(long)]
+    settlements: PathBuf,
 }
 
 /// The worker's dispatcher: workers, and sends each has in flight. Their product bounds
@@ -97,12 +100,14 @@ pub fn worker(args: &WorkerArgs) -> CliResult<u8> {
     let mut builder = Dispatcher::builder(outbox.clone())
         .workers(WORKERS)
         .batch_size(BATCH)
-        .poll_interval(Duration::from_millis(20));
+        .poll_interval(Duration::from_millis(20))
+        .settle_interval(Duration::from_millis(100));
     for (i, channel) in CHANNELS.iter().enumerate() {
         let seed = args.seed.wrapping_mul(31).wrapping_add(i as u64);
         builder = builder.adapter(
             channel.name,
-            SimPlatform::new(channel, open_platform(&args.platform)?, seed),
+            SimPlatform::new(channel, open_platform(&args.platform)?, seed)
+                .logging_settlements(&args.settlements)?,
         );
     }
     let dispatcher = builder.build()?;
@@ -185,6 +190,9 @@ struct Summary {
     unexplained_duplicates: u64,
     settled_by_lookup: u64,
     resent_blind: u64,
+    /// What asking the platforms settled, what was left for a person, and what each
+    /// channel's chats saw twice.
+    settling: Settling,
     max_uncertain_per_kill: u64,
     max_sends_in_flight: u64,
     idempotent_reenqueues: u64,
@@ -207,9 +215,11 @@ struct Files {
     /// The PostgreSQL schema made for this run (removed with the directory).
     schema: Option<(Target, String)>,
     platform: PathBuf,
-    /// The operator's decisions, and each worker start's claimant.
+    /// The operator's decisions, each worker start's claimant, and the platforms'
+    /// answers about possibly-sent parts.
     operator_log: PathBuf,
     claimants: PathBuf,
+    settlements: PathBuf,
     temporary: bool,
 }
 
@@ -233,6 +243,7 @@ fn files(db: Option<&Path>) -> CliResult<Files> {
                 platform: db.with_extension("platform.db"),
                 operator_log: db.with_extension("operator.log"),
                 claimants: db.with_extension("claimants.log"),
+                settlements: db.with_extension("settle.log"),
                 db: Target::File(db.to_owned()),
                 schema: None,
                 dir,
@@ -247,6 +258,7 @@ fn files(db: Option<&Path>) -> CliResult<Files> {
                 &stop,
                 &files.operator_log,
                 &files.claimants,
+                &files.settlements,
             ]
             .into_iter()
             .filter(|f| f.exists())
@@ -272,6 +284,7 @@ fn files(db: Option<&Path>) -> CliResult<Files> {
                 platform: dir.join("platform.db"),
                 operator_log: dir.join("operator.log"),
                 claimants: dir.join("claimants.log"),
+                settlements: dir.join("settle.log"),
                 dir,
                 temporary: true,
             })
@@ -287,6 +300,8 @@ fn spawn_worker(files: &Files, seed: u64, generation: u64) -> CliResult<Child> {
         .args(["--generation", &generation.to_string()])
         .arg("--claimants")
         .arg(&files.claimants)
+        .arg("--settlements")
+        .arg(&files.settlements)
         .env("OUTBOX_DB", files.db.as_arg())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -320,9 +335,9 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
         files.platform.display()
     ));
     say(format!(
-        "{} replies to {} chats on telegram (no replay), discord (replays deduplicated by nonce) and slack (no replay); \
-         fast retry schedule for the demo: 50, 100, 200, 400 ms; uncertain chunks are settled by \
-         asking slack (which has a lookup) and by resending on telegram (which has none)",
+        "{} replies to {} chats on telegram (cannot be asked), discord (deduplicates a nonce for a few minutes) and slack (can be looked up); \
+         fast retry schedule for the demo: 50, 100, 200, 400 ms; the dispatcher settles a possibly-sent part \
+         by asking slack and discord; on telegram an operator resends it",
         args.replies, args.chats
     ));
 
@@ -478,9 +493,12 @@ fn verify(
     s.uncertain_left = h.totals.uncertain_chunks;
 
     let record = PlatformRecord::read(&open_platform(&files.platform)?)?;
-    let operator = OperatorLog::read(&std::fs::read_to_string(&files.operator_log)?);
+    let settlements = std::fs::read_to_string(&files.settlements).unwrap_or_default();
+    let operator =
+        OperatorLog::read(&(std::fs::read_to_string(&files.operator_log)? + &settlements));
     let arrived = record.keys();
     let d = record.duplicates(&operator.blind);
+    s.settling = Settling::of(&operator, &d);
     (
         s.replays_deduplicated,
         s.duplicates_by_policy,
@@ -566,11 +584,22 @@ fn print_verdict(s: &Summary) {
         s.out_of_order
     );
     println!(
-        "  {} duplicate sends nobody decided on: {} (deduplicated by discord's nonce: {}; caused by resending on telegram, which cannot be asked: {})",
+        "  {} duplicate sends nobody decided on: {} (dropped by discord's nonce: {}; caused by resending on telegram, which cannot be asked: {})",
         mark(s.unexplained_duplicates == 0),
         s.unexplained_duplicates,
         s.replays_deduplicated,
         s.duplicates_by_policy
+    );
+    let seen = |c: &str| s.settling.duplicates_seen.get(c).copied().unwrap_or(0);
+    println!(
+        "  possibly-sent parts settled by asking the platform: {} found, {} sent again, {} held; left for a person: {}; duplicates the chats saw: slack {}, discord {}, telegram {}",
+        s.settling.platform_found,
+        s.settling.platform_resend,
+        s.settling.platform_hold,
+        s.settling.left_for_a_person,
+        seen("slack"),
+        seen("discord"),
+        seen("telegram")
     );
     println!(
         "  {} finalizations into outbound_messages: {} missing, {} wrong",
@@ -585,7 +614,7 @@ fn print_verdict(s: &Summary) {
         s.max_sends_in_flight
     );
     println!(
-        "  uncertain chunks settled by asking slack: {}; resent on telegram by policy: {}; engine re-enqueues deduplicated by caller key: {}",
+        "  uncertain chunks an operator settled by asking slack: {}; resent on telegram by policy: {}; engine re-enqueues deduplicated by caller key: {}",
         s.settled_by_lookup, s.resent_blind, s.idempotent_reenqueues
     );
     println!(

@@ -2,6 +2,12 @@
 //! that fail in the ways real ones do and record what they accept in their own SQLite
 //! file, replies of realistic shapes, and the operator who settles uncertain chunks.
 //!
+//! Slack and Discord are declared [`ReplayPolicy::Ask`](chunked_outbox::rules::ReplayPolicy::Ask):
+//! the dispatchers ask them about a possibly-sent part (Slack answers a lookup by the
+//! key in the message metadata; Discord deduplicates a nonce for a few minutes) and
+//! settle it without a person. Telegram cannot be asked: its possibly-sent parts are
+//! held for the operator.
+//!
 //! The operator knows only what a real one could: what the outbox shows, and what a
 //! platform's own API answers where it has one (Slack lets a bot look its messages up
 //! by metadata; Telegram has no such call). It never reads the platforms' record — that
@@ -15,7 +21,8 @@ use std::time::Duration;
 use chunked_outbox::maintenance::Resolution;
 use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus, ListFilter};
 use chunked_outbox::platforms::{self, HttpReply};
-use chunked_outbox::rules::{Backoff, ChannelPolicy, LaneFailurePolicy, RetryPolicy};
+use chunked_outbox::rules::{Backoff, ChannelPolicy, LaneFailurePolicy, ReplayPolicy, RetryPolicy};
+use chunked_outbox::settle::{Decision, PossiblySent, Settlement};
 use chunked_outbox::{ChannelAdapter, Claim, Outbox, OutboxOptions, Outcome, Splitter};
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -40,11 +47,9 @@ pub struct SimChannel {
     pub name: &'static str,
     pub api: Api,
     pub splitter: Splitter,
-    /// Deduplicates by idempotency key (so replays are safe).
-    pub dedupes: bool,
     /// The platform has an API that tells whether a message arrived (Slack:
     /// `conversations.history` with the message metadata the bot sent). Telegram has
-    /// none; Discord does not need one (it deduplicates by nonce, so it replays).
+    /// none; Discord cannot be asked, but deduplicates.
     pub lookup: bool,
 }
 
@@ -53,21 +58,18 @@ pub const CHANNELS: [SimChannel; 3] = [
         name: "telegram",
         api: Api::Telegram,
         splitter: Splitter::telegram(),
-        dedupes: false,
         lookup: false,
     },
     SimChannel {
         name: "discord",
         api: Api::Discord,
         splitter: Splitter::discord(),
-        dedupes: true,
         lookup: false,
     },
     SimChannel {
         name: "slack",
         api: Api::Slack,
         splitter: Splitter::slack(),
-        dedupes: false,
         lookup: true,
     },
 ];
@@ -86,10 +88,18 @@ pub fn sim_options() -> OutboxOptions {
         )
         .with_lease(Duration::from_secs(2))
         .with_lane_failure(LaneFailurePolicy::Block)
-        // Declared here too, not only by the dispatcher's adapters, so that every
-        // process that recovers expired leases (the operator, a restarted worker before
-        // its dispatcher is built) follows the same replay policy.
-        .with_channel("discord", ChannelPolicy::replayable())
+        // Stored rules: every process that recovers expired leases (the operator, a
+        // restarted worker before its dispatcher is built) follows the same replay
+        // policy.
+        .with_channel("discord", ChannelPolicy::asking())
+        .with_channel("slack", ChannelPolicy::asking())
+}
+
+/// How long the simulated Discord remembers a nonce: "a few minutes".
+const NONCE_MEMORY_MS: i64 = 3 * 60 * 1000;
+
+fn wall_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
 }
 
 pub fn open_platform(path: &Path) -> rusqlite::Result<Connection> {
@@ -99,7 +109,7 @@ pub fn open_platform(path: &Path) -> rusqlite::Result<Connection> {
         "PRAGMA journal_mode = WAL;
          CREATE TABLE IF NOT EXISTS received (
              id INTEGER PRIMARY KEY, channel TEXT NOT NULL, chat TEXT NOT NULL, key TEXT NOT NULL,
-             nonce TEXT);
+             nonce TEXT, at INTEGER NOT NULL DEFAULT 0);
          CREATE INDEX IF NOT EXISTS received_key ON received (key);
          CREATE INDEX IF NOT EXISTS received_nonce ON received (nonce) WHERE nonce IS NOT NULL;
          CREATE TABLE IF NOT EXISTS deduplicated (key TEXT NOT NULL);",
@@ -150,6 +160,9 @@ pub struct SimPlatform {
     api: Api,
     record: Mutex<Connection>,
     rng: Mutex<fastrand::Rng>,
+    /// Where each answer about a possibly-sent part is logged for the verdict, as
+    /// `settle <claimant or -> <attempts> <key> <decision>`.
+    settle_log: Option<Mutex<std::fs::File>>,
 }
 
 /// Discord's limit on a nonce.
@@ -163,18 +176,72 @@ impl SimPlatform {
             api: channel.api,
             record: Mutex::new(record),
             rng: Mutex::new(fastrand::Rng::with_seed(seed)),
+            settle_log: None,
         }
     }
 
-    /// Records an accepted message and returns its id; a replay with a nonce already
-    /// seen (Discord) is dropped and answered with the first message's id.
+    /// The same platform, logging its answers about possibly-sent parts to `log`.
+    pub fn logging_settlements(self, log: &Path) -> std::io::Result<SimPlatform> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)?;
+        Ok(SimPlatform {
+            settle_log: Some(Mutex::new(file)),
+            ..self
+        })
+    }
+
+    /// The platform's answer about a possibly-sent part. Slack looks its history up by
+    /// the key in the message metadata (a lookup is rate-limited one time in twenty:
+    /// asked again later); Discord deduplicates a resend inside its nonce window.
+    fn answer_about(&self, part: &PossiblySent) -> Settlement {
+        match self.api {
+            Api::Slack => {
+                if self.rng.lock().unwrap_or_else(|e| e.into_inner()).u8(0..20) == 0 {
+                    return Settlement::later("conversations.history", "ratelimited");
+                }
+                let asked = format!(
+                    "conversations.history of {} for the key {}",
+                    part.claim.chat_id, part.claim.idempotency_key
+                );
+                let found: rusqlite::Result<Option<i64>> = self
+                    .record
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .query_row(
+                        "SELECT id FROM received WHERE key = ?1 AND channel = ?2 AND chat = ?3",
+                        params![part.claim.idempotency_key, self.channel, part.claim.chat_id],
+                        |r| r.get(0),
+                    )
+                    .optional();
+                match found {
+                    Ok(Some(id)) => Settlement::found(
+                        asked,
+                        format!("a message with the key, ts 1700000000.{id:06}"),
+                        Some(format!("1700000000.{id:06}")),
+                    ),
+                    Ok(None) => Settlement::resend(asked, "no message with the key"),
+                    Err(e) => Settlement::later(asked, e.to_string()),
+                }
+            }
+            Api::Discord => platforms::discord::settle(part, platforms::discord::NONCE_WINDOW),
+            Api::Telegram => Settlement::hold("telegram", "no way to ask"),
+        }
+    }
+
+    /// Records an accepted message and returns its id; a replay with a nonce seen in
+    /// the last few minutes (Discord) is dropped and answered with the first message's
+    /// id.
     fn accept(&self, request: &Request<'_>) -> rusqlite::Result<i64> {
         let conn = self.record.lock().unwrap_or_else(|e| e.into_inner());
+        let now = wall_ms();
         if let Some(nonce) = &request.nonce {
             let seen: Option<i64> = conn
                 .query_row(
-                    "SELECT id FROM received WHERE nonce = ?1 AND channel = ?2",
-                    params![nonce, self.channel],
+                    "SELECT id FROM received WHERE nonce = ?1 AND channel = ?2 AND at > ?3
+                     ORDER BY id LIMIT 1",
+                    params![nonce, self.channel, now - NONCE_MEMORY_MS],
                     |r| r.get(0),
                 )
                 .optional()?;
@@ -184,8 +251,8 @@ impl SimPlatform {
             }
         }
         conn.execute(
-            "INSERT INTO received (channel, chat, key, nonce) VALUES (?1, ?2, ?3, ?4)",
-            params![self.channel, request.chat, request.key, request.nonce],
+            "INSERT INTO received (channel, chat, key, nonce, at) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![self.channel, request.chat, request.key, request.nonce, now],
         )?;
         Ok(conn.last_insert_rowid())
     }
@@ -347,6 +414,27 @@ impl ChannelAdapter for SimPlatform {
         };
         self.outcome(&self.post(&request))
     }
+
+    fn settle(&self, part: &PossiblySent) -> Settlement {
+        let answer = self.answer_about(part);
+        if let Some(log) = &self.settle_log
+            && answer.decision != Decision::Later
+        {
+            let claimant = part.claimant.map_or("-".to_owned(), |c| c.to_string());
+            let line = format!(
+                "settle {claimant} {} {} {}\n",
+                part.claim.attempt,
+                part.claim.idempotency_key,
+                answer.decision.as_str()
+            );
+            // One write of one line: lines of several processes do not interleave.
+            let _ = std::io::Write::write_all(
+                &mut *log.lock().unwrap_or_else(|e| e.into_inner()),
+                line.as_bytes(),
+            );
+        }
+        answer
+    }
 }
 
 /// About one chat in a hundred no longer exists: its replies become dead letters.
@@ -458,7 +546,10 @@ pub struct Settled {
 /// held as uncertain for longer than `grace` (a live worker may still report it), ask
 /// the platform where it can be asked, and otherwise follow the explicit policy for
 /// platforms without a lookup — resend, accepting a possible duplicate. Then
-/// acknowledge dead letters so their chats move on.
+/// acknowledge dead letters so their chats move on. A part on a channel whose stored
+/// replay policy is `ask` is left to the dispatchers until its platform has been asked
+/// (`outbox show` says so: no settlement yet); one the platform could not settle is
+/// the operator's, logged as `person <key>`.
 ///
 /// Every decision is appended to `log` before it is carried out, as lines
 /// `uncertain <claimant or -> <attempts> <key>`, then `lookup <key>` or `blind <key>`,
@@ -477,6 +568,7 @@ pub fn settle_like_an_operator(
         .status(DeliveryStatus::Uncertain)
         .limit(10_000);
     let ripe = chrono::Utc::now() - grace;
+    let rules = outbox.rules()?;
     for d in outbox.list(&filter)? {
         let Some(view) = outbox.delivery(d.id)? else {
             continue;
@@ -484,11 +576,18 @@ pub fn settle_like_an_operator(
         if view.updated_at > ripe {
             continue;
         }
+        let asking = rules.channel(&view.channel).replay == ReplayPolicy::Ask;
         for chunk in view
             .chunks
             .iter()
             .filter(|c| c.status == ChunkStatus::Uncertain)
         {
+            if asking {
+                if chunk.settlement.is_none() {
+                    continue; // the dispatchers have not asked the platform yet
+                }
+                writeln!(log, "person {}", chunk.idempotency_key)?;
+            }
             let claimant = chunk.claimant.map_or("-".to_owned(), |c| c.to_string());
             writeln!(
                 log,
@@ -533,13 +632,20 @@ pub fn settle_like_an_operator(
     Ok(settled)
 }
 
-/// What an operator's log says (see [`settle_like_an_operator`]).
+/// What an operator's log says (see [`settle_like_an_operator`]), with the platforms'
+/// answers the dispatchers logged (see [`SimPlatform::logging_settlements`]).
 #[derive(Debug, Default)]
 pub struct OperatorLog {
     /// Keys resent without being able to ask the platform.
     pub blind: HashSet<String>,
     /// Decisions taken by asking the platform.
     pub looked_up: u64,
+    /// Parts of channels that ask their platform, left to a person (the platform could
+    /// not tell), by key.
+    pub for_a_person: HashSet<String>,
+    /// The platforms' answers to the dispatchers, by decision (`delivered`, `resend`,
+    /// `hold`).
+    pub platform_answers: HashMap<String, u64>,
     /// Per claimant, the distinct (attempts, key) of chunks it left uncertain.
     pub uncertain_by_claimant: HashMap<String, HashSet<(u32, String)>>,
     /// Deliveries the operator saw as dead letters (and may have purged since).
@@ -556,6 +662,20 @@ impl OperatorLog {
                     log.blind.insert(key.to_owned());
                 }
                 ["lookup", _] => log.looked_up += 1,
+                ["person", key] => {
+                    log.for_a_person.insert(key.to_owned());
+                }
+                ["settle", claimant, attempts, key, decision] => {
+                    *log.platform_answers.entry(decision.to_owned()).or_default() += 1;
+                    if claimant != "-"
+                        && let Ok(attempts) = attempts.parse()
+                    {
+                        log.uncertain_by_claimant
+                            .entry(claimant.to_owned())
+                            .or_default()
+                            .insert((attempts, key.to_owned()));
+                    }
+                }
                 ["dead", delivery] => {
                     log.dead.insert(delivery.to_owned());
                 }
@@ -601,10 +721,11 @@ impl PlatformRecord {
         self.received.iter().map(|(_, _, k)| k.as_str()).collect()
     }
 
-    /// Second arrivals of a key, by cause: dropped by a platform that deduplicates
-    /// (the replay policy working as designed), caused by a resend the operator chose
-    /// without being able to ask the platform (`blind`), or unexplained — a duplicate
-    /// nobody decided on, which the outbox exists to prevent.
+    /// Resends a platform dropped (its deduplication working: the chat saw nothing),
+    /// and the second arrivals of a key the chat did see, by cause: a resend the
+    /// operator chose without being able to ask the platform (`blind`), or unexplained
+    /// — a duplicate nobody decided on, which the outbox exists to prevent. Per channel
+    /// too: what each chat saw twice.
     pub fn duplicates(&self, blind: &HashSet<String>) -> Duplicates {
         let mut d = Duplicates {
             deduplicated: self.replays_dropped,
@@ -615,9 +736,8 @@ impl PlatformRecord {
             if seen.insert(key) {
                 continue;
             }
-            if CHANNELS.iter().any(|c| c.name == channel && c.dedupes) {
-                d.deduplicated += 1;
-            } else if blind.contains(key) {
+            *d.seen_by_channel.entry(channel.clone()).or_default() += 1;
+            if blind.contains(key) {
                 d.by_policy += 1;
             } else {
                 d.unexplained += 1;
@@ -648,12 +768,46 @@ impl PlatformRecord {
     }
 }
 
+/// How the possibly-sent parts were settled, and what the chats saw twice: the part of
+/// the verdict that says what asking the platforms bought.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct Settling {
+    /// The platforms' answers to the dispatchers: the part was there (delivered), was
+    /// not there or would be deduplicated (sent again), or could not be told (held).
+    pub platform_found: u64,
+    pub platform_resend: u64,
+    pub platform_hold: u64,
+    /// Parts of channels that ask their platform that a person had to settle.
+    pub left_for_a_person: u64,
+    /// Second arrivals each channel's chats saw (Telegram's come from the operator's
+    /// blind resends).
+    pub duplicates_seen: std::collections::BTreeMap<String, u64>,
+}
+
+impl Settling {
+    pub fn of(log: &OperatorLog, duplicates: &Duplicates) -> Settling {
+        let answers = |d: &str| log.platform_answers.get(d).copied().unwrap_or(0);
+        let mut duplicates_seen: std::collections::BTreeMap<String, u64> =
+            CHANNELS.iter().map(|c| (c.name.to_owned(), 0)).collect();
+        duplicates_seen.extend(duplicates.seen_by_channel.clone());
+        Settling {
+            platform_found: answers("delivered"),
+            platform_resend: answers("resend"),
+            platform_hold: answers("hold"),
+            left_for_a_person: log.for_a_person.len() as u64,
+            duplicates_seen,
+        }
+    }
+}
+
 /// Duplicate arrivals by cause (see [`PlatformRecord::duplicates`]).
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub struct Duplicates {
     pub deduplicated: u64,
     pub by_policy: u64,
     pub unexplained: u64,
+    /// Second arrivals the chats saw, per channel.
+    pub seen_by_channel: std::collections::BTreeMap<String, u64>,
 }
 
 /// The `outbound_messages` rows: delivery id → (content, chunk count).

@@ -28,8 +28,8 @@ use serde::Serialize;
 
 use crate::CliResult;
 use crate::sim::{
-    CHANNELS, OperatorLog, PlatformApi, PlatformRecord, SimPlatform, chat_is_gone, open_platform,
-    reply_text, settle_like_an_operator, sim_options,
+    CHANNELS, OperatorLog, PlatformApi, PlatformRecord, Settling, SimPlatform, chat_is_gone,
+    open_platform, reply_text, settle_like_an_operator, sim_options,
 };
 use crate::target::Target;
 
@@ -138,9 +138,13 @@ struct Verdict {
     /// Second arrivals caused by the operator's resends where no lookup exists.
     duplicates_by_policy: u64,
     replays_deduplicated: u64,
-    /// Uncertain chunks settled by asking the platform, and resent blind by policy.
+    /// Uncertain chunks the operator settled by asking the platform, and resent blind
+    /// by policy.
     settled_by_lookup: u64,
     resent_blind: u64,
+    /// What the dispatchers' questions to the platforms settled, what was left for a
+    /// person, and the duplicates each channel's chats saw.
+    settling: Settling,
     /// The most chunks that became `uncertain` through one kill of a dispatcher, and
     /// the most sends that dispatcher could have had in flight (workers × batch).
     max_uncertain_per_kill: u64,
@@ -491,12 +495,14 @@ pub fn role(args: &RoleArgs) -> CliResult<u8> {
             let mut builder = Dispatcher::builder(outbox.clone())
                 .workers(DISPATCH_WORKERS)
                 .batch_size(DISPATCH_BATCH)
-                .poll_interval(Duration::from_millis(10));
+                .poll_interval(Duration::from_millis(10))
+                .settle_interval(Duration::from_millis(100));
             for (i, channel) in CHANNELS.iter().enumerate() {
                 let seed = args.seed.wrapping_mul(31).wrapping_add(i as u64);
                 builder = builder.adapter(
                     channel.name,
-                    SimPlatform::new(channel, open_platform(&platform)?, seed),
+                    SimPlatform::new(channel, open_platform(&platform)?, seed)
+                        .logging_settlements(&args.dir.join("settle.log"))?,
                 );
             }
             let running = builder.build()?.start()?;
@@ -589,9 +595,10 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
 
     let record = PlatformRecord::read(&open_platform(&dir.join("platform.db"))?)?;
     let arrived = record.keys();
-    let operator =
-        OperatorLog::read(&std::fs::read_to_string(dir.join("operator.log")).unwrap_or_default());
+    let log = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap_or_default();
+    let operator = OperatorLog::read(&(log("operator.log") + &log("settle.log")));
     let duplicates = record.duplicates(&operator.blind);
+    v.settling = Settling::of(&operator, &duplicates);
     v.replays_deduplicated = duplicates.deduplicated;
     v.duplicates_by_policy = duplicates.by_policy;
     v.unexplained_duplicates = duplicates.unexplained;

@@ -242,6 +242,16 @@ pub fn show(d: &DeliveryView) -> String {
         ],
         rows,
     ));
+    for c in &d.chunks {
+        if let Some(settlement) = &c.settlement {
+            let _ = writeln!(
+                out,
+                "chunk {} asked its platform: {}",
+                c.index + 1,
+                clean(settlement)
+            );
+        }
+    }
     let _ = writeln!(out, "a chunk's key is {}:<chunk>", d.id);
     out
 }

@@ -23,7 +23,7 @@ pub(crate) const UNASKED_SQL: &str = concat!(
     super::chunk_id!("c.delivery_id", "c.chunk_index"),
     ", c.delivery_id, c.chunk_index, c.status, c.attempts, d.channel, d.chat_id,
             d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text), d.metadata,
-            coalesce(c.first_sent_at, d.created_at), d.updated_at
+            coalesce(c.first_sent_at, d.created_at), d.updated_at, c.claim_token
      FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
      WHERE d.status = 'uncertain' AND d.status <> 'delivered' AND d.channel = $1
        AND c.status = 'uncertain' AND c.settlement IS NULL
@@ -44,6 +44,7 @@ impl OperatorStore for PgTx<'_> {
                     metadata: r.try_get(11)?,
                     first_sent_at: r.try_get(12)?,
                     since: r.try_get(13)?,
+                    token: r.try_get(14)?,
                 })
             })
             .collect()

@@ -21,7 +21,7 @@ pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
 /// [`OperatorStore::unasked_uncertain`]: from the index of unfinished deliveries.
 const UNASKED_SQL: &str = "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
         d.channel, d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text),
-        d.metadata, coalesce(c.first_sent_at, d.created_at), d.updated_at
+        d.metadata, coalesce(c.first_sent_at, d.created_at), d.updated_at, c.claim_token
      FROM outbound_deliveries d JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
      WHERE d.id IN (SELECT id FROM outbound_deliveries
                     WHERE status = 'uncertain' AND status <> 'delivered' AND channel = ?1)
@@ -40,6 +40,7 @@ impl OperatorStore for Tx<'_> {
                 metadata: r.get(11)?,
                 first_sent_at: r.get(12)?,
                 since: r.get(13)?,
+                token: r.get(14)?,
             })
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
