@@ -14,7 +14,7 @@ use super::lanes::{
     ACTIVATE_MANY_SQL, ADVANCE_SQL, ENTER_SQL, HEAD_SQL, HEADS_SQL, HELD_SQL, PAUSE_DUE_SQL,
     QUEUED_ALL_SQL,
 };
-use super::operator::DEAD_LETTER_CHUNKS_SQL;
+use super::operator::{DEAD_LETTER_CHUNKS_SQL, UNASKED_SQL};
 use super::reads::{OPEN_CHUNKS_SQL, OPEN_DELIVERIES_SQL};
 use super::{LOCK_LANES, TRY_LOCK_LANES};
 use crate::options::OutboxOptions;
@@ -95,6 +95,7 @@ const STATEMENTS: &[(&str, &str, &str, bool)] = &[
     ("queued", QUEUED_ALL_SQL, "", true),
     ("sweep", SWEEP_SQL, "", true),
     ("dead letters", DEAD_LETTER_CHUNKS_SQL, "NULL", true),
+    ("unasked uncertain parts", UNASKED_SQL, "'t', 16", true),
     ("open deliveries", OPEN_DELIVERIES_SQL, "", true),
     ("open chunks", OPEN_CHUNKS_SQL, "0", true),
 ];

@@ -18,16 +18,21 @@ pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
      ORDER BY d.id"
 );
 
-/// [`OperatorStore::unasked_uncertain`]: from the index of unfinished deliveries.
-const UNASKED_SQL: &str = "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
+/// [`OperatorStore::unasked_uncertain`]: the channel's uncertain deliveries from the
+/// index of unfinished ones, each one's chunks by the chunk key. `?1` the channel, `?2`
+/// the limit.
+pub(crate) const UNASKED_SQL: &str = concat!(
+    "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
         d.channel, d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text),
         d.metadata, coalesce(c.first_sent_at, d.created_at), d.updated_at, c.claim_token
-     FROM outbound_deliveries d JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
-     WHERE d.id IN (SELECT id FROM outbound_deliveries
+     FROM outbound_deliveries d JOIN outbound_delivery_chunks c ON ",
+    chunks_of_delivery!("c", "d.id"),
+    " WHERE d.id IN (SELECT id FROM outbound_deliveries
                     WHERE status = 'uncertain' AND status <> 'delivered' AND channel = ?1)
        AND c.status = 'uncertain' AND c.settlement IS NULL
-     ORDER BY d.id, c.chunk_index
-     LIMIT ?2";
+     ORDER BY c.id
+     LIMIT ?2"
+);
 
 impl OperatorStore for Tx<'_> {
     fn unasked_uncertain(&self, channel: &str, limit: usize) -> Result<Vec<Unasked>> {

@@ -788,6 +788,27 @@ mod plan_tests {
         }
     }
 
+    /// The uncertain parts nobody asked about yet: the channel's uncertain deliveries
+    /// from the index of unfinished ones, their chunks by the chunk key; only those
+    /// rows are sorted (oldest first), never history.
+    #[test]
+    fn unasked_parts_are_found_from_the_open_index() {
+        let ob = populated();
+        let plan = explain(&ob, crate::store::sqlite::operator::UNASKED_SQL, 2);
+        assert!(
+            plan.contains("USING COVERING INDEX outbound_deliveries_open (channel=?)"),
+            "{plan}"
+        );
+        assert!(
+            plan.contains("SEARCH c USING INTEGER PRIMARY KEY (rowid>? AND rowid<?)"),
+            "{plan}"
+        );
+        let plan = plan.replace("USE TEMP B-TREE FOR ORDER BY", "");
+        for table in ["c", "d", "outbound_deliveries"] {
+            assert_no_full_scan(&plan, table);
+        }
+    }
+
     #[test]
     fn lane_lookups_are_seeks_on_the_open_index() {
         let ob = populated();
