@@ -1163,6 +1163,10 @@ fn a_channel_asks_its_platform_and_show_prints_what_it_answered() -> Result<()> 
     assert!(config.contains("ask"), "{config}");
     // The tool's rules are the file's: the dispatcher's outbox holds and asks.
     let ob = db.reopen(chunked_outbox::OutboxOptions::default());
+    assert_eq!(
+        ob.rules()?.channel("slack").replay,
+        chunked_outbox::rules::ReplayPolicy::Ask
+    );
     let id = ob
         .enqueue(&chunked_outbox::NewDelivery::single("slack", "C1", "hi"))?
         .id;

@@ -525,6 +525,57 @@ mod tests {
         }
     }
 
+    /// Version 9 admits the replay policy `ask`: the stored replay policies come
+    /// through, the CHECK still refuses an unknown word, and a chunk gains its first
+    /// send's time and settlement, empty.
+    #[test]
+    fn version_nine_keeps_the_replay_policies_and_admits_ask() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrations().to_version(&mut conn, 8).unwrap();
+        conn.execute_batch(
+            "UPDATE outbound_policy SET replay = 'hold', lane_interval_ms = 7 WHERE id = 1;
+             INSERT INTO outbound_channels (id, name, replay, lane_interval_ms)
+               VALUES (1, 'matrix', 'replay', 5), (2, 'telegram', NULL, NULL);",
+        )
+        .unwrap();
+        migrate(&mut conn).unwrap();
+        let rows: Vec<(String, Option<String>, Option<i64>)> = conn
+            .prepare("SELECT name, replay, lane_interval_ms FROM outbound_channels ORDER BY id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(
+            rows,
+            [
+                ("matrix".into(), Some("replay".into()), Some(5)),
+                ("telegram".into(), None, None)
+            ]
+        );
+        let policy: (String, i64) = conn
+            .query_row(
+                "SELECT replay, lane_interval_ms FROM outbound_policy",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(policy, ("hold".into(), 7));
+        conn.execute(
+            "UPDATE outbound_channels SET replay = 'ask' WHERE id = 2",
+            [],
+        )
+        .unwrap();
+        for sql in [
+            "UPDATE outbound_channels SET replay = 'maybe'",
+            "UPDATE outbound_policy SET replay = 'maybe'",
+        ] {
+            assert!(conn.execute(sql, []).is_err(), "{sql}");
+        }
+        conn.execute_batch("SELECT first_sent_at, settlement FROM outbound_delivery_chunks")
+            .unwrap();
+    }
+
     #[test]
     fn the_rebuild_for_cancel_keeps_every_row_and_index() {
         let mut conn = Connection::open_in_memory().unwrap();
