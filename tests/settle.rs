@@ -290,6 +290,29 @@ stores! {
             .map(|p| (p.claim.chat_id.clone(), Settlement::within_window(p, window, "test key").decision))
             .collect();
         assert_eq!(decided, [("1".to_owned(), Decision::Hold), ("2".to_owned(), Decision::Resend)]);
+        let second = &parts[1];
+        assert_eq!(second.since_first_send(), Duration::from_secs(100));
+        assert_eq!(second.uncertain_for(), Duration::from_secs(100));
+        let asked = Settlement::within_window(second, window, "test key").asked;
+        assert_eq!(asked, "the test key deduplicates for 120 s; first sent 100 s ago");
+        // The window is open up to its last millisecond, and closed from its end.
+        let at = |ms: u64| {
+            let mut part = second.clone();
+            part.now = part.first_sent_at + chrono::Duration::milliseconds(ms as i64);
+            Settlement::within_window(&part, window, "test key").decision
+        };
+        assert_eq!((at(119_999), at(120_000)), (Decision::Resend, Decision::Hold));
+        // The words the metric and the logs carry.
+        let words: Vec<&str> = [
+            Decision::Delivered { platform_message_id: None },
+            Decision::Resend,
+            Decision::Hold,
+            Decision::Later,
+        ]
+        .iter()
+        .map(Decision::as_str)
+        .collect();
+        assert_eq!(words, ["delivered", "resend", "hold", "later"]);
         Ok(())
     }
 }
