@@ -316,3 +316,80 @@ stores! {
         Ok(())
     }
 }
+
+/// Waits (at most 10 s) until `done` holds, looking every millisecond.
+fn until(mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "not settled in 10 s");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+stores! {
+    /// A started dispatcher asks by itself, every settle interval: the part that timed
+    /// out is found and the reply finalized with no call of the application's.
+    fn a_started_dispatcher_settles_by_itself() -> Result<()> {
+        let db = TestDb::on_system_clock(asking(ReplayPolicy::Ask));
+        let adapter = Scripted::new(vec![timeout()], Settlement::found("history", "found", Some("p".into())));
+        let dispatcher = Dispatcher::builder(db.outbox.clone())
+            .adapter("chat", adapter.clone())
+            .settle_interval(Duration::from_millis(5))
+            .build()?;
+        let running = dispatcher.start()?;
+        let id = reply(&db.outbox, "1", &["only"]);
+        until(|| view(&db.outbox, id).status == DeliveryStatus::Delivered);
+        let report = running.shutdown(Duration::from_secs(5));
+        assert!(report.clean);
+        assert_eq!(report.stats.settled_delivered, 1);
+        assert_eq!(adapter.sent().len(), 1);
+        Ok(())
+    }
+}
+
+#[cfg(feature = "tokio")]
+mod async_dispatcher {
+    use super::*;
+    use chunked_outbox::dispatch::SendFuture;
+    use chunked_outbox::{AsyncChannelAdapter, AsyncDispatcher};
+
+    struct Async(Scripted);
+
+    impl AsyncChannelAdapter for Async {
+        fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
+            Box::pin(std::future::ready(self.0.send(claim)))
+        }
+
+        fn settle<'a>(&'a self, part: &'a PossiblySent) -> SendFuture<'a, Settlement> {
+            Box::pin(std::future::ready(self.0.settle(part)))
+        }
+    }
+
+    /// The async flavour asks by itself too, on its own task; an answer that the part
+    /// is absent sends it again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_started_async_dispatcher_settles_by_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let outbox =
+            chunked_outbox::Outbox::open(dir.path().join("o.db"), asking(ReplayPolicy::Ask))
+                .unwrap();
+        let adapter = Scripted::new(vec![timeout()], Settlement::resend("history", "absent"));
+        let dispatcher = AsyncDispatcher::builder(outbox.clone())
+            .adapter("chat", Async(adapter.clone()))
+            .settle_interval(Duration::from_millis(5))
+            .build()
+            .unwrap();
+        let running = dispatcher.start().unwrap();
+        let id = reply(&outbox, "1", &["only"]);
+        let check = outbox.clone();
+        tokio::task::spawn_blocking(move || {
+            until(|| view(&check, id).status == DeliveryStatus::Delivered)
+        })
+        .await
+        .unwrap();
+        let report = running.shutdown(Duration::from_secs(5)).await;
+        assert!(report.clean);
+        assert_eq!(report.stats.settled_resent, 1);
+        assert_eq!(adapter.sent().len(), 2, "sent, then sent again");
+    }
+}
