@@ -347,6 +347,27 @@ stores! {
     }
 }
 
+stores! {
+    /// The settler asks once per interval, not in a loop, and a shutdown does not wait
+    /// for the interval to pass.
+    fn the_settler_waits_its_interval_but_not_to_stop() -> Result<()> {
+        let db = TestDb::on_system_clock(asking(ReplayPolicy::Ask));
+        let adapter = Scripted::new(vec![timeout()], Settlement::later("history", "ratelimited"));
+        let dispatcher = Dispatcher::builder(db.outbox.clone())
+            .adapter("chat", adapter.clone())
+            .settle_interval(Duration::from_secs(3600))
+            .build()?;
+        reply(&db.outbox, "1", &["only"]);
+        dispatcher.run_once()?;
+        let running = dispatcher.start()?;
+        until(|| !adapter.asked().is_empty());
+        let report = running.shutdown(Duration::from_secs(5));
+        assert!(report.clean);
+        assert_eq!(adapter.asked().len(), 1, "asked again before the interval passed");
+        Ok(())
+    }
+}
+
 #[cfg(feature = "tokio")]
 mod async_dispatcher {
     use super::*;
