@@ -1726,6 +1726,77 @@ pub(super) fn staged_replies_are_listed_taken_and_renumbered(fresh: Fresh) {
     });
 }
 
+/// A chunk's first send is kept across its sends; an uncertain chunk is listed as
+/// unasked — per channel, oldest first, up to the limit, with its first send, when it
+/// became uncertain and the token left on it — until a settlement is noted, which only
+/// the chunk still uncertain and unasked takes, its delivery unchanged since it was
+/// read; it is unasked again each time it becomes uncertain again.
+pub(super) fn uncertain_chunks_are_asked_about_once(fresh: Fresh) {
+    let ob = fresh_at_t0(fresh);
+    let id_a = enqueue(&ob, "a", "x");
+    enqueue(&ob, "b", "y");
+    let channel = channel_t(&ob);
+    let due = write(&ob, |tx| tx.due_chunks(&channel, T0, 2));
+    let ((a, da), (b, db)) = (
+        (due[0].chunk, due[0].delivery),
+        (due[1].chunk, due[1].delivery),
+    );
+    let uncertain = |chunk: i64, delivery: i64, keep_token: bool, at: i64| {
+        write(&ob, |tx| {
+            tx.set_chunk_aside(chunk, ChunkStatus::Uncertain, "maybe", keep_token)?;
+            tx.set_delivery_aside(delivery, ChunkStatus::Uncertain, at, None)
+        })
+    };
+    write(&ob, |tx| tx.mark_sending(a, T0 + 5, T0 + 1_000, 7));
+    write(&ob, |tx| tx.mark_sending(b, T0 + 6, T0 + 1_000, 8));
+    uncertain(a, da, true, T0 + 10);
+    uncertain(b, db, false, T0 + 20);
+    let listed = |limit: usize| {
+        write(&ob, |tx| tx.unasked_uncertain("t", limit))
+            .into_iter()
+            .map(|u| (u.chunk.id, u.first_sent_at, u.since, u.token, u.text))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        listed(10),
+        [
+            (a, T0 + 5, T0 + 10, Some(7), "x".to_owned()),
+            (b, T0 + 6, T0 + 20, None, "y".to_owned())
+        ]
+    );
+    assert_eq!(listed(1).len(), 1);
+    assert!(write(&ob, |tx| tx.unasked_uncertain("other", 10)).is_empty());
+
+    assert!(
+        !write(&ob, |tx| tx.note_settlement(a, T0 + 11, "stale")),
+        "changed since"
+    );
+    assert!(write(&ob, |tx| tx.note_settlement(a, T0 + 10, "asked")));
+    assert!(
+        !write(&ob, |tx| tx.note_settlement(a, T0 + 10, "again")),
+        "asked already"
+    );
+    assert_eq!(listed(10).iter().map(|u| u.0).collect::<Vec<_>>(), [b]);
+    let view = |d: DeliveryId| ob.delivery(d).unwrap().unwrap().chunks.remove(0);
+    assert_eq!(row(&ob, id_a), da);
+    assert_eq!(view(id_a).settlement.as_deref(), Some("asked"));
+    assert_eq!(
+        view(id_a).first_sent_at.map(|t| t.timestamp_millis()),
+        Some(T0 + 5)
+    );
+
+    // Sent again: the first send's time stays; uncertain again: unasked again.
+    write(&ob, |tx| tx.mark_sending(a, T0 + 50, T0 + 1_000, 9));
+    uncertain(a, da, true, T0 + 60);
+    assert_eq!(view(id_a).settlement, None);
+    assert_eq!(listed(10)[0], (a, T0 + 5, T0 + 60, Some(9), "x".to_owned()));
+    // A chunk no longer uncertain takes no settlement.
+    write(&ob, |tx| {
+        tx.set_chunk_aside(b, ChunkStatus::Failed, "gone", false)
+    });
+    assert!(!write(&ob, |tx| tx.note_settlement(b, T0 + 20, "late")));
+}
+
 /// Makes one test of each contract for a store.
 macro_rules! conformance {
     ($store:ident, $fresh:expr) => {
@@ -1776,6 +1847,7 @@ macro_rules! conformance {
                 advancing_lanes_in_one_go_leaves_what_the_rules_leave,
                 lanes_are_entered_as_their_reads_say,
                 staged_replies_are_listed_taken_and_renumbered,
+                uncertain_chunks_are_asked_about_once,
             );
         }
     };
