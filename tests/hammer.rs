@@ -171,7 +171,13 @@ fn hammer(outbox: &Outbox, process: usize, log_path: &Path, seconds: u64) {
                                     // Another claim holds the chunk: the harness
                                     // reports it.
                                     Err(Error::StaleClaim { .. }) => {
-                                        log(&mut file, &format!("stale {}", claim.text))
+                                        // Spaces written as `+`, as in `sent`: a
+                                        // planted fault can hand a claim a whole
+                                        // reply's text.
+                                        log(
+                                            &mut file,
+                                            &format!("stale {}", claim.text.replace(' ', "+")),
+                                        )
                                     }
                                     Err(e) => log(&mut file, &format!("refused record: {e}")),
                                 }
