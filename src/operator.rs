@@ -131,13 +131,7 @@ impl Outbox {
             match &resolution {
                 Resolution::Delivered {
                     platform_message_id,
-                } => {
-                    let mut tally = Tally::default();
-                    let id = platform_message_id.as_deref();
-                    let recorded = state::deliver(tx, rules, &chunk, id, now, false, &mut tally)?;
-                    tally.write(tx)?;
-                    Ok(recorded)
-                }
+                } => state::deliver_held(tx, rules, &chunk, platform_message_id.as_deref(), now),
                 Resolution::Resend if crate::sabotage::planted("uncertain_left") => {
                     Ok(Recorded::settled(ChunkStatus::Retry))
                 }

@@ -60,7 +60,6 @@ use serde::Serialize;
 use crate::claim::Claim;
 use crate::clock::to_datetime;
 use crate::error::Result;
-use crate::finalize::Tally;
 use crate::ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
 use crate::outbox::Outbox;
 use crate::state::{self, Recorded, requeue};
@@ -345,13 +344,7 @@ impl Outbox {
             let recorded = match decision {
                 Decision::Delivered {
                     platform_message_id,
-                } => {
-                    let mut tally = Tally::default();
-                    let id = platform_message_id.as_deref();
-                    let recorded = state::deliver(tx, rules, &chunk, id, now, false, &mut tally)?;
-                    tally.write(tx)?;
-                    recorded
-                }
+                } => state::deliver_held(tx, rules, &chunk, platform_message_id.as_deref(), now)?,
                 Decision::Resend => {
                     requeue(tx, rules, &chunk, "settle", now)?;
                     Recorded::settled(ChunkStatus::Retry)

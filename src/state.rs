@@ -200,6 +200,29 @@ pub(crate) fn reschedule(
     tx.reschedule(chunk.id, status, attempts, due, error.as_deref())
 }
 
+/// Marks an `uncertain` chunk delivered — a person or its platform said it arrived — and
+/// moves its delivery, held aside, on ([`deliver`]), with the counters written.
+pub(crate) fn deliver_held(
+    tx: &dyn StoreTx,
+    rules: &Stored,
+    chunk: &ChunkRef,
+    platform_message_id: Option<&str>,
+    now: i64,
+) -> Result<Recorded> {
+    let mut tally = Tally::default();
+    let recorded = deliver(
+        tx,
+        rules,
+        chunk,
+        platform_message_id,
+        now,
+        false,
+        &mut tally,
+    )?;
+    tally.write(tx)?;
+    Ok(recorded)
+}
+
 /// Marks a chunk delivered and moves its delivery on: the next chunk becomes due, or
 /// the delivery is finalized. `active` says whether the delivery currently holds its
 /// lane (an ack) or was held aside (resolving an `uncertain` chunk), in which case it
