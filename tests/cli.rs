@@ -1185,7 +1185,7 @@ fn a_channel_asks_its_platform_and_show_prints_what_it_answered() -> Result<()> 
     ob.settle(&part, &answer)?;
     let (_, shown) = stdout(outbox(&db.path()).args(["show", &id.to_string()]));
     assert!(
-        shown.contains("chunk 1 asked its platform: asked: conversations.history of C1; answered: internal_error \\u{1b}[2J; held for a person"),
+        shown.contains("chunk 1: asked: conversations.history of C1; answered: internal_error \\u{1b}[2J; held for a person"),
         "{shown}"
     );
     Ok(())

@@ -136,6 +136,13 @@ fn scene(outbox: &Outbox) -> Scene {
             error: "read timeout after the request was written".into(),
         },
     );
+    // Slack was asked about it, and could not tell: it is a person's.
+    let part = outbox.possibly_sent("slack", 1).unwrap().remove(0);
+    let lookup = chunked_outbox::settle::Settlement::hold(
+        "conversations.history of C1 for the key",
+        "internal_error",
+    );
+    outbox.settle(&part, &lookup).unwrap().unwrap();
     let behind_uncertain = reply("slack", "C1", "the second answer");
     let dead = reply("telegram", "42", "hello");
     send(
@@ -425,7 +432,11 @@ async fn walk(b: &Browser, outbox: &Outbox, scene: &Scene) {
     let story = b.text().await;
     assert!(
         story.contains("uncertain")
-            && story.contains("Sends nothing: records the part as delivered"),
+            && story.contains("Sends nothing: records the part as delivered")
+            && story.contains(
+                "Part 1: asked: conversations.history of C1 for the key; \
+                 answered: internal_error; held for a person"
+            ),
         "{story}"
     );
     b.screenshot("uncertain-reply").await;

@@ -603,7 +603,7 @@ pub(super) fn story(viewer: &Viewer<'_>, view: &DeliveryView, with_text: bool) -
             }
             @for chunk in view.chunks.iter().filter(|c| c.settlement.is_some()) {
                 p.settlement {
-                    "Part " (chunk.index + 1) ", its platform asked: "
+                    "Part " (chunk.index + 1) ": "
                     (chunk.settlement.as_deref().unwrap_or_default())
                 }
             }

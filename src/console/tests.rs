@@ -711,7 +711,7 @@ fn a_reply_shows_what_its_platform_was_asked_escaped() {
     let page = get(&Console::new(outbox), &format!("/console/deliveries/{id}"));
     assert!(
         page.body.contains(
-            "Part 1, its platform asked: asked: conversations.history; answered: \
+            "Part 1: asked: conversations.history; answered: \
              &lt;b&gt;internal_error&lt;/b&gt;; held for a person"
         ),
         "{}",

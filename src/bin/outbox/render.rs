@@ -244,12 +244,7 @@ pub fn show(d: &DeliveryView) -> String {
     ));
     for c in &d.chunks {
         if let Some(settlement) = &c.settlement {
-            let _ = writeln!(
-                out,
-                "chunk {} asked its platform: {}",
-                c.index + 1,
-                clean(settlement)
-            );
+            let _ = writeln!(out, "chunk {}: {}", c.index + 1, clean(settlement));
         }
     }
     let _ = writeln!(out, "a chunk's key is {}:<chunk>", d.id);
