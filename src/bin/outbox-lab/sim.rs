@@ -2,7 +2,7 @@
 //! that fail in the ways real ones do and record what they accept in their own SQLite
 //! file, replies of realistic shapes, and the operator who settles uncertain chunks.
 //!
-//! Slack and Discord are declared [`ReplayPolicy::Ask`](chunked_outbox::rules::ReplayPolicy::Ask):
+//! Slack and Discord are declared [`ReplayPolicy::Ask`]:
 //! the dispatchers ask them about a possibly-sent part (Slack answers a lookup by the
 //! key in the message metadata; Discord deduplicates a nonce for a few minutes) and
 //! settle it without a person. Telegram cannot be asked: its possibly-sent parts are
