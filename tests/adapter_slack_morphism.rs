@@ -42,8 +42,9 @@ struct State {
 
 /// The emulated Web API. Channels choose the behaviour: C404 does not exist, CARCH is
 /// archived, C429 is rate limited (3 s), C500 fails inside Slack, C777 posts and answers
-/// too late; CLOST and CBROKEN read their first post and answer nothing (nothing is
-/// posted), and CBROKEN's history fails with `internal_error`. The token
+/// too late; CLOST, CBROKEN and CBUSY read their first post and answer nothing (nothing
+/// is posted), CBROKEN's history fails with `internal_error` and CBUSY's is rate-limited
+/// (429, `Retry-After: 30`). The token
 /// `xoxb-inactive` belongs to a deactivated account.
 struct SlackApi {
     url: String,
@@ -106,6 +107,9 @@ fn history(url: &str, state: &Mutex<State>) -> Value {
     let channel = query(url, "channel").unwrap_or_default();
     if channel == "CBROKEN" {
         return json!({"ok": false, "error": "internal_error"});
+    }
+    if channel == "CBUSY" {
+        return json!({"ok": false, "error": "ratelimited"});
     }
     let oldest: f64 = query(url, "oldest")
         .and_then(|o| o.parse().ok())
@@ -172,7 +176,11 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
         if token != TOKEN {
             return respond(200, error("invalid_auth"), None);
         }
-        return respond(200, history(&url, state), None);
+        let answer = history(&url, state);
+        if answer["error"] == "ratelimited" {
+            return respond(429, answer, Some("30"));
+        }
+        return respond(200, answer, None);
     }
     if !url.starts_with("/api/chat.postMessage") {
         return respond(404, error("unknown_method"), None);
@@ -189,7 +197,7 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
         _ if text.chars().count() > 40_000 => return respond(200, error("msg_too_long"), None),
         _ => {}
     }
-    if ["CLOST", "CBROKEN"].contains(&channel.as_str())
+    if ["CLOST", "CBROKEN", "CBUSY"].contains(&channel.as_str())
         && state.lock().unwrap().swallowed.insert(channel.clone())
     {
         // Read, not posted, and no answer before the client gives up.
@@ -472,4 +480,28 @@ async fn a_failed_lookup_holds_the_part_for_a_person() {
     );
     assert!(api.posted().is_empty(), "nothing posted");
     assert_eq!(dispatcher.stats().settled_held, 1);
+}
+
+/// A rate-limited lookup cannot tell yet: nothing is recorded, and the part is asked
+/// about again at the next round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_lookup_is_asked_again_later() {
+    let api = SlackApi::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (outbox, dispatcher) = asking(&dir, api.adapter(TOKEN));
+    let ids = emulator::hello_each(&outbox, "slack", &["CBUSY"]);
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    for _ in 0..2 {
+        assert_eq!(dispatcher.settle_once().await, 0);
+        let view = outbox.delivery(ids["CBUSY"]).unwrap().unwrap();
+        assert_eq!(
+            (view.status, view.chunks[0].settlement.clone()),
+            (DeliveryStatus::Uncertain, None)
+        );
+    }
+    assert_eq!(
+        outbox.possibly_sent("slack", 4).unwrap().len(),
+        1,
+        "still to be asked"
+    );
 }
