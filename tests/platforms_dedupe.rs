@@ -21,7 +21,7 @@ use chunked_outbox::platforms::{HttpReply, NoReply, line, matrix, no_reply};
 use chunked_outbox::rules::ChannelPolicy;
 use chunked_outbox::settle::{PossiblySent, Settlement};
 use chunked_outbox::{
-    ChannelAdapter, Claim, DeliveryId, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome,
+    ChannelAdapter, Claim, Dispatcher, NewDelivery, Outbox, OutboxOptions, Outcome,
 };
 use common::emulator;
 use serde_json::json;
@@ -253,15 +253,36 @@ impl ChannelAdapter for Matrix {
     }
 }
 
-/// An outbox on `clock` whose channel asks its adapter, a dispatcher with `adapter`,
-/// and a reply to the slow `chat` sent once: it is uncertain.
-fn uncertain(
-    dir: &tempfile::TempDir,
-    clock: &ManualClock,
-    channel: &str,
-    chat: &str,
-    adapter: impl ChannelAdapter,
-) -> (Outbox, Dispatcher, DeliveryId) {
+/// The emulated platform of a run.
+#[derive(Clone, Copy)]
+enum Platform {
+    Line,
+    Matrix,
+}
+
+/// On `platform`, emulated on the outbox's clock, with its channel asking its adapter:
+/// a reply to the slow chat is sent once (it is uncertain), asked about after `wait`,
+/// then whatever is due is sent. The reply's status, its part's platform id and
+/// settlement, and the messages the chat was shown.
+fn asked_after(
+    platform: Platform,
+    wait: Duration,
+) -> (DeliveryStatus, Option<String>, String, Vec<Shown>) {
+    let clock = ManualClock::new(1_767_225_600_000);
+    let (api, channel, chat) = match platform {
+        Platform::Line => (Api::start(&clock, line_api), "line", "Uslow"),
+        Platform::Matrix => (
+            Api::start(&clock, matrix_api),
+            "matrix",
+            "!slow:example.org",
+        ),
+    };
+    let (url, client) = (api.url.clone(), client());
+    let adapter: Arc<dyn ChannelAdapter> = match platform {
+        Platform::Line => Arc::new(Line { url, client }),
+        Platform::Matrix => Arc::new(Matrix { url, client }),
+    };
+    let dir = tempfile::tempdir().unwrap();
     let options = OutboxOptions::default()
         .with_channel(channel, ChannelPolicy::asking())
         .with_clock(Arc::new(clock.clone()));
@@ -279,17 +300,6 @@ fn uncertain(
         outbox.delivery(id).unwrap().unwrap().status,
         DeliveryStatus::Uncertain
     );
-    (outbox, dispatcher, id)
-}
-
-/// Asks after `wait`, then sends what is due; the reply's status, its part's platform
-/// id and settlement, and the messages the chat was shown.
-fn settle_after(
-    api: &Api,
-    clock: &ManualClock,
-    (outbox, dispatcher, id): (Outbox, Dispatcher, DeliveryId),
-    wait: Duration,
-) -> (DeliveryStatus, Option<String>, String, Vec<Shown>) {
     clock.advance(wait);
     assert_eq!(dispatcher.settle_once(), 1);
     dispatcher.run_once().unwrap();
@@ -306,15 +316,7 @@ fn settle_after(
 
 #[test]
 fn line_inside_its_retry_key_window_sends_again_and_reads_the_409_as_delivered() {
-    let clock = ManualClock::new(1_767_225_600_000);
-    let api = Api::start(&clock, line_api);
-    let dir = tempfile::tempdir().unwrap();
-    let adapter = Line {
-        url: api.url.clone(),
-        client: client(),
-    };
-    let held = uncertain(&dir, &clock, "line", "Uslow", adapter);
-    let (status, id, kept, shown) = settle_after(&api, &clock, held, Duration::from_secs(3600));
+    let (status, id, kept, shown) = asked_after(Platform::Line, Duration::from_secs(3600));
     assert_eq!(status, DeliveryStatus::Delivered);
     assert_eq!(shown.len(), 1, "shown once: {shown:?}");
     assert_eq!(
@@ -334,15 +336,7 @@ fn line_inside_its_retry_key_window_sends_again_and_reads_the_409_as_delivered()
 
 #[test]
 fn line_after_its_retry_key_window_holds_the_part() {
-    let clock = ManualClock::new(1_767_225_600_000);
-    let api = Api::start(&clock, line_api);
-    let dir = tempfile::tempdir().unwrap();
-    let adapter = Line {
-        url: api.url.clone(),
-        client: client(),
-    };
-    let held = uncertain(&dir, &clock, "line", "Uslow", adapter);
-    let (status, _, kept, shown) = settle_after(&api, &clock, held, Duration::from_secs(25 * 3600));
+    let (status, _, kept, shown) = asked_after(Platform::Line, Duration::from_secs(25 * 3600));
     assert_eq!(status, DeliveryStatus::Uncertain);
     assert_eq!(shown.len(), 1, "nothing sent again: {shown:?}");
     assert!(
@@ -353,15 +347,7 @@ fn line_after_its_retry_key_window_holds_the_part() {
 
 #[test]
 fn matrix_inside_the_transaction_window_sends_again_and_gets_the_same_event() {
-    let clock = ManualClock::new(1_767_225_600_000);
-    let api = Api::start(&clock, matrix_api);
-    let dir = tempfile::tempdir().unwrap();
-    let adapter = Matrix {
-        url: api.url.clone(),
-        client: client(),
-    };
-    let held = uncertain(&dir, &clock, "matrix", "!slow:example.org", adapter);
-    let (status, id, kept, shown) = settle_after(&api, &clock, held, Duration::from_secs(600));
+    let (status, id, kept, shown) = asked_after(Platform::Matrix, Duration::from_secs(600));
     assert_eq!(status, DeliveryStatus::Delivered);
     assert_eq!(shown.len(), 1, "shown once: {shown:?}");
     assert_eq!(id, Some(format!("${}", shown[0].id)));
@@ -373,15 +359,7 @@ fn matrix_inside_the_transaction_window_sends_again_and_gets_the_same_event() {
 
 #[test]
 fn matrix_after_the_transaction_window_holds_the_part() {
-    let clock = ManualClock::new(1_767_225_600_000);
-    let api = Api::start(&clock, matrix_api);
-    let dir = tempfile::tempdir().unwrap();
-    let adapter = Matrix {
-        url: api.url.clone(),
-        client: client(),
-    };
-    let held = uncertain(&dir, &clock, "matrix", "!slow:example.org", adapter);
-    let (status, _, kept, shown) = settle_after(&api, &clock, held, Duration::from_secs(40 * 60));
+    let (status, _, kept, shown) = asked_after(Platform::Matrix, Duration::from_secs(40 * 60));
     assert_eq!(status, DeliveryStatus::Uncertain);
     assert_eq!(shown.len(), 1, "nothing sent again: {shown:?}");
     assert!(kept.contains("window has passed"), "{kept}");

@@ -414,3 +414,32 @@ mod async_dispatcher {
         assert_eq!(adapter.sent().len(), 2, "sent, then sent again");
     }
 }
+
+/// An adapter with only `send`: it cannot ask.
+struct SendOnly;
+
+impl ChannelAdapter for SendOnly {
+    fn send(&self, _: &Claim) -> Outcome {
+        timeout()
+    }
+}
+
+stores! {
+    /// On an asking channel whose adapter has no way to ask (Telegram's), the part is
+    /// held for a person and says why.
+    fn an_adapter_that_cannot_ask_holds_the_part() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Ask));
+        let dispatcher = Dispatcher::builder(db.outbox.clone()).adapter("chat", SendOnly).build()?;
+        let id = reply(&db.outbox, "1", &["only"]);
+        dispatcher.run_once()?;
+        assert_eq!(dispatcher.settle_once(), 1);
+        let v = view(&db.outbox, id);
+        assert_eq!(v.status, DeliveryStatus::Uncertain);
+        assert_eq!(
+            v.chunks[0].settlement.as_deref(),
+            Some("asked: the chat adapter; answered: it has no way to ask its platform; held for a person")
+        );
+        assert_eq!(dispatcher.settle_once(), 0, "asked once");
+        Ok(())
+    }
+}
