@@ -10,12 +10,22 @@
 //! Like [`Endpoint`](crate::monitoring::Endpoint) it answers a [`Request`] with a
 //! [`Response`], so any HTTP server can mount it. It is safe by default:
 //!
-//! - **read-only** unless [`with_actions`](Console::with_actions) gives it a token; a
-//!   person who signs in with that token (a cookie, `HttpOnly`, `SameSite=Strict`)
-//!   gets buttons to requeue, resolve, resend and dismiss, each with what it does to
-//!   the platform written beside it;
-//! - every action is a `POST` carrying the console's form token (CSRF), and changes the
+//! - it answers only to its own names ([`AllowedHosts`]; the loopback names by
+//!   default): a request whose `Host` is another name is refused with 421, so a web page
+//!   that points its own name at the console's address (DNS rebinding) reads nothing;
+//! - **read-only** unless [`with_actions`](Console::with_actions) gives it a token, and
+//!   then **every page but the sign-in form and the style sheet needs the sign-in**:
+//!   signing in starts a session kept on the server (the cookie, `HttpOnly`,
+//!   `SameSite=Strict`, carries only its random id, never the token; it ends after
+//!   [`SESSION_IDLE`] without a request, [`SESSION_LIFETIME`] after sign-in, or at
+//!   sign-out), and a person signed in gets buttons to requeue, resolve, resend and
+//!   dismiss, each with what it does to the platform written beside it;
+//! - every action is a `POST` carrying its session's form token (CSRF), refused when its
+//!   `Origin` is another site or `Sec-Fetch-Site` says it came from one, and changes the
 //!   outbox in one transaction of the operation it names, as the `outbox` tool would;
+//! - failed sign-ins are counted per peer and overall: past
+//!   [`FREE_SIGN_IN_FAILURES`] the next attempt waits, twice as long each time (429 with
+//!   `Retry-After`);
 //! - every answer carries [`SECURITY_HEADERS`] (no script runs, nothing is loaded from
 //!   elsewhere, no other site frames it), every value is escaped (a reply whose text is
 //!   `<script>` renders as text), and a reply's text is shown only when asked for
@@ -37,9 +47,11 @@
 //! # Ok::<(), chunked_outbox::Error>(())
 //! ```
 
+mod guard;
 mod pages;
 
-use std::sync::Arc;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
 
 use subtle::ConstantTimeEq;
 
@@ -51,6 +63,11 @@ use crate::outbox::Outbox;
 use crate::rules::LaneFailurePolicy;
 use crate::status::{ChunkStatus, DeliveryStatus};
 
+pub use guard::{
+    AllowedHosts, FREE_SIGN_IN_FAILURES, FREE_SIGN_IN_FAILURES_OVERALL, LONGEST_SIGN_IN_WAIT,
+    MIN_TOKEN_VARIETY, SESSION_IDLE, SESSION_LIFETIME,
+};
+use guard::{Sessions, Throttle};
 use pages::StuckChat;
 
 /// Where the console's pages live; a server mounts every path under it.
@@ -80,37 +97,57 @@ pub const MIN_TOKEN_LEN: usize = 16;
 /// The most a form's body may be; a server may refuse a longer one before reading it.
 pub const MAX_FORM_BYTES: usize = 16 * 1024;
 
-/// A request as the console needs it.
+/// A request as the console needs it. An embedding server fills in every header it
+/// received: the `Host` decides whether the console answers at all, `Origin` and
+/// `Sec-Fetch-Site` whether a form is taken, the peer's address how long a failed
+/// sign-in waits.
 #[derive(Debug, Clone, Copy)]
 pub struct Request<'a> {
     /// `GET`, `HEAD` or `POST`.
     pub method: &'a str,
     /// The path and query string.
     pub target: &'a str,
+    /// The `Host` header; a request without one, or naming a host the console does not
+    /// answer to ([`Console::with_allowed_hosts`]), is refused with 421.
+    pub host: Option<&'a str>,
     /// The `Cookie` header, if any.
     pub cookie: Option<&'a str>,
+    /// The `Origin` header, if any: a `POST` from another origin is refused.
+    pub origin: Option<&'a str>,
+    /// The `Sec-Fetch-Site` header, if any: a `POST` marked `cross-site` or `same-site`
+    /// is refused.
+    pub fetch_site: Option<&'a str>,
+    /// The client's address, for counting its failed sign-ins (`None`: counted with
+    /// every other request that has none).
+    pub peer: Option<IpAddr>,
+    /// Whether the request came over HTTPS (the session cookie is `Secure` then).
+    pub https: bool,
     /// The body of a `POST` (`application/x-www-form-urlencoded`).
     pub body: &'a [u8],
 }
 
 impl<'a> Request<'a> {
-    /// A `GET` of `target` with no cookie.
+    /// A `GET` of `target` to `localhost`, with no cookie.
     pub fn get(target: &'a str) -> Self {
         Request {
             method: "GET",
             target,
+            host: Some("localhost"),
             cookie: None,
+            origin: None,
+            fetch_site: None,
+            peer: None,
+            https: false,
             body: b"",
         }
     }
 
-    /// A `POST` of the form `body` to `target` with no cookie.
+    /// A `POST` of the form `body` to `target` on `localhost`, with no cookie.
     pub fn post(target: &'a str, body: &'a [u8]) -> Self {
         Request {
             method: "POST",
-            target,
-            cookie: None,
             body,
+            ..Request::get(target)
         }
     }
 
@@ -118,6 +155,38 @@ impl<'a> Request<'a> {
     pub fn with_cookie(self, cookie: &'a str) -> Self {
         Request {
             cookie: Some(cookie),
+            ..self
+        }
+    }
+
+    /// The same request with the `Host` header `host`.
+    pub fn with_host(self, host: &'a str) -> Self {
+        Request {
+            host: Some(host),
+            ..self
+        }
+    }
+
+    /// The same request with the `Origin` header `origin`.
+    pub fn with_origin(self, origin: &'a str) -> Self {
+        Request {
+            origin: Some(origin),
+            ..self
+        }
+    }
+
+    /// The same request with the `Sec-Fetch-Site` header `site`.
+    pub fn with_fetch_site(self, site: &'a str) -> Self {
+        Request {
+            fetch_site: Some(site),
+            ..self
+        }
+    }
+
+    /// The same request from the client at `peer`.
+    pub fn from_peer(self, peer: IpAddr) -> Self {
+        Request {
+            peer: Some(peer),
             ..self
         }
     }
@@ -159,7 +228,14 @@ impl Response {
     }
 
     /// A `303 See Other` to `location` (after an action, so a reload repeats nothing).
+    /// A location with a control character (which would split the header) goes to
+    /// the overview instead.
     fn see_other(location: String) -> Self {
+        let location = if location.bytes().any(|b| b.is_ascii_control()) {
+            BASE.to_owned()
+        } else {
+            location
+        };
         let mut answer = Response::new(303, "text/plain; charset=utf-8", String::new());
         answer.headers.push(("Location", location));
         answer
@@ -171,13 +247,18 @@ impl Response {
 pub struct Console {
     outbox: Outbox,
     routes: Arc<matchit::Router<Route>>,
+    hosts: Arc<AllowedHosts>,
     actions: Option<Arc<Secrets>>,
+    secure_cookie: bool,
 }
 
-/// What turns the actions on: the operator's token and this console's form token.
+/// What turns the actions on: the operator's token, the sign-in form's token, and the
+/// sessions and failed sign-ins of this console.
 struct Secrets {
     token: String,
-    csrf: String,
+    sign_in_csrf: String,
+    sessions: Mutex<Sessions>,
+    throttle: Mutex<Throttle>,
 }
 
 /// The pages, by path.
@@ -213,13 +294,15 @@ enum Action {
 }
 
 /// Who is asking: whether actions are on, and whether this person signed in.
-pub(crate) struct Viewer<'a> {
-    /// The form token, when the person may act.
-    pub(crate) csrf: Option<&'a str>,
+pub(crate) struct Viewer {
+    /// The session's form token, when the person signed in.
+    pub(crate) csrf: Option<String>,
     /// Whether actions are on at all (a sign-in link is shown then).
     pub(crate) actions_on: bool,
     /// What the last action did (after its redirect).
     pub(crate) notice: Option<String>,
+    /// The session, when the person signed in.
+    session: Option<String>,
 }
 
 /// The most replies a page of uncertain replies or dead letters lists (newest first).
@@ -232,7 +315,8 @@ const CHATS_LISTED: usize = 50;
 const REPLAY_AT_MOST: usize = 500;
 
 impl Console {
-    /// The console of `outbox`, read-only.
+    /// The console of `outbox`, read-only, answering to the loopback names
+    /// ([`AllowedHosts::loopback`], any port).
     pub fn new(outbox: Outbox) -> Self {
         let mut routes = matchit::Router::new();
         let pages = [
@@ -266,17 +350,36 @@ impl Console {
         Self {
             outbox,
             routes: Arc::new(routes),
+            hosts: Arc::new(AllowedHosts::loopback(None)),
             actions: None,
+            secure_cookie: false,
         }
     }
 
-    /// Turns the actions on for whoever signs in with `token` (at least
-    /// [`MIN_TOKEN_LEN`] characters; keep it out of the command line and the logs).
+    /// Answers only requests whose `Host` is one of `hosts` (instead of the loopback
+    /// names on any port).
+    pub fn with_allowed_hosts(mut self, hosts: AllowedHosts) -> Self {
+        self.hosts = Arc::new(hosts);
+        self
+    }
+
+    /// Marks the session cookie `Secure` on every answer, not only on requests that
+    /// came over HTTPS ([`Request::https`]): for a console behind a proxy that ends TLS.
+    pub fn with_secure_cookie(mut self, secure: bool) -> Self {
+        self.secure_cookie = secure;
+        self
+    }
+
+    /// Turns the actions on for whoever signs in with `token`, and puts every page
+    /// behind that sign-in. The token needs at least [`MIN_TOKEN_LEN`] characters, of
+    /// at least [`MIN_TOKEN_VARIETY`] different ones: `openssl rand -hex 32` makes a
+    /// good one. Keep it out of the command line and the logs.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidInput`] for a shorter token, or one with characters a cookie
-    /// cannot carry (only visible ASCII other than `"`, `,`, `;` and `\`).
+    /// [`Error::InvalidInput`] for a shorter token, one with too few different
+    /// characters, or one with characters a form may garble (only visible ASCII other
+    /// than `"`, `,`, `;` and `\`).
     pub fn with_actions(mut self, token: &str) -> Result<Self> {
         let token = token.trim();
         let invalid = |reason: &str| Error::InvalidInput {
@@ -285,7 +388,8 @@ impl Console {
         };
         if token.len() < MIN_TOKEN_LEN {
             return Err(invalid(&format!(
-                "{} characters; at least {MIN_TOKEN_LEN} are needed",
+                "{} characters; at least {MIN_TOKEN_LEN} are needed (make one with \
+                 `openssl rand -hex 32`)",
                 token.len()
             )));
         }
@@ -294,17 +398,20 @@ impl Console {
             .all(|b| b.is_ascii_graphic() && !b"\",;\\".contains(&b))
         {
             return Err(invalid(
-                "only visible ASCII characters other than \" , ; \\ can be carried in a cookie",
+                "only visible ASCII characters other than \" , ; \\ are taken",
             ));
         }
-        let mut random = [0u8; 16];
-        getrandom::fill(&mut random).map_err(|e| Error::Io {
-            path: "the system's random source".into(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
+        if !guard::varied(token) {
+            return Err(invalid(&format!(
+                "fewer than {MIN_TOKEN_VARIETY} different characters: a token like that \
+                 is guessed first (make one with `openssl rand -hex 32`)"
+            )));
+        }
         self.actions = Some(Arc::new(Secrets {
             token: token.to_owned(),
-            csrf: random.iter().map(|b| format!("{b:02x}")).collect(),
+            sign_in_csrf: guard::random_hex()?,
+            sessions: Mutex::default(),
+            throttle: Mutex::default(),
         }));
         Ok(self)
     }
@@ -314,9 +421,21 @@ impl Console {
         self.actions.is_some()
     }
 
+    /// The names this console answers to.
+    pub fn allowed_hosts(&self) -> &AllowedHosts {
+        &self.hosts
+    }
+
     /// The answer to `request`. It blocks for the reads of one page, or for one
     /// action's transactions.
     pub fn respond(&self, request: &Request<'_>) -> Response {
+        if !request.host.is_some_and(|host| self.hosts.permits(host)) {
+            return Response::new(
+                421,
+                "text/plain; charset=utf-8",
+                "this console does not answer to that host name\n".into(),
+            );
+        }
         let (path, query) = request
             .target
             .split_once('?')
@@ -343,6 +462,13 @@ impl Console {
                 return answer;
             }
         }
+        // With a token, reading needs the sign-in too: the pages show every reply.
+        if self.actions.is_some()
+            && viewer.session.is_none()
+            && !matches!(route, Route::SignIn | Route::Style)
+        {
+            return Response::see_other(format!("{BASE}/sign-in"));
+        }
         // Only the fixed notices of `pages::notice`: nothing of the query is echoed.
         viewer.notice = parameter(query, "done")
             .and_then(|done| pages::notice(&done, parameter(query, "n").as_deref()));
@@ -366,7 +492,10 @@ impl Console {
                     Response::html(200, pages::waiting(v, status, &filter, &views))
                 }
                 Route::Rules => Response::html(200, pages::rules(v, &self.outbox.rules()?)),
-                Route::SignIn => Response::html(200, pages::sign_in(v, self.sign_in_csrf(), None)),
+                Route::SignIn => Response::html(
+                    200,
+                    pages::sign_in(v, self.sign_in_csrf().filter(|_| v.session.is_none()), None),
+                ),
                 Route::SignOut | Route::Act(_) => Response::html(
                     200,
                     pages::message(v, "Actions", "Actions are taken with the page's buttons."),
@@ -376,30 +505,32 @@ impl Console {
         read().unwrap_or_else(|e| unreadable(v, &e))
     }
 
-    fn viewer(&self, cookie: Option<&str>) -> Viewer<'_> {
-        let signed_in = self.actions.as_ref().filter(|secrets| {
-            cookie.is_some_and(|header| {
-                header.split(';').any(|pair| {
-                    pair.trim()
-                        .strip_prefix(COOKIE)
-                        .and_then(|rest| rest.strip_prefix('='))
-                        .is_some_and(|value| same(value, &secrets.token))
-                })
-            })
+    fn now_ms(&self) -> i64 {
+        self.outbox.options().now_ms()
+    }
+
+    /// Who sent `cookie`: a person signed in, if it names a live session.
+    fn viewer(&self, cookie: Option<&str>) -> Viewer {
+        let session = self.actions.as_ref().and_then(|secrets| {
+            let id = session_id(cookie?)?;
+            let session = lock(&secrets.sessions).touch(id, self.now_ms())?;
+            Some((id.to_owned(), session.csrf))
         });
+        let (session, csrf) = session.unzip();
         Viewer {
-            csrf: signed_in.map(|s| s.csrf.as_str()),
+            csrf,
             actions_on: self.actions.is_some(),
             notice: None,
+            session,
         }
     }
 
     fn sign_in_csrf(&self) -> Option<&str> {
-        self.actions.as_deref().map(|s| s.csrf.as_str())
+        self.actions.as_deref().map(|s| s.sign_in_csrf.as_str())
     }
 
     /// A `POST`: sign in, sign out, or an action.
-    fn post(&self, route: Route, request: &Request<'_>, viewer: &Viewer<'_>) -> Response {
+    fn post(&self, route: Route, request: &Request<'_>, viewer: &Viewer) -> Response {
         let Some(secrets) = &self.actions else {
             return refused(
                 viewer,
@@ -407,50 +538,47 @@ impl Console {
                  (outbox serve --console-token-file).",
             );
         };
+        if let Some(why) = foreign(request) {
+            return refused(viewer, why);
+        }
         if request.body.len() > MAX_FORM_BYTES {
             return Response::new(413, "text/plain; charset=utf-8", "form too large\n".into());
         }
         let form = Form(form_urlencoded::parse(request.body).into_owned().collect());
-        if !form.get("csrf").is_some_and(|t| same(t, &secrets.csrf)) {
-            return refused(
-                viewer,
-                "The form's token is missing or out of date (the console was restarted, or \
-                 the form came from another site). Reload the page and try again.",
-            );
+        let expected = match route {
+            Route::SignIn => Some(secrets.sign_in_csrf.as_str()),
+            _ => viewer.csrf.as_deref(),
+        };
+        if !form
+            .get("csrf")
+            .zip(expected)
+            .is_some_and(|(given, expected)| same(given, expected))
+        {
+            let why = if expected.is_none() {
+                "Sign in with the console's token to act."
+            } else {
+                "The form's token is missing or out of date (the console was restarted, you \
+                 signed in again, or the form came from another site). Reload the page and \
+                 try again."
+            };
+            return refused(viewer, why);
         }
         match route {
-            Route::SignIn => {
-                if !form
-                    .get("token")
-                    .is_some_and(|t| same(t.trim(), &secrets.token))
-                {
-                    return Response::html(
-                        403,
-                        pages::sign_in(viewer, Some(&secrets.csrf), Some("That is not the token.")),
-                    );
-                }
-                let mut answer = Response::see_other(BASE.to_owned());
-                answer.headers.push((
-                    "Set-Cookie",
-                    format!(
-                        "{COOKIE}={}; Path={BASE}; HttpOnly; SameSite=Strict",
-                        secrets.token
-                    ),
-                ));
-                answer
-            }
+            Route::SignIn => self.sign_in(secrets, request, viewer, &form),
             Route::SignOut => {
-                let mut answer = Response::see_other(BASE.to_owned());
-                answer.headers.push((
-                    "Set-Cookie",
-                    format!("{COOKIE}=; Path={BASE}; HttpOnly; SameSite=Strict; Max-Age=0"),
-                ));
+                if let Some(id) = &viewer.session {
+                    lock(&secrets.sessions).end(id);
+                }
+                let mut answer = Response::see_other(format!("{BASE}/sign-in"));
+                answer
+                    .headers
+                    .push(("Set-Cookie", self.cookie("", request, Some(0))));
                 answer
             }
-            Route::Act(action) if viewer.csrf.is_some() => {
+            Route::Act(action) => {
                 let back = form
                     .get("back")
-                    .filter(|b| b.starts_with(&format!("{BASE}/")) && !b.contains(['?', '#', '\\']))
+                    .filter(|back| self.is_page(back))
                     .unwrap_or(BASE)
                     .to_owned();
                 match self.act(action, &form) {
@@ -463,8 +591,98 @@ impl Console {
                     ),
                 }
             }
-            _ => refused(viewer, "Sign in with the console's token to act."),
+            _ => refused(viewer, "Nothing is done here."),
         }
+    }
+
+    /// A sign-in: a new session if the token is right, unless this peer (or everyone)
+    /// failed too often lately.
+    fn sign_in(
+        &self,
+        secrets: &Secrets,
+        request: &Request<'_>,
+        viewer: &Viewer,
+        form: &Form,
+    ) -> Response {
+        let now = self.now_ms();
+        let waiting = lock(&secrets.throttle).wait(request.peer, now);
+        if let Some(wait) = waiting {
+            let seconds = wait.as_millis().div_ceil(1000).max(1);
+            let mut answer = Response::html(
+                429,
+                pages::message(
+                    viewer,
+                    "Too many failed sign-ins",
+                    &format!("Too many wrong tokens lately: try again in {seconds} s."),
+                ),
+            );
+            answer.headers.push(("Retry-After", seconds.to_string()));
+            return answer;
+        }
+        if !form
+            .get("token")
+            .is_some_and(|t| same(t.trim(), &secrets.token))
+        {
+            let failures = lock(&secrets.throttle).fail(request.peer, now);
+            tracing::warn!(
+                peer = ?request.peer,
+                failures,
+                "console: a sign-in with a wrong token"
+            );
+            return Response::html(
+                403,
+                pages::sign_in(
+                    viewer,
+                    Some(&secrets.sign_in_csrf),
+                    Some("That is not the token."),
+                ),
+            );
+        }
+        lock(&secrets.throttle).succeed(request.peer);
+        let mut sessions = lock(&secrets.sessions);
+        if let Some(old) = &viewer.session {
+            sessions.end(old);
+        }
+        match sessions.start(now) {
+            Ok((id, _)) => {
+                let mut answer = Response::see_other(BASE.to_owned());
+                answer
+                    .headers
+                    .push(("Set-Cookie", self.cookie(&id, request, None)));
+                answer
+            }
+            Err(e) => unreadable(viewer, &e),
+        }
+    }
+
+    /// The session cookie carrying `value`; `max_age` 0 removes it.
+    fn cookie(&self, value: &str, request: &Request<'_>, max_age: Option<u64>) -> String {
+        let mut cookie = format!("{COOKIE}={value}; Path={BASE}; HttpOnly; SameSite=Strict");
+        if self.secure_cookie || request.https {
+            cookie.push_str("; Secure");
+        }
+        if let Some(age) = max_age {
+            cookie.push_str(&format!("; Max-Age={age}"));
+        }
+        cookie
+    }
+
+    /// Whether `target` is one of the console's pages to go back to after an action:
+    /// a path it answers with a page (no query, nothing but a path's characters).
+    fn is_page(&self, target: &str) -> bool {
+        target
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/-_".contains(&b))
+            && self.routes.at(target).is_ok_and(|found| {
+                matches!(
+                    found.value,
+                    Route::Overview
+                        | Route::Chats
+                        | Route::Delivery
+                        | Route::Waiting(_)
+                        | Route::Rules
+                )
+            })
     }
 
     /// Carries out `action` as the form asks; how many replies it touched.
@@ -649,7 +867,7 @@ impl Console {
     }
 
     /// A reply's story, by its id as text.
-    fn delivery(&self, viewer: &Viewer<'_>, id: Option<&str>, query: &str) -> Result<Response> {
+    fn delivery(&self, viewer: &Viewer, id: Option<&str>, query: &str) -> Result<Response> {
         let Some(id) = id.and_then(|id| id.trim().parse::<DeliveryId>().ok()) else {
             return Ok(not_found("That is not a reply id."));
         };
@@ -661,7 +879,7 @@ impl Console {
 
     /// A reply found by its id or its caller key; else the unfinished replies to the
     /// chats of that id (a delivered reply is found by its id or key).
-    fn find(&self, viewer: &Viewer<'_>, query: &str) -> Result<Response> {
+    fn find(&self, viewer: &Viewer, query: &str) -> Result<Response> {
         let asked = parameter(query, "id").unwrap_or_default();
         let asked = asked.trim();
         if asked.parse::<DeliveryId>().is_ok() {
@@ -752,20 +970,59 @@ fn parameter(query: &str, name: &str) -> Option<String> {
         .map(|(_, value)| value.into_owned())
 }
 
+/// The session id the `Cookie` header carries, if any.
+fn session_id(cookie: &str) -> Option<&str> {
+    cookie.split(';').find_map(|pair| {
+        pair.trim()
+            .strip_prefix(COOKIE)
+            .and_then(|rest| rest.strip_prefix('='))
+            .filter(|id| !id.is_empty())
+    })
+}
+
+/// Why a form must not be taken: it came from another site. A browser that sends
+/// `Sec-Fetch-Site` is believed (`same-origin` or `none` is the console's own; these
+/// pages' `Referrer-Policy: no-referrer` makes Chromium send `Origin: null` with them);
+/// otherwise an `Origin` must be the console's own. `None` if it may be taken.
+fn foreign(request: &Request<'_>) -> Option<&'static str> {
+    match request.fetch_site {
+        Some("same-origin" | "none") => return None,
+        Some(_) => return Some("The form came from another site."),
+        None => {}
+    }
+    let origin = request.origin?;
+    let own = request.host.is_some_and(|host| {
+        origin
+            .strip_prefix("http://")
+            .or_else(|| origin.strip_prefix("https://"))
+            .is_some_and(|rest| rest.eq_ignore_ascii_case(host))
+    });
+    (!own).then_some("The form came from another origin.")
+}
+
+/// The lock of `mutex`, also after a thread panicked holding it (what it guards is
+/// whole after every call).
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn not_found(why: &str) -> Response {
     let nobody = Viewer {
         csrf: None,
         actions_on: false,
         notice: None,
+        session: None,
     };
     Response::html(404, pages::message(&nobody, "Not found", why))
 }
 
-fn refused(viewer: &Viewer<'_>, why: &str) -> Response {
+fn refused(viewer: &Viewer, why: &str) -> Response {
     Response::html(403, pages::message(viewer, "Not allowed", why))
 }
 
-fn unreadable(viewer: &Viewer<'_>, e: &Error) -> Response {
+fn unreadable(viewer: &Viewer, e: &Error) -> Response {
     Response::html(
         503,
         pages::message(

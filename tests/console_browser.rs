@@ -2,8 +2,10 @@
 //! its WebDriver (`chromedriver`), against `outbox serve` over an outbox with a held
 //! chat, an uncertain part, dead letters and a reply whose text is a `<script>`, on
 //! each store. It reads what a person would read, presses the buttons a person would
-//! press, and checks the rows in the store after each; it tries the hostile cases (no
-//! token, a form from another site, a wrong form token, the script). Each page's
+//! press, and checks the rows in the store after each; it tries the hostile cases (a
+//! page read before the sign-in, a form from another site, a form with the right token
+//! from another origin of the same host, a wrong form token, the script, a session's
+//! cookie after its sign-out). Each page's
 //! screenshot is written under `target/tmp/console-screenshots/<store>/` (and to
 //! `$OUTBOX_SCREENSHOTS/<store>/` when set: `docs/console` is made that way).
 //!
@@ -178,6 +180,12 @@ stores! {
         let scene = scene(&outbox);
         let token_file = db.dir.path().join("console-token");
         std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+        // Readable by its owner only: `outbox serve` refuses it otherwise.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        }
         let target = db.url.clone().unwrap_or_else(|| db.path().display().to_string());
         let (_server, base) = serve(&target, &token_file);
         let store = match current_store() {
@@ -317,13 +325,51 @@ impl Browser {
 }
 
 async fn walk(b: &Browser, outbox: &Outbox, scene: &Scene) {
-    // The overview: what health says, per channel.
-    b.goto("/console").await;
+    // Before the sign-in nothing is read: every page leads to the sign-in form.
+    b.goto(&format!("/console/deliveries/{}?text=1", scene.script))
+        .await;
+    let gate = b.text().await;
+    assert!(gate.contains("Sign in"), "{gate}");
+    for secret in [
+        "<script>",
+        "turn-77",
+        "C-history",
+        "bot was blocked",
+        "slack",
+    ] {
+        assert!(
+            !gate.contains(secret),
+            "{secret} shown before the sign-in: {gate}"
+        );
+    }
+    b.screenshot("sign-in").await;
+
+    // A form from another site changes nothing.
+    let forged = format!(
+        "data:text/html,<form method=post action='{}/console/actions/requeue'>\
+         <input name=delivery value={}><input name=csrf value=guess><button>go</button></form>",
+        b.base, scene.dead
+    );
+    b.client.goto(&forged).await.unwrap();
+    b.press("go").await;
+    assert!(b.text().await.contains("Not allowed"));
+    assert_eq!(status(outbox, scene.dead), DeliveryStatus::Failed);
+
+    // Signing in: a wrong token is refused, the right one opens the console.
+    b.goto("/console/sign-in").await;
+    b.type_into("token", "not-the-console-token-at-all").await;
+    b.press("Sign in").await;
+    let wrong = b.text().await;
+    assert!(wrong.contains("That is not the token."), "{wrong}");
+    b.type_into("token", TOKEN).await;
+    b.press("Sign in").await;
     let overview = b.text().await;
+    assert!(overview.contains("Sign out"), "{overview}");
+
+    // The overview: what health says, per channel.
     for channel in ["slack", "telegram", "viber", "discord", "all channels"] {
         assert!(overview.contains(channel), "{overview}");
     }
-    assert!(overview.contains("Sign in to act"), "{overview}");
     b.screenshot("overview").await;
 
     // Held chats: why, and what frees them.
@@ -346,19 +392,6 @@ async fn walk(b: &Browser, outbox: &Outbox, scene: &Scene) {
         "a dead letter with nothing behind it holds no one: {chats}"
     );
     b.screenshot("chats").await;
-
-    // Not signed in: no buttons, and a form from another site changes nothing.
-    b.goto(&format!("/console/deliveries/{}", scene.dead)).await;
-    assert_eq!(b.buttons().await, 0);
-    let forged = format!(
-        "data:text/html,<form method=post action='{}/console/actions/requeue'>\
-         <input name=delivery value={}><input name=csrf value=guess><button>go</button></form>",
-        b.base, scene.dead
-    );
-    b.client.goto(&forged).await.unwrap();
-    b.press("go").await;
-    assert!(b.text().await.contains("Not allowed"));
-    assert_eq!(status(outbox, scene.dead), DeliveryStatus::Failed);
 
     // The rules, as stored.
     b.click_link("Rules").await;
@@ -393,18 +426,9 @@ async fn walk(b: &Browser, outbox: &Outbox, scene: &Scene) {
     assert_eq!(shown, SCRIPT);
     assert_ne!(b.client.title().await.unwrap(), "owned");
 
-    // Signing in: a wrong token is refused, the right one shows the buttons.
-    b.click_link("Sign in to act").await;
-    b.type_into("token", "not-the-console-token-at-all").await;
-    b.press("Sign in").await;
-    assert!(b.text().await.contains("That is not the token."));
-    b.type_into("token", TOKEN).await;
-    b.press("Sign in").await;
-    let signed = b.text().await;
-    assert!(signed.contains("Sign out"), "{signed}");
-
     // A wrong form token is refused, signed in or not.
     b.goto(&format!("/console/deliveries/{}", scene.dead)).await;
+    assert!(b.buttons().await > 0, "signed in, the buttons are shown");
     b.client
         .execute(
             "document.querySelector('form.action input[name=csrf]').value = '0'.repeat(32)",
@@ -501,4 +525,119 @@ async fn walk(b: &Browser, outbox: &Outbox, scene: &Scene) {
         .list(&ListFilter::default().status(DeliveryStatus::Uncertain))
         .unwrap();
     assert!(held.is_empty());
+
+    // A page on another port of this host — the same site, so the browser sends the
+    // session's cookie along — posts a form with the session's own form token: refused
+    // by its origin, and nothing changes.
+    let csrf = b
+        .client
+        .find(Locator::Css("input[name=csrf]"))
+        .await
+        .unwrap()
+        .attr("value")
+        .await
+        .unwrap()
+        .expect("the session's form token");
+    let attacker = AttackerPage::serve(&format!(
+        "<form method=post action='{}/console/actions/requeue'>\
+         <input name=delivery value={}><input name=csrf value={csrf}>\
+         <button>go</button></form>",
+        b.base, scene.dead_alone
+    ));
+    b.client.goto(&attacker.url).await.unwrap();
+    b.press("go").await;
+    let refused = b.text().await;
+    assert!(
+        refused.contains("Not allowed") && refused.contains("came from another"),
+        "{refused}"
+    );
+    assert_eq!(status(outbox, scene.dead_alone), DeliveryStatus::Failed);
+
+    // Signing out ends the session: its cookie, sent again, opens nothing.
+    b.goto("/console").await;
+    let cookie = b
+        .client
+        .get_all_cookies()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|c| c.name() == "outbox_console")
+        .expect("the session cookie");
+    assert!(cookie.http_only().unwrap_or(false));
+    assert!(
+        !cookie.value().contains(TOKEN),
+        "the cookie is not the token"
+    );
+    let stolen = format!("outbox_console={}", cookie.value());
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let read = |cookie: String| {
+        let client = client.clone();
+        let url = format!("{}/console/dead-letters", b.base);
+        async move {
+            client
+                .get(url)
+                .header("cookie", cookie)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(
+        read(stolen.clone()).await,
+        200,
+        "signed in, the cookie reads"
+    );
+    b.press("Sign out").await;
+    assert!(b.text().await.contains("Sign in"));
+    assert_eq!(
+        read(stolen).await,
+        303,
+        "signed out, the old cookie reads nothing"
+    );
+    b.goto("/console/dead-letters").await;
+    assert!(!b.text().await.contains("chat not found"));
+}
+
+/// A page served from another port of the loopback: another origin of the same site.
+struct AttackerPage {
+    url: String,
+    server: std::sync::Arc<tiny_http::Server>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl AttackerPage {
+    fn serve(html: &str) -> AttackerPage {
+        let server = std::sync::Arc::new(tiny_http::Server::http("127.0.0.1:0").unwrap());
+        let url = format!("http://{}/", server.server_addr());
+        let page = html.to_owned();
+        let serving = server.clone();
+        let thread = std::thread::spawn(move || {
+            for request in serving.incoming_requests() {
+                let header = "Content-Type: text/html"
+                    .parse::<tiny_http::Header>()
+                    .unwrap();
+                let answer = tiny_http::Response::from_string(page.clone()).with_header(header);
+                let _ = request.respond(answer);
+            }
+        });
+        AttackerPage {
+            url,
+            server,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for AttackerPage {
+    fn drop(&mut self) {
+        self.server.unblock();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }

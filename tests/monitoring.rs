@@ -198,7 +198,7 @@ mod endpoint {
 mod console_mounted {
     use super::*;
     use axum::body::{Body, Bytes};
-    use axum::http::{HeaderMap, Method, Uri, header::COOKIE};
+    use axum::http::{HeaderMap, Method, Uri, header};
     use chunked_outbox::console::{Console, Request};
     use chunked_outbox::monitoring::{DeliveryStatus, ListFilter};
 
@@ -212,17 +212,22 @@ mod console_mounted {
         let page = move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
             let console = console.clone();
             async move {
-                let cookie = headers
-                    .get(COOKIE)
-                    .and_then(|c| c.to_str().ok())
-                    .map(str::to_owned);
                 // A page is a database read: off the runtime's workers.
                 let answer = tokio::task::spawn_blocking(move || {
-                    let target = uri.path_and_query().map_or("/", |p| p.as_str());
-                    let mut request = Request::get(target);
-                    request.method = method.as_str();
-                    request.cookie = cookie.as_deref();
-                    request.body = &body;
+                    // Every header the console decides by: the Host (421 for a name
+                    // not its own), the cookie, and where a form came from.
+                    let value = |name| headers.get(name).and_then(|v| v.to_str().ok());
+                    let request = Request {
+                        method: method.as_str(),
+                        target: uri.path_and_query().map_or("/", |p| p.as_str()),
+                        host: value(header::HOST),
+                        cookie: value(header::COOKIE),
+                        origin: value(header::ORIGIN),
+                        fetch_site: value(header::HeaderName::from_static("sec-fetch-site")),
+                        peer: None,
+                        https: false,
+                        body: &body,
+                    };
                     console.respond(&request)
                 })
                 .await
@@ -256,10 +261,16 @@ mod console_mounted {
                 .redirect(reqwest::redirect::Policy::none())
                 .build()
                 .unwrap();
+            // Nothing is read before the sign-in; a rebinding page's name is refused.
             let page = client.get(format!("{base}/console/dead-letters")).send().unwrap();
-            assert_eq!(page.status().as_u16(), 200);
+            assert_eq!(page.status().as_u16(), 303);
             assert!(page.headers()["content-security-policy"].to_str().unwrap().contains("default-src 'none'"));
-            assert!(page.text().unwrap().contains("chat not found"));
+            let rebound = client
+                .get(format!("{base}/console/sign-in"))
+                .header("host", "rebind.example")
+                .send()
+                .unwrap();
+            assert_eq!(rebound.status().as_u16(), 421);
 
             let form = client.get(format!("{base}/console/sign-in")).send().unwrap().text().unwrap();
             let at = form.find("name=\"csrf\" value=\"").unwrap() + 19;
@@ -272,6 +283,16 @@ mod console_mounted {
             assert_eq!(signed.status().as_u16(), 303);
             let cookie = signed.headers()["set-cookie"].to_str().unwrap();
             let cookie = cookie.split(';').next().unwrap().to_owned();
+            let page = client
+                .get(format!("{base}/console/dead-letters"))
+                .header("cookie", &cookie)
+                .send()
+                .unwrap()
+                .text()
+                .unwrap();
+            assert!(page.contains("chat not found"));
+            let at = page.find("name=\"csrf\" value=\"").unwrap() + 19;
+            let csrf = &page[at..at + 32];
             let acted = client
                 .post(format!("{base}/console/actions/requeue"))
                 .header("cookie", &cookie)

@@ -42,7 +42,7 @@ pub(super) fn notice(done: &str, count: Option<&str>) -> Option<String> {
     })
 }
 
-pub(super) fn layout(viewer: &Viewer<'_>, title: &str, content: Markup) -> Markup {
+pub(super) fn layout(viewer: &Viewer, title: &str, content: Markup) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
@@ -63,7 +63,7 @@ pub(super) fn layout(viewer: &Viewer<'_>, title: &str, content: Markup) -> Marku
                         label { "Reply id, caller key or chat " input type="search" name="id" required; }
                         button { "Show" }
                     }
-                    @if let Some(csrf) = viewer.csrf {
+                    @if let Some(csrf) = &viewer.csrf {
                         form.inline method="post" action={ (BASE) "/sign-out" } {
                             input type="hidden" name="csrf" value=(csrf);
                             button { "Sign out" }
@@ -83,14 +83,14 @@ pub(super) fn layout(viewer: &Viewer<'_>, title: &str, content: Markup) -> Marku
 }
 
 /// A page that only says something.
-pub(super) fn message(viewer: &Viewer<'_>, title: &str, text: &str) -> Markup {
+pub(super) fn message(viewer: &Viewer, title: &str, text: &str) -> Markup {
     layout(viewer, title, html! { p { (text) } })
 }
 
 /// A button that posts `fields` to the action `path`, with what it does beside it.
 /// Shown only to a person who signed in.
 fn action(
-    viewer: &Viewer<'_>,
+    viewer: &Viewer,
     path: &str,
     fields: &[(&str, &str)],
     button: &str,
@@ -101,14 +101,14 @@ fn action(
 
 /// [`action`] with a text field the person may fill in: `(name, label)`.
 fn action_asking(
-    viewer: &Viewer<'_>,
+    viewer: &Viewer,
     path: &str,
     fields: &[(&str, &str)],
     asked: Option<(&str, &str)>,
     button: &str,
     effect: Markup,
 ) -> Markup {
-    let Some(csrf) = viewer.csrf else {
+    let Some(csrf) = &viewer.csrf else {
         return html! {};
     };
     html! {
@@ -152,7 +152,7 @@ pub(super) struct Overview {
     pub(super) day: Activity,
 }
 
-pub(super) fn overview(viewer: &Viewer<'_>, o: &Overview) -> Markup {
+pub(super) fn overview(viewer: &Viewer, o: &Overview) -> Markup {
     let row = |name: &str, c: &ChannelHealth, channel: bool| {
         html! {
             tr {
@@ -372,7 +372,7 @@ fn active_part(holder: &DeliveryView, part: Option<&ChunkView>) -> (Markup, Mark
     }
 }
 
-pub(super) fn chats(viewer: &Viewer<'_>, chats: &[StuckChat]) -> Markup {
+pub(super) fn chats(viewer: &Viewer, chats: &[StuckChat]) -> Markup {
     layout(
         viewer,
         "Held chats",
@@ -457,7 +457,7 @@ fn replies(views: &[DeliveryView], error_column: bool) -> Markup {
 
 /// The unfinished replies to chats of id `chat` (a search that found no reply by id or
 /// caller key).
-pub(super) fn chat(viewer: &Viewer<'_>, chat: &str, views: &[DeliveryView]) -> Markup {
+pub(super) fn chat(viewer: &Viewer, chat: &str, views: &[DeliveryView]) -> Markup {
     layout(
         viewer,
         &format!("Chat {chat}"),
@@ -469,7 +469,7 @@ pub(super) fn chat(viewer: &Viewer<'_>, chat: &str, views: &[DeliveryView]) -> M
 }
 
 pub(super) fn waiting(
-    viewer: &Viewer<'_>,
+    viewer: &Viewer,
     status: DeliveryStatus,
     filter: &Filter,
     views: &[DeliveryView],
@@ -538,7 +538,7 @@ pub(super) fn waiting(
     )
 }
 
-pub(super) fn story(viewer: &Viewer<'_>, view: &DeliveryView, with_text: bool) -> Markup {
+pub(super) fn story(viewer: &Viewer, view: &DeliveryView, with_text: bool) -> Markup {
     let back = format!("{BASE}/deliveries/{}", view.id);
     let id = view.id.to_string();
     let fields = [("delivery", id.as_str()), ("back", back.as_str())];
@@ -611,7 +611,7 @@ pub(super) fn story(viewer: &Viewer<'_>, view: &DeliveryView, with_text: bool) -
     )
 }
 
-pub(super) fn rules(viewer: &Viewer<'_>, rules: &Rules) -> Markup {
+pub(super) fn rules(viewer: &Viewer, rules: &Rules) -> Markup {
     layout(
         viewer,
         "Rules",
@@ -625,7 +625,7 @@ pub(super) fn rules(viewer: &Viewer<'_>, rules: &Rules) -> Markup {
     )
 }
 
-pub(super) fn sign_in(viewer: &Viewer<'_>, csrf: Option<&str>, failed: Option<&str>) -> Markup {
+pub(super) fn sign_in(viewer: &Viewer, csrf: Option<&str>, failed: Option<&str>) -> Markup {
     layout(
         viewer,
         "Sign in",

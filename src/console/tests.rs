@@ -55,7 +55,13 @@ fn uncertain(outbox: &Outbox, channel: &str) -> DeliveryId {
 /// A console with actions on, and the cookie and form token of a person signed in.
 fn signed_in(outbox: Outbox) -> (Console, String, String) {
     let console = Console::new(outbox).with_actions(TOKEN).unwrap();
-    let page = get(&console, "/console/sign-in");
+    let (cookie, csrf) = sign_in(&console);
+    (console, cookie, csrf)
+}
+
+/// Signs in to `console`: the session's cookie and its form token.
+fn sign_in(console: &Console) -> (String, String) {
+    let page = get(console, "/console/sign-in");
     let csrf = form_token(&page.body);
     let body = format!("csrf={csrf}&token={TOKEN}");
     let answer = console.respond(&Request::post("/console/sign-in", body.as_bytes()));
@@ -63,7 +69,14 @@ fn signed_in(outbox: Outbox) -> (Console, String, String) {
     let cookie = answer.header("Set-Cookie").unwrap();
     assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"));
     let cookie = cookie.split(';').next().unwrap().to_owned();
-    (console, cookie, csrf)
+    let page = console.respond(&Request::get("/console").with_cookie(&cookie));
+    assert_eq!(page.status, 200, "{}", page.body);
+    let session_csrf = form_token(&page.body);
+    assert_ne!(
+        session_csrf, csrf,
+        "the sign-in form has a token of its own"
+    );
+    (cookie, session_csrf)
 }
 
 /// The form token in a page.
@@ -186,6 +199,9 @@ fn a_short_or_uncarriable_token_is_refused() {
         "short",
         "a token with spaces in it",
         "semicolon;semicolon;semi",
+        // Item 8 of the review: long enough, but guessed first.
+        "aaaaaaaaaaaaaaaa",
+        "abcdabcdabcdabcdabcdabcd",
     ] {
         let refused = Console::new(outbox()).with_actions(token);
         assert!(
@@ -199,7 +215,11 @@ fn a_short_or_uncarriable_token_is_refused() {
             "{token:?}"
         );
     }
-    assert!(Console::new(outbox()).with_actions(&"x".repeat(16)).is_ok());
+    assert!(
+        Console::new(outbox())
+            .with_actions("0123456789abcdef")
+            .is_ok()
+    );
 }
 
 #[test]
@@ -243,9 +263,10 @@ fn signing_in_takes_the_token_and_a_form_token() {
     let (console, cookie, _) = signed_in(outbox());
     let page = console.respond(&Request::get("/console").with_cookie(&cookie));
     assert!(page.body.contains("Sign out"), "{}", page.body);
-    // A wrong cookie is nobody.
+    // A wrong cookie is nobody: sent to the sign-in.
     let page = console.respond(&Request::get("/console").with_cookie("outbox_console=wrong"));
-    assert!(page.body.contains("Sign in to act") && !page.body.contains("Sign out"));
+    assert_eq!(page.status, 303);
+    assert_eq!(page.header("Location"), Some("/console/sign-in"));
 }
 
 #[test]
@@ -566,14 +587,15 @@ fn dead_letters_are_filtered_by_error_and_chats_are_found() {
     outbox
         .enqueue(&NewDelivery::single("discord", "C9", "y"))
         .unwrap();
-    let chat = get(&console, "/console/deliveries?id=C9");
+    let chat = console.respond(&Request::get("/console/deliveries?id=C9").with_cookie(&cookie));
     assert_eq!(chat.status, 200);
     assert!(
         chat.body.contains("slack, C9") && chat.body.contains("discord, C9"),
         "{}",
         chat.body
     );
-    assert_eq!(get(&console, "/console/deliveries?id=C8").status, 404);
+    let none = Request::get("/console/deliveries?id=C8").with_cookie(&cookie);
+    assert_eq!(console.respond(&none).status, 404);
 }
 
 #[test]
@@ -716,5 +738,330 @@ fn a_reply_shows_what_its_platform_was_asked_escaped() {
         ),
         "{}",
         page.body
+    );
+}
+
+// The review's items, one test each (items 3, 6 and 7 are `outbox serve`'s: tests/serve.rs).
+
+/// Item 1: a page asked for under another name (a rebinding page's) is refused, whatever
+/// it is; a request with no `Host` too.
+#[test]
+fn a_request_naming_another_host_is_refused() {
+    let (console, id) = console_with("a secret reply");
+    for target in [
+        format!("/console/deliveries/{id}?text=1"),
+        "/console".to_owned(),
+        "/console/style.css".to_owned(),
+    ] {
+        let rebound = console.respond(&Request::get(&target).with_host("rebind.example:9464"));
+        assert_eq!(rebound.status, 421, "{target}");
+        assert!(!rebound.body.contains("a secret reply"));
+        let hostless = Request {
+            host: None,
+            ..Request::get(&target)
+        };
+        assert_eq!(console.respond(&hostless).status, 421, "{target}");
+    }
+    for own in ["localhost:9464", "127.0.0.1:9464", "[::1]:9464"] {
+        let page = Request::get("/console").with_host(own);
+        assert_eq!(console.respond(&page).status, 200, "{own}");
+    }
+    // An embedder names its own hosts and port.
+    let named = console.with_allowed_hosts(
+        AllowedHosts::loopback(Some(9464))
+            .allow("ops.example")
+            .unwrap(),
+    );
+    assert_eq!(
+        named
+            .respond(&Request::get("/console").with_host("localhost:8080"))
+            .status,
+        421
+    );
+    assert_eq!(
+        named
+            .respond(&Request::get("/console").with_host("ops.example"))
+            .status,
+        200
+    );
+}
+
+/// Item 2: with a token, every page but the sign-in form and the style sheet needs the
+/// sign-in; nothing of a reply is read before it.
+#[test]
+fn with_a_token_reading_needs_the_sign_in() {
+    let outbox = outbox();
+    let id = outbox
+        .enqueue(
+            &NewDelivery::single("telegram", "chat-42", "a secret reply")
+                .with_idempotency_key("turn-1"),
+        )
+        .unwrap()
+        .id;
+    dead_letter(&outbox, "slack");
+    let console = Console::new(outbox.clone()).with_actions(TOKEN).unwrap();
+    let pages = [
+        "/console".to_owned(),
+        "/console/".to_owned(),
+        "/console/chats".to_owned(),
+        "/console/uncertain".to_owned(),
+        "/console/dead-letters".to_owned(),
+        "/console/rules".to_owned(),
+        format!("/console/deliveries/{id}?text=1"),
+        "/console/deliveries?id=turn-1".to_owned(),
+        "/console/deliveries?id=chat-42".to_owned(),
+    ];
+    for page in &pages {
+        let answer = get(&console, page);
+        assert_eq!(answer.status, 303, "{page}: {}", answer.body);
+        assert_eq!(
+            answer.header("Location"),
+            Some("/console/sign-in"),
+            "{page}"
+        );
+        for secret in [
+            "a secret reply",
+            "chat-42",
+            "turn-1",
+            "bot was blocked",
+            "slack",
+        ] {
+            assert!(!answer.body.contains(secret), "{page} shows {secret}");
+        }
+    }
+    assert_eq!(get(&console, "/console/sign-in").status, 200);
+    assert_eq!(get(&console, "/console/style.css").status, 200);
+    let (cookie, _) = sign_in(&console);
+    for page in &pages[..7] {
+        let answer = console.respond(&Request::get(page).with_cookie(&cookie));
+        assert_eq!(answer.status, 200, "{page}");
+    }
+    // Without a token the console is read-only and readable: `outbox serve` mounts it so
+    // on loopback only.
+    assert_eq!(get(&Console::new(outbox), "/console").status, 200);
+}
+
+/// Item 4: the form token is the session's — not shown before sign-in, not another
+/// session's, not the sign-in form's — and a form from another origin or site is
+/// refused with the right tokens.
+#[test]
+fn an_action_takes_only_its_sessions_form_from_its_own_origin() {
+    let outbox = outbox();
+    let id = dead_letter(&outbox, "telegram");
+    let console = Console::new(outbox.clone()).with_actions(TOKEN).unwrap();
+    let sign_in_page = get(&console, "/console/sign-in");
+    let public = form_token(&sign_in_page.body);
+    let (cookie, csrf) = sign_in(&console);
+    let (other_cookie, other_csrf) = sign_in(&console);
+    assert_ne!(csrf, other_csrf);
+    let requeue = |cookie: &str, csrf: &str| {
+        post(
+            &console,
+            cookie,
+            "/console/actions/requeue",
+            &format!("csrf={csrf}&delivery={id}"),
+        )
+    };
+    assert_eq!(
+        requeue(&cookie, &public).status,
+        403,
+        "the sign-in form's token"
+    );
+    assert_eq!(
+        requeue(&cookie, &other_csrf).status,
+        403,
+        "another session's"
+    );
+    assert_eq!(requeue(&other_cookie, &csrf).status, 403);
+    assert_eq!(status(&outbox, id), DeliveryStatus::Failed);
+    let body = format!("csrf={csrf}&delivery={id}");
+    let form = Request::post("/console/actions/requeue", body.as_bytes())
+        .with_host("localhost:9464")
+        .with_cookie(&cookie);
+    for forged in [
+        form.with_origin("http://localhost:8080"),
+        form.with_origin("http://evil.example"),
+        form.with_origin("null"),
+        form.with_fetch_site("same-site"),
+        form.with_fetch_site("cross-site"),
+    ] {
+        let answer = console.respond(&forged);
+        assert_eq!(answer.status, 403, "{forged:?}");
+        assert!(answer.body.contains("came from another"), "{}", answer.body);
+        assert_eq!(status(&outbox, id), DeliveryStatus::Failed);
+    }
+    let own = form
+        .with_origin("http://localhost:9464")
+        .with_fetch_site("same-origin");
+    assert_eq!(console.respond(&own).status, 303);
+    assert_eq!(status(&outbox, id), DeliveryStatus::Pending);
+    // Chromium's own form under `Referrer-Policy: no-referrer`: `Origin: null`, and
+    // the fetch metadata saying it is the console's own.
+    let id = dead_letter(&outbox, "viber");
+    let body = format!("csrf={csrf}&delivery={id}");
+    let chromium = Request::post("/console/actions/requeue", body.as_bytes())
+        .with_cookie(&cookie)
+        .with_origin("null")
+        .with_fetch_site("same-origin");
+    assert_eq!(console.respond(&chromium).status, 303);
+    assert_eq!(status(&outbox, id), DeliveryStatus::Pending);
+    // The sign-in form is held to the same origin.
+    let signing = format!("csrf={public}&token={TOKEN}");
+    let forged =
+        Request::post("/console/sign-in", signing.as_bytes()).with_fetch_site("cross-site");
+    assert_eq!(console.respond(&forged).status, 403);
+}
+
+/// Item 5: the cookie carries a session id, never the token; the session ends at
+/// sign-out, when idle and at its lifetime's end; `Secure` when asked or over HTTPS.
+#[test]
+fn a_session_is_the_servers_and_ends() {
+    let clock = crate::clock::ManualClock::new(1_767_225_600_000);
+    let outbox = Outbox::open_in_memory(
+        OutboxOptions::default().with_clock(std::sync::Arc::new(clock.clone())),
+    )
+    .unwrap();
+    let id = dead_letter(&outbox, "telegram");
+    let console = Console::new(outbox.clone()).with_actions(TOKEN).unwrap();
+    let (cookie, csrf) = sign_in(&console);
+    assert!(!cookie.contains(TOKEN), "{cookie}");
+    assert_eq!(cookie.len(), "outbox_console=".len() + 32);
+    let reads = |cookie: &str| {
+        console
+            .respond(&Request::get("/console").with_cookie(cookie))
+            .status
+            == 200
+    };
+    assert!(reads(&cookie));
+    // The token itself as a cookie is nobody.
+    assert!(!reads(&format!("outbox_console={TOKEN}")));
+    // Signed out: the old cookie reads nothing and acts on nothing.
+    let out = post(
+        &console,
+        &cookie,
+        "/console/sign-out",
+        &format!("csrf={csrf}"),
+    );
+    assert_eq!(out.status, 303);
+    assert!(!reads(&cookie));
+    let acted = post(
+        &console,
+        &cookie,
+        "/console/actions/requeue",
+        &format!("csrf={csrf}&delivery={id}"),
+    );
+    assert_eq!(acted.status, 403);
+    assert_eq!(status(&outbox, id), DeliveryStatus::Failed);
+    // Idle past SESSION_IDLE: ended; used within it, it lives on.
+    let (cookie, _) = sign_in(&console);
+    clock.advance(SESSION_IDLE - std::time::Duration::from_secs(1));
+    assert!(reads(&cookie));
+    clock.advance(SESSION_IDLE - std::time::Duration::from_secs(1));
+    assert!(reads(&cookie));
+    clock.advance(SESSION_IDLE);
+    assert!(!reads(&cookie));
+    // However busy, a session ends SESSION_LIFETIME after sign-in.
+    let (cookie, _) = sign_in(&console);
+    let mut used = std::time::Duration::ZERO;
+    while used + SESSION_IDLE / 2 < SESSION_LIFETIME {
+        clock.advance(SESSION_IDLE / 2);
+        used += SESSION_IDLE / 2;
+        assert!(reads(&cookie));
+    }
+    clock.advance(SESSION_LIFETIME - used);
+    assert!(!reads(&cookie));
+    // Secure: asked for, or the request came over HTTPS.
+    let set_cookie = |console: &Console, https: bool| {
+        let page = get(console, "/console/sign-in");
+        let body = format!("csrf={}&token={TOKEN}", form_token(&page.body));
+        let request = Request {
+            https,
+            ..Request::post("/console/sign-in", body.as_bytes())
+        };
+        console
+            .respond(&request)
+            .header("Set-Cookie")
+            .unwrap()
+            .to_owned()
+    };
+    assert!(!set_cookie(&console, false).contains("Secure"));
+    assert!(set_cookie(&console, true).contains("; Secure"));
+    let secure = console.clone().with_secure_cookie(true);
+    assert!(set_cookie(&secure, false).contains("; Secure"));
+}
+
+/// Item 8: wrong tokens are counted per peer and overall; past the allowance a sign-in
+/// waits (429 with `Retry-After`) without its token even being compared, and the wait
+/// grows.
+#[test]
+fn wrong_tokens_earn_a_growing_wait() {
+    let clock = crate::clock::ManualClock::new(1_767_225_600_000);
+    let outbox = Outbox::open_in_memory(
+        OutboxOptions::default().with_clock(std::sync::Arc::new(clock.clone())),
+    )
+    .unwrap();
+    let console = Console::new(outbox).with_actions(TOKEN).unwrap();
+    let csrf = form_token(&get(&console, "/console/sign-in").body);
+    let attacker = IpAddr::from([192, 0, 2, 1]);
+    let operator = IpAddr::from([192, 0, 2, 2]);
+    let try_token = |peer: IpAddr, token: &str| {
+        let body = format!("csrf={csrf}&token={token}");
+        console.respond(&Request::post("/console/sign-in", body.as_bytes()).from_peer(peer))
+    };
+    for _ in 0..=FREE_SIGN_IN_FAILURES {
+        assert_eq!(try_token(attacker, "wrong-token-0123456789").status, 403);
+    }
+    // Even the right token waits now, from that peer.
+    let waiting = try_token(attacker, TOKEN);
+    assert_eq!(waiting.status, 429, "{}", waiting.body);
+    assert_eq!(waiting.header("Retry-After"), Some("1"));
+    assert_eq!(waiting.header("Set-Cookie"), None);
+    // Another peer is not held up.
+    assert_eq!(try_token(operator, TOKEN).status, 303);
+    clock.advance(std::time::Duration::from_secs(1));
+    assert_eq!(try_token(attacker, "wrong-token-0123456789").status, 403);
+    let longer = try_token(attacker, "wrong-token-0123456789");
+    assert_eq!(longer.header("Retry-After"), Some("2"));
+}
+
+/// Item 9: `back` goes only to a known console page; a CR/LF in it never reaches the
+/// `Location` header, and the action is answered as done (303), not 500.
+#[test]
+fn back_names_a_console_page_and_nothing_reaches_a_header() {
+    let outbox = outbox();
+    let (console, cookie, csrf) = signed_in(outbox.clone());
+    for back in [
+        "/console/dead-letters%0d%0aSet-Cookie:%20outbox_console=x",
+        "/console/dead-letters%0aX:1",
+        "/console/nowhere",
+        "/console/actions/dismiss",
+        "/console/sign-out",
+    ] {
+        dead_letter(&outbox, "telegram");
+        let answer = post(
+            &console,
+            &cookie,
+            "/console/actions/dismiss",
+            &format!("csrf={csrf}&back={back}"),
+        );
+        assert_eq!(answer.status, 303, "{back}");
+        let location = answer.header("Location").unwrap();
+        assert!(
+            location.starts_with("/console?done=dismissed"),
+            "{back}: {location}"
+        );
+        assert!(!location.bytes().any(|b| b.is_ascii_control()));
+        assert_eq!(answer.header("Set-Cookie"), None);
+    }
+    let id = dead_letter(&outbox, "telegram");
+    let answer = post(
+        &console,
+        &cookie,
+        "/console/actions/requeue",
+        &format!("csrf={csrf}&delivery={id}&back=/console/deliveries/{id}"),
+    );
+    assert_eq!(
+        answer.header("Location"),
+        Some(format!("/console/deliveries/{id}?done=requeued&n=1").as_str())
     );
 }

@@ -16,13 +16,26 @@ pub struct Serving {
 impl Serving {
     /// `outbox --db DB serve --listen 127.0.0.1:0 EXTRA…`, once it listens.
     pub fn start(db: impl AsRef<OsStr>, extra: &[&OsStr]) -> Serving {
+        Serving::listening(db, "127.0.0.1:0", extra, Stdio::inherit())
+    }
+
+    /// `outbox --db DB serve --listen LISTEN EXTRA…`, its standard error to `stderr`,
+    /// once it listens.
+    pub fn listening(
+        db: impl AsRef<OsStr>,
+        listen: &str,
+        extra: &[&OsStr],
+        stderr: impl Into<Stdio>,
+    ) -> Serving {
         let mut child = Command::new(assert_cmd::cargo::cargo_bin("outbox"))
             .arg("--db")
             .arg(db)
-            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(["serve", "--listen", listen])
             .args(extra)
             .env_remove("OUTBOX_DB")
+            .env_remove("OUTBOX_CONSOLE_TOKEN_FILE")
             .stdout(Stdio::piped())
+            .stderr(stderr)
             .spawn()
             .expect("spawn outbox serve");
         let mut banner = String::new();
@@ -51,6 +64,25 @@ impl Serving {
     /// `http://host:port`.
     pub fn base(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Its port.
+    pub fn port(&self) -> u16 {
+        self.addr.rsplit(':').next().unwrap().parse().unwrap()
+    }
+
+    /// Sends `request` as written (`Connection: close` is up to it) to 127.0.0.1 on its
+    /// port, and reads the whole answer, waiting at most 10 s.
+    pub fn raw(&self, request: &str) -> String {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", self.port())).unwrap();
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
     }
 }
 

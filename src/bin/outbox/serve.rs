@@ -7,15 +7,24 @@
 //! header timeout and fit in a bounded buffer (a header line that never ends, or a
 //! request sent a byte a minute, is cut off), a connection lives at most
 //! [`CONNECTION_LIFETIME`], and at most [`MAX_CONNECTIONS`] are open at once (more are
-//! closed at once), so memory stays bounded whatever arrives.
+//! closed at once), so memory stays bounded whatever arrives. A form's body must arrive
+//! within [`ServeArgs::body_timeout`] (408 after it), and at most [`MAX_BODY_READS`]
+//! bodies are read at once (503 past that), so slow bodies never take the slots
+//! `/healthz` needs.
+//!
+//! It answers only to its own names (`console::AllowedHosts`: the loopback names and the
+//! port, the listen address, `--allowed-host`), so a web page cannot read it through
+//! DNS rebinding; and it mounts the console on a non-loopback address only when asked
+//! to (`--expose-console`), and then only behind the token's sign-in.
 
 use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use chunked_outbox::Outbox;
-use chunked_outbox::console::{self, Console};
+use chunked_outbox::console::{self, AllowedHosts, Console};
 use chunked_outbox::monitoring::Endpoint;
 use clap::Args;
 use http_body_util::{BodyExt, Full, Limited};
@@ -32,22 +41,47 @@ const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
 /// The most a request's head may take in memory (hyper's smallest read buffer); a
 /// longer one is answered 431 and the connection closed.
 const MAX_HEAD_BYTES: usize = 8 * 1024;
+/// Forms whose bodies are read at once; one more is answered 503 at once, so slow
+/// bodies hold at most this many of the [`MAX_CONNECTIONS`] slots.
+const MAX_BODY_READS: usize = 32;
 
 #[derive(Args)]
 pub struct ServeArgs {
     /// The address to listen on (port 0: any free port; the first line printed names
     /// it). The loopback address by default: the console shows what the bot sends, so
-    /// reaching it from elsewhere is a choice to make.
+    /// it is mounted on another address only with --expose-console and a token.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9464")]
     listen: String,
+    /// Another name this server answers to, `host` or `host:port` (repeatable): a
+    /// request whose Host header names neither it, the loopback names nor the listen
+    /// address is refused (421), so no web page can read it through DNS rebinding.
+    /// Give the name a reverse proxy or a scraper uses.
+    #[arg(long, value_name = "NAME")]
+    allowed_host: Vec<String>,
+    /// Serve /metrics, /healthz and /health.json only: no console.
+    #[arg(long, conflicts_with_all = ["expose_console", "console_token_file"])]
+    no_console: bool,
+    /// Mount the console on a non-loopback listen address too. It shows every reply's
+    /// text, so it needs --console-token-file: every page then needs the sign-in.
+    #[arg(long)]
+    expose_console: bool,
+    /// Mark the console's session cookie Secure (behind a proxy that ends TLS).
+    #[arg(long)]
+    secure_cookie: bool,
     /// How long a client may take to send a request's head; a connection that has not
     /// sent one whole by then is closed (such as 10s, 500ms).
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
     header_timeout: Duration,
-    /// A file holding the console's action token (at least 16 characters): whoever
-    /// signs in with it may requeue, resolve, resend and dismiss from the console.
-    /// Without it the console is read-only. A file, so the token stays out of the
-    /// process list and the shell's history.
+    /// How long a client may take to send a form's body once its head arrived (408
+    /// after it).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    body_timeout: Duration,
+    /// A file holding the console's action token (at least 16 characters, 10 of them
+    /// different: `openssl rand -hex 32 > token && chmod 600 token`): whoever signs in
+    /// with it may read the console and requeue, resolve, resend and dismiss from it.
+    /// Without it the console is read-only, and mounted on loopback only. A file
+    /// readable by others is refused; a file, so the token stays out of the process
+    /// list and the shell's history.
     #[arg(long, value_name = "PATH", env = "OUTBOX_CONSOLE_TOKEN_FILE")]
     console_token_file: Option<std::path::PathBuf>,
     #[command(flatten)]
@@ -70,45 +104,149 @@ pub fn serve(outbox: &Outbox, args: &ServeArgs) -> CliResult<u8> {
         .thread_name("outbox-serve")
         .enable_all()
         .build()?;
-    let mut console = Console::new(outbox.clone());
-    if let Some(path) = &args.console_token_file {
-        let token = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read the console token file {}: {e}", path.display()))?;
-        console = console.with_actions(&token)?;
-    }
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(&args.listen))
+        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let hosts = allowed_hosts(addr, &args.allowed_host)?;
+    let (console, said) = mounted_console(outbox, args, addr, &hosts)?;
+    println!(
+        "serving http://{addr}/metrics, /healthz, /health.json; {said}; answering to {}",
+        answering(addr, &args.allowed_host)
+    );
+    std::io::Write::flush(&mut std::io::stdout())?;
     let pages = Arc::new(Pages {
         endpoint: Endpoint::new(outbox.clone(), args.thresholds.to_library()),
         console,
+        hosts,
+        bodies: Arc::new(tokio::sync::Semaphore::new(MAX_BODY_READS)),
+        body_timeout: args.body_timeout,
     });
-    runtime.block_on(accept(pages, args))
+    runtime.block_on(accept(listener, pages, args.header_timeout))
+}
+
+/// The names a request to `addr` may give as its host: the loopback names on its port,
+/// the address itself (any address, if it listens on every interface), and `extra`.
+fn allowed_hosts(addr: SocketAddr, extra: &[String]) -> CliResult<AllowedHosts> {
+    let port = addr.port();
+    let mut hosts = AllowedHosts::loopback(Some(port));
+    if addr.ip().is_unspecified() {
+        hosts = hosts.any_address(port);
+    } else if !addr.ip().is_loopback() {
+        hosts = hosts.allow(&addr.to_string())?;
+    }
+    for name in extra {
+        hosts = hosts.allow(name)?;
+    }
+    Ok(hosts)
+}
+
+/// What the banner says of the names answered to.
+fn answering(addr: SocketAddr, extra: &[String]) -> String {
+    let mut names = vec![format!("localhost:{}", addr.port())];
+    if addr.ip().is_unspecified() {
+        names.push(format!("any address:{}", addr.port()));
+    } else if !addr.ip().is_loopback() {
+        names.push(addr.to_string());
+    }
+    names.extend(extra.iter().cloned());
+    names.join(", ")
+}
+
+/// The console, if it is mounted here, and what the banner says of it: on loopback
+/// always (read-only without a token); elsewhere only with --expose-console and a
+/// token; never with --no-console.
+fn mounted_console(
+    outbox: &Outbox,
+    args: &ServeArgs,
+    addr: SocketAddr,
+    hosts: &AllowedHosts,
+) -> CliResult<(Option<Console>, String)> {
+    if args.no_console {
+        return Ok((None, "no console (--no-console)".into()));
+    }
+    if !addr.ip().is_loopback() && !args.expose_console {
+        return Ok((
+            None,
+            format!(
+                "no console: it shows every reply, and {} is not a loopback address \
+                 (--expose-console with --console-token-file mounts it)",
+                addr.ip()
+            ),
+        ));
+    }
+    let mut console = Console::new(outbox.clone())
+        .with_allowed_hosts(hosts.clone())
+        .with_secure_cookie(args.secure_cookie);
+    match &args.console_token_file {
+        Some(path) => console = console.with_actions(&read_token(path)?)?,
+        None if !addr.ip().is_loopback() => {
+            return Err(
+                "--expose-console needs --console-token-file: on a network, every \
+                        page of the console needs the sign-in"
+                    .into(),
+            );
+        }
+        None => {}
+    }
+    let said = if console.takes_actions() {
+        format!(
+            "the console at {}, behind the sign-in (actions on for whoever signs in with the token)",
+            console::BASE
+        )
+    } else {
+        format!(
+            "the console at {} (read-only, loopback only)",
+            console::BASE
+        )
+    };
+    Ok((Some(console), said))
+}
+
+/// The token in the file at `path`, which nobody but its owner may read or write.
+fn read_token(path: &std::path::Path) -> CliResult<String> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(path)
+            .map_err(|e| format!("cannot read the console token file {}: {e}", path.display()))?
+            .permissions()
+            .mode();
+        if mode & 0o077 != 0 {
+            return Err(format!(
+                "the console token file {} may be read or written by others (mode {:o}): \
+                 `chmod 600 {}` keeps it its owner's",
+                path.display(),
+                mode & 0o777,
+                path.display()
+            )
+            .into());
+        }
+    }
+    Ok(std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read the console token file {}: {e}", path.display()))?)
 }
 
 /// What the server answers: the health endpoint and the console (under
-/// [`console::BASE`]).
+/// [`console::BASE`], when mounted), to the names in `hosts`.
 struct Pages {
     endpoint: Endpoint,
-    console: Console,
+    console: Option<Console>,
+    hosts: AllowedHosts,
+    /// A slot per form body being read.
+    bodies: Arc<tokio::sync::Semaphore>,
+    body_timeout: Duration,
 }
 
-async fn accept(pages: Arc<Pages>, args: &ServeArgs) -> CliResult<u8> {
-    let listener = tokio::net::TcpListener::bind(&args.listen)
-        .await
-        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
-    let addr = listener.local_addr()?;
-    println!(
-        "serving http://{addr}/metrics, /healthz, /health.json and the console at {} ({})",
-        console::BASE,
-        if pages.console.takes_actions() {
-            "actions on for whoever signs in with the token"
-        } else {
-            "read-only"
-        }
-    );
-    std::io::Write::flush(&mut std::io::stdout())?;
+async fn accept(
+    listener: tokio::net::TcpListener,
+    pages: Arc<Pages>,
+    header_timeout: Duration,
+) -> CliResult<u8> {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
             // Out of file descriptors, a connection reset before it was taken, ...:
             // the next one may do, and a tight loop would not help.
             Err(e) => {
@@ -121,12 +259,11 @@ async fn accept(pages: Arc<Pages>, args: &ServeArgs) -> CliResult<u8> {
             continue; // dropped: closed at once
         };
         let pages = pages.clone();
-        let header_timeout = args.header_timeout;
         tokio::spawn(async move {
             let _slot = slot;
             let service = service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
                 let pages = pages.clone();
-                async move { Ok::<_, Infallible>(answer(pages, request).await) }
+                async move { Ok::<_, Infallible>(answer(pages, peer.ip(), request).await) }
             });
             let connection = http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -139,46 +276,83 @@ async fn accept(pages: Arc<Pages>, args: &ServeArgs) -> CliResult<u8> {
     }
 }
 
-/// The answer to `request`, read on the blocking pool (a snapshot is a database read):
-/// the console's pages (with their own headers), else the health endpoint's.
+/// The answer to `request` from `peer`, read on the blocking pool (a snapshot is a
+/// database read): refused if it names another host, else the console's pages (with
+/// their own headers) or the health endpoint's.
 async fn answer(
     pages: Arc<Pages>,
+    peer: IpAddr,
     request: hyper::Request<hyper::body::Incoming>,
 ) -> hyper::Response<Full<Bytes>> {
+    let header = |name: hyper::header::HeaderName| {
+        request
+            .headers()
+            .get(name)
+            .and_then(|c| c.to_str().ok())
+            .map(str::to_owned)
+    };
+    let host = header(hyper::header::HOST);
+    if !host
+        .as_deref()
+        .is_some_and(|host| pages.hosts.permits(host))
+    {
+        return plain(421, "this server does not answer to that host name\n");
+    }
+    let cookie = header(hyper::header::COOKIE);
+    let origin = header(hyper::header::ORIGIN);
+    let fetch_site = header(hyper::header::HeaderName::from_static("sec-fetch-site"));
     let target = request
         .uri()
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_owned();
     let method = request.method().as_str().to_owned();
-    let cookie = request
-        .headers()
-        .get(hyper::header::COOKIE)
-        .and_then(|c| c.to_str().ok())
-        .map(str::to_owned);
-    let path = target.split('?').next().unwrap_or_default();
-    let in_console = path
-        .strip_prefix(console::BASE)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
-    // A form's body, read only for the console, and only up to what a form may be.
+    let path = target.split('?').next().unwrap_or_default().to_owned();
+    let in_console = pages.console.is_some()
+        && path
+            .strip_prefix(console::BASE)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
+    // A form's body, read only for the console, only up to what a form may be, and only
+    // for as long as a body may take; a few at once.
     let body = if in_console && method == "POST" {
+        let Ok(_reading) = pages.bodies.clone().try_acquire_owned() else {
+            return plain(503, "busy: too many forms arriving at once\n");
+        };
         let limited = Limited::new(request.into_body(), console::MAX_FORM_BYTES);
-        match limited.collect().await {
-            Ok(body) => body.to_bytes(),
-            Err(_) => return plain(413, "form too large or cut off\n"),
+        match tokio::time::timeout(pages.body_timeout, limited.collect()).await {
+            Ok(Ok(body)) => body.to_bytes(),
+            Ok(Err(_)) => return plain(413, "form too large or cut off\n"),
+            Err(_) => return plain(408, "the form's body did not arrive in time\n"),
         }
     } else {
         Bytes::new()
     };
-    let read = move || {
-        if in_console {
-            let mut asked = console::Request::get(&target);
-            asked.method = &method;
-            asked.cookie = cookie.as_deref();
-            asked.body = &body;
-            let page = pages.console.respond(&asked);
+    let read = move || match (&pages.console, in_console) {
+        (Some(console), true) => {
+            let asked = console::Request {
+                method: &method,
+                target: &target,
+                host: host.as_deref(),
+                cookie: cookie.as_deref(),
+                origin: origin.as_deref(),
+                fetch_site: fetch_site.as_deref(),
+                peer: Some(peer),
+                https: false,
+                body: &body,
+            };
+            let page = console.respond(&asked);
+            if method == "POST" && path == format!("{}/sign-in", console::BASE) {
+                match page.status {
+                    403 => eprintln!("outbox serve: a sign-in from {peer} was refused"),
+                    429 => eprintln!(
+                        "outbox serve: a sign-in from {peer} waits: too many wrong tokens lately"
+                    ),
+                    _ => {}
+                }
+            }
             (page.status, page.headers, page.body)
-        } else {
+        }
+        _ => {
             let answer = pages.endpoint.respond(&target);
             let headers = vec![("Content-Type", answer.content_type.to_owned())];
             (answer.status, headers, answer.body)

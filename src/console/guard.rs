@@ -1,0 +1,419 @@
+//! What stands between the network and the console's pages: the names it answers to,
+//! the sessions of the people signed in, and the count of failed sign-ins.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// The names a console (or `outbox serve`) answers to: a request whose `Host` header
+/// is not one of them is refused (`421 Misdirected Request`).
+///
+/// This is what defeats DNS rebinding: a web page the operator opens can point its own
+/// name at `127.0.0.1`, but the browser then sends that name as the `Host`, and the
+/// console does not answer to it. A name is given with or without a port; without
+/// one, any port matches.
+///
+/// ```
+/// use chunked_outbox::console::AllowedHosts;
+///
+/// let hosts = AllowedHosts::loopback(Some(9464)).allow("outbox.internal.example")?;
+/// assert!(hosts.permits("localhost:9464"));
+/// assert!(hosts.permits("[::1]:9464"));
+/// assert!(hosts.permits("Outbox.Internal.Example:443"));
+/// assert!(!hosts.permits("localhost:8080"));
+/// assert!(!hosts.permits("rebind.attacker.example:9464"));
+/// # Ok::<(), chunked_outbox::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllowedHosts {
+    /// Lower-case names (an IPv6 address in brackets), each with its port if one is
+    /// required.
+    names: Vec<(String, Option<u16>)>,
+    /// Any IP address as the host, on this port: a listener on every interface
+    /// (`0.0.0.0`) is reached by its addresses, and a rebinding page can only ever
+    /// send a name.
+    any_address_on: Option<u16>,
+}
+
+impl AllowedHosts {
+    /// The loopback names — `localhost`, `127.0.0.1`, `[::1]` — on `port` (any port
+    /// when `None`).
+    pub fn loopback(port: Option<u16>) -> Self {
+        AllowedHosts {
+            names: ["localhost", "127.0.0.1", "[::1]"]
+                .into_iter()
+                .map(|name| (name.to_owned(), port))
+                .collect(),
+            any_address_on: None,
+        }
+    }
+
+    /// Also `name`: `host` or `host:port` (`[v6]:port` for an IPv6 address).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for an empty name, one with characters no host name
+    /// has, or a port that is not a number.
+    pub fn allow(mut self, name: &str) -> Result<Self> {
+        let invalid = |reason: &str| Error::InvalidInput {
+            what: "allowed host",
+            reason: format!("{name:?}: {reason}"),
+        };
+        let (host, port) = split_host(name.trim())
+            .ok_or_else(|| invalid("not a host name, an address, or either with :port after it"))?;
+        if host.is_empty()
+            || !host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-._[]:".contains(&b))
+        {
+            return Err(invalid("a host name has only letters, digits, - and ."));
+        }
+        self.names.push((host, port));
+        Ok(self)
+    }
+
+    /// Also any IP address as the host, on `port`: for a listener on every interface,
+    /// which is reached by whichever address a client used. (A name still has to be
+    /// allowed by [`allow`](Self::allow).)
+    pub fn any_address(mut self, port: u16) -> Self {
+        self.any_address_on = Some(port);
+        self
+    }
+
+    /// Whether a request whose `Host` header is `host` is answered.
+    pub fn permits(&self, host: &str) -> bool {
+        let Some((name, port)) = split_host(host.trim()) else {
+            return false;
+        };
+        let named = self
+            .names
+            .iter()
+            .any(|(allowed, at)| *allowed == name && at.is_none_or(|at| Some(at) == port));
+        named
+            || self.any_address_on.is_some_and(|on| {
+                port == Some(on) && name.trim_matches(['[', ']']).parse::<IpAddr>().is_ok()
+            })
+    }
+}
+
+/// `host[:port]` as (lower-case host, port); `None` if the port is not a number or
+/// the brackets of an IPv6 address are unbalanced.
+fn split_host(value: &str) -> Option<(String, Option<u16>)> {
+    let value = value.to_ascii_lowercase();
+    let (host, port) = if value.starts_with('[') {
+        let end = value.find(']')?;
+        let rest = &value[end + 1..];
+        let port = match rest.strip_prefix(':') {
+            Some(port) => Some(port),
+            None if rest.is_empty() => None,
+            None => return None,
+        };
+        (value[..=end].to_owned(), port)
+    } else {
+        match value.rsplit_once(':') {
+            Some((host, port)) if !host.contains(':') => (host.to_owned(), Some(port)),
+            Some(_) => return None, // an IPv6 address without brackets
+            None => (value.clone(), None),
+        }
+    };
+    let port = match port {
+        Some(port) => Some(port.parse::<u16>().ok()?),
+        None => None,
+    };
+    Some((host, port))
+}
+
+/// How long a session lasts from sign-in, however busy.
+pub const SESSION_LIFETIME: Duration = Duration::from_secs(12 * 3600);
+/// How long a session lasts without a request.
+pub const SESSION_IDLE: Duration = Duration::from_secs(30 * 60);
+/// The most sessions kept at once; one more ends the one least recently used.
+pub(crate) const MAX_SESSIONS: usize = 64;
+
+/// A signed-in person's session, kept on the server: the cookie carries only its id.
+#[derive(Debug, Clone)]
+pub(crate) struct Session {
+    /// The form token of this session's pages (actions and sign-out).
+    pub(crate) csrf: String,
+    started: i64,
+    seen: i64,
+}
+
+/// The sessions of the people signed in, by id.
+#[derive(Debug, Default)]
+pub(crate) struct Sessions(HashMap<String, Session>);
+
+impl Sessions {
+    /// A new session at `now` (ms): its id and form token.
+    pub(crate) fn start(&mut self, now: i64) -> Result<(String, String)> {
+        self.0.retain(|_, s| live(s, now));
+        if self.0.len() >= MAX_SESSIONS {
+            let oldest = self
+                .0
+                .iter()
+                .min_by_key(|(_, s)| s.seen)
+                .map(|(id, _)| id.clone());
+            if let Some(oldest) = oldest {
+                self.0.remove(&oldest);
+            }
+        }
+        let id = random_hex()?;
+        let csrf = random_hex()?;
+        self.0.insert(
+            id.clone(),
+            Session {
+                csrf: csrf.clone(),
+                started: now,
+                seen: now,
+            },
+        );
+        Ok((id, csrf))
+    }
+
+    /// The live session `id`, seen again at `now`; an expired one is ended.
+    pub(crate) fn touch(&mut self, id: &str, now: i64) -> Option<Session> {
+        let session = self.0.get_mut(id)?;
+        if !live(session, now) {
+            self.0.remove(id);
+            return None;
+        }
+        session.seen = now;
+        Some(session.clone())
+    }
+
+    /// Ends session `id` (sign-out).
+    pub(crate) fn end(&mut self, id: &str) {
+        self.0.remove(id);
+    }
+}
+
+fn live(session: &Session, now: i64) -> bool {
+    now - session.started < SESSION_LIFETIME.as_millis() as i64
+        && now - session.seen < SESSION_IDLE.as_millis() as i64
+}
+
+/// 128 random bits, as 32 hex digits.
+pub(crate) fn random_hex() -> Result<String> {
+    let mut random = [0u8; 16];
+    getrandom::fill(&mut random).map_err(|e| Error::Io {
+        path: "the system's random source".into(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    Ok(random.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Failed sign-ins a peer may make before it has to wait.
+pub const FREE_SIGN_IN_FAILURES: u32 = 3;
+/// Failed sign-ins from everyone together before everyone has to wait.
+pub const FREE_SIGN_IN_FAILURES_OVERALL: u32 = 30;
+/// The longest wait a failed sign-in earns.
+pub const LONGEST_SIGN_IN_WAIT: Duration = Duration::from_secs(15 * 60);
+/// The most peers whose failures are remembered (the oldest is forgotten first).
+const PEERS_REMEMBERED: usize = 4096;
+
+/// Failed sign-ins of one peer, or of everyone.
+#[derive(Debug, Clone, Copy, Default)]
+struct Failures {
+    count: u32,
+    last: i64,
+}
+
+impl Failures {
+    /// When another attempt may be made, with `free` failures allowed before any wait:
+    /// each failure past them doubles the wait, from a second up to
+    /// [`LONGEST_SIGN_IN_WAIT`].
+    fn open_at(&self, free: u32) -> i64 {
+        if self.count <= free {
+            return self.last;
+        }
+        let doublings = (self.count - free - 1).min(20);
+        let wait = (1000i64 << doublings).min(LONGEST_SIGN_IN_WAIT.as_millis() as i64);
+        self.last + wait
+    }
+
+    /// Forgotten once a longest wait has passed without a failure.
+    fn stale(&self, now: i64) -> bool {
+        now - self.last >= LONGEST_SIGN_IN_WAIT.as_millis() as i64
+    }
+
+    fn fail(&mut self, now: i64) {
+        if self.stale(now) {
+            self.count = 0;
+        }
+        self.count += 1;
+        self.last = now;
+    }
+}
+
+/// The failed sign-ins, per peer and overall: a growing wait once too many failed.
+#[derive(Debug, Default)]
+pub(crate) struct Throttle {
+    peers: HashMap<Option<IpAddr>, Failures>,
+    overall: Failures,
+}
+
+impl Throttle {
+    /// How long `peer` has to wait before its sign-in is even looked at; `None` if it
+    /// need not.
+    pub(crate) fn wait(&self, peer: Option<IpAddr>, now: i64) -> Option<Duration> {
+        let peer = self.peers.get(&peer).copied().unwrap_or_default();
+        let open = peer
+            .open_at(FREE_SIGN_IN_FAILURES)
+            .max(self.overall.open_at(FREE_SIGN_IN_FAILURES_OVERALL));
+        (open > now).then(|| Duration::from_millis((open - now) as u64))
+    }
+
+    /// Counts a failed sign-in of `peer` at `now`; how many it has made in a row.
+    pub(crate) fn fail(&mut self, peer: Option<IpAddr>, now: i64) -> u32 {
+        if self.peers.len() >= PEERS_REMEMBERED && !self.peers.contains_key(&peer) {
+            self.peers.retain(|_, f| !f.stale(now));
+            if self.peers.len() >= PEERS_REMEMBERED {
+                let oldest = self
+                    .peers
+                    .iter()
+                    .min_by_key(|(_, f)| f.last)
+                    .map(|(p, _)| *p);
+                if let Some(oldest) = oldest {
+                    self.peers.remove(&oldest);
+                }
+            }
+        }
+        self.overall.fail(now);
+        let failures = self.peers.entry(peer).or_default();
+        failures.fail(now);
+        failures.count
+    }
+
+    /// A peer that signed in starts afresh.
+    pub(crate) fn succeed(&mut self, peer: Option<IpAddr>) {
+        self.peers.remove(&peer);
+    }
+}
+
+/// The fewest different characters a console token may have: a token of one repeated
+/// character, or a short pattern, is guessed first.
+pub const MIN_TOKEN_VARIETY: usize = 10;
+
+/// Whether `token` has enough different characters (see [`MIN_TOKEN_VARIETY`]).
+pub(crate) fn varied(token: &str) -> bool {
+    let mut seen = [false; 256];
+    for b in token.bytes() {
+        seen[usize::from(b)] = true;
+    }
+    seen.iter().filter(|s| **s).count() >= MIN_TOKEN_VARIETY
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_are_matched_by_name_and_port() {
+        let hosts = AllowedHosts::loopback(Some(9464));
+        for ok in [
+            "localhost:9464",
+            "127.0.0.1:9464",
+            "[::1]:9464",
+            "LOCALHOST:9464",
+        ] {
+            assert!(hosts.permits(ok), "{ok}");
+        }
+        for refused in [
+            "localhost",
+            "localhost:9465",
+            "rebind.example:9464",
+            "127.0.0.1.nip.io:9464",
+            "10.0.0.5:9464",
+            "",
+            "[::1",
+            "::1:9464",
+            "localhost:http",
+        ] {
+            assert!(!hosts.permits(refused), "{refused}");
+        }
+        let any_port = AllowedHosts::loopback(None);
+        assert!(any_port.permits("localhost") && any_port.permits("127.0.0.1:1"));
+        let wide = AllowedHosts::loopback(Some(80))
+            .any_address(80)
+            .allow("Box.example")
+            .unwrap();
+        assert!(wide.permits("10.0.0.5:80") && wide.permits("[fe80::1]:80"));
+        assert!(!wide.permits("10.0.0.5:81") && !wide.permits("10.0.0.5"));
+        assert!(wide.permits("box.example:80") && wide.permits("box.example"));
+        assert!(!wide.permits("rebind.example:80"));
+        for bad in ["", "a b", "x:port", "<x>"] {
+            assert!(AllowedHosts::loopback(None).allow(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_session_ends_when_idle_past_its_lifetime_or_signed_out() {
+        let mut sessions = Sessions::default();
+        let idle = SESSION_IDLE.as_millis() as i64;
+        let (id, csrf) = sessions.start(0).unwrap();
+        assert_eq!(id.len(), 32);
+        assert_ne!(id, csrf);
+        assert_eq!(sessions.touch(&id, idle - 1).unwrap().csrf, csrf);
+        // Seen just now: the idle time counts from there.
+        assert!(sessions.touch(&id, 2 * idle - 2).is_some());
+        assert!(sessions.touch(&id, 3 * idle).is_none(), "idle");
+        assert!(sessions.touch(&id, 0).is_none(), "ended, not revived");
+        let (busy, _) = sessions.start(0).unwrap();
+        let lifetime = SESSION_LIFETIME.as_millis() as i64;
+        let mut at = 0;
+        while at + idle / 2 < lifetime {
+            at += idle / 2;
+            assert!(sessions.touch(&busy, at).is_some());
+        }
+        assert!(sessions.touch(&busy, lifetime).is_none(), "lifetime");
+        let (out, _) = sessions.start(0).unwrap();
+        sessions.end(&out);
+        assert!(sessions.touch(&out, 1).is_none());
+        // Bounded: the least recently used goes first.
+        let ids: Vec<String> = (0..MAX_SESSIONS as i64 + 1)
+            .map(|n| sessions.start(n).unwrap().0)
+            .collect();
+        assert!(sessions.touch(&ids[0], 100).is_none());
+        assert!(sessions.touch(&ids[MAX_SESSIONS], 100).is_some());
+    }
+
+    #[test]
+    fn failed_sign_ins_earn_a_growing_wait_per_peer_and_overall() {
+        let mut throttle = Throttle::default();
+        let peer = Some(IpAddr::from([10, 0, 0, 1]));
+        let other = Some(IpAddr::from([10, 0, 0, 2]));
+        for n in 1..=FREE_SIGN_IN_FAILURES {
+            assert_eq!(throttle.wait(peer, 0), None, "failure {n} is free");
+            assert_eq!(throttle.fail(peer, 0), n);
+        }
+        assert_eq!(throttle.wait(peer, 0), None);
+        throttle.fail(peer, 0);
+        assert_eq!(throttle.wait(peer, 0), Some(Duration::from_secs(1)));
+        assert_eq!(throttle.wait(peer, 1000), None);
+        throttle.fail(peer, 1000);
+        assert_eq!(throttle.wait(peer, 1000), Some(Duration::from_secs(2)));
+        assert_eq!(throttle.wait(other, 1000), None, "another peer is not held");
+        for _ in 0..30 {
+            throttle.fail(peer, 1000);
+        }
+        assert_eq!(throttle.wait(peer, 1000), Some(LONGEST_SIGN_IN_WAIT));
+        // Everyone together past their allowance: everyone waits.
+        assert!(throttle.wait(other, 1000).is_some());
+        throttle.succeed(peer);
+        let later = 1000 + LONGEST_SIGN_IN_WAIT.as_millis() as i64;
+        assert_eq!(throttle.wait(peer, later), None);
+        // Forgotten after a longest wait without a failure.
+        throttle.fail(other, later);
+        assert_eq!(throttle.wait(other, later), None);
+    }
+
+    #[test]
+    fn a_token_needs_variety() {
+        assert!(!varied(&"a".repeat(16)));
+        assert!(!varied("abcdabcdabcdabcd"));
+        assert!(!varied("012345678"));
+        assert!(varied("0123456789"));
+    }
+}
