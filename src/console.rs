@@ -492,10 +492,7 @@ impl Console {
                     Response::html(200, pages::waiting(v, status, &filter, &views))
                 }
                 Route::Rules => Response::html(200, pages::rules(v, &self.outbox.rules()?)),
-                Route::SignIn => Response::html(
-                    200,
-                    pages::sign_in(v, self.sign_in_csrf().filter(|_| v.session.is_none()), None),
-                ),
+                Route::SignIn => Response::html(200, pages::sign_in(v, self.sign_in_csrf(), None)),
                 Route::SignOut | Route::Act(_) => Response::html(
                     200,
                     pages::message(v, "Actions", "Actions are taken with the page's buttons."),

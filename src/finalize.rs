@@ -3,7 +3,7 @@
 use crate::error::{Error, Result};
 use crate::lane;
 use crate::rules::Stored;
-use crate::store::{ChannelTally, LaneRef, StoreTx};
+use crate::store::{ActivityRow, ChannelTally, LaneRef, StoreTx};
 
 use crate::rules::{FINALIZE_PARAMETERS, parameter_index};
 
@@ -149,7 +149,23 @@ impl Tally {
         for tally in self.channel_tallies() {
             tx.add_channel_stats(&tally)?;
         }
-        Ok(())
+        self.write_activity(tx)
+    }
+
+    /// Adds the tally's replies to the count of the minute they finished in (the
+    /// console's charts), if there are any.
+    pub(crate) fn write_activity(&self, tx: &dyn StoreTx) -> Result<()> {
+        let latencies = self.channels.iter().flat_map(|(_, _, l)| l);
+        let Some(latest) = self.channels.iter().map(|(_, at, _)| *at).max() else {
+            return Ok(());
+        };
+        tx.add_activity(&ActivityRow {
+            bucket: minute_of(latest),
+            delivered: latencies.clone().count() as i64,
+            failed: 0,
+            latency_sum_ms: latencies.clone().sum(),
+            latency_max_ms: latencies.max().copied().unwrap_or(0),
+        })
     }
 
     /// What [`write`](Self::write) adds to each channel's counters, in name order.
@@ -177,6 +193,25 @@ impl Tally {
             })
             .collect()
     }
+}
+
+/// The minute `ms` falls in: its start in ms, divided by 60,000.
+pub(crate) fn minute_of(ms: i64) -> i64 {
+    ms.div_euclid(MINUTE_MS)
+}
+
+/// A minute, in ms.
+pub(crate) const MINUTE_MS: i64 = 60_000;
+
+/// Counts a dead letter made at `now` in the minute it failed in.
+pub(crate) fn count_failed(tx: &dyn StoreTx, now: i64) -> Result<()> {
+    tx.add_activity(&ActivityRow {
+        bucket: minute_of(now),
+        delivered: 0,
+        failed: 1,
+        latency_sum_ms: 0,
+        latency_max_ms: 0,
+    })
 }
 
 /// Finalizes unfinished deliveries whose chunks are all delivered: what a crash in a

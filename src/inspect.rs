@@ -249,9 +249,17 @@ pub struct ActivityBucket {
 impl Outbox {
     /// The replies delivered and failed for good over the last `window`, in `buckets`
     /// buckets of equal width ending now, with their enqueue-to-delivery times: the
-    /// console's charts. Read from the stored rows over the index of finished
-    /// deliveries, so every host sees the same and a restart loses nothing; a reply
-    /// [`purge`](Self::purge)d is no longer counted.
+    /// console's charts. Stored, so every host sees the same and a restart loses
+    /// nothing.
+    ///
+    /// When a bucket is a whole number of minutes wide (the console's are: a minute for
+    /// the last hour, half an hour for the last day), the buckets end with the current
+    /// minute and sum the counts the outbox keeps per minute as replies finish (a dead
+    /// letter requeued later stays counted where it failed): the cost is the buckets',
+    /// however many replies finished. Otherwise they end now and are counted from the
+    /// rows finished in the window, over the index of finished deliveries (a reply
+    /// requeued since is not counted). Either way a [`purge`](Self::purge) takes what
+    /// finished before its cutoff with it.
     ///
     /// ```
     /// use std::time::Duration;
@@ -287,9 +295,22 @@ impl Outbox {
             ));
         }
         let now = self.options().now_ms();
-        // The last bucket ends just after now.
-        let since = now + 1 - width * i64::from(buckets);
-        let rows = self.read(|tx| tx.activity(since, width))?;
+        use crate::finalize::{MINUTE_MS, minute_of};
+        let (since, rows) = if width % MINUTE_MS == 0 {
+            // The last bucket ends with the current minute; each minute kept goes to
+            // the bucket it starts in.
+            let since = (minute_of(now) + 1) * MINUTE_MS - width * i64::from(buckets);
+            let minutes = self.read(|tx| tx.activity_minutes(minute_of(since), minute_of(now)))?;
+            let in_buckets = minutes.into_iter().map(|m| crate::store::ActivityRow {
+                bucket: (m.bucket * MINUTE_MS - since) / width,
+                ..m
+            });
+            (since, crate::store::ActivityRow::merged(in_buckets))
+        } else {
+            // The last bucket ends just after now.
+            let since = now + 1 - width * i64::from(buckets);
+            (since, self.read(|tx| tx.activity(since, width))?)
+        };
         let mut out: Vec<ActivityBucket> = (0..i64::from(buckets))
             .map(|n| ActivityBucket {
                 start: to_datetime(since + n * width),

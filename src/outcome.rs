@@ -356,6 +356,7 @@ fn delivered_at_once<C: std::borrow::Borrow<Claim>>(
             "a delivery to finalize is not stored",
         ));
     }
+    finalized.write_activity(tx)?;
     lane::advance_many(tx, &rules.policy, &mut lanes, now)?;
     Ok(Some(results))
 }

@@ -92,8 +92,10 @@ impl Outbox {
                     tx.forget_delivered(channel, delivered)?;
                 }
                 if rows.is_empty() {
-                    // Lane rows whose pause and interval have both passed say nothing.
+                    // Lane rows whose pause and interval have both passed say nothing,
+                    // and the counts of minutes before the cutoff go with their rows.
                     tx.forget_idle_lanes(self.options().now_ms())?;
+                    tx.tidy_counters(crate::finalize::minute_of(cutoff))?;
                 }
                 Ok((rows.last().map(|r| r.id), rows.len() as u64, chunks))
             })?;

@@ -329,7 +329,11 @@ fn set_delivery_aside(
     now: i64,
 ) -> Result<()> {
     let finished = (status == ChunkStatus::Failed).then_some(now);
-    tx.set_delivery_aside(delivery, status, now, finished)
+    tx.set_delivery_aside(delivery, status, now, finished)?;
+    if finished.is_some() {
+        crate::finalize::count_failed(tx, now)?;
+    }
+    Ok(())
 }
 
 /// Sets aside a chunk whose row cannot be read (a delivery uid that does not parse,
@@ -352,7 +356,9 @@ pub(crate) fn set_aside_corrupt(
     // no other writer holds it (claims never wait). A holder that read the row as the
     // lane's head before this commit may leave the next reply queued until the lane's
     // next enqueue starts it.
-    if let Some((channel, chat_id)) = tx.set_corrupt(chunk, delivery, reason, now)? {
+    let lane = tx.set_corrupt(chunk, delivery, reason, now)?;
+    crate::finalize::count_failed(tx, now)?;
+    if let Some((channel, chat_id)) = lane {
         let lane = LaneRef::new(&channel, &chat_id);
         if tx.try_lock_lane(lane)? {
             lane::advance(tx, &rules.policy, lane, now)?;

@@ -8,6 +8,13 @@ fn outbox() -> Outbox {
     Outbox::open_in_memory(OutboxOptions::default()).unwrap()
 }
 
+/// An outbox on a manual clock, and the clock.
+fn outbox_on_a_clock() -> (crate::clock::ManualClock, Outbox) {
+    let clock = crate::clock::ManualClock::new(1_767_225_600_000);
+    let options = OutboxOptions::default().with_clock(std::sync::Arc::new(clock.clone()));
+    (clock, Outbox::open_in_memory(options).unwrap())
+}
+
 fn console_with(text: &str) -> (Console, DeliveryId) {
     let outbox = outbox();
     let id = outbox
@@ -916,11 +923,7 @@ fn an_action_takes_only_its_sessions_form_from_its_own_origin() {
 /// sign-out, when idle and at its lifetime's end; `Secure` when asked or over HTTPS.
 #[test]
 fn a_session_is_the_servers_and_ends() {
-    let clock = crate::clock::ManualClock::new(1_767_225_600_000);
-    let outbox = Outbox::open_in_memory(
-        OutboxOptions::default().with_clock(std::sync::Arc::new(clock.clone())),
-    )
-    .unwrap();
+    let (clock, outbox) = outbox_on_a_clock();
     let id = dead_letter(&outbox, "telegram");
     let console = Console::new(outbox.clone()).with_actions(TOKEN).unwrap();
     let (cookie, csrf) = sign_in(&console);
@@ -995,11 +998,7 @@ fn a_session_is_the_servers_and_ends() {
 /// grows.
 #[test]
 fn wrong_tokens_earn_a_growing_wait() {
-    let clock = crate::clock::ManualClock::new(1_767_225_600_000);
-    let outbox = Outbox::open_in_memory(
-        OutboxOptions::default().with_clock(std::sync::Arc::new(clock.clone())),
-    )
-    .unwrap();
+    let (clock, outbox) = outbox_on_a_clock();
     let console = Console::new(outbox).with_actions(TOKEN).unwrap();
     let csrf = form_token(&get(&console, "/console/sign-in").body);
     let attacker = IpAddr::from([192, 0, 2, 1]);

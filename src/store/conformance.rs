@@ -1137,6 +1137,233 @@ pub(super) fn deliveries_are_viewed_listed_and_reported(fresh: Fresh) {
     assert_eq!(corrupt[0].uid, c.to_string());
 }
 
+/// The dead letters a snapshot counts — kept by the store as they come and go, never
+/// read one by one — are those its rows hold, after every way a dead letter comes and
+/// goes: a permanent failure, an acknowledgement, a requeue, a row set aside as
+/// unreadable, a purge; and the lists of unfinished replies and of dead letters read
+/// them, newest first, beside the work in flight.
+pub(super) fn dead_letters_are_counted_as_they_come_and_go(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let counted = |ob: &Outbox| {
+        let rows = write(ob, |tx| tx.health_rows(T0));
+        let mut counts: Vec<(String, u64, u64, u64, u64)> = Vec::new();
+        for channel in ["t", "u"] {
+            let dead = |unacknowledged: Option<bool>| -> u64 {
+                rows.deliveries
+                    .iter()
+                    .filter(|d| d.channel == channel && d.status == DeliveryStatus::Failed)
+                    .filter(|d| unacknowledged.is_none_or(|u| d.unacknowledged == u))
+                    .map(|d| d.count)
+                    .sum()
+            };
+            let corrupt: u64 = rows
+                .deliveries
+                .iter()
+                .filter(|d| d.channel == channel && d.status == DeliveryStatus::Failed)
+                .map(|d| d.corrupt)
+                .sum();
+            let chunks: u64 = rows
+                .chunks
+                .iter()
+                .filter(|c| c.channel == channel && c.status == ChunkStatus::Failed)
+                .map(|c| c.count)
+                .sum();
+            counts.push((
+                channel.into(),
+                dead(None),
+                dead(Some(true)),
+                corrupt,
+                chunks,
+            ));
+        }
+        counts
+    };
+    // What the rows hold, read one by one.
+    let recounted = |ob: &Outbox| {
+        let failed = ob
+            .list(
+                &crate::inspect::ListFilter::default()
+                    .status(DeliveryStatus::Failed)
+                    .limit(crate::inspect::MAX_LIST_LIMIT),
+            )
+            .unwrap();
+        let corrupt = write(ob, |tx| tx.corrupt_rows());
+        ["t", "u"]
+            .map(|channel| {
+                let of: Vec<_> = failed.iter().filter(|v| v.channel == channel).collect();
+                let views: Vec<_> = of
+                    .iter()
+                    .map(|v| ob.delivery(v.id).unwrap().unwrap())
+                    .collect();
+                (
+                    channel.to_owned(),
+                    of.len() as u64,
+                    of.iter().filter(|v| v.acknowledged_at.is_none()).count() as u64,
+                    corrupt
+                        .iter()
+                        .filter(|c| of.iter().any(|v| v.id.to_string() == c.uid))
+                        .count() as u64,
+                    views
+                        .iter()
+                        .flat_map(|v| &v.chunks)
+                        .filter(|c| c.status == ChunkStatus::Failed)
+                        .count() as u64,
+                )
+            })
+            .to_vec()
+    };
+    let fail = |channel: &str, chat: &str| {
+        let id = ob
+            .enqueue(&NewDelivery::chunked(channel, chat, "a b", ["a", "b"]))
+            .unwrap()
+            .id;
+        let claim = ob.claim_channels(&[channel], 1).unwrap().remove(0);
+        assert_eq!(claim.delivery_id, id);
+        ob.record(
+            &claim,
+            Outcome::Permanent {
+                error: "gone".into(),
+            },
+        )
+        .unwrap();
+        id
+    };
+    let check = |ob: &Outbox, expected: [(u64, u64, u64, u64); 2], step: &str| {
+        let counts = counted(ob);
+        assert_eq!(counts, recounted(ob), "{step}: the counts are the rows'");
+        let numbers: Vec<_> = counts.iter().map(|c| (c.1, c.2, c.3, c.4)).collect();
+        assert_eq!(numbers, expected, "{step}");
+    };
+    check(&ob, [(0, 0, 0, 0); 2], "none yet");
+    let first = fail("t", "1");
+    fail("t", "2");
+    let third = fail("t", "3");
+    fail("u", "1");
+    // Work in flight beside them, on the same lanes and others.
+    let flying = ob
+        .enqueue(&NewDelivery::single("t", "1", "later"))
+        .unwrap()
+        .id;
+    check(&ob, [(3, 3, 0, 3), (1, 1, 0, 1)], "failed");
+    let unfinished = ob
+        .list(
+            &crate::inspect::ListFilter::default()
+                .unfinished()
+                .channel("t"),
+        )
+        .unwrap();
+    let ids: Vec<_> = unfinished.iter().map(|v| v.id).collect();
+    assert_eq!(ids.len(), 4);
+    assert_eq!(ids[0], flying, "newest first, in flight and dead alike");
+    assert_eq!(ids[3], first);
+    let newest = ob
+        .list(
+            &crate::inspect::ListFilter::default()
+                .status(DeliveryStatus::Failed)
+                .limit(2),
+        )
+        .unwrap();
+    assert_eq!(newest.len(), 2, "across channels, the newest two");
+    assert_eq!(newest[1].id, third);
+    assert_eq!(ob.dismiss_dead_letters(Some("u")).unwrap(), 1);
+    check(&ob, [(3, 3, 0, 3), (1, 0, 0, 1)], "acknowledged");
+    ob.requeue_delivery(first).unwrap();
+    check(&ob, [(2, 2, 0, 2), (1, 0, 0, 1)], "requeued");
+    write(&ob, |tx| {
+        tx.set_corrupt(
+            row(&ob, flying) * CHUNK_STRIDE,
+            row(&ob, flying),
+            "bad text",
+            T0,
+        )
+    });
+    check(&ob, [(3, 3, 1, 3), (1, 0, 0, 1)], "set aside");
+    clock.advance(std::time::Duration::from_secs(60));
+    let report = ob.purge(crate::clock::to_datetime(T0 + 1)).unwrap();
+    assert_eq!(report.deliveries, 1, "the acknowledged dead letter of u");
+    check(&ob, [(3, 3, 1, 3), (0, 0, 0, 0)], "purged");
+}
+
+/// The counts kept per minute as replies finish are those the finished rows give, for
+/// a reply acked alone, acks in a batch, a dead letter and a reply set aside as
+/// unreadable; a purge forgets the minutes before its cutoff with their rows.
+pub(super) fn finished_replies_are_counted_per_minute_as_they_finish(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock));
+    let minute = crate::finalize::minute_of(T0);
+    let reply = |channel: &str, chat: &str| {
+        ob.enqueue(&NewDelivery::single(channel, chat, "x"))
+            .unwrap()
+            .id
+    };
+    for chat in ["1", "2", "3"] {
+        reply("batch", chat);
+    }
+    reply("alone", "1");
+    reply("dead", "1");
+    let odd = reply("odd", "1");
+    clock.set(T0 + 1_000);
+    let claim = ob.claim_channels(&["alone"], 1).unwrap().remove(0);
+    ob.record(&claim, Outcome::delivered(None)).unwrap();
+    clock.set(T0 + 61_500);
+    let claims = ob.claim_channels(&["batch"], 3).unwrap();
+    assert_eq!(claims.len(), 3);
+    for recorded in ob
+        .record_batch(claims.iter().map(|c| (c, Outcome::delivered(None))))
+        .unwrap()
+    {
+        recorded.unwrap();
+    }
+    clock.set(T0 + 62_000);
+    let claim = ob.claim_channels(&["dead"], 1).unwrap().remove(0);
+    ob.record(
+        &claim,
+        Outcome::Permanent {
+            error: "gone".into(),
+        },
+    )
+    .unwrap();
+    clock.set(T0 + 130_000);
+    let (chunk, delivery) = (row(&ob, odd) * CHUNK_STRIDE, row(&ob, odd));
+    ob.write(|tx, rules| {
+        crate::state::set_aside_corrupt(tx, rules, chunk, delivery, "bad text", T0 + 130_000)
+    })
+    .unwrap();
+    let agree = |ob: &Outbox, from: i64| {
+        let kept: Vec<ActivityRow> = write(ob, |tx| tx.activity_minutes(from, minute + 10))
+            .into_iter()
+            .map(|m| ActivityRow {
+                bucket: m.bucket - minute,
+                ..m
+            })
+            .collect();
+        let read = write(ob, |tx| tx.activity(T0, 60_000));
+        assert_eq!(kept, read, "kept per minute, and read from the rows");
+        kept
+    };
+    let kept = agree(&ob, minute);
+    let counted = |kept: &[ActivityRow]| -> Vec<(i64, i64, i64)> {
+        kept.iter()
+            .map(|m| (m.bucket, m.delivered, m.failed))
+            .collect()
+    };
+    assert_eq!(counted(&kept), [(0, 1, 0), (1, 3, 1), (2, 0, 1)]);
+    assert_eq!(kept[1].latency_max_ms, 61_500);
+    // The console's charts: whole minutes, ending with the current one.
+    let hour = ob.activity(std::time::Duration::from_secs(300), 5).unwrap();
+    let delivered: Vec<u64> = hour.buckets.iter().map(|b| b.delivered).collect();
+    assert_eq!(delivered, [0, 0, 1, 3, 0]);
+    assert_eq!(hour.buckets[2].start.timestamp_millis(), T0);
+    assert_eq!(hour.buckets[3].max_latency_ms, Some(61_500));
+    // A purge takes the minutes before its cutoff with their rows.
+    clock.set(T0 + 3_600_000);
+    ob.dismiss_dead_letters(Some("dead")).unwrap();
+    let purged = ob.purge(crate::clock::to_datetime(T0 + 120_000)).unwrap();
+    assert_eq!(purged.deliveries, 5);
+    assert_eq!(counted(&agree(&ob, minute - 10)), [(2, 0, 1)]);
+}
+
 /// Finished replies are counted by the time they finished: delivered ones with their
 /// enqueue-to-finish times, dead letters apart, unfinished and cancelled ones not at all.
 pub(super) fn finished_replies_are_counted_by_time(fresh: Fresh) {
@@ -1837,8 +2064,10 @@ macro_rules! conformance {
                 cancels_remove_chunks,
                 operator_lookups_match_row_and_uid,
                 health_counts_unfinished_rows,
+                dead_letters_are_counted_as_they_come_and_go,
                 deliveries_are_viewed_listed_and_reported,
                 finished_replies_are_counted_by_time,
+                finished_replies_are_counted_per_minute_as_they_finish,
                 idle_lanes_are_forgotten,
                 the_only_writer_holds_every_lock,
                 batched_reads_agree_with_one_at_a_time,

@@ -68,18 +68,26 @@ macro_rules! chunk_stride {
 const _: () = assert!(crate::ids::CHUNK_STRIDE == 16384);
 
 /// The oldest delivery holding lane (`$channel`, `$chat`) under
-/// `LaneFailurePolicy::Block`: an uncertain one, or a dead letter nobody acknowledged.
-/// The same query on every store, placeholders in its dialect.
+/// `LaneFailurePolicy::Block`: an uncertain one (from the index of work in flight), or a
+/// dead letter nobody acknowledged (from the lane's dead letters). The same query on
+/// every store, placeholders in its dialect.
 macro_rules! held_sql {
     ($channel:literal, $chat:literal) => {
         concat!(
-            "SELECT min(id) FROM outbound_deliveries
-             WHERE channel = ",
+            "SELECT min(id) FROM (
+                 SELECT min(id) AS id FROM outbound_deliveries
+                 WHERE channel = ",
             $channel,
             " AND chat_id = ",
             $chat,
-            " AND status <> 'delivered'
-               AND (status = 'uncertain' OR (status = 'failed' AND acknowledged_at IS NULL))"
+            " AND status = 'uncertain' AND status <> 'delivered' AND status <> 'failed'
+                 UNION ALL
+                 SELECT min(id) FROM outbound_deliveries
+                 WHERE channel = ",
+            $channel,
+            " AND chat_id = ",
+            $chat,
+            " AND status = 'failed' AND acknowledged_at IS NULL) AS held"
         )
     };
 }
@@ -741,6 +749,11 @@ pub(crate) trait FinalizeStore {
     fn mark_unfinalized(&self, delivery: i64, now: i64, message: &str) -> Result<()>;
     /// Adds finalized replies to a channel's counters.
     fn add_channel_stats(&self, tally: &ChannelTally<'_>) -> Result<()>;
+    /// Adds to minute `minute`'s count of finished replies (the console's charts, read
+    /// by [`ReadStore::activity_minutes`]): `delivered` replies whose enqueue-to-delivery
+    /// times add up to `latency_sum_ms`, the longest `latency_max_ms`, and `failed` dead
+    /// letters.
+    fn add_activity(&self, minute: &ActivityRow) -> Result<()>;
     /// Unfinished deliveries that have chunks, all of them delivered, with their
     /// enqueue time.
     fn finished_unfinalized(&self) -> Result<Vec<(DeliveryLane, i64)>>;
@@ -812,6 +825,10 @@ pub(crate) trait RetentionStore {
     fn forget_delivered(&self, channel: &str, count: i64) -> Result<()>;
     /// Removes lane rows whose pause and interval both ended before `now`.
     fn forget_idle_lanes(&self, now: i64) -> Result<()>;
+    /// Forgets the counts of the minutes before `minute` (a purge's cutoff), and folds
+    /// counts kept per connection that has ended into one row, where a store keeps them
+    /// so.
+    fn tidy_counters(&self, minute: i64) -> Result<()>;
     /// How many deliveries and chunks a purge with `cutoff` would remove now.
     fn purge_counts(&self, cutoff: i64) -> Result<(u64, u64)>;
 }
@@ -886,18 +903,79 @@ pub(crate) trait ReadStore {
     /// `bucket` ms counted from `since`, in bucket order; only buckets with a reply.
     /// Read over the index of finished deliveries: only those rows.
     fn activity(&self, since: i64, bucket: i64) -> Result<Vec<ActivityRow>>;
+    /// The counts [`FinalizeStore::add_activity`] kept for minutes `from..=to`, one row
+    /// per minute with any (its number in `bucket`), in minute order.
+    fn activity_minutes(&self, from: i64, to: i64) -> Result<Vec<ActivityRow>>;
 }
 
-/// One bucket of [`ReadStore::activity`].
+/// One bucket of [`ReadStore::activity`], or one minute of
+/// [`ReadStore::activity_minutes`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ActivityRow {
-    /// The bucket's number from `since` (0 is the first).
+    /// The bucket's number from `since` (0 is the first); a minute's number (its start
+    /// in ms, divided by 60,000).
     pub bucket: i64,
     pub delivered: i64,
     pub failed: i64,
     /// The sum and the maximum of the delivered replies' enqueue-to-finish times, ms.
     pub latency_sum_ms: i64,
     pub latency_max_ms: i64,
+}
+
+impl ActivityRow {
+    /// Rows in `bucket` order, those of one bucket added into one (`rows` in order).
+    pub(crate) fn merged(rows: impl IntoIterator<Item = ActivityRow>) -> Vec<ActivityRow> {
+        let mut merged: Vec<ActivityRow> = Vec::new();
+        for m in rows {
+            match merged.last_mut() {
+                Some(last) if last.bucket == m.bucket => {
+                    last.delivered += m.delivered;
+                    last.failed += m.failed;
+                    last.latency_sum_ms += m.latency_sum_ms;
+                    last.latency_max_ms = last.latency_max_ms.max(m.latency_max_ms);
+                }
+                _ => merged.push(m),
+            }
+        }
+        merged
+    }
+}
+
+impl HealthRows {
+    /// A channel's dead letters as its store counts them as they come and go (never by
+    /// reading them): `dead_letters` in all, `unacknowledged` of them nobody
+    /// acknowledged, `corrupt` set aside as unreadable, and `failed_chunks` failed parts.
+    pub(crate) fn add_dead_letters(
+        &mut self,
+        channel: String,
+        dead_letters: u64,
+        unacknowledged: u64,
+        corrupt: u64,
+        failed_chunks: u64,
+    ) {
+        let group = |unacknowledged, count, corrupt| DeliveryGroup {
+            channel: channel.clone(),
+            status: DeliveryStatus::Failed,
+            unacknowledged,
+            count,
+            oldest_created_at: 0, // not in flight: no age reported
+            corrupt,
+        };
+        self.deliveries.push(group(true, unacknowledged, 0));
+        self.deliveries.push(group(
+            false,
+            dead_letters.saturating_sub(unacknowledged),
+            corrupt,
+        ));
+        self.chunks.push(ChunkGroup {
+            channel,
+            status: ChunkStatus::Failed,
+            count: failed_chunks,
+            due_now: 0,
+            oldest_due: None,
+            scheduled: 0,
+        });
+    }
 }
 
 /// One transaction of a store: every primitive, and the dead letters its work made.
@@ -963,6 +1041,56 @@ pub(crate) trait StoreTx:
     ) -> Result<usize> {
         composed::finalize_delivered(self, chunks, tallies, now)
     }
+}
+
+/// Where a part of a list of deliveries is read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ListFrom {
+    /// Every delivery, history included.
+    All,
+    /// The work in flight (or waiting for a person), from its index.
+    InFlight,
+    /// One channel's dead letters, from their indexes.
+    Dead,
+}
+
+/// [`ReadStore::list`] as both stores answer it: unfinished deliveries are read from
+/// the index of work in flight and from the dead letters', channel by channel (those of
+/// `channels`, or the filter's one), newest first, so a page of them costs the page;
+/// `read` answers one part (with the channel for [`ListFrom::Dead`]), newest first, at
+/// most `filter.limit` rows, each with its row number.
+pub(crate) fn list_deliveries(
+    filter: &ListFilter,
+    channels: impl FnOnce() -> Result<Vec<String>>,
+    mut read: impl FnMut(ListFrom, Option<&str>) -> Result<Vec<(i64, DeliveryView)>>,
+) -> Result<Vec<DeliveryView>> {
+    let unfinished = filter.unfinished
+        || filter
+            .status
+            .is_some_and(|status| status != DeliveryStatus::Delivered);
+    let mut rows = Vec::new();
+    if !unfinished {
+        rows = read(ListFrom::All, None)?;
+    } else {
+        if filter.status != Some(DeliveryStatus::Failed) {
+            rows.extend(read(ListFrom::InFlight, None)?);
+        }
+        if filter
+            .status
+            .is_none_or(|status| status == DeliveryStatus::Failed)
+        {
+            let channels = match &filter.channel {
+                Some(channel) => vec![channel.clone()],
+                None => channels()?,
+            };
+            for channel in &channels {
+                rows.extend(read(ListFrom::Dead, Some(channel))?);
+            }
+            rows.sort_by_key(|(row, _)| std::cmp::Reverse(*row));
+            rows.truncate(filter.limit);
+        }
+    }
+    Ok(rows.into_iter().map(|(_, view)| view).collect())
 }
 
 /// Each batched primitive composed of the one-at-a-time ones: what a store that has no

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::reply::NewDelivery;
 use crate::store::pg_param;
 use crate::store::{
-    ChannelTally, DeliveryLane, DeliveryStore, FinalizeStore, LaneRef, NewRow, Staged,
+    ActivityRow, ChannelTally, DeliveryLane, DeliveryStore, FinalizeStore, LaneRef, NewRow, Staged,
     StatementShape, StoredContent,
 };
 use postgres::types::ToSql;
@@ -295,7 +295,7 @@ pub(crate) const SWEEP_SQL: &str =
      CROSS JOIN LATERAL (
          SELECT count(*) AS chunks, count(*) FILTER (WHERE c.status <> 'delivered') AS open
          FROM outbound_delivery_chunks c WHERE c.delivery_id = d.id) n
-     WHERE d.status <> 'delivered' AND n.chunks > 0 AND n.open = 0";
+     WHERE d.status <> 'delivered' AND d.status <> 'failed' AND n.chunks > 0 AND n.open = 0";
 
 /// The columns of a staged reply, as [`staged`] reads them.
 macro_rules! staged_select {
@@ -544,6 +544,12 @@ impl FinalizeStore for PgTx<'_> {
                 &le[5],
             ],
         )?;
+        Ok(())
+    }
+
+    fn add_activity(&self, m: &ActivityRow) -> Result<()> {
+        // Written just before the COMMIT (`PgTx::commit_or_lose`).
+        self.activity.borrow_mut().push(*m);
         Ok(())
     }
 

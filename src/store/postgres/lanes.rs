@@ -38,7 +38,8 @@ macro_rules! head_sql {
             " AND chat_id = ",
             $chat,
             "
-                AND status IN ('pending', 'partial') AND status <> 'delivered' LIMIT 1)
+                AND status IN ('pending', 'partial') AND status <> 'delivered'
+                AND status <> 'failed' LIMIT 1)
              UNION ALL
              (SELECT true, id, delivered_count, not_before FROM outbound_deliveries
               WHERE channel = ",
@@ -46,7 +47,7 @@ macro_rules! head_sql {
             " AND chat_id = ",
             $chat,
             "
-                AND status = 'queued' AND status <> 'delivered'
+                AND status = 'queued' AND status <> 'delivered' AND status <> 'failed'
               ORDER BY ",
             $order,
             " LIMIT 1)
@@ -124,7 +125,7 @@ pub(crate) const HELD_SQL: &str = crate::store::held_sql!("$1", "$2");
 pub(crate) const PAUSE_DUE_SQL: &str = "UPDATE outbound_delivery_chunks c SET due_at = $3
      FROM outbound_deliveries d
      WHERE d.channel = $1 AND d.chat_id = $2 AND d.status <> 'delivered'
-       AND c.delivery_id = d.id AND c.chunk_index = d.delivered_count
+       AND d.status <> 'failed' AND c.delivery_id = d.id AND c.chunk_index = d.delivered_count
        AND c.due_at < $3 AND c.status IN ('pending', 'retry')";
 
 /// Gives each delivery `id` of CTE `u` status `status` with its chunk `head` due at

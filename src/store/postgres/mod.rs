@@ -639,6 +639,12 @@ pub(crate) struct PgTx<'c> {
     /// Lanes (channel, chat) whose rows it locked while it read their due chunks, so
     /// that trying them costs no round trip (see `due_in_channels`).
     held_lanes: RefCell<Vec<(String, String)>>,
+    /// What it adds to the counts of the minutes its replies finished in: written as the
+    /// last statement before its `COMMIT`, so that a transaction waiting for a minute's
+    /// row (shared with other connections) holds nothing another one waits for.
+    activity: RefCell<Vec<crate::store::ActivityRow>>,
+    /// How many of those there were when its nested transaction began.
+    activity_mark: Cell<usize>,
     dead_letters: RefCell<Vec<(i64, String)>>,
 }
 
@@ -767,6 +773,8 @@ impl<'c> PgTx<'c> {
             rules_version: Cell::new(None),
             xid: Cell::new(None),
             held_lanes: RefCell::new(Vec::new()),
+            activity: RefCell::new(Vec::new()),
+            activity_mark: Cell::new(0),
             dead_letters: RefCell::new(Vec::new()),
             conn: RefCell::new(conn),
         };
@@ -998,6 +1006,22 @@ impl<'c> PgTx<'c> {
             },
         };
         self.open.set(false);
+        let mut minutes = self.activity.take();
+        minutes.sort_by_key(|m| m.bucket);
+        for minute in crate::store::ActivityRow::merged(minutes) {
+            self.defer(
+                ACTIVITY_SQL,
+                vec![
+                    owned(minute.bucket),
+                    owned(minute.delivered),
+                    owned(minute.failed),
+                    owned(minute.latency_sum_ms),
+                    owned(minute.latency_max_ms),
+                ],
+                None,
+            )
+            .map_err(LostCommit::Failed)?;
+        }
         let sql = if announce {
             listen::COMMIT_ANNOUNCED
         } else {
@@ -1371,6 +1395,7 @@ impl Locks for PgTx<'_> {
 
 impl StoreTx for PgTx<'_> {
     fn begin_nested(&self) -> Result<()> {
+        self.activity_mark.set(self.activity.borrow().len());
         self.batch("SAVEPOINT chunked_outbox_nested")
     }
 
@@ -1380,6 +1405,9 @@ impl StoreTx for PgTx<'_> {
         } else {
             // The row locks taken since are released: a lane noted as held may not be.
             self.held_lanes.borrow_mut().clear();
+            self.activity
+                .borrow_mut()
+                .truncate(self.activity_mark.get());
             self.batch(
                 "ROLLBACK TO SAVEPOINT chunked_outbox_nested;
                  RELEASE SAVEPOINT chunked_outbox_nested",
@@ -1608,3 +1636,12 @@ pub(crate) fn message(err: &postgres::Error) -> String {
         None => err.to_string(),
     }
 }
+
+/// Adds to a minute's count of finished replies (see `PgTx::commit_or_lose`).
+const ACTIVITY_SQL: &str = "INSERT INTO outbound_activity AS a
+         (minute, shard, delivered, failed, latency_sum_ms, latency_max_ms)
+     VALUES ($1, pg_backend_pid() % 16, $2, $3, $4, $5)
+     ON CONFLICT (minute, shard) DO UPDATE
+     SET delivered = a.delivered + $2, failed = a.failed + $3,
+         latency_sum_ms = a.latency_sum_ms + $4,
+         latency_max_ms = greatest(a.latency_max_ms, $5)";

@@ -12,7 +12,7 @@ use crate::store::{
 /// The failed chunks of dead letters (not set aside as unreadable), oldest first; `$1`
 /// a channel, or NULL for all.
 pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
-    "d.status = 'failed' AND d.status <> 'delivered' AND d.corrupt IS NULL
+    "d.status = 'failed' AND d.corrupt IS NULL
        AND ($1::text IS NULL OR d.channel = $1) AND c.status = 'failed'
      ORDER BY d.id, c.chunk_index"
 );
@@ -25,7 +25,8 @@ pub(crate) const UNASKED_SQL: &str = concat!(
             d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text), d.metadata,
             coalesce(c.first_sent_at, d.created_at), d.updated_at, c.claim_token
      FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
-     WHERE d.status = 'uncertain' AND d.status <> 'delivered' AND d.channel = $1
+     WHERE d.status = 'uncertain' AND d.status <> 'delivered' AND d.status <> 'failed'
+       AND d.channel = $1
        AND c.status = 'uncertain' AND c.settlement IS NULL
      ORDER BY d.id, c.chunk_index
      LIMIT $2"
@@ -76,7 +77,7 @@ impl OperatorStore for PgTx<'_> {
     ) -> Result<Vec<(String, String)>> {
         self.query(
             "UPDATE outbound_deliveries SET acknowledged_at = $1
-             WHERE status = 'failed' AND status <> 'delivered' AND acknowledged_at IS NULL
+             WHERE status = 'failed' AND acknowledged_at IS NULL
                AND ($2::text IS NULL OR channel = $2)
              RETURNING channel, chat_id",
             &[&now, &channel],
@@ -204,6 +205,34 @@ impl RetentionStore for PgTx<'_> {
              VALUES ($1, pg_backend_pid() % 16, -$2::bigint)
              ON CONFLICT (channel, shard) DO UPDATE SET delivered = s.delivered - $2",
             &[&channel, &count],
+        )?;
+        Ok(())
+    }
+
+    fn tidy_counters(&self, minute: i64) -> Result<()> {
+        self.execute(
+            "DELETE FROM outbound_activity WHERE minute < $1",
+            &[&minute],
+        )?;
+        // The dead letters' counts of connections that ended, into row 0 (no live
+        // connection writes it: a backend's process id is never 0).
+        self.execute(
+            "WITH gone AS (
+                 DELETE FROM outbound_dead_letter_counts c
+                 WHERE c.shard <> 0
+                   AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = c.shard)
+                 RETURNING c.*)
+             INSERT INTO outbound_dead_letter_counts AS c
+                 (channel, shard, dead_letters, unacknowledged, corrupt, failed_chunks)
+             SELECT channel, 0, sum(dead_letters), sum(unacknowledged), sum(corrupt),
+                    sum(failed_chunks)
+             FROM gone GROUP BY channel
+             ON CONFLICT (channel, shard) DO UPDATE
+             SET dead_letters = c.dead_letters + excluded.dead_letters,
+                 unacknowledged = c.unacknowledged + excluded.unacknowledged,
+                 corrupt = c.corrupt + excluded.corrupt,
+                 failed_chunks = c.failed_chunks + excluded.failed_chunks",
+            &[],
         )?;
         Ok(())
     }

@@ -15,7 +15,9 @@ use super::lanes::{
     QUEUED_ALL_SQL,
 };
 use super::operator::{DEAD_LETTER_CHUNKS_SQL, UNASKED_SQL};
-use super::reads::{OPEN_CHUNKS_SQL, OPEN_DELIVERIES_SQL};
+use super::reads::{
+    ACTIVITY_MINUTES_SQL, DEAD_LETTER_COUNTS_SQL, OPEN_CHUNKS_SQL, OPEN_DELIVERIES_SQL,
+};
 use super::{LOCK_LANES, TRY_LOCK_LANES};
 use crate::options::OutboxOptions;
 use crate::outbox::Outbox;
@@ -25,6 +27,8 @@ use crate::store::test_server as server;
 
 /// Delivered replies in the fixture's history.
 const HISTORY: i64 = 100_000;
+/// Dead letters beside them.
+const DEAD_LETTERS: i64 = 20_000;
 
 /// Each statement with arguments for its parameters, and whether its primitive runs it
 /// on the indexes (`PgTx::on_indexes`).
@@ -98,6 +102,14 @@ const STATEMENTS: &[(&str, &str, &str, bool)] = &[
     ("unasked uncertain parts", UNASKED_SQL, "'t', 16", true),
     ("open deliveries", OPEN_DELIVERIES_SQL, "", true),
     ("open chunks", OPEN_CHUNKS_SQL, "0", true),
+    ("dead letter counts", DEAD_LETTER_COUNTS_SQL, "", true),
+    (
+        "dead letters of a channel",
+        DEAD_LETTER_CHUNKS_SQL,
+        "'t'",
+        true,
+    ),
+    ("a day's minutes", ACTIVITY_MINUTES_SQL, "0, 1440", false),
 ];
 
 /// The plan `explain` prints, as JSON.
@@ -120,13 +132,16 @@ fn scans(plan: &serde_json::Value, out: &mut Vec<(String, String)>) {
     if let Some(node) = plan.get("Node Type").and_then(|v| v.as_str()) {
         let relation = plan.get("Relation Name").and_then(|v| v.as_str());
         // The partial indexes of unfinished work are as small as that work (staged
-        // replies live until a claim or enqueue starts them).
+        // replies live until a claim or enqueue starts them); those of the dead letters
+        // hold them and nothing else, for a statement over every dead letter.
         let partial = matches!(
             plan.get("Index Name").and_then(|v| v.as_str()),
             Some(
                 "outbound_deliveries_open"
                     | "outbound_delivery_chunks_due"
                     | "outbound_deliveries_staged"
+                    | "outbound_deliveries_dead"
+                    | "outbound_deliveries_dead_newest"
             )
         );
         let unbounded = matches!(node, "Index Scan" | "Index Only Scan")
@@ -176,7 +191,7 @@ fn full_scans(url: &str) -> Vec<String> {
     found
 }
 
-/// Adds a few unfinished replies and `HISTORY` delivered ones.
+/// Adds a few unfinished replies, `HISTORY` delivered ones and `DEAD_LETTERS`.
 fn grow(outbox: &Outbox, client: &mut postgres::Client) {
     for chat in 0..20 {
         outbox
@@ -205,19 +220,44 @@ fn grow(outbox: &Outbox, client: &mut postgres::Client) {
             &[&HISTORY],
         )
         .unwrap();
+    // Dead letters piled up beside them, as every user who blocked the bot leaves one.
+    client
+        .execute(
+            "WITH d AS (
+                 INSERT INTO outbound_deliveries (id, uid, channel, chat_id, status,
+                     chunk_count, delivered_count, created_at, updated_at, finished_at, text)
+                 SELECT nextval('outbound_deliveries_id_seq'), gen_random_uuid()::text, 't',
+                        'gone' || i, 'failed', 1, 0, 0, 0, 0, 'h'
+                 FROM generate_series(1, $1::bigint) AS i
+                 RETURNING id)
+             INSERT INTO outbound_delivery_chunks (delivery_id, chunk_index, status,
+                 attempts, channel_id)
+             SELECT id, 0, 'failed', 1, 1 FROM d",
+            &[&DEAD_LETTERS],
+        )
+        .unwrap();
+    // A month of minutes counted, by four connections.
+    client
+        .batch_execute(
+            "INSERT INTO outbound_activity (minute, shard, delivered)
+             SELECT m, s, 1 FROM generate_series(0, 43199) AS m, generate_series(0, 3) AS s",
+        )
+        .unwrap();
 }
 
 /// The outbox's own tables (a bare `ANALYZE` would also analyze the schemas of the
 /// tests running beside this one, and change their plans under them).
-const ANALYZE_OUTBOX: &str =
-    "ANALYZE outbound_deliveries, outbound_delivery_chunks, outbound_messages, outbound_lanes";
+const ANALYZE_OUTBOX: &str = "ANALYZE outbound_deliveries, outbound_delivery_chunks,
+     outbound_messages, outbound_lanes, outbound_activity";
 
 /// Statistics taken now and kept: autovacuum off for the outbox's tables, then ANALYZE.
 const FREEZE_STATISTICS: &str = "ALTER TABLE outbound_deliveries SET (autovacuum_enabled = off);
      ALTER TABLE outbound_delivery_chunks SET (autovacuum_enabled = off);
      ALTER TABLE outbound_messages SET (autovacuum_enabled = off);
      ALTER TABLE outbound_lanes SET (autovacuum_enabled = off);
-     ANALYZE outbound_deliveries, outbound_delivery_chunks, outbound_messages, outbound_lanes";
+     ALTER TABLE outbound_activity SET (autovacuum_enabled = off);
+     ANALYZE outbound_deliveries, outbound_delivery_chunks, outbound_messages, outbound_lanes,
+         outbound_activity";
 
 /// An outbox with `HISTORY` delivered replies and a few unfinished ones, its tables'
 /// statistics taken before the history was added (`stale`) or after.
@@ -259,7 +299,10 @@ fn whole_reads(name: &str, plan: &serde_json::Value, found: &mut Vec<String>) {
         let ours = relation.starts_with("outbound_")
             && !matches!(
                 relation.as_str(),
-                "outbound_policy" | "outbound_channels" | "outbound_channel_stats"
+                "outbound_policy"
+                    | "outbound_channels"
+                    | "outbound_channel_stats"
+                    | "outbound_dead_letter_counts"
             );
         if matches!(node.as_str(), "Seq Scan" | "Full Index Scan") && ours {
             found.push(format!("{name}: {node} on {relation}"));

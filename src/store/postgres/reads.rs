@@ -13,7 +13,10 @@ use crate::error::Result;
 use crate::ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
 use crate::inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
 use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::{ActivityRow, ChunkGroup, DeliveryGroup, HealthRows, ReadStore, StatsRow};
+use crate::store::{
+    ActivityRow, ChunkGroup, DeliveryGroup, HealthRows, ListFrom, ReadStore, StatsRow,
+    list_deliveries,
+};
 
 /// Each channel's counters, summed over its rows (see `V3__sharded_stats.sql`).
 pub(crate) const STATS_SQL: &str = "SELECT channel, sum(delivered)::bigint, max(last_delivered_at),
@@ -23,31 +26,74 @@ pub(crate) const STATS_SQL: &str = "SELECT channel, sum(delivered)::bigint, max(
         sum(latency_le_3600s)::bigint
      FROM outbound_channel_stats GROUP BY channel ORDER BY channel";
 
-/// Counted per channel and delivery status, over unfinished deliveries only.
+/// Counted per channel and delivery status, over the unfinished deliveries in flight or
+/// waiting for a person; the dead letters are counted by [`DEAD_LETTER_COUNTS_SQL`].
 pub(crate) const OPEN_DELIVERIES_SQL: &str =
     "SELECT channel, status, acknowledged_at IS NULL, count(*), min(created_at),
             count(corrupt)
-     FROM outbound_deliveries WHERE status <> 'delivered'
+     FROM outbound_deliveries WHERE status <> 'delivered' AND status <> 'failed'
      GROUP BY channel, status, acknowledged_at IS NULL";
 
-/// Counted per channel and chunk status, over the chunks of unfinished deliveries; the
-/// unsent rest of a dead letter left out, the chunk of a queued reply whose row is
-/// stored at its activation counted as pending.
+/// The dead letters and failed parts of each channel, summed over its rows, as the
+/// triggers of `V7__counted_not_read.sql` keep them: a snapshot's cost does not grow
+/// with the dead letters kept.
+pub(crate) const DEAD_LETTER_COUNTS_SQL: &str =
+    "SELECT channel, sum(dead_letters)::bigint, sum(unacknowledged)::bigint,
+            sum(corrupt)::bigint, sum(failed_chunks)::bigint
+     FROM outbound_dead_letter_counts GROUP BY channel
+     HAVING sum(dead_letters) <> 0 OR sum(failed_chunks) <> 0";
+
+/// Counted per channel and chunk status, over the chunks of unfinished deliveries other
+/// than dead letters (counted by [`DEAD_LETTER_COUNTS_SQL`]); the chunk of a queued
+/// reply whose row is stored at its activation counted as pending.
 pub(crate) const OPEN_CHUNKS_SQL: &str = "SELECT d.channel, coalesce(c.status, 'pending') AS state,
         count(*), count(*) FILTER (WHERE c.due_at <= $1),
         min(c.due_at) FILTER (WHERE c.status <> 'sending'), count(c.due_at)
      FROM outbound_deliveries d
           LEFT JOIN outbound_delivery_chunks c ON c.delivery_id = d.id
-     WHERE d.status <> 'delivered' AND (c.delivery_id IS NOT NULL OR d.status = 'queued')
+     WHERE d.status <> 'delivered' AND d.status <> 'failed'
+       AND (c.delivery_id IS NOT NULL OR d.status = 'queued')
        AND coalesce(c.status, 'pending') <> 'delivered'
-       AND NOT (d.status = 'failed' AND coalesce(c.status, 'pending') = 'pending')
      GROUP BY d.channel, state";
 
-const DELIVERY_SELECT: &str =
-    "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
+/// The counts kept for minutes `$1..=$2`, summed over each minute's rows.
+pub(crate) const ACTIVITY_MINUTES_SQL: &str =
+    "SELECT minute, sum(delivered)::bigint, sum(failed)::bigint,
+            sum(latency_sum_ms)::bigint, max(latency_max_ms)
+     FROM outbound_activity WHERE minute >= $1 AND minute <= $2
+     GROUP BY minute ORDER BY minute";
+
+/// A bucket's, or a minute's, counts: its number, delivered, failed, and the sum and
+/// the longest of the delivered replies' times.
+fn activity_row(r: &Row) -> Result<ActivityRow> {
+    Ok(ActivityRow {
+        bucket: r.try_get(0)?,
+        delivered: r.try_get(1)?,
+        failed: r.try_get(2)?,
+        latency_sum_ms: r.try_get(3)?,
+        latency_max_ms: r.try_get(4)?,
+    })
+}
+
+/// The columns of a delivery's view, from its table.
+macro_rules! delivery_select {
+    () => {
+        "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
         chunk_count, delivered_count, created_at, updated_at, finished_at, acknowledged_at,
         metadata, not_before, finalize_error
-     FROM outbound_deliveries";
+     FROM outbound_deliveries"
+    };
+}
+
+/// The deliveries a list may show, of any status: history included.
+const LIST_ALL: &str = concat!(delivery_select!(), " WHERE true");
+/// The work in flight (or waiting for a person), from its index.
+const LIST_IN_FLIGHT: &str = concat!(
+    delivery_select!(),
+    " WHERE status <> 'delivered' AND status <> 'failed'"
+);
+/// The dead letters, from their indexes (a channel is always given).
+const LIST_DEAD: &str = concat!(delivery_select!(), " WHERE status = 'failed'");
 
 const VIEW_SQL: &str = "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
         chunk_count, delivered_count, created_at, updated_at, finished_at, acknowledged_at,
@@ -89,54 +135,23 @@ impl ReadStore for PgTx<'_> {
     }
 
     fn list(&self, filter: &ListFilter) -> Result<Vec<DeliveryView>> {
-        let mut sql = format!("{DELIVERY_SELECT} WHERE true");
-        let limit = filter.limit as i64;
-        let status = filter.status.map(DeliveryStatus::as_str);
-        let mut values: Vec<&(dyn ToSql + Sync)> = Vec::new();
-        if let Some(status) = &status {
-            values.push(status);
-            // A reply staged by an application's transaction shows as queued.
-            sql.push_str(&format!(
-                " AND (status = ${} OR (${} = 'queued' AND status = 'new'))",
-                values.len(),
-                values.len()
-            ));
-            if filter.status != Some(DeliveryStatus::Delivered) {
-                sql.push_str(" AND status <> 'delivered'");
-            }
-        }
-        if filter.unfinished {
-            sql.push_str(" AND status <> 'delivered' AND status <> 'cancelled'");
-        }
-        if let Some(channel) = &filter.channel {
-            values.push(channel);
-            sql.push_str(&format!(" AND channel = ${}", values.len()));
-        }
-        if let Some(chat_id) = &filter.chat_id {
-            values.push(chat_id);
-            sql.push_str(&format!(" AND chat_id = ${}", values.len()));
-        }
-        if let Some(key) = &filter.idempotency_key {
-            values.push(key);
-            sql.push_str(&format!(" AND idempotency_key = ${}", values.len()));
-            if filter.channel.is_none() {
-                // Found through the index of keys per channel, one channel at a time,
-                // not by walking the history: every delivery's channel is registered,
-                // but for a reply an application's transaction staged (status `new`).
-                sql.push_str(
-                    " AND channel IN (SELECT name FROM outbound_channels
-                       UNION ALL SELECT channel FROM outbound_deliveries WHERE status = 'new')",
-                );
-            }
-        }
-        values.push(&limit);
-        sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", values.len()));
-        // A row that cannot be read is left out here; `corrupt_rows` reports it.
-        Ok(self
-            .query_dynamic(&sql, &values)?
-            .iter()
-            .filter_map(|r| delivery_row(r).ok().map(|(_, view)| view))
-            .collect())
+        list_deliveries(
+            filter,
+            || {
+                self.query("SELECT name FROM outbound_channels ORDER BY name", &[])?
+                    .iter()
+                    .map(|r| Ok(r.try_get(0)?))
+                    .collect()
+            },
+            |from, channel| {
+                let select = match from {
+                    ListFrom::All => LIST_ALL,
+                    ListFrom::InFlight => LIST_IN_FLIGHT,
+                    ListFrom::Dead => LIST_DEAD,
+                };
+                self.list_where(select, filter, channel)
+            },
+        )
     }
 
     fn activity(&self, since: i64, bucket: i64) -> Result<Vec<ActivityRow>> {
@@ -151,24 +166,22 @@ impl ReadStore for PgTx<'_> {
              GROUP BY 1 ORDER BY 1",
             &[&since, &bucket],
         )?;
-        rows.iter()
-            .map(|r| {
-                Ok(ActivityRow {
-                    bucket: r.try_get(0)?,
-                    delivered: r.try_get(1)?,
-                    failed: r.try_get(2)?,
-                    latency_sum_ms: r.try_get(3)?,
-                    latency_max_ms: r.try_get(4)?,
-                })
-            })
-            .collect()
+        rows.iter().map(activity_row).collect()
+    }
+
+    fn activity_minutes(&self, from: i64, to: i64) -> Result<Vec<ActivityRow>> {
+        let rows = self.query(ACTIVITY_MINUTES_SQL, &[&from, &to])?;
+        rows.iter().map(activity_row).collect()
     }
 
     fn corrupt_rows(&self) -> Result<Vec<CorruptRow>> {
         let mut found = Vec::new();
         for r in self.query(
-            "SELECT id, uid, corrupt FROM outbound_deliveries WHERE status <> 'delivered'
-               AND (corrupt IS NOT NULL OR uid !~ '^[0-9a-fA-F-]{36}$')",
+            "SELECT id, uid, corrupt FROM outbound_deliveries
+             WHERE status <> 'delivered' AND status <> 'failed' AND uid !~ '^[0-9a-fA-F-]{36}$'
+             UNION ALL
+             SELECT id, uid, corrupt FROM outbound_deliveries
+             WHERE status = 'failed' AND (corrupt IS NOT NULL OR uid !~ '^[0-9a-fA-F-]{36}$')",
             &[],
         )? {
             let uid: String = r.try_get(1)?;
@@ -190,6 +203,62 @@ impl ReadStore for PgTx<'_> {
 }
 
 impl PgTx<'_> {
+    /// The rows of `filter` that `select` (ending in its WHERE clause) finds, on
+    /// `channel` if given, newest first, at most `filter.limit`; a row that cannot be
+    /// read is left out (`corrupt_rows` reports it).
+    fn list_where(
+        &self,
+        select: &'static str,
+        filter: &ListFilter,
+        channel: Option<&str>,
+    ) -> Result<Vec<(i64, DeliveryView)>> {
+        let mut sql = select.to_owned();
+        let limit = filter.limit as i64;
+        let status = filter.status.map(DeliveryStatus::as_str);
+        let mut values: Vec<&(dyn ToSql + Sync)> = Vec::new();
+        if let Some(status) = &status {
+            values.push(status);
+            // A reply staged by an application's transaction shows as queued.
+            sql.push_str(&format!(
+                " AND (status = ${} OR (${} = 'queued' AND status = 'new'))",
+                values.len(),
+                values.len()
+            ));
+        }
+        if filter.unfinished {
+            sql.push_str(" AND status <> 'delivered' AND status <> 'cancelled'");
+        }
+        let channel = channel.or(filter.channel.as_deref());
+        if let Some(channel) = &channel {
+            values.push(channel);
+            sql.push_str(&format!(" AND channel = ${}", values.len()));
+        }
+        if let Some(chat_id) = &filter.chat_id {
+            values.push(chat_id);
+            sql.push_str(&format!(" AND chat_id = ${}", values.len()));
+        }
+        if let Some(key) = &filter.idempotency_key {
+            values.push(key);
+            sql.push_str(&format!(" AND idempotency_key = ${}", values.len()));
+            if channel.is_none() {
+                // Found through the index of keys per channel, one channel at a time,
+                // not by walking the history: every delivery's channel is registered,
+                // but for a reply an application's transaction staged (status `new`).
+                sql.push_str(
+                    " AND channel IN (SELECT name FROM outbound_channels
+                       UNION ALL SELECT channel FROM outbound_deliveries WHERE status = 'new')",
+                );
+            }
+        }
+        values.push(&limit);
+        sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", values.len()));
+        Ok(self
+            .query_dynamic(&sql, &values)?
+            .iter()
+            .filter_map(|r| delivery_row(r).ok())
+            .collect())
+    }
+
     fn health_rows_here(&self, now: i64) -> Result<HealthRows> {
         let mut rows = HealthRows::default();
         for r in self.query(STATS_SQL, &[])? {
@@ -216,6 +285,15 @@ impl PgTx<'_> {
                 oldest_created_at: r.try_get(4)?,
                 corrupt: count(&r, 5)?,
             });
+        }
+        for r in self.query(DEAD_LETTER_COUNTS_SQL, &[])? {
+            rows.add_dead_letters(
+                r.try_get(0)?,
+                count(&r, 1)?,
+                count(&r, 2)?,
+                count(&r, 3)?,
+                count(&r, 4)?,
+            );
         }
         for r in self.query(OPEN_CHUNKS_SQL, &[&now])? {
             rows.chunks.push(ChunkGroup {

@@ -225,6 +225,60 @@ mod tests {
         assert_eq!(tables(&url), before);
     }
 
+    /// Version 7 counts the dead letters already there, and the counts follow the rows
+    /// after it.
+    #[test]
+    fn version_seven_counts_the_dead_letters_already_there() {
+        let Some(url) = server::fresh_schema_url() else {
+            return;
+        };
+        let mut old = client(&url);
+        let mut runner = super::embedded::migrations::runner();
+        runner.set_migration_table_name(super::HISTORY);
+        runner
+            .set_grouped(true)
+            .set_target(refinery::Target::Version(6))
+            .run(&mut old)
+            .unwrap();
+        old.batch_execute(
+            "INSERT INTO outbound_channels (id, name) VALUES (1, 'slack'), (2, 'telegram');
+             INSERT INTO outbound_deliveries (id, uid, channel, chat_id, status, chunk_count,
+                 delivered_count, created_at, updated_at, text, acknowledged_at, corrupt)
+             VALUES (1, 'u1', 'slack', 'a', 'failed', 2, 0, 1, 1, 'x y', NULL, NULL),
+                    (2, 'u2', 'slack', 'b', 'failed', 1, 0, 1, 1, 'x', 5, NULL),
+                    (3, 'u3', 'telegram', 'a', 'failed', 1, 0, 1, 1, 'x', NULL, 'bad text'),
+                    (4, 'u4', 'telegram', 'a', 'pending', 1, 0, 1, 1, 'x', NULL, NULL);
+             INSERT INTO outbound_delivery_chunks (delivery_id, chunk_index, status, channel_id)
+             VALUES (1, 0, 'failed', 1), (1, 1, 'pending', 1), (2, 0, 'failed', 1),
+                    (3, 0, 'failed', 2), (4, 0, 'pending', 2);",
+        )
+        .unwrap();
+        let outbox = Outbox::connect(&url, OutboxOptions::default()).unwrap();
+        let counts = |outbox: &Outbox| {
+            let health = outbox.health().unwrap();
+            ["slack", "telegram"].map(|channel| {
+                let h = health.channels.get(channel).cloned().unwrap_or_default();
+                (
+                    h.failed_deliveries,
+                    h.unacknowledged_dead_letters,
+                    h.corrupt_deliveries,
+                    h.failed_chunks,
+                )
+            })
+        };
+        assert_eq!(counts(&outbox), [(2, 1, 0, 2), (1, 1, 1, 1)]);
+        old.batch_execute(
+            "UPDATE outbound_deliveries SET status = 'pending' WHERE id = 1;
+             UPDATE outbound_delivery_chunks SET status = 'retry'
+             WHERE delivery_id = 1 AND chunk_index = 0;
+             UPDATE outbound_deliveries SET acknowledged_at = 9 WHERE id = 3;
+             DELETE FROM outbound_deliveries WHERE id = 2;
+             DELETE FROM outbound_delivery_chunks WHERE delivery_id = 2;",
+        )
+        .unwrap();
+        assert_eq!(counts(&outbox), [(0, 0, 0, 0), (1, 0, 1, 1)]);
+    }
+
     /// A migration that fails half-way (here: a table of the application's in the
     /// schema under one of the outbox's names) leaves none of the outbox's tables.
     #[test]

@@ -10,7 +10,7 @@ use super::schema::sqlite_message;
 use super::tx::Tx;
 use crate::error::{Error, Result};
 use crate::rules::{FINALIZE_PARAMETERS, parameter_index};
-use crate::store::{ChannelTally, DeliveryLane, FinalizeStore, StatementShape};
+use crate::store::{ActivityRow, ChannelTally, DeliveryLane, FinalizeStore, StatementShape};
 
 /// The values of [`FINALIZE_PARAMETERS`] for delivery `?1` finalized at `?2`, in order.
 const FINALIZE_VALUES_SQL: &str = concat!(
@@ -51,7 +51,7 @@ const HISTORY_SQL_CUT: &str = history_sql!("substr(text, 2)");
 /// is stored when it becomes active).
 pub(crate) const SWEEP_SQL: &str = concat!(
     "SELECT d.id, d.channel, d.chat_id, d.created_at FROM outbound_deliveries d
-     WHERE d.status <> 'delivered' AND NOT EXISTS (
+     WHERE d.status <> 'delivered' AND d.status <> 'failed' AND NOT EXISTS (
          SELECT 1 FROM outbound_delivery_chunks c
          WHERE c.status <> 'delivered' AND ",
     chunks_of_delivery!("c", "d.id"),
@@ -167,6 +167,26 @@ impl FinalizeStore for Tx<'_> {
             le[3],
             le[4],
             le[5],
+        ])?;
+        Ok(())
+    }
+
+    fn add_activity(&self, m: &ActivityRow) -> Result<()> {
+        self.prepare_cached(
+            "INSERT INTO outbound_activity
+                 (minute, delivered, failed, latency_sum_ms, latency_max_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT (minute) DO UPDATE
+             SET delivered = delivered + ?2, failed = failed + ?3,
+                 latency_sum_ms = latency_sum_ms + ?4,
+                 latency_max_ms = max(latency_max_ms, ?5)",
+        )?
+        .execute(params![
+            m.bucket,
+            m.delivered,
+            m.failed,
+            m.latency_sum_ms,
+            m.latency_max_ms
         ])?;
         Ok(())
     }

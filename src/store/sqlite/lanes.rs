@@ -40,7 +40,7 @@ macro_rules! head_sql {
                     CASE WHEN status = 'queued' THEN not_before END
              FROM outbound_deliveries
              WHERE channel = ?1 AND chat_id = ?2 AND status >= 'partial' AND status <= 'queued'
-               AND status <> 'delivered'
+               AND status <> 'delivered' AND status <> 'failed'
              ORDER BY status, ",
             $order,
             " LIMIT 1"
@@ -78,12 +78,12 @@ pub(crate) const PAUSE_DUE_SQL: &str = concat!(
          SELECT id * ",
     crate::store::chunk_stride!(),
     " + delivered_count FROM outbound_deliveries
-         WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered')"
+         WHERE channel = ?1 AND chat_id = ?2 AND status <> 'delivered' AND status <> 'failed')"
 );
 
 /// Queued deliveries, oldest first, with their lanes.
 pub(crate) const QUEUED_ALL_SQL: &str = "SELECT id, channel, chat_id FROM outbound_deliveries
-     WHERE status = 'queued' AND status <> 'delivered' ORDER BY id";
+     WHERE status = 'queued' AND status <> 'delivered' AND status <> 'failed' ORDER BY id";
 
 impl LaneStore for Tx<'_> {
     fn waiting(&self, delivery: i64) -> Result<Waiting> {

@@ -12,7 +12,7 @@ use crate::store::{ChunkProgress, ChunkRef, DeliveryState, OperatorStore, Unaske
 /// unfinished deliveries (a join led by the chunk table would read all of history).
 /// `?1` is a channel, or NULL for all.
 pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
-    "d.id IN (SELECT id FROM outbound_deliveries WHERE status = 'failed' AND status <> 'delivered'
+    "d.id IN (SELECT id FROM outbound_deliveries WHERE status = 'failed'
                AND corrupt IS NULL AND (?1 IS NULL OR channel = ?1))
      AND c.status = 'failed'
      ORDER BY d.id"
@@ -28,7 +28,8 @@ pub(crate) const UNASKED_SQL: &str = concat!(
      FROM outbound_deliveries d JOIN outbound_delivery_chunks c ON ",
     chunks_of_delivery!("c", "d.id"),
     " WHERE d.id IN (SELECT id FROM outbound_deliveries
-                    WHERE status = 'uncertain' AND status <> 'delivered' AND channel = ?1)
+                    WHERE status = 'uncertain' AND status <> 'delivered' AND status <> 'failed'
+                      AND channel = ?1)
        AND c.status = 'uncertain' AND c.settlement IS NULL
      ORDER BY c.id
      LIMIT ?2"
@@ -75,7 +76,7 @@ impl OperatorStore for Tx<'_> {
     ) -> Result<Vec<(String, String)>> {
         let mut stmt = self.prepare_cached(
             "UPDATE outbound_deliveries SET acknowledged_at = ?1
-             WHERE status = 'failed' AND status <> 'delivered' AND acknowledged_at IS NULL
+             WHERE status = 'failed' AND acknowledged_at IS NULL
                AND (?2 IS NULL OR channel = ?2)
              RETURNING channel, chat_id",
         )?;

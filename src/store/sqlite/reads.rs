@@ -9,20 +9,32 @@ use crate::clock::to_datetime;
 use crate::error::Result;
 use crate::ids::{CHUNK_STRIDE, ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
 use crate::inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
-use crate::status::{ChunkStatus, DeliveryStatus};
-use crate::store::{ActivityRow, ChunkGroup, DeliveryGroup, HealthRows, ReadStore, StatsRow};
+use crate::status::ChunkStatus;
+use crate::store::{
+    ActivityRow, ChunkGroup, DeliveryGroup, HealthRows, ListFrom, ReadStore, StatsRow,
+    list_deliveries,
+};
 
-/// Counted per channel and delivery status, over unfinished deliveries only.
+/// Counted per channel and delivery status, over the unfinished deliveries in flight or
+/// waiting for a person; the dead letters are counted by [`DEAD_LETTER_COUNTS_SQL`].
 pub(crate) const OPEN_DELIVERIES_SQL: &str =
     "SELECT channel, status, acknowledged_at IS NULL, count(*), min(created_at),
         count(corrupt)
  FROM outbound_deliveries INDEXED BY outbound_deliveries_open
- WHERE status <> 'delivered'
+ WHERE status <> 'delivered' AND status <> 'failed'
  GROUP BY channel, status, acknowledged_at IS NULL";
 
-/// Counted per channel and chunk status, over the chunks of unfinished deliveries only.
-/// The unsent rest of a dead letter is not pending work, so it is left out; the chunk of
-/// a queued reply whose row is stored at its activation is counted (`supplied!`).
+/// The dead letters and failed parts of each channel, as the triggers of schema version
+/// 10 keep them: a snapshot's cost does not grow with the dead letters kept.
+pub(crate) const DEAD_LETTER_COUNTS_SQL: &str =
+    "SELECT channel, dead_letters, unacknowledged, corrupt, failed_chunks
+ FROM outbound_dead_letter_counts
+ WHERE dead_letters <> 0 OR failed_chunks <> 0";
+
+/// Counted per channel and chunk status, over the chunks of unfinished deliveries other
+/// than dead letters (whose failed parts are counted by [`DEAD_LETTER_COUNTS_SQL`], and
+/// whose unsent rest is not pending work); the chunk of a queued reply whose row is
+/// stored at its activation is counted (`supplied!`).
 pub(crate) const OPEN_CHUNKS_SQL: &str = concat!(
     "SELECT d.channel, ",
     supplied!(status),
@@ -33,10 +45,10 @@ pub(crate) const OPEN_CHUNKS_SQL: &str = concat!(
  FROM outbound_deliveries d INDEXED BY outbound_deliveries_open",
     chunks_supplied!("d.id"),
     "
- WHERE d.status <> 'delivered' AND ",
+ WHERE d.status <> 'delivered' AND d.status <> 'failed' AND ",
     supplied!(seen),
     "
-   AND state <> 'delivered' AND NOT (d.status = 'failed' AND state = 'pending')
+   AND state <> 'delivered'
  GROUP BY d.channel, state"
 );
 
@@ -77,6 +89,17 @@ impl ReadStore for Tx<'_> {
                 corrupt: count(r, 5)?,
             });
         }
+        let mut dead = self.prepare_cached(DEAD_LETTER_COUNTS_SQL)?;
+        let mut read = dead.query([])?;
+        while let Some(r) = read.next()? {
+            rows.add_dead_letters(
+                r.get(0)?,
+                count(r, 1)?,
+                count(r, 2)?,
+                count(r, 3)?,
+                count(r, 4)?,
+            );
+        }
         let mut chunks = self.prepare_cached(OPEN_CHUNKS_SQL)?;
         let mut read = chunks.query([now])?;
         while let Some(r) = read.next()? {
@@ -107,58 +130,26 @@ impl ReadStore for Tx<'_> {
     }
 
     fn list(&self, filter: &ListFilter) -> Result<Vec<DeliveryView>> {
-        // Asked for unfinished deliveries only, the partial index of those is read (and
-        // its rows sorted), not the whole history in id order: SQLite, left to itself,
-        // walks the table backwards for the ORDER BY, a million rows for fifty.
-        let unfinished = filter.unfinished
-            || filter
-                .status
-                .is_some_and(|status| status != DeliveryStatus::Delivered);
-        let mut sql = if unfinished {
-            format!(
-                "{DELIVERY_SELECT} INDEXED BY outbound_deliveries_open WHERE status <> 'delivered'"
-            )
-        } else {
-            format!("{DELIVERY_SELECT} WHERE 1")
-        };
-        let mut values = Vec::new();
-        if let Some(status) = filter.status {
-            values.push(Value::Text(status.as_str().to_owned()));
-            sql.push_str(&format!(" AND status = ?{}", values.len()));
-        }
-        if filter.unfinished {
-            sql.push_str(" AND status <> 'cancelled'");
-        }
-        if let Some(channel) = &filter.channel {
-            values.push(Value::Text(channel.clone()));
-            sql.push_str(&format!(" AND channel = ?{}", values.len()));
-        }
-        if let Some(chat_id) = &filter.chat_id {
-            values.push(Value::Text(chat_id.clone()));
-            sql.push_str(&format!(" AND chat_id = ?{}", values.len()));
-        }
-        if let Some(key) = &filter.idempotency_key {
-            values.push(Value::Text(key.clone()));
-            sql.push_str(&format!(" AND idempotency_key = ?{}", values.len()));
-            if filter.channel.is_none() {
-                // Found through the index of keys per channel, one channel at a time
-                // (every delivery's channel is registered), not by walking the history.
-                sql.push_str(" AND channel IN (SELECT name FROM outbound_channels)");
-            }
-        }
-        values.push(Value::Integer(filter.limit as i64));
-        sql.push_str(&format!(" ORDER BY id DESC LIMIT ?{}", values.len()));
-        let mut stmt = Connection::prepare_cached(self, &sql)?;
-        let rows = stmt.query_map(params_from_iter(values), |r| Ok(delivery_row(r)))?;
-        let mut views = Vec::new();
-        for row in rows {
-            // A row that cannot be read is skipped here, not a reason to list
-            // nothing; `corrupt_rows` reports it.
-            if let Ok((_, view)) = row? {
-                views.push(view);
-            }
-        }
-        Ok(views)
+        // Asked for unfinished deliveries only, the partial indexes of those are read
+        // (and their rows sorted), not the whole history in id order: SQLite, left to
+        // itself, walks the table backwards for the ORDER BY, a million rows for fifty.
+        list_deliveries(
+            filter,
+            || {
+                Ok(self
+                    .prepare_cached("SELECT name FROM outbound_channels ORDER BY name")?
+                    .query_map([], |r| r.get(0))?
+                    .collect::<rusqlite::Result<_>>()?)
+            },
+            |from, channel| {
+                let select = match from {
+                    ListFrom::All => LIST_ALL,
+                    ListFrom::InFlight => LIST_IN_FLIGHT,
+                    ListFrom::Dead => LIST_DEAD,
+                };
+                self.list_where(select, filter, channel)
+            },
+        )
     }
 
     fn activity(&self, since: i64, bucket: i64) -> Result<Vec<ActivityRow>> {
@@ -172,15 +163,16 @@ impl ReadStore for Tx<'_> {
              WHERE finished_at >= ?1 AND status IN ('delivered', 'failed')
              GROUP BY 1 ORDER BY 1",
         )?;
-        let rows = stmt.query_map([since, bucket], |r| {
-            Ok(ActivityRow {
-                bucket: r.get(0)?,
-                delivered: r.get(1)?,
-                failed: r.get(2)?,
-                latency_sum_ms: r.get(3)?,
-                latency_max_ms: r.get(4)?,
-            })
-        })?;
+        let rows = stmt.query_map([since, bucket], activity_row)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    fn activity_minutes(&self, from: i64, to: i64) -> Result<Vec<ActivityRow>> {
+        let mut stmt = self.prepare_cached(
+            "SELECT minute, delivered, failed, latency_sum_ms, latency_max_ms
+             FROM outbound_activity WHERE minute >= ?1 AND minute <= ?2 ORDER BY minute",
+        )?;
+        let rows = stmt.query_map([from, to], activity_row)?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
@@ -188,7 +180,7 @@ impl ReadStore for Tx<'_> {
         let tx = self;
         let mut stmt = tx.prepare_cached(
             "SELECT id, CAST(uid AS BLOB), corrupt FROM outbound_deliveries
-             WHERE corrupt IS NOT NULL AND status <> 'delivered'",
+             WHERE corrupt IS NOT NULL AND status = 'failed'",
         )?;
         let mut found: Vec<CorruptRow> = stmt
             .query_map([], |r| {
@@ -201,8 +193,11 @@ impl ReadStore for Tx<'_> {
             .collect::<rusqlite::Result<_>>()?;
         // Rows no claim has met yet: a uid that does not parse.
         let mut stmt = tx.prepare_cached(
-            "SELECT id, CAST(uid AS BLOB) FROM outbound_deliveries
-             WHERE corrupt IS NULL AND status <> 'delivered'",
+            "SELECT id, CAST(uid AS BLOB) FROM outbound_deliveries INDEXED BY outbound_deliveries_open
+             WHERE corrupt IS NULL AND status <> 'delivered' AND status <> 'failed'
+             UNION ALL
+             SELECT id, CAST(uid AS BLOB) FROM outbound_deliveries
+             WHERE corrupt IS NULL AND status = 'failed'",
         )?;
         let mut rows = stmt.query([])?;
         while let Some(r) = rows.next()? {
@@ -219,11 +214,38 @@ impl ReadStore for Tx<'_> {
     }
 }
 
-const DELIVERY_SELECT: &str =
-    "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
+/// A bucket's, or a minute's, counts: its number, delivered, failed, and the sum and
+/// the longest of the delivered replies' times.
+fn activity_row(r: &Row<'_>) -> rusqlite::Result<ActivityRow> {
+    Ok(ActivityRow {
+        bucket: r.get(0)?,
+        delivered: r.get(1)?,
+        failed: r.get(2)?,
+        latency_sum_ms: r.get(3)?,
+        latency_max_ms: r.get(4)?,
+    })
+}
+
+/// The columns of a delivery's view, from its table.
+macro_rules! delivery_select {
+    () => {
+        "SELECT id, uid, channel, chat_id, sender, idempotency_key, status, text,
         chunk_count, delivered_count, created_at, updated_at, finished_at, acknowledged_at,
         metadata, not_before, finalize_error
- FROM outbound_deliveries";
+ FROM outbound_deliveries"
+    };
+}
+const DELIVERY_SELECT: &str = delivery_select!();
+
+/// The deliveries a list may show, of any status: history included.
+const LIST_ALL: &str = concat!(delivery_select!(), " WHERE 1");
+/// The work in flight (or waiting for a person), from its index.
+pub(crate) const LIST_IN_FLIGHT: &str = concat!(
+    delivery_select!(),
+    " INDEXED BY outbound_deliveries_open WHERE status <> 'delivered' AND status <> 'failed'"
+);
+/// The dead letters, from their indexes (a channel is always given).
+pub(crate) const LIST_DEAD: &str = concat!(delivery_select!(), " WHERE status = 'failed'");
 
 fn delivery_row(r: &Row<'_>) -> rusqlite::Result<(i64, DeliveryView)> {
     let uid: String = r.get(1)?;
@@ -296,6 +318,66 @@ fn chunks_of(tx: &Tx<'_>, delivery: i64, id: &DeliveryId) -> Result<Vec<ChunkVie
         })
     })?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+impl Tx<'_> {
+    /// The rows `select` (ending in its WHERE clause) finds with `filter`'s other
+    /// conditions, on `channel` if given, newest first, at most `filter.limit`; rows that
+    /// cannot be read are left out (`corrupt_rows` reports them).
+    fn list_where(
+        &self,
+        select: &'static str,
+        filter: &ListFilter,
+        channel: Option<&str>,
+    ) -> Result<Vec<(i64, DeliveryView)>> {
+        let (sql, values) = list_sql(select, filter, channel);
+        let mut stmt = Connection::prepare_cached(self, &sql)?;
+        let rows = stmt.query_map(params_from_iter(values), |r| Ok(delivery_row(r)))?;
+        let mut found = Vec::new();
+        for row in rows {
+            if let Ok(row) = row? {
+                found.push(row);
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// The statement [`Tx::list_where`] runs, and its values.
+pub(crate) fn list_sql(
+    select: &'static str,
+    filter: &ListFilter,
+    channel: Option<&str>,
+) -> (String, Vec<Value>) {
+    let mut sql = select.to_owned();
+    let mut values = Vec::new();
+    if let Some(status) = filter.status {
+        values.push(Value::Text(status.as_str().to_owned()));
+        sql.push_str(&format!(" AND status = ?{}", values.len()));
+    }
+    if filter.unfinished {
+        sql.push_str(" AND status <> 'cancelled'");
+    }
+    if let Some(channel) = channel.or(filter.channel.as_deref()) {
+        values.push(Value::Text(channel.to_owned()));
+        sql.push_str(&format!(" AND channel = ?{}", values.len()));
+    }
+    if let Some(chat_id) = &filter.chat_id {
+        values.push(Value::Text(chat_id.clone()));
+        sql.push_str(&format!(" AND chat_id = ?{}", values.len()));
+    }
+    if let Some(key) = &filter.idempotency_key {
+        values.push(Value::Text(key.clone()));
+        sql.push_str(&format!(" AND idempotency_key = ?{}", values.len()));
+        if channel.is_none() && filter.channel.is_none() {
+            // Found through the index of keys per channel, one channel at a time
+            // (every delivery's channel is registered), not by walking the history.
+            sql.push_str(" AND channel IN (SELECT name FROM outbound_channels)");
+        }
+    }
+    values.push(Value::Integer(filter.limit as i64));
+    sql.push_str(&format!(" ORDER BY id DESC LIMIT ?{}", values.len()));
+    (sql, values)
 }
 
 /// A non-negative count column (SQLite integers are signed).

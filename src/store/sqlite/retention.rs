@@ -56,6 +56,12 @@ impl RetentionStore for Tx<'_> {
         Ok(())
     }
 
+    fn tidy_counters(&self, minute: i64) -> Result<()> {
+        self.prepare_cached("DELETE FROM outbound_activity WHERE minute < ?1")?
+            .execute([minute])?;
+        Ok(())
+    }
+
     fn purge_counts(&self, cutoff: i64) -> Result<(u64, u64)> {
         let (deliveries, chunks): (i64, i64) = self.prepare_cached(concat!(
             // A cancelled delivery's chunks are already gone.

@@ -51,6 +51,7 @@ const MIGRATIONS: &[&str] = &[
     ),
     include_str!("../../../migrations/sqlite/0008_finished_index.sql"),
     include_str!("../../../migrations/sqlite/0009_settled_by_the_platform.sql"),
+    include_str!("../../../migrations/sqlite/0010_counted_not_read.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:
@@ -274,9 +275,8 @@ pub(crate) fn sqlite_message(e: &rusqlite::Error) -> String {
     }
 }
 
-/// The statements of a migration file: split at each `;` outside comments and quotes.
-/// (Migrations hold no trigger bodies, whose `;` would end them early; a test keeps it
-/// true.)
+/// The statements of a migration file: split at each `;` outside comments and quotes,
+/// except inside a trigger's body, which ends at the `;` after its `END`.
 fn statements(sql: &str) -> Vec<&str> {
     let (mut out, mut start) = (Vec::new(), 0);
     let mut chars = sql.char_indices().peekable();
@@ -297,8 +297,20 @@ fn statements(sql: &str) -> Vec<&str> {
                 }
             }
             ';' => {
-                out.push(&sql[start..=i]);
-                start = i + 1;
+                let statement = &sql[start..i];
+                let words = |text: &str| -> Vec<String> {
+                    text.lines()
+                        .filter(|line| !line.trim_start().starts_with("--"))
+                        .flat_map(|line| line.split_whitespace())
+                        .map(str::to_ascii_uppercase)
+                        .collect()
+                };
+                let all = words(statement);
+                let trigger = all.len() >= 2 && all[..2] == ["CREATE", "TRIGGER"];
+                if !trigger || all.last().is_some_and(|w| w == "END") {
+                    out.push(&sql[start..=i]);
+                    start = i + 1;
+                }
             }
             _ => {}
         }
@@ -346,7 +358,7 @@ mod tests {
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 9);
+        assert_eq!(SCHEMA_VERSION, 10);
     }
 
     fn schema_of(conn: &Connection) -> Vec<String> {
@@ -371,7 +383,8 @@ mod tests {
             assert!(!statements.is_empty());
             for statement in statements {
                 assert!(
-                    !statement.to_uppercase().contains("CREATE TRIGGER"),
+                    !statement.to_uppercase().contains("CREATE TRIGGER")
+                        || statement.trim_end().to_uppercase().ends_with("END;"),
                     "the splitter does not cut trigger bodies: {statement}"
                 );
                 split.execute_batch(statement).unwrap();
@@ -494,8 +507,12 @@ mod tests {
             dump(&conn, indexes),
         );
         migrate(&mut conn).unwrap();
-        // Version 8 adds one.
-        before.2.push("outbound_deliveries_finished".into());
+        // Version 8 adds one, version 10 two (the dead letters').
+        before.2.extend([
+            "outbound_deliveries_finished".into(),
+            "outbound_deliveries_dead".into(),
+            "outbound_deliveries_dead_newest".into(),
+        ]);
         before.2.sort();
         let after = (
             dump(&conn, deliveries),
@@ -528,6 +545,81 @@ mod tests {
     /// Version 9 admits the replay policy `ask`: the stored replay policies come
     /// through, the CHECK still refuses an unknown word, and a chunk gains its first
     /// send's time and settlement, empty.
+    /// Version 10 keeps every row, counts the dead letters already there, and the
+    /// counts follow the rows after it.
+    #[test]
+    fn version_ten_keeps_every_row_and_counts_the_dead_letters_there() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrations().to_version(&mut conn, 9).unwrap();
+        conn.execute_batch(
+            "INSERT INTO outbound_channels (id, name) VALUES (1, 'slack'), (2, 'telegram');
+             INSERT INTO outbound_deliveries (id, uid, channel, chat_id, status, chunk_count,
+                 delivered_count, created_at, updated_at, text, acknowledged_at, corrupt,
+                 finished_at)
+             VALUES (1, 'u1', 'slack', 'a', 'failed', 2, 0, 1, 1, 'x y', NULL, NULL, 60000),
+                    (2, 'u2', 'slack', 'b', 'failed', 1, 0, 1, 1, 'x', 5, NULL, 60500),
+                    (3, 'u3', 'telegram', 'a', 'failed', 1, 0, 1, 1, 'x', NULL, 'bad text',
+                     180000),
+                    (4, 'u4', 'telegram', 'a', 'pending', 1, 0, 1, 1, 'x', NULL, NULL, NULL),
+                    (5, 'u5', 'slack', 'c', 'delivered', 1, 1, 1, 1, 'x', NULL, NULL, 61000),
+                    (6, 'u6', 'slack', 'c', 'uncertain', 1, 0, 1, 1, 'x', NULL, NULL, NULL);
+             INSERT INTO outbound_delivery_chunks (id, delivery_id, chunk_index, status, channel_id)
+             VALUES (1 * 16384, 1, 0, 'failed', 1), (1 * 16384 + 1, 1, 1, 'pending', 1),
+                    (2 * 16384, 2, 0, 'failed', 1), (3 * 16384, 3, 0, 'failed', 2),
+                    (4 * 16384, 4, 0, 'pending', 2), (5 * 16384, 5, 0, 'delivered', 1),
+                    (6 * 16384, 6, 0, 'uncertain', 1);",
+        )
+        .unwrap();
+        let dump = |conn: &Connection, sql: &str| -> Vec<String> {
+            conn.prepare(sql)
+                .unwrap()
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .collect::<rusqlite::Result<_>>()
+                .unwrap()
+        };
+        let rows = "SELECT json_array(id, uid, channel, chat_id, status, acknowledged_at, corrupt)
+                    FROM outbound_deliveries ORDER BY id";
+        let chunks = "SELECT json_array(id, status, channel_id) FROM outbound_delivery_chunks
+                      ORDER BY id";
+        let before = (dump(&conn, rows), dump(&conn, chunks));
+        migrate(&mut conn).unwrap();
+        assert_eq!((dump(&conn, rows), dump(&conn, chunks)), before);
+        let counts = |conn: &Connection| {
+            dump(
+                conn,
+                "SELECT json_array(channel, dead_letters, unacknowledged, corrupt, failed_chunks)
+                 FROM outbound_dead_letter_counts WHERE dead_letters OR failed_chunks
+                 ORDER BY channel",
+            )
+        };
+        assert_eq!(
+            counts(&conn),
+            ["[\"slack\",2,1,0,2]", "[\"telegram\",1,1,1,1]"]
+        );
+        // The replies finished so far, counted by the minute they finished in.
+        assert_eq!(
+            dump(
+                &conn,
+                "SELECT json_array(minute, delivered, failed, latency_sum_ms, latency_max_ms)
+                 FROM outbound_activity ORDER BY minute"
+            ),
+            ["[1,1,2,60999,60999]", "[3,0,1,0,0]"]
+        );
+        // After it, the triggers keep them: a requeue, an acknowledgement, a purge.
+        conn.execute_batch(
+            "UPDATE outbound_deliveries SET status = 'pending' WHERE id = 1;
+             UPDATE outbound_delivery_chunks SET status = 'retry' WHERE id = 16384;
+             UPDATE outbound_deliveries SET acknowledged_at = 9 WHERE id = 3;
+             DELETE FROM outbound_deliveries WHERE id = 2;
+             DELETE FROM outbound_delivery_chunks WHERE delivery_id = 2;
+             UPDATE outbound_deliveries SET status = 'failed' WHERE id = 4;
+             UPDATE outbound_delivery_chunks SET status = 'failed' WHERE id = 4 * 16384;",
+        )
+        .unwrap();
+        assert_eq!(counts(&conn), ["[\"telegram\",2,1,1,2]"]);
+    }
+
     #[test]
     fn version_nine_keeps_the_replay_policies_and_admits_ask() {
         let mut conn = Connection::open_in_memory().unwrap();
@@ -619,6 +711,8 @@ mod tests {
         assert_eq!(
             indexes,
             [
+                "outbound_deliveries_dead",
+                "outbound_deliveries_dead_newest",
                 "outbound_deliveries_finished",
                 "outbound_deliveries_idempotency",
                 "outbound_deliveries_open"
@@ -804,6 +898,74 @@ mod plan_tests {
         assert!(!plan.contains("messages"), "{plan}");
     }
 
+    /// Dead letters are read from their own indexes, newest first, a page at a time:
+    /// by channel, and by lane; the snapshot reads their counts, and the work in flight
+    /// from an index that holds none of them.
+    #[test]
+    fn dead_letters_are_read_from_their_own_indexes() {
+        use crate::inspect::ListFilter;
+        use crate::store::sqlite::reads::{LIST_DEAD, list_sql};
+        let ob = populated();
+        for chat in 0..50 {
+            let id = ob
+                .enqueue(&NewDelivery::single("viber", format!("gone{chat}"), "x"))
+                .unwrap();
+            let claim = ob.claim_channels(&["viber"], 1).unwrap().remove(0);
+            ob.record_error_text(&claim, "Forbidden: bot was blocked by the user")
+                .unwrap();
+            assert_eq!(claim.delivery_id, id.id);
+        }
+        let failed = ListFilter::default().status(crate::status::DeliveryStatus::Failed);
+        let (sql, values) = list_sql(LIST_DEAD, &failed, Some("t"));
+        let plan = explain(&ob, &sql, values.len());
+        assert_eq!(
+            plan,
+            "SEARCH outbound_deliveries USING INDEX outbound_deliveries_dead_newest (channel=?)"
+        );
+        let of_chat = failed.clone().chat_id("gone1");
+        let (sql, values) = list_sql(LIST_DEAD, &of_chat, Some("t"));
+        let plan = explain(&ob, &sql, values.len());
+        assert!(
+            plan.contains("USING INDEX outbound_deliveries_dead (channel=? AND chat_id=?)"),
+            "{plan}"
+        );
+        assert_no_full_scan(&plan, "outbound_deliveries");
+        let in_flight = crate::store::sqlite::reads::LIST_IN_FLIGHT;
+        let (sql, values) = list_sql(in_flight, &ListFilter::default().unfinished(), None);
+        let plan = explain(&ob, &sql, values.len());
+        assert!(plan.contains("outbound_deliveries_open"), "{plan}");
+        let plan = explain(&ob, crate::store::sqlite::reads::DEAD_LETTER_COUNTS_SQL, 0);
+        assert_eq!(plan, "SCAN outbound_dead_letter_counts");
+        // The index of work in flight holds none of them.
+        let conn = ob.sqlite("test").unwrap().writer();
+        let in_index: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM outbound_deliveries INDEXED BY outbound_deliveries_open
+                 WHERE status <> 'delivered' AND status <> 'failed'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        let dead: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM outbound_deliveries WHERE status = 'failed'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(dead, 50);
+        assert_eq!(
+            in_index,
+            conn.query_row(
+                "SELECT count(*) FROM outbound_deliveries NOT INDEXED
+                 WHERE status NOT IN ('delivered', 'failed')",
+                [],
+                |r| r.get::<_, i64>(0),
+            )
+            .unwrap()
+        );
+    }
+
     /// A caller key is found through its (channel, key) index, never by a scan.
     #[test]
     fn a_caller_key_lookup_is_an_index_search() {
@@ -871,7 +1033,9 @@ mod plan_tests {
         );
         let plan = explain(&ob, crate::store::sqlite::lanes::HELD_SQL, 2);
         assert!(
-            plan.contains("USING INDEX outbound_deliveries_open (channel=? AND chat_id=?"),
+            plan.contains(
+                "USING COVERING INDEX outbound_deliveries_open (channel=? AND chat_id=? AND status=?)"
+            ) && plan.contains("USING INDEX outbound_deliveries_dead (channel=? AND chat_id=?)"),
             "{plan}"
         );
         assert_no_full_scan(&plan, "outbound_deliveries");
