@@ -30,6 +30,12 @@ pub const LOCK_FAULTS: &[&str] = &["no_lane_locks", "no_claim_locks"];
 #[cfg(feature = "sabotage")]
 pub const SETTLE_FAULTS: &[&str] = &["settle_holds", "settle_resends"];
 
+/// A fault of the PostgreSQL store under failover: a commit whose answer was lost is
+/// looked up on whichever server answers next, as if a promoted standby could tell
+/// (`tests/pg_failover.rs` must catch it).
+#[cfg(feature = "sabotage")]
+pub const FAILOVER_FAULTS: &[&str] = &["lost_commit_asked_anywhere"];
+
 /// Whether the fault `name` (one of [`FAULTS`] or [`LOCK_FAULTS`]) is planted in this
 /// process.
 #[cfg(feature = "sabotage")]

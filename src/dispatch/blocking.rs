@@ -208,10 +208,23 @@ impl Dispatcher {
             } else {
                 core.settings.batch
             };
-            let claims = core.step(run, &mut done, limit).unwrap_or_else(|e| {
-                core.claim_failed(&e);
-                Vec::new()
-            });
+            let claims = match core.step(run, &mut done, limit) {
+                Ok(claims) => {
+                    core.claim_worked();
+                    claims
+                }
+                Err(e) if limit == 0 => {
+                    core.claim_failed(&e);
+                    return;
+                }
+                Err(e) => {
+                    // However much is due, the next try waits a poll interval (or a
+                    // commit of this process, which says the store takes writes again).
+                    core.claim_failed(&e);
+                    seen = notifier.wait(notifier.generation(), core.settings.poll_interval);
+                    continue;
+                }
+            };
             if limit == 0 {
                 return;
             }

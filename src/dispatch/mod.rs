@@ -470,7 +470,13 @@ pub(crate) struct Core {
     channels: Vec<String>,
     counters: Counters,
     events: Option<EventSink>,
+    /// Claims failed in a row, and when that was last logged.
+    claim_failures: Mutex<(u64, Option<Instant>)>,
 }
+
+/// How often claims that keep failing are logged (with how many failed): a store out
+/// of reach for a minute costs a line every ten seconds, not one per poll.
+const CLAIM_FAILURES_LOGGED_EVERY: Duration = Duration::from_secs(10);
 
 /// Adapters by channel with the core, shared by a dispatcher's workers.
 pub(crate) struct Shared<A: ?Sized> {
@@ -533,6 +539,7 @@ impl Core {
             channels,
             counters: Counters::default(),
             events: None,
+            claim_failures: Mutex::new((0, None)),
         })
     }
 
@@ -692,11 +699,33 @@ impl Core {
         self.counters.snapshot()
     }
 
-    /// Counts and logs a claim that failed in a running worker, which then idles for a
-    /// poll interval before trying again.
+    /// Counts a claim that failed in a running worker, which then waits a poll
+    /// interval before trying again; logs the first of a run of failures, then how
+    /// many failed at most every [`CLAIM_FAILURES_LOGGED_EVERY`].
     pub(crate) fn claim_failed(&self, e: &Error) {
         bump(&self.counters.errors);
-        warn!(error = %e, "claim failed; trying again after the poll interval");
+        let mut failures = self
+            .claim_failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let (failed, logged) = &mut *failures;
+        *failed += 1;
+        if logged.is_none_or(|at| at.elapsed() >= CLAIM_FAILURES_LOGGED_EVERY) {
+            *logged = Some(Instant::now());
+            warn!(error = %e, failed_in_a_row = *failed, "claim failed; trying again after the poll interval");
+        }
+    }
+
+    /// Notes a claim that worked: claims that failed before it are logged as over.
+    pub(crate) fn claim_worked(&self) {
+        let mut failures = self
+            .claim_failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if failures.0 > 0 {
+            info!(failed_in_a_row = failures.0, "claims work again");
+            *failures = (0, None);
+        }
     }
 
     /// A span for one send, with the ids that correlate it.

@@ -424,13 +424,27 @@ impl AsyncDispatcher {
             } else {
                 core.settings.batch
             };
-            let (claimed, admitted) = self
-                .step(run, std::mem::take(&mut done), limit)
-                .await
-                .unwrap_or_else(|e| {
+            let (claimed, admitted) = match self.step(run, std::mem::take(&mut done), limit).await {
+                Ok(step) => {
+                    core.claim_worked();
+                    step
+                }
+                Err(e) => {
                     core.claim_failed(&e);
-                    (0, Vec::new())
-                });
+                    if limit == 0 {
+                        return;
+                    }
+                    // However much is due, the next try waits a poll interval (or a
+                    // commit of this process, which says the store takes writes again).
+                    let notified = notifier.async_changed.notified();
+                    tokio::select! {
+                        _ = notified => {}
+                        _ = tokio::time::sleep(core.settings.poll_interval) => {}
+                    }
+                    seen = notifier.generation();
+                    continue;
+                }
+            };
             if limit == 0 {
                 return;
             }

@@ -8,6 +8,8 @@ use std::time::Duration;
 #[cfg(feature = "tokio")]
 pub mod emulator;
 #[cfg(feature = "postgres")]
+pub mod pair;
+#[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "postgres")]
 pub mod proxy;

@@ -345,9 +345,35 @@ impl PgStore {
     ) -> Result<T> {
         runtime::off_runtime(|| {
             let mut conn = self.connection()?;
-            let tx = PgTx::begin(&mut conn, kind, &self.begins, &self.time, moved)?;
-            f(tx)
+            PgTx::begin(&mut conn, kind, &self.begins, &self.time, moved)
+                .and_then(f)
+                .map_err(|e| self.located(&mut conn, kind, e))
         })
+    }
+
+    /// `e` as the caller should read it. A server that refuses a write of a handle
+    /// opened for writing is a standby (reached through `target_session_attrs=any`, or
+    /// just demoted) or a primary fenced read-only for a failover: a state that
+    /// passes, like a lost connection, and not the handle's own refusal
+    /// ([`Error::ReadOnly`]); the connection is dropped, so the next one looks for a
+    /// server that takes writes. A lost connection is named by the server it reached.
+    fn located(&self, conn: &mut PgConn, kind: Begin, e: Error) -> Error {
+        match e {
+            Error::ReadOnly(message) if matches!(kind, Begin::Write { .. }) => {
+                conn.refused_writes = true;
+                Error::Connection {
+                    target: self.answered_by(&conn.server),
+                    message: format!(
+                        "the server takes no writes (a standby, or a primary fenced for a failover): {message}"
+                    ),
+                }
+            }
+            Error::Connection { target, message } if target.is_empty() => Error::Connection {
+                target: self.answered_by(&conn.server),
+                message,
+            },
+            e => e,
+        }
     }
 }
 
@@ -382,7 +408,64 @@ enum LostCommit {
     Failed(Error),
     /// The connection was lost with the commit under way; `xid` (if the transaction
     /// wrote anything) tells the server's log whether it happened.
-    Lost { xid: Option<i64>, message: String },
+    Lost {
+        xid: Option<i64>,
+        message: String,
+        /// The server the transaction ran on: the only one that can tell.
+        server: ServerIdentity,
+    },
+}
+
+/// Which server a connection reached, noted in the round trip that opens it: the
+/// cluster (`system_identifier`, which a standby made from a base backup shares with
+/// its primary) and the timeline it writes on (none on a standby; a promotion starts a
+/// new one), read from the WAL being written, not from the last checkpoint, which lags
+/// a promotion. Transaction ids are a server's own: a promoted standby hands out again
+/// the ids of transactions it never received, so whether a transaction committed can
+/// only be asked of the server and timeline it ran on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct ServerIdentity {
+    system: Option<String>,
+    timeline: Option<String>,
+    /// Where it answered (`10.0.0.2:5432`, or a socket folder the login may see), for
+    /// messages.
+    pub(crate) address: Option<String>,
+}
+
+/// What [`ServerIdentity`] is read from (a simple query: a transaction pooler passes
+/// it whole).
+const IDENTITY_SQL: &str = "SELECT (SELECT system_identifier FROM pg_control_system())::text,
+            CASE WHEN NOT pg_is_in_recovery()
+                 THEN substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) END,
+            coalesce(host(inet_server_addr()) || ':' || inet_server_port(),
+                     (SELECT setting FROM pg_settings WHERE name = 'unix_socket_directories')
+                         || ' port ' || current_setting('port'))";
+
+impl ServerIdentity {
+    fn read(client: &mut client::Client) -> std::result::Result<Self, postgres::Error> {
+        let answer = client.simple_query(IDENTITY_SQL)?;
+        let column = |i| simple_column(&answer, i).map(str::to_owned);
+        Ok(ServerIdentity {
+            system: column(0),
+            timeline: column(1),
+            address: column(2),
+        })
+    }
+
+    /// Whether this server can answer for a transaction that ran on `origin`: the
+    /// same cluster, writing on the same timeline.
+    fn answers_for(&self, origin: &ServerIdentity) -> bool {
+        self.system.is_some()
+            && self.system == origin.system
+            && self.timeline.is_some()
+            && self.timeline == origin.timeline
+    }
+
+    /// Whether it may yet answer for `origin` (it is recovering, as a standby or a
+    /// restarting primary does, and could come back as that server); else it never will.
+    fn may_answer_for(&self, origin: &ServerIdentity) -> bool {
+        self.system == origin.system && self.timeline.is_none()
+    }
 }
 
 impl PgStore {
@@ -392,60 +475,94 @@ impl PgStore {
     /// did not is [`Error::Connection`] (nothing happened, a retry is safe); only a
     /// server that stays out of reach makes it [`Error::CommitUnknown`].
     pub(crate) fn commit(&self, tx: PgTx<'_>, announce: bool, patience: Duration) -> Result<()> {
-        let (xid, message) = match tx.commit_or_lose(announce) {
+        let (xid, message, server) = match tx.commit_or_lose(announce) {
             Ok(()) => return Ok(()),
             Err(LostCommit::Failed(e)) => return Err(e),
-            Err(LostCommit::Lost { xid: None, message }) => {
+            Err(LostCommit::Lost {
+                xid: None,
+                message,
+                server,
+            }) => {
                 // It wrote nothing: there was nothing to lose.
-                return Err(self.lost(message));
+                return Err(self.lost(&server, message));
             }
             Err(LostCommit::Lost {
                 xid: Some(xid),
                 message,
-            }) => (xid, message),
+                server,
+            }) => (xid, message, server),
         };
-        match self.committed(xid, patience) {
+        match self.committed(xid, &server, patience) {
             Some(true) => {
                 tracing::warn!(xid, error = %message, "the connection was lost while committing; the server says the commit happened");
                 Ok(())
             }
-            Some(false) => Err(self.lost(format!(
-                "{message} (during the commit, which the server rolled back)"
-            ))),
+            Some(false) => Err(self.lost(
+                &server,
+                format!("{message} (during the commit, which the server rolled back)"),
+            )),
             None => Err(Error::CommitUnknown {
-                target: self.target.clone(),
+                target: self.answered_by(&server),
                 message,
             }),
         }
     }
 
-    fn lost(&self, message: String) -> Error {
+    /// The connection string's hosts, and the one that answered when it is known:
+    /// `postgres://a:5432,b:5432/chat (answered by 10.0.0.2:5432)`.
+    pub(crate) fn answered_by(&self, server: &ServerIdentity) -> String {
+        match &server.address {
+            Some(address) => format!("{} (answered by {address})", self.target),
+            None => self.target.clone(),
+        }
+    }
+
+    fn lost(&self, server: &ServerIdentity, message: String) -> Error {
         Error::Connection {
-            target: self.target.clone(),
+            target: self.answered_by(server),
             message,
         }
     }
 
-    /// Whether transaction `xid` committed (`None`: the server could not tell within
-    /// `patience`). A transaction the server still runs (its backend has not yet
-    /// noticed the lost connection) is asked about again.
-    fn committed(&self, xid: i64, patience: Duration) -> Option<bool> {
+    /// Whether transaction `xid`, which ran on `origin`, committed (`None`: nobody
+    /// can tell within `patience`). Only `origin` is asked: another server (a standby
+    /// promoted meanwhile) knows nothing of it, and may have given its id to a
+    /// transaction of its own. A transaction the server still runs (its backend has not
+    /// yet noticed the lost connection) is asked about again.
+    fn committed(&self, xid: i64, origin: &ServerIdentity, patience: Duration) -> Option<bool> {
         let give_up = std::time::Instant::now() + patience;
         let mut pause = Duration::from_millis(5);
         loop {
             let status = self.connection().and_then(|mut conn| {
-                Ok(conn
+                // (The pool checks a connection idle for a while when it hands it out,
+                // so this one still reaches the server it noted.)
+                if !conn.server.answers_for(origin)
+                    && !crate::sabotage::planted("lost_commit_asked_anywhere")
+                {
+                    return Ok(Err(conn.server.may_answer_for(origin)));
+                }
+                Ok(Ok(conn
                     .client
                     // (a simple query: a transaction pooler passes it whole)
                     .simple_query(&format!("SELECT txid_status({xid})"))
-                    .map(|answer| simple_column(&answer, 0).map(str::to_owned))?)
+                    .map(|answer| {
+                        simple_column(&answer, 0).map(str::to_owned)
+                    })?))
             });
-            match status.as_ref().map(|s| s.as_deref()) {
-                Ok(Some("committed")) => return Some(true),
-                Ok(Some("aborted")) => return Some(false),
+            match status.as_ref().map(|s| s.as_ref().map(|s| s.as_deref())) {
+                Ok(Ok(Some("committed"))) => return Some(true),
+                Ok(Ok(Some("aborted"))) => return Some(false),
                 // Too old to be known (cannot be ours), or an unknown word.
-                Ok(None) => return None,
-                Ok(Some(_)) | Err(_) => {}
+                Ok(Ok(None)) => return None,
+                // Another server, that will never be the one it ran on.
+                Ok(Err(false)) => {
+                    tracing::warn!(
+                        xid,
+                        "a commit's answer was lost and another server answers now (a failover?); it cannot tell whether the commit happened"
+                    );
+                    return None;
+                }
+                Ok(Ok(Some(_))) | Ok(Err(true)) | Err(_) => {}
             }
             if std::time::Instant::now() + pause > give_up {
                 return None;
@@ -456,19 +573,51 @@ impl PgStore {
     }
 }
 
-/// Host, port and database of a connection string, never its password:
+/// Hosts, ports and database of a connection string, never its password:
 /// `postgres://db.internal:5432/chat`, or for a Unix socket
-/// `postgres:///chat?host=/run/postgresql&port=5432`.
+/// `postgres:///chat?host=/run/postgresql&port=5432`; with several hosts, each of them
+/// (`postgres://a:5432,b:5432/chat`, or `host=/a,/b port=5432,5432 dbname=chat` when a
+/// socket is among them).
 fn describe(config: &tokio_postgres::Config) -> String {
-    let port = config.get_ports().first().copied().unwrap_or(5432);
+    use postgres::config::Host;
+    let ports = config.get_ports();
+    let port = |i: usize| ports.get(i).or(ports.first()).copied().unwrap_or(5432);
     let db = config.get_dbname().unwrap_or("");
-    match config.get_hosts().first() {
+    match config.get_hosts() {
+        [] => format!("postgres://localhost:{}/{db}", port(0)),
         #[cfg(unix)]
-        Some(postgres::config::Host::Unix(path)) => {
-            format!("postgres:///{db}?host={}&port={port}", path.display())
+        [Host::Unix(path)] => format!("postgres:///{db}?host={}&port={}", path.display(), port(0)),
+        hosts if hosts.iter().all(|h| matches!(h, Host::Tcp(_))) => {
+            let each: Vec<String> = hosts
+                .iter()
+                .enumerate()
+                .map(|(i, h)| match h {
+                    Host::Tcp(name) => format!("{name}:{}", port(i)),
+                    #[cfg(unix)]
+                    Host::Unix(_) => unreachable!("only TCP hosts here"),
+                })
+                .collect();
+            format!("postgres://{}/{db}", each.join(","))
         }
-        Some(postgres::config::Host::Tcp(name)) => format!("postgres://{name}:{port}/{db}"),
-        None => format!("postgres://localhost:{port}/{db}"),
+        hosts => {
+            let (names, ports): (Vec<String>, Vec<String>) = hosts
+                .iter()
+                .enumerate()
+                .map(|(i, h)| {
+                    let name = match h {
+                        Host::Tcp(name) => name.clone(),
+                        #[cfg(unix)]
+                        Host::Unix(path) => path.display().to_string(),
+                    };
+                    (name, port(i).to_string())
+                })
+                .unzip();
+            format!(
+                "host={} port={} dbname={db}",
+                names.join(","),
+                ports.join(",")
+            )
+        }
     }
 }
 
@@ -526,8 +675,12 @@ impl r2d2::ManageConnection for Manager {
     fn connect(&self) -> Result<PgConn> {
         // Nothing is set for the session: behind a transaction pooler another client
         // would get it. What a transaction needs it sets itself (see `bounds`).
+        let mut client = client::Client::connect(&self.config)?;
+        let server = ServerIdentity::read(&mut client)?;
         Ok(PgConn {
-            client: client::Client::connect(&self.config)?,
+            client,
+            server,
+            refused_writes: false,
             statements: HashMap::new(),
             types: HashMap::new(),
             taken: std::time::Instant::now(),
@@ -547,13 +700,18 @@ impl r2d2::ManageConnection for Manager {
     }
 
     fn has_broken(&self, conn: &mut PgConn) -> bool {
-        conn.client.is_closed()
+        conn.client.is_closed() || conn.refused_writes
     }
 }
 
 /// A connection with the statements prepared on it.
 pub(crate) struct PgConn {
     pub(crate) client: client::Client,
+    /// The server it reached.
+    pub(crate) server: ServerIdentity,
+    /// Its server refused a write of a handle opened for writing (a standby, or a
+    /// primary fenced read-only): the pool drops it rather than hand it out again.
+    pub(crate) refused_writes: bool,
     statements: HashMap<(usize, usize), Statement>,
     /// Through a pooler in transaction mode, instead: the parameter types of each
     /// statement (the same on every server connection), learned by preparing it once;
@@ -1036,9 +1194,11 @@ impl<'c> PgTx<'c> {
             sql: client::Sql::Simple(sql),
             want: client::Want::Rows,
         });
+        let server = self.conn.borrow().server.clone();
         let lost = |e: &postgres::Error| LostCommit::Lost {
             xid,
             message: e.to_string(),
+            server: server.clone(),
         };
         let before = self.time.local_ms();
         let mut answers = match self.conn.borrow_mut().client.pipeline(&requests) {
@@ -1586,7 +1746,7 @@ pub(crate) fn map_error(err: postgres::Error) -> Error {
         }
         Some(code) if *code == SqlState::DISK_FULL => Error::DiskFull,
         Some(code) if *code == SqlState::READ_ONLY_SQL_TRANSACTION => {
-            Error::ReadOnly(err.to_string())
+            Error::ReadOnly(message(&err))
         }
         _ if connection_lost(&err) => Error::Connection {
             target: String::new(),

@@ -1,0 +1,274 @@
+//! PostgreSQL through a failover: a primary with a synchronous hot standby of its own
+//! (`scripts/pg-pair`), the outbox pointed at both with
+//! `target_session_attrs=read-write`, and the primary crashed, stopped or fenced
+//! read-only while the outbox works.
+//!
+//! What each test checks is read as a real party could: the outbox's answers, its
+//! rows as the promoted server holds them, what the platform was sent, the
+//! dispatcher's counters.
+#![cfg(feature = "postgres")]
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chunked_outbox::{
+    ChannelAdapter, Claim, Dispatcher, Error, NewDelivery, Outbox, OutboxOptions, Outcome,
+};
+use common::pair::Pair;
+
+/// What became of an enqueue whose `COMMIT` was under way when its primary crashed.
+#[derive(Debug)]
+enum LostEnqueue {
+    /// The outbox could not tell: the application enqueues again by its key.
+    Unknown,
+    /// It answered `Ok`, and the reply is there on the promoted server.
+    Kept,
+    /// It answered `Ok` for a reply the promoted server does not have.
+    OkWithoutRow,
+    /// Any other error (shown by the verdict's `Debug`).
+    Other(#[allow(dead_code)] String),
+}
+
+/// The lost commit of a failover: the standby's walsender stopped (a synchronous
+/// commit then waits for it), an enqueue sent into `COMMIT`, the primary killed with
+/// every process of it, the standby promoted, and transactions committed on it until it
+/// has handed out again the transaction id of the lost one. The busy timeout (how long
+/// a lost commit is looked up) is 30 s.
+fn lost_commit() -> Option<LostEnqueue> {
+    let pair = Pair::new()?;
+    let options = OutboxOptions::default().with_busy_timeout(Duration::from_secs(30));
+    let outbox = Outbox::connect(&pair.url, options).unwrap();
+    outbox
+        .enqueue(&NewDelivery::single("t", "c1", "before"))
+        .unwrap();
+    pair.act(&["pause-walsender"]);
+    let enqueue = {
+        let outbox = outbox.clone();
+        std::thread::spawn(move || {
+            outbox.enqueue(&NewDelivery::single("t", "c1", "lost").with_idempotency_key("k-lost"))
+        })
+    };
+    let mut primary = pair.admin(0);
+    let until = Instant::now() + Duration::from_secs(30);
+    while primary
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'",
+            &[],
+        )
+        .unwrap()
+        .get::<_, i64>(0)
+        == 0
+    {
+        assert!(Instant::now() < until, "the enqueue never waited in COMMIT");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    pair.act(&["crash-primary"]);
+    pair.act(&["promote"]);
+    // The promoted server hands out the ids the lost transaction had: each of these
+    // takes one and commits.
+    let mut promoted = pair.admin(1);
+    for _ in 0..500 {
+        promoted.batch_execute("SELECT txid_current()").unwrap();
+    }
+    let answer = enqueue.join().unwrap();
+    let kept: i64 = promoted
+        .query_one(
+            "SELECT count(*) FROM outbound_deliveries WHERE idempotency_key = 'k-lost'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    Some(match answer {
+        Err(Error::CommitUnknown { .. }) => LostEnqueue::Unknown,
+        Ok(_) if kept == 1 => LostEnqueue::Kept,
+        Ok(_) => LostEnqueue::OkWithoutRow,
+        Err(e) => LostEnqueue::Other(e.to_string()),
+    })
+}
+
+/// Item 1: a commit lost in a failover is looked up only on the server it ran on; the
+/// promoted standby, which reuses its transaction id, is never asked, and the enqueue
+/// never answers `Ok` for a reply that does not exist.
+#[test]
+fn a_commit_lost_in_a_failover_is_not_looked_up_on_the_promoted_standby() {
+    let Some(verdict) = lost_commit() else {
+        return;
+    };
+    assert!(
+        matches!(verdict, LostEnqueue::Unknown | LostEnqueue::Kept),
+        "{verdict:?}"
+    );
+}
+
+/// The lost-commit run alone, printing its verdict: run by the test below with the
+/// identity check removed (a planted fault).
+#[test]
+#[ignore = "run by lost_commit_fails_without_the_identity_check"]
+fn lost_commit_probe() {
+    if let Some(verdict) = lost_commit() {
+        println!("VERDICT {verdict:?}");
+    }
+}
+
+/// The lost-commit test can fail: with the lookup asking whichever server answers
+/// (the fault `lost_commit_asked_anywhere`), the promoted standby's answer about its
+/// own transaction makes the enqueue answer `Ok` for a reply that does not exist.
+#[cfg(feature = "sabotage")]
+#[test]
+fn lost_commit_fails_without_the_identity_check() {
+    if Pair::new().is_none() {
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "lost_commit_probe", "--nocapture"])
+        .env("OUTBOX_SABOTAGE", "lost_commit_asked_anywhere")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("VERDICT OkWithoutRow"),
+        "the planted fault went unseen: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// An adapter that records what it sends, and can hold a send until told.
+#[derive(Clone, Default)]
+struct Platform {
+    sent: Arc<Mutex<Vec<(String, Instant)>>>,
+    hold: Arc<(Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl Platform {
+    fn holding() -> Platform {
+        let p = Platform::default();
+        *p.hold.0.lock().unwrap() = true;
+        p
+    }
+
+    fn release(&self) {
+        *self.hold.0.lock().unwrap() = false;
+        self.hold.1.notify_all();
+    }
+
+    fn sent(&self) -> Vec<String> {
+        self.sent
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    fn wait_sent(&self, n: usize, within: Duration) -> Instant {
+        let until = Instant::now() + within;
+        loop {
+            if let Some((_, at)) = self.sent.lock().unwrap().get(n - 1) {
+                return *at;
+            }
+            assert!(
+                Instant::now() < until,
+                "{n} sends never came: {:?}",
+                self.sent()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl ChannelAdapter for Platform {
+    fn send(&self, claim: &Claim) -> Outcome {
+        self.sent
+            .lock()
+            .unwrap()
+            .push((claim.idempotency_key.clone(), Instant::now()));
+        let (lock, cv) = &*self.hold;
+        let mut held = lock.lock().unwrap();
+        while *held {
+            held = cv.wait(held).unwrap();
+        }
+        Outcome::delivered(None)
+    }
+}
+
+/// Items 3 and 4: a primary fenced read-only for a few seconds. A due reply's claims
+/// wait the poll interval each time (no hot loop); an outcome reached while fenced is
+/// recorded once the fence lifts (none dropped, nothing sent twice); an enqueue
+/// answers a connection error, which the application retries, not `ReadOnly`, which
+/// reads as permanent.
+#[test]
+fn a_fenced_primary_is_waited_out() {
+    let Some(pair) = Pair::new() else {
+        return;
+    };
+    let outbox = Outbox::connect(&pair.url, OutboxOptions::default()).unwrap();
+    let platform = Platform::holding();
+    let poll = Duration::from_millis(50);
+    let dispatcher = Dispatcher::builder(outbox.clone())
+        .adapter("t", platform.clone())
+        .poll_interval(poll)
+        .build()
+        .unwrap();
+    let first = outbox
+        .enqueue(&NewDelivery::single("t", "c1", "in flight"))
+        .unwrap()
+        .id;
+    let second = outbox
+        .enqueue(&NewDelivery::single("t", "c2", "due while fenced"))
+        .unwrap()
+        .id;
+    let running = dispatcher.start().unwrap();
+    // Both sends start; the first is held until the fence is up.
+    platform.wait_sent(1, Duration::from_secs(30));
+    pair.act(&["fence", "on"]);
+    let errors_before = running.stats().errors;
+    platform.release();
+    let fenced = Duration::from_secs(3);
+    std::thread::sleep(fenced);
+    let failed_claims = running.stats().errors - errors_before;
+    let refused = outbox.enqueue(&NewDelivery::single("t", "c3", "refused"));
+    pair.act(&["fence", "off"]);
+    let until = Instant::now() + Duration::from_secs(60);
+    while [first, second].iter().any(|id| {
+        outbox.delivery(*id).ok().flatten().map(|v| v.status)
+            != Some(chunked_outbox::monitoring::DeliveryStatus::Delivered)
+    }) {
+        assert!(Instant::now() < until, "the replies were never delivered");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let report = running.shutdown(Duration::from_secs(10));
+    let stats = report.stats;
+    // A worker waits a poll interval after each failed claim: about 60 in 3 s, where
+    // a hot loop makes thousands. (A slow machine makes fewer, never more.)
+    let most = 2 * (fenced.as_millis() / poll.as_millis()) as u64 + 10;
+    assert!(
+        failed_claims <= most,
+        "{failed_claims} failed claims in {fenced:?} (at most {most})"
+    );
+    assert_eq!(stats.dropped, 0, "an outcome was dropped: {stats:?}");
+    // Item 5: the error names the server that refused, with its reason.
+    match refused {
+        Err(Error::Connection { target, message }) => {
+            // (refused at connect, or by the server an open connection reached)
+            let a = format!("{}/a", pair.dir);
+            assert!(
+                target.contains(&format!("answered by {a}"))
+                    || target.contains(&format!("host={a},{}/b", pair.dir)),
+                "{target}"
+            );
+            assert!(message.contains("writes"), "{message}");
+        }
+        other => panic!("an enqueue on a fenced primary: {other:?}"),
+    }
+    let mut sent = platform.sent();
+    sent.sort();
+    sent.dedup();
+    assert_eq!(
+        sent.len(),
+        platform.sent().len(),
+        "a part was sent twice: {:?}",
+        platform.sent()
+    );
+}
