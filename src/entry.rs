@@ -192,6 +192,12 @@ impl Outbox {
     /// The handle keeps a pool of up to `options.readers + 1` connections (see
     /// [`OutboxOptions::with_readers`]) for writes and reads alike.
     ///
+    /// `url` is a URL or a key-value connection string, as libpq reads them. With a
+    /// primary and standbys, name every node and ask for the writable one —
+    /// `host=db-a,db-b port=5432,5432 dbname=chat target_session_attrs=read-write` — and
+    /// the handle follows a failover by itself (see docs/OPERATING.md, "High
+    /// availability").
+    ///
     /// ```no_run
     /// use chunked_outbox::{NewDelivery, Outbox, OutboxOptions};
     ///

@@ -117,6 +117,20 @@ pub struct Health {
     pub totals: ChannelHealth,
     /// Per channel, by name.
     pub channels: BTreeMap<String, ChannelHealth>,
+    /// Set when the snapshot was read from a PostgreSQL standby (a replica): its
+    /// counts are the primary's as of the last transaction it replayed.
+    pub replica: Option<Replica>,
+}
+
+/// How far behind its primary the standby a snapshot was read from is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Replica {
+    /// Time since the last transaction it replayed committed on the primary (`None`
+    /// before it replayed any). It grows while the primary writes nothing, too.
+    pub replay_lag_ms: Option<u64>,
+    /// Whether it has replayed all the WAL it received.
+    pub replayed_all_received: bool,
 }
 
 impl Outbox {
@@ -294,6 +308,18 @@ impl Health {
                 }
             }
         }
+        let name = "outbox_read_from_replica";
+        out.push_str(&format!(
+            "# HELP {name} 1 when this snapshot was read from a PostgreSQL standby.\n# TYPE {name} gauge\n{name} {}\n",
+            u8::from(self.replica.is_some())
+        ));
+        if let Some(lag) = self.replica.as_ref().and_then(|r| r.replay_lag_ms) {
+            let name = "outbox_replica_replay_lag_seconds";
+            out.push_str(&format!(
+                "# HELP {name} Since the last transaction the standby replayed committed on the primary.\n# TYPE {name} gauge\n{name} {}\n",
+                lag as f64 / 1000.0
+            ));
+        }
         let name = "outbox_file_finalized_total";
         out.push_str(&format!(
             "# HELP {name} Replies finalized in this file, whichever process sent them (not lowered by purge).\n# TYPE {name} counter\n"
@@ -421,6 +447,7 @@ fn snapshot(rows: HealthRows, now: i64) -> Health {
         generated_at: to_datetime(now),
         totals,
         channels,
+        replica: rows.replica,
     }
 }
 

@@ -71,7 +71,7 @@
 //!
 //! The counters count events, so purging history never lowers them.
 
-pub use crate::health::{ChannelHealth, Health, LATENCY_BUCKETS, LatencyHistogram};
+pub use crate::health::{ChannelHealth, Health, LATENCY_BUCKETS, LatencyHistogram, Replica};
 pub use crate::inspect::{
     Activity, ActivityBucket, ChunkView, CorruptRow, DeliveryView, ListFilter, MAX_ACTIVITY_BUCKETS,
 };

@@ -884,6 +884,8 @@ pub(crate) struct HealthRows {
     pub stats: Vec<StatsRow>,
     pub deliveries: Vec<DeliveryGroup>,
     pub chunks: Vec<ChunkGroup>,
+    /// Read from a standby: how far behind it is.
+    pub replica: Option<crate::health::Replica>,
 }
 
 /// The reads of monitoring and inspection: coarse, so each store answers them with its

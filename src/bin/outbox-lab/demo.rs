@@ -231,7 +231,7 @@ fn files(db: Option<&Path>) -> CliResult<Files> {
             let mut files = files(None)?;
             let server = Target::of(url);
             let name = format!("outbox_demo_{}", std::process::id());
-            files.db = server.fresh_schema(&name)?;
+            files.db = server.fresh_schema(&name, "", None)?;
             files.schema = Some((server, name));
             Ok(files)
         }

@@ -24,11 +24,23 @@ impl Target {
     }
 
     /// A new, empty schema `name` in this database, as a target of its own (PostgreSQL
-    /// only: a harness's fresh outbox beside whatever else the database holds).
-    pub fn fresh_schema(&self, name: &str) -> CliResult<Target> {
+    /// only: a harness's fresh outbox beside whatever else the database holds), its
+    /// sessions with `settings` too (`-c synchronous_commit=on`) and named
+    /// `application` if given.
+    pub fn fresh_schema(
+        &self,
+        name: &str,
+        settings: &str,
+        application: Option<&str>,
+    ) -> CliResult<Target> {
         match self {
             Target::File(_) => Err("a fresh schema needs a PostgreSQL --db".into()),
-            Target::Postgres(url) => Ok(Target::Postgres(pg::fresh_schema(url, name)?)),
+            Target::Postgres(url) => Ok(Target::Postgres(pg::fresh_schema(
+                url,
+                name,
+                settings,
+                application,
+            )?)),
         }
     }
 
@@ -80,11 +92,34 @@ mod pg {
         Ok(name)
     }
 
-    pub fn fresh_schema(url: &str, name: &str) -> CliResult<String> {
+    pub fn fresh_schema(
+        url: &str,
+        name: &str,
+        settings: &str,
+        application: Option<&str>,
+    ) -> CliResult<String> {
         let name = checked(name)?;
         client(url)?.batch_execute(&format!("CREATE SCHEMA {name}"))?;
-        let sep = if url.contains('?') { '&' } else { '?' };
-        Ok(format!("{url}{sep}options=-c%20search_path%3D{name}"))
+        let options = format!("-c search_path={name} {settings}");
+        let options = options.trim_end();
+        // As the URL is written: its parameters, or key-value pairs.
+        Ok(if url.contains("://") {
+            let sep = if url.contains('?') { '&' } else { '?' };
+            let mut out = format!(
+                "{url}{sep}options={}",
+                options.replace(' ', "%20").replace('=', "%3D")
+            );
+            if let Some(application) = application {
+                out.push_str(&format!("&application_name={application}"));
+            }
+            out
+        } else {
+            let mut out = format!("{url} options='{options}'");
+            if let Some(application) = application {
+                out.push_str(&format!(" application_name={application}"));
+            }
+            out
+        })
     }
 
     pub fn terminate(url: &str, application: &str) -> CliResult<u64> {
@@ -112,7 +147,7 @@ mod pg {
         Err(NO_POSTGRES.into())
     }
 
-    pub fn fresh_schema(_: &str, _: &str) -> CliResult<String> {
+    pub fn fresh_schema(_: &str, _: &str, _: &str, _: Option<&str>) -> CliResult<String> {
         Err(NO_POSTGRES.into())
     }
 

@@ -323,16 +323,15 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
     // On PostgreSQL the outbox is a fresh schema of the database; the platforms' record
     // and the logs stay files (they belong to the world, not to the outbox).
     if let Some(server) = &server {
-        let Target::Postgres(url) = server.fresh_schema(&schema_name(args.seed))? else {
-            unreachable!("a schema is a PostgreSQL target");
-        };
         // Every commit the verdict relies on must outlive a crash of the server (a
         // test server may run with `synchronous_commit = off`), and the server's side
-        // finds the roles' connections by their name. (The URL ends with its options.)
-        let url = format!(
-            "{url}%20-c%20synchronous_commit%3Don&application_name={}",
-            schema_name(args.seed)
-        );
+        // finds the roles' connections by their name.
+        let name = schema_name(args.seed);
+        let Target::Postgres(url) =
+            server.fresh_schema(&name, "-c synchronous_commit=on", Some(&name))?
+        else {
+            unreachable!("a schema is a PostgreSQL target");
+        };
         std::fs::write(dir.join("outbox.url"), url)?;
     } else if args.connection_kills + args.server_restarts > 0 {
         return Err("--connection-kills and --server-restarts need a PostgreSQL --db".into());

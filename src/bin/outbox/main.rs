@@ -31,8 +31,10 @@ pub(crate) use exit::CliResult;
 #[derive(Parser)]
 #[command(name = "outbox", version, about, long_about = None)]
 struct Cli {
-    /// The outbox: an SQLite file, or a PostgreSQL URL (`postgres://…`; a build with
-    /// the `postgres` feature), whose `search_path` option names the outbox's schema.
+    /// The outbox: an SQLite file, or a PostgreSQL URL (`postgres://…`) or key-value
+    /// connection string (`host=a,b port=5432,5432 dbname=chat
+    /// target_session_attrs=read-write`; a build with the `postgres` feature), whose
+    /// `search_path` option names the outbox's schema.
     #[arg(long, global = true, env = "OUTBOX_DB", value_name = "PATH|URL")]
     db: Option<PathBuf>,
 

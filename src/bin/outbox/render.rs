@@ -144,6 +144,20 @@ pub fn health(h: &Health) -> String {
         h.totals.unfinalized_deliveries
     );
     let _ = writeln!(out, "snapshot at        {}", time(Some(h.generated_at)));
+    if let Some(replica) = &h.replica {
+        let lag = replica.replay_lag_ms.map_or("unknown".to_owned(), |ms| {
+            format!("{:.1} s", ms as f64 / 1000.0)
+        });
+        let _ = writeln!(
+            out,
+            "read from a standby: its last replayed commit is {lag} old{}",
+            if replica.replayed_all_received {
+                ""
+            } else {
+                ", and it has WAL still to replay"
+            }
+        );
+    }
     out
 }
 

@@ -15,11 +15,44 @@ pub enum Target {
     Postgres(String),
 }
 
+/// The keywords a key-value connection string may begin with (libpq's, as the
+/// PostgreSQL client reads them).
+const KEYWORDS: &[&str] = &[
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "options",
+    "application_name",
+    "sslmode",
+    "connect_timeout",
+    "keepalives",
+    "target_session_attrs",
+    "load_balance_hosts",
+    "channel_binding",
+];
+
+/// Whether `db` reads as a key-value connection string: its first word `keyword=…`.
+fn is_key_value(db: &str) -> bool {
+    db.split_whitespace()
+        .next()
+        .and_then(|word| word.split_once('='))
+        .is_some_and(|(key, _)| KEYWORDS.contains(&key))
+}
+
 impl Target {
-    /// `--db`'s value: a `postgres://` or `postgresql://` URL, else a file path.
+    /// `--db`'s value: a `postgres://` or `postgresql://` URL, or a key-value
+    /// connection string (`host=a,b port=5432,5432 dbname=chat …`: its first word a
+    /// libpq keyword with its value), else a file path.
     pub fn of(db: &Path) -> Target {
         match db.to_str() {
-            Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+            Some(url)
+                if url.starts_with("postgres://")
+                    || url.starts_with("postgresql://")
+                    || is_key_value(url) =>
+            {
                 Target::Postgres(url.to_owned())
             }
             _ => Target::File(db.to_owned()),
@@ -79,5 +112,25 @@ mod pg {
 
     pub fn connect_read_only(_: &str, _: OutboxOptions) -> CliResult<Outbox> {
         Err(NO_POSTGRES.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_value_connection_string_is_postgres_and_a_path_is_a_file() {
+        for db in [
+            "postgres://bot@db/chat",
+            "postgresql:///chat?host=/run/a",
+            "host=/run/a,/run/b port=5432,5432 dbname=chat",
+            "dbname=chat",
+        ] {
+            assert_eq!(Target::of(Path::new(db)), Target::Postgres(db.to_owned()));
+        }
+        for db in ["outbox.db", "data/x=y.db", "hostname=1.db", "./host=a"] {
+            assert_eq!(Target::of(Path::new(db)), Target::File(db.into()));
+        }
     }
 }

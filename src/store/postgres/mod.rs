@@ -1805,3 +1805,64 @@ const ACTIVITY_SQL: &str = "INSERT INTO outbound_activity AS a
      SET delivered = a.delivered + $2, failed = a.failed + $3,
          latency_sum_ms = a.latency_sum_ms + $4,
          latency_max_ms = greatest(a.latency_max_ms, $5)";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn described(url: &str) -> String {
+        describe(&url.parse().unwrap())
+    }
+
+    /// Messages name every host of a connection string, with its port, never a
+    /// password.
+    #[test]
+    fn a_connection_string_is_described_host_by_host() {
+        assert_eq!(
+            described("postgres://bot:secret@db-a:5432/chat"),
+            "postgres://db-a:5432/chat"
+        );
+        assert_eq!(
+            described("host=db-a,db-b port=5432,5433 dbname=chat password=secret"),
+            "postgres://db-a:5432,db-b:5433/chat"
+        );
+        assert_eq!(
+            described("host=db-a,db-b port=6432 dbname=chat"),
+            "postgres://db-a:6432,db-b:6432/chat"
+        );
+        assert_eq!(
+            described("postgres:///chat?host=/run/a&port=5432"),
+            "postgres:///chat?host=/run/a&port=5432"
+        );
+        assert_eq!(
+            described("host=/run/a,db-b port=5432,5433 dbname=chat"),
+            "host=/run/a,db-b port=5432,5433 dbname=chat"
+        );
+    }
+
+    /// Only the server and timeline a transaction ran on answer for it; a standby of
+    /// the same cluster may yet (it could be that server, restarting); a server on
+    /// another timeline or of another cluster never will.
+    #[test]
+    fn only_the_same_server_and_timeline_answer_for_a_lost_commit() {
+        let server = |system: Option<&str>, timeline: Option<&str>| ServerIdentity {
+            system: system.map(str::to_owned),
+            timeline: timeline.map(str::to_owned),
+            address: None,
+        };
+        let origin = server(Some("7715"), Some("00000001"));
+        assert!(origin.answers_for(&origin));
+        for other in [
+            server(Some("7715"), Some("00000002")),
+            server(Some("9999"), Some("00000001")),
+            server(Some("7715"), None),
+            server(None, Some("00000001")),
+        ] {
+            assert!(!other.answers_for(&origin), "{other:?}");
+        }
+        assert!(!server(None, None).answers_for(&server(None, None)));
+        assert!(server(Some("7715"), None).may_answer_for(&origin));
+        assert!(!server(Some("7715"), Some("00000002")).may_answer_for(&origin));
+        assert!(!server(Some("9999"), None).may_answer_for(&origin));
+    }
+}

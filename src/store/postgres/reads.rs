@@ -115,6 +115,13 @@ const CHUNKS_SQL: &str = concat!(
      ORDER BY c.chunk_index"
 );
 
+/// Whether the server is a standby, and then how far behind its primary it is (see
+/// [`crate::health::Replica`]).
+const REPLICA_SQL: &str = "SELECT pg_is_in_recovery(),
+            (extract(epoch FROM clock_timestamp() - pg_last_xact_replay_timestamp())
+                 * 1000)::int8,
+            coalesce(pg_last_wal_receive_lsn() <= pg_last_wal_replay_lsn(), true)";
+
 impl ReadStore for PgTx<'_> {
     fn health_rows(&self, now: i64) -> Result<HealthRows> {
         self.on_indexes(|| self.health_rows_here(now))
@@ -261,6 +268,15 @@ impl PgTx<'_> {
 
     fn health_rows_here(&self, now: i64) -> Result<HealthRows> {
         let mut rows = HealthRows::default();
+        let server = self.query_one(REPLICA_SQL, &[])?;
+        if server.try_get(0)? {
+            rows.replica = Some(crate::health::Replica {
+                replay_lag_ms: server
+                    .try_get::<_, Option<i64>>(1)?
+                    .map(|ms| ms.max(0) as u64),
+                replayed_all_received: server.try_get(2)?,
+            });
+        }
         for r in self.query(STATS_SQL, &[])? {
             let mut latency_le = [0; 6];
             for (i, bucket) in latency_le.iter_mut().enumerate() {
