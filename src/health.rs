@@ -308,11 +308,12 @@ impl Health {
                 }
             }
         }
-        let name = "outbox_read_from_replica";
-        out.push_str(&format!(
-            "# HELP {name} 1 when this snapshot was read from a PostgreSQL standby.\n# TYPE {name} gauge\n{name} {}\n",
-            u8::from(self.replica.is_some())
-        ));
+        if self.replica.is_some() {
+            let name = "outbox_read_from_replica";
+            out.push_str(&format!(
+                "# HELP {name} Present (1) when this snapshot was read from a PostgreSQL standby.\n# TYPE {name} gauge\n{name} 1\n"
+            ));
+        }
         if let Some(lag) = self.replica.as_ref().and_then(|r| r.replay_lag_ms) {
             let name = "outbox_replica_replay_lag_seconds";
             out.push_str(&format!(
