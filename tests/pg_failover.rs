@@ -292,8 +292,19 @@ fn health_read_from_a_standby_says_so() {
         None,
         "read from the primary"
     );
-    let standby = Outbox::connect_read_only(&pair.nodes[1], OutboxOptions::default()).unwrap();
+    // (A synchronous commit waits for the standby to keep it, not to replay it: the
+    // tables and the replies show there a moment later.)
     let until = Instant::now() + Duration::from_secs(30);
+    let standby = loop {
+        match Outbox::connect_read_only(&pair.nodes[1], OutboxOptions::default()) {
+            Ok(standby) => break standby,
+            Err(e) => assert!(
+                Instant::now() < until,
+                "the standby never had the tables: {e}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     let health = loop {
         let health = standby.health().unwrap();
         if health.totals.pending_chunks == 2 {
