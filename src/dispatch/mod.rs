@@ -1549,4 +1549,24 @@ mod tests {
         shared.core.claim_failed(&Error::Busy);
         assert_eq!(shared.core.stats().errors, 1);
     }
+
+    /// Claims failing in a row are counted, and logged once, not once each, until a
+    /// claim works again.
+    #[test]
+    fn claims_failing_in_a_row_are_logged_as_a_count() {
+        let (shared, _clock) = setup(0);
+        let core = &shared.core;
+        let state = || *core.claim_failures.lock().unwrap();
+        core.claim_failed(&Error::Busy);
+        let (failed, first_logged) = state();
+        assert_eq!(failed, 1);
+        assert!(first_logged.is_some(), "the first failure is logged");
+        core.claim_failed(&Error::Busy);
+        core.claim_failed(&Error::Busy);
+        assert_eq!(state(), (3, first_logged), "counted, not logged again");
+        core.claim_worked();
+        assert_eq!(state(), (0, None), "a claim that works ends the run");
+        core.claim_failed(&Error::Busy);
+        assert_eq!(state().0, 1, "a new run");
+    }
 }
