@@ -62,7 +62,7 @@ use crate::clock::to_datetime;
 use crate::error::Result;
 use crate::ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
 use crate::outbox::Outbox;
-use crate::state::{self, Recorded, requeue};
+use crate::state::{self, Recorded};
 use crate::status::ChunkStatus;
 use crate::store::Unasked;
 
@@ -331,11 +331,30 @@ impl Outbox {
         } else {
             None
         };
-        let decision = planted.as_ref().unwrap_or(&settlement.decision);
-        let text = settlement.record();
         self.write_and_wake(|tx, rules| {
             let Ok(chunk) = crate::operator::locked_chunk(tx, part.claim.chunk_id) else {
                 return Ok(None); // purged meanwhile
+            };
+            let retry = rules.policy.retry_for(&chunk.channel);
+            // A resend is another attempt: once they are spent, a person decides, as
+            // for any part that keeps failing. (A planted resend is blind to that too.)
+            let spent = planted.is_none()
+                && settlement.decision == Decision::Resend
+                && chunk.attempts >= retry.max_attempts;
+            let (decision, text) = if spent {
+                let held = Settlement::hold(
+                    settlement.asked.clone(),
+                    format!(
+                        "{}; but it was sent {} times, its every attempt: a person decides",
+                        settlement.answer, chunk.attempts
+                    ),
+                );
+                (Decision::Hold, held.record())
+            } else {
+                let decision = planted
+                    .clone()
+                    .unwrap_or_else(|| settlement.decision.clone());
+                (decision, settlement.record())
             };
             if !tx.note_settlement(chunk.id, part.since_ms, &text)? {
                 return Ok(None);
@@ -346,7 +365,10 @@ impl Outbox {
                     platform_message_id,
                 } => state::deliver_held(tx, rules, &chunk, platform_message_id.as_deref(), now)?,
                 Decision::Resend => {
-                    requeue(tx, rules, &chunk, "settle", now)?;
+                    // Sent again with the attempts it had, after the backoff its last
+                    // attempt earned, once its lane lets it.
+                    let earliest = now + retry.delay_ms(chunk.attempts);
+                    state::rejoin_lane(tx, rules, &chunk, chunk.attempts, earliest, None)?;
                     Recorded::settled(ChunkStatus::Retry)
                 }
                 Decision::Hold | Decision::Later => Recorded::settled(ChunkStatus::Uncertain),

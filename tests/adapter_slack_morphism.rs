@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
 use chunked_outbox::platforms::slack::slack_morphism::SlackAdapter;
-use chunked_outbox::rules::ChannelPolicy;
+use chunked_outbox::rules::{Backoff, ChannelPolicy, RetryPolicy};
 use chunked_outbox::{AsyncDispatcher, DeliveryId, NewDelivery, Outbox, OutboxOptions};
 use common::emulator;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -366,7 +366,15 @@ fn asking(
     dir: &tempfile::TempDir,
     adapter: SlackAdapter<SlackClientHyperConnector<HttpConnector>>,
 ) -> (Outbox, AsyncDispatcher) {
-    let options = OutboxOptions::default().with_channel("slack", ChannelPolicy::asking());
+    asking_with(dir, adapter, ChannelPolicy::asking())
+}
+
+fn asking_with(
+    dir: &tempfile::TempDir,
+    adapter: SlackAdapter<SlackClientHyperConnector<HttpConnector>>,
+    policy: ChannelPolicy,
+) -> (Outbox, AsyncDispatcher) {
+    let options = OutboxOptions::default().with_channel("slack", policy);
     let outbox = Outbox::open(dir.path().join("bot.db"), options).unwrap();
     let dispatcher = AsyncDispatcher::builder(outbox.clone())
         .adapter("slack", adapter.with_lookup_grace(Duration::ZERO))
@@ -428,7 +436,13 @@ async fn a_possibly_sent_post_found_by_its_key_is_delivered() {
 async fn a_possibly_sent_post_absent_from_the_history_is_posted_again() {
     let api = SlackApi::start();
     let dir = tempfile::tempdir().unwrap();
-    let (outbox, dispatcher) = asking(&dir, api.adapter(TOKEN));
+    // (no backoff before the resend, so that it goes out at once on the real clock)
+    let at_once = RetryPolicy::default().with_backoff(Backoff::Schedule(vec![Duration::ZERO]));
+    let (outbox, dispatcher) = asking_with(
+        &dir,
+        api.adapter(TOKEN),
+        ChannelPolicy::asking().with_retry(at_once),
+    );
     let ids = emulator::hello_each(&outbox, "slack", &["CLOST"]);
     emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
     assert_eq!(state(&outbox, ids["CLOST"]).1, ChunkStatus::Uncertain);

@@ -302,6 +302,8 @@ fn asked_after(
     );
     clock.advance(wait);
     assert_eq!(dispatcher.settle_once(), 1);
+    // A resend waits the backoff its attempt earned (5 s, give or take a tenth).
+    clock.advance(Duration::from_secs(6));
     dispatcher.run_once().unwrap();
     let view = outbox.delivery(id).unwrap().unwrap();
     let part = &view.chunks[0];

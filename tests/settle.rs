@@ -12,7 +12,7 @@ use std::time::Duration;
 use chunked_outbox::dispatch::DispatchEvent;
 use chunked_outbox::maintenance::Resolution;
 use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
-use chunked_outbox::rules::{ChannelPolicy, ReplayPolicy};
+use chunked_outbox::rules::{ChannelPolicy, ReplayPolicy, RetryPolicy};
 use chunked_outbox::settle::{Decision, PossiblySent, Settlement};
 use chunked_outbox::{ChannelAdapter, Claim, Dispatcher, OutboxOptions, Outcome, Result};
 use common::*;
@@ -162,6 +162,8 @@ stores! {
         let v = view(&db.outbox, id);
         assert_eq!(v.chunks[0].status, ChunkStatus::Retry);
         assert!(v.chunks[0].settlement.as_deref().unwrap().contains("sent again"));
+        // (after the backoff its attempt earned: 5 s, give or take a tenth)
+        db.clock.advance(Duration::from_secs(6));
         while dispatcher.run_once()? > 0 {}
         assert_eq!(view(&db.outbox, id).status, DeliveryStatus::Delivered);
         let sent = adapter.sent();
@@ -200,6 +202,42 @@ stores! {
         assert_eq!(view(&db.outbox, id).status, DeliveryStatus::Delivered);
         // The window still runs from the very first send.
         assert_eq!(adapter.asked()[1].1, first_send);
+        Ok(())
+    }
+
+    /// A resend the platform decides is another attempt: the part keeps its attempts
+    /// and waits the backoff its last one earned; once they are spent it is held for a
+    /// person, with why, and asked no more.
+    fn a_platform_decided_resend_keeps_the_attempts_and_runs_out() -> Result<()> {
+        let retry = RetryPolicy::default().with_max_attempts(3);
+        let db = TestDb::new(
+            OutboxOptions::default()
+                .with_channel("chat", ChannelPolicy::asking().with_retry(retry)),
+        );
+        let every_send_ambiguous = (0..10).map(|_| timeout()).collect();
+        let adapter = Scripted::new(every_send_ambiguous, Settlement::resend("history", "no message with the key"));
+        let (dispatcher, _) = dispatcher(&db, &adapter);
+        let id = reply(&db.outbox, "1", &["only"]);
+        for attempt in 1..=3 {
+            assert_eq!(dispatcher.run_once()?, 1, "attempt {attempt} is sent");
+            assert_eq!(dispatcher.settle_once(), 1);
+            let c = &view(&db.outbox, id).chunks[0];
+            assert_eq!(c.attempts, attempt, "the attempts are kept");
+            if attempt < 3 {
+                assert_eq!(c.status, ChunkStatus::Retry);
+                assert_eq!(dispatcher.run_once()?, 0, "sent again before its backoff");
+                db.clock.advance(Duration::from_secs(3600));
+            }
+        }
+        let v = view(&db.outbox, id);
+        assert_eq!(v.status, DeliveryStatus::Uncertain);
+        let kept = v.chunks[0].settlement.as_deref().unwrap();
+        assert!(kept.contains("sent 3 times") && kept.contains("held for a person"), "{kept}");
+        assert_eq!(adapter.sent().len(), 3);
+        db.clock.advance(Duration::from_secs(3600));
+        assert_eq!(dispatcher.run_once()?, 0);
+        assert_eq!(dispatcher.settle_once(), 0, "asked no more");
+        assert_eq!(adapter.sent().len(), 3);
         Ok(())
     }
 
@@ -261,7 +299,9 @@ stores! {
         assert!(ob.settle(&parts[0], &Settlement::resend("history", "absent"))?.is_some());
         assert_eq!(ob.settle(&parts[0], &found)?, None);
         assert!(ob.possibly_sent("chat", 16)?.is_empty());
-        // Sent again and uncertain again: the old reading is stale still.
+        // Sent again (after its backoff) and uncertain again: the old reading is stale
+        // still.
+        db.clock.advance(Duration::from_secs(6));
         let again = claim_one(ob);
         db.clock.advance(Duration::from_millis(5));
         ob.record(&again, timeout())?;

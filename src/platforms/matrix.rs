@@ -1,7 +1,10 @@
 //! Matrix client-server API (`PUT /_matrix/client/v3/rooms/{roomId}/send/{eventType}/{txnId}`).
 //!
-//! The transaction id in the URL makes a send idempotent for the same access token:
-//! use [`Claim::idempotency_key`](crate::Claim::idempotency_key) (URL-encoded) or
+//! The transaction id in the URL makes a send idempotent for the same device (client-
+//! server spec 1.7 and later, and Synapse; older servers scoped it to the access
+//! token): every dispatcher of the channel must send as the same device — one login
+//! whose access token they share, or logins with the same `device_id` — or a resend
+//! from another host is a new event. Use [`Claim::idempotency_key`](crate::Claim::idempotency_key) (URL-encoded) or
 //! [`Claim::compact_key`](crate::Claim::compact_key). How long a homeserver remembers a
 //! transaction id is its own choice (Synapse: 30 minutes), so declare the channel
 //! [`ChannelPolicy::asking`](crate::rules::ChannelPolicy::asking) and answer
@@ -21,7 +24,7 @@ use crate::settle::{PossiblySent, Settlement};
 pub const SYNAPSE_TRANSACTION_WINDOW: Duration = Duration::from_secs(30 * 60);
 
 /// What a Matrix adapter's [`settle`](crate::ChannelAdapter::settle) answers: a resend
-/// under the same transaction id (and the same access token) while the first send is
+/// under the same transaction id (from the same device) while the first send is
 /// less than `window` ago — the homeserver returns the event it made instead of
 /// making another — and a hold for a person after.
 ///
