@@ -499,6 +499,10 @@ pub(crate) fn claim_in(
             state::fail(tx, rules, &c.chunk, &reason, now)?;
             continue;
         }
+        if let Some(by) = c.resend_by.filter(|by| now >= *by) {
+            state::hold_late_resend(tx, rules, &c.chunk, by, now)?;
+            continue;
+        }
         // A due time set through the lane already waits out pauses and intervals as
         // they stood; a lease expiry did not, and under a lane interval another
         // delivery of the chat (parallel lanes) may have started a send since.

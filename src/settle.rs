@@ -196,6 +196,10 @@ pub struct Settlement {
     pub asked: String,
     /// What the platform answered (`"found, ts 1700000000.000100"`).
     pub answer: String,
+    /// For a [`Resend`](Decision::Resend) that a deduplication window allows, the time
+    /// by which it must go (see [`within_window`](Self::within_window)): kept on the
+    /// part, and a claim at or after it holds the part instead of sending it.
+    pub resend_by: Option<DateTime<Utc>>,
 }
 
 impl Settlement {
@@ -235,6 +239,7 @@ impl Settlement {
             decision,
             asked: asked.into(),
             answer: answer.into(),
+            resend_by: None,
         }
     }
 
@@ -243,6 +248,12 @@ impl Settlement {
     /// transaction ids): [`resend`](Self::resend) while the part's first send is less
     /// than `window` ago, [`hold`](Self::hold) after. `what` names the key and the
     /// platform (`"Discord nonce"`).
+    ///
+    /// The window is used less a margin for the send's own time on the wire (a tenth of
+    /// the window, at most a minute: Discord's 2 minutes count as 108 s), and the resend
+    /// carries that deadline ([`resend_by`](Self::resend_by)): one that cannot be
+    /// claimed by then — its platform answering 503s, its lane or its backoff holding
+    /// it — is held instead of sent late, and asked about again (then: hold).
     ///
     /// ```
     /// use std::time::Duration;
@@ -264,10 +275,21 @@ impl Settlement {
             seconds(window),
             seconds(since)
         );
-        if since < window {
-            Settlement::resend(asked, "inside the window: a resend is deduplicated")
+        // The resend must be claimed by the window's end less the margin; asked later
+        // than that, too late already.
+        let usable = window - (window / 10).min(Duration::from_secs(60));
+        if since < usable {
+            let mut resend =
+                Settlement::resend(asked, "inside the window: a resend is deduplicated");
+            resend.resend_by = chrono::Duration::from_std(usable)
+                .ok()
+                .map(|usable| part.first_sent_at + usable);
+            resend
         } else {
-            Settlement::hold(asked, "the window has passed: a resend could post it twice")
+            Settlement::hold(
+                asked,
+                "the window has passed (less the time a send takes): a resend could post it twice",
+            )
         }
     }
 
@@ -341,7 +363,7 @@ impl Outbox {
             let spent = planted.is_none()
                 && settlement.decision == Decision::Resend
                 && chunk.attempts >= retry.max_attempts;
-            let (decision, text) = if spent {
+            let (decision, text, resend_by) = if spent {
                 let held = Settlement::hold(
                     settlement.asked.clone(),
                     format!(
@@ -349,14 +371,15 @@ impl Outbox {
                         settlement.answer, chunk.attempts
                     ),
                 );
-                (Decision::Hold, held.record())
+                (Decision::Hold, held.record(), None)
             } else {
                 let decision = planted
                     .clone()
                     .unwrap_or_else(|| settlement.decision.clone());
-                (decision, settlement.record())
+                let resend_by = settlement.resend_by.map(|by| by.timestamp_millis());
+                (decision, settlement.record(), resend_by)
             };
-            if !tx.note_settlement(chunk.id, part.since_ms, &text)? {
+            if !tx.note_settlement(chunk.id, part.since_ms, &text, resend_by)? {
                 return Ok(None);
             }
             let now = self.options().now_ms();

@@ -407,6 +407,27 @@ pub(crate) fn expire(
     }
 }
 
+/// Holds as `uncertain` a part whose resend, allowed by its platform's deduplication
+/// window, could not be claimed before the deadline `by` (see
+/// [`Settlement::within_window`](crate::settle::Settlement::within_window)): sent now it
+/// could be posted twice. Under `ask` it is asked about again, and the platform's answer
+/// (past its window: hold) or a person decides.
+pub(crate) fn hold_late_resend(
+    tx: &dyn StoreTx,
+    rules: &Stored,
+    chunk: &ChunkRef,
+    by: i64,
+    now: i64,
+) -> Result<()> {
+    let error = format!(
+        "not sent again: the resend had to go by {} to stay inside the platform's deduplication window, and could not",
+        to_datetime(by).format("%Y-%m-%d %H:%M:%S%.3f UTC")
+    );
+    tx.set_chunk_aside(chunk.id, ChunkStatus::Uncertain, &error, true)?;
+    set_delivery_aside(tx, chunk.delivery, ChunkStatus::Uncertain, now)?;
+    lane::advance(tx, &rules.policy, chunk.lane(), now)
+}
+
 /// Puts a chunk whose lease ran out on a channel that may replay back to `retry`, due
 /// when its lane lets it from `now`, keeping the claim's token until it is claimed
 /// again (see [`expire`]).

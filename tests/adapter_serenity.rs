@@ -30,6 +30,10 @@ struct State {
     /// Each nonce's message, and when it was created (ms, on `clock`).
     by_nonce: HashMap<String, (usize, i64)>,
     rate_limited: HashMap<String, bool>,
+    /// Requests still to answer 503 (no gateway took them: nothing created).
+    unavailable: usize,
+    /// Requests answered 503 so far.
+    answered_unavailable: usize,
     /// Discord's clock.
     clock: ManualClock,
 }
@@ -57,6 +61,8 @@ impl DiscordApi {
             created: Vec::new(),
             by_nonce: HashMap::new(),
             rate_limited: HashMap::new(),
+            unavailable: 0,
+            answered_unavailable: 0,
             clock: clock.clone(),
         }));
         let url = emulator::serve(state.clone(), answer);
@@ -81,6 +87,15 @@ impl DiscordApi {
     fn created(&self) -> Vec<Value> {
         self.state.lock().unwrap().created.clone()
     }
+
+    /// Answers the next `n` requests 503, creating nothing.
+    fn unavailable_for(&self, n: usize) {
+        self.state.lock().unwrap().unavailable = n;
+    }
+
+    fn answered_unavailable(&self) -> usize {
+        self.state.lock().unwrap().answered_unavailable
+    }
 }
 
 fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
@@ -96,7 +111,22 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
         .to_owned();
     let content = body["content"].as_str().unwrap_or_default().to_owned();
     let nonce = body["nonce"].as_str().map(str::to_owned);
-    let (status, reply) = if !authorized {
+    let unavailable = {
+        let mut s = state.lock().unwrap();
+        let now = s.unavailable > 0;
+        if now {
+            s.unavailable -= 1;
+            s.answered_unavailable += 1;
+        }
+        now
+    };
+    let (status, reply) = if unavailable {
+        error(
+            503,
+            0,
+            "upstream connect error or disconnect/reset before headers",
+        )
+    } else if !authorized {
         error(401, 0, "401: Unauthorized")
     } else if channel.is_empty() {
         error(404, 0, "404: Not Found")
@@ -421,6 +451,57 @@ async fn inside_the_nonce_window_a_possibly_sent_part_is_sent_again_once() {
         created[0]["id"].as_str()
     );
     assert_eq!(dispatcher.stats().settled_resent, 1);
+}
+
+/// A resend decided inside the nonce window goes inside it or not at all: asked at 90 s,
+/// the resend meets 503s and its backoff until the window's deadline has passed; the
+/// next claim holds the part instead of sending it, and asked again the answer is a hold
+/// (the window has passed). One message in the chat, however long the outage lasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_that_misses_its_window_is_held_not_sent_late() {
+    let clock = ManualClock::new(1_767_225_600_000);
+    let api = DiscordApi::start_at(&clock);
+    let dir = tempfile::tempdir().unwrap();
+    let (outbox, dispatcher, id) =
+        uncertain_on_777(&dir, &clock, DiscordAdapter::new(api.http(TOKEN))).await;
+    clock.advance(Duration::from_secs(90));
+    assert_eq!(dispatcher.settle_once().await, 1);
+    let view = outbox.delivery(id).unwrap().unwrap();
+    assert_eq!(
+        view.chunks[0].status,
+        ChunkStatus::Retry,
+        "a resend inside the window"
+    );
+    api.unavailable_for(3);
+    // Twenty minutes, a step at a time: every resend that is due is tried, and every
+    // question asked.
+    let adapter = DiscordAdapter::new(api.http(TOKEN));
+    for _ in 0..120 {
+        clock.advance(Duration::from_secs(10));
+        emulator::send_due(&outbox, &adapter).await;
+        dispatcher.settle_once().await;
+    }
+    assert!(
+        api.answered_unavailable() >= 1,
+        "the resend was tried inside the window"
+    );
+    assert_eq!(api.created().len(), 1, "one message in the chat");
+    let view = outbox.delivery(id).unwrap().unwrap();
+    assert_eq!(view.status, DeliveryStatus::Uncertain);
+    let part = &view.chunks[0];
+    assert!(
+        part.last_error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("had to go by"),
+        "{:?}",
+        part.last_error
+    );
+    let kept = part.settlement.clone().unwrap();
+    assert!(
+        kept.contains("window has passed") && kept.contains("held for a person"),
+        "{kept}"
+    );
 }
 
 /// After the nonce window: a resend would be a second message, so the part is held

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use chunked_outbox::dispatch::DispatchEvent;
 use chunked_outbox::maintenance::Resolution;
-use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
+use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus, ListFilter};
 use chunked_outbox::rules::{ChannelPolicy, ReplayPolicy, RetryPolicy};
 use chunked_outbox::settle::{Decision, PossiblySent, Settlement};
 use chunked_outbox::{ChannelAdapter, Claim, Dispatcher, OutboxOptions, Outcome, Result};
@@ -241,6 +241,45 @@ stores! {
         Ok(())
     }
 
+    /// A resend a window allows carries the window's deadline (its end less a margin):
+    /// claimed before it, the part is sent; at or after it, the part is held as
+    /// uncertain instead, with why, and asked about again.
+    fn a_resend_goes_inside_its_window_or_not_at_all() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Ask));
+        let ob = &db.outbox;
+        let window = Duration::from_secs(120);
+        for chat in ["early", "late"] {
+            reply(ob, chat, &["only"]);
+            let claim = claim_one(ob);
+            ob.record(&claim, timeout())?;
+        }
+        db.clock.advance(Duration::from_secs(90));
+        for part in ob.possibly_sent("chat", 16)? {
+            let settlement = Settlement::within_window(&part, window, "test key");
+            // 120 s less a tenth: due by 108 s after the first send.
+            let by = settlement.resend_by.expect("a deadline");
+            assert_eq!(by - part.first_sent_at, chrono::Duration::seconds(108));
+            ob.settle(&part, &settlement)?;
+        }
+        // After the backoff (5 s ± 10%), inside the deadline: one is sent.
+        db.clock.advance(Duration::from_secs(10));
+        let early = ob.claim(1)?;
+        assert_eq!(early.len(), 1);
+        assert_eq!(early[0].chat_id, "early");
+        // At the deadline the other is held, not sent.
+        db.clock.advance(Duration::from_secs(8));
+        assert!(ob.claim(16)?.is_empty(), "nothing sent past the deadline");
+        let late = ob.list(&ListFilter::default())?.into_iter().find(|v| v.chat_id == "late").unwrap();
+        let late = view(ob, late.id);
+        assert_eq!(late.status, DeliveryStatus::Uncertain);
+        assert!(late.chunks[0].last_error.as_deref().unwrap().contains("had to go by"), "{late:?}");
+        // Asked again: the window has passed.
+        let again = ob.possibly_sent("chat", 16)?;
+        assert_eq!(again.len(), 1);
+        assert_eq!(Settlement::within_window(&again[0], window, "test key").decision, Decision::Hold);
+        Ok(())
+    }
+
     /// Later: nothing recorded, asked again at the next round.
     fn a_later_answer_is_asked_again() -> Result<()> {
         let db = TestDb::new(asking(ReplayPolicy::Ask));
@@ -335,13 +374,14 @@ stores! {
         assert_eq!(second.uncertain_for(), Duration::from_secs(100));
         let asked = Settlement::within_window(second, window, "test key").asked;
         assert_eq!(asked, "the test key deduplicates for 120 s; first sent 100 s ago");
-        // The window is open up to its last millisecond, and closed from its end.
+        // The window is used less a tenth, the time a send may take: open up to 108 s
+        // less a millisecond, closed from there.
         let at = |ms: u64| {
             let mut part = second.clone();
             part.now = part.first_sent_at + chrono::Duration::milliseconds(ms as i64);
             Settlement::within_window(&part, window, "test key").decision
         };
-        assert_eq!((at(119_999), at(120_000)), (Decision::Resend, Decision::Hold));
+        assert_eq!((at(107_999), at(108_000)), (Decision::Resend, Decision::Hold));
         // The words the metric and the logs carry.
         let words: Vec<&str> = [
             Decision::Delivered { platform_message_id: None },

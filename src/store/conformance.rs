@@ -1995,12 +1995,17 @@ pub(super) fn uncertain_chunks_are_asked_about_once(fresh: Fresh) {
     assert!(write(&ob, |tx| tx.unasked_uncertain("other", 10)).is_empty());
 
     assert!(
-        !write(&ob, |tx| tx.note_settlement(a, T0 + 11, "stale")),
+        !write(&ob, |tx| tx.note_settlement(a, T0 + 11, "stale", None)),
         "changed since"
     );
-    assert!(write(&ob, |tx| tx.note_settlement(a, T0 + 10, "asked")));
+    assert!(write(&ob, |tx| tx.note_settlement(
+        a,
+        T0 + 10,
+        "asked",
+        None
+    )));
     assert!(
-        !write(&ob, |tx| tx.note_settlement(a, T0 + 10, "again")),
+        !write(&ob, |tx| tx.note_settlement(a, T0 + 10, "again", None)),
         "asked already"
     );
     assert_eq!(listed(10).iter().map(|u| u.0).collect::<Vec<_>>(), [b]);
@@ -2021,7 +2026,12 @@ pub(super) fn uncertain_chunks_are_asked_about_once(fresh: Fresh) {
     write(&ob, |tx| {
         tx.set_chunk_aside(b, ChunkStatus::Failed, "gone", false)
     });
-    assert!(!write(&ob, |tx| tx.note_settlement(b, T0 + 20, "late")));
+    assert!(!write(&ob, |tx| tx.note_settlement(
+        b,
+        T0 + 20,
+        "late",
+        None
+    )));
 }
 
 /// Makes one test of each contract for a store.

@@ -349,6 +349,8 @@ pub(crate) struct Readable {
     /// A due chunk that still carries a claim's token is one whose lease ran out
     /// (`sending`, reclaimed by this claim; or `retry`, put back by recovery): a suspect.
     pub suspect: bool,
+    /// The deadline of a resend a deduplication window allowed (ms), if any.
+    pub resend_by: Option<i64>,
     pub uid: crate::ids::DeliveryId,
     pub text: String,
     pub metadata: Option<String>,
@@ -789,9 +791,16 @@ pub(crate) trait OperatorStore {
     /// Up to `limit` `uncertain` chunks of `channel` whose platform nobody asked about
     /// since they became uncertain (no settlement), oldest delivery first.
     fn unasked_uncertain(&self, channel: &str, limit: usize) -> Result<Vec<Unasked>>;
-    /// Keeps `settlement` on chunk `chunk` if it is still the unasked `uncertain` chunk
-    /// whose delivery last changed at `since`; whether it was.
-    fn note_settlement(&self, chunk: i64, since: i64, settlement: &str) -> Result<bool>;
+    /// Keeps `settlement` on chunk `chunk` (and the deadline of the resend it allows,
+    /// `resend_by`) if it is still the unasked `uncertain` chunk whose delivery last
+    /// changed at `since`; whether it was.
+    fn note_settlement(
+        &self,
+        chunk: i64,
+        since: i64,
+        settlement: &str,
+        resend_by: Option<i64>,
+    ) -> Result<bool>;
 }
 
 /// An `uncertain` chunk nobody asked its platform about yet (see

@@ -95,7 +95,8 @@ macro_rules! claim_sql {
             $crate::store::postgres::chunk_id!("c.delivery_id", "c.chunk_index"),
             ", c.delivery_id, c.due_at, c.chunk_index,
                     c.status, c.attempts, d.chat_id, d.created_at, d.chunk_count, d.uid,
-                    coalesce(c.text, d.text), d.metadata, c.claim_token IS NOT NULL
+                    coalesce(c.text, d.text), d.metadata, c.claim_token IS NOT NULL,
+                    c.resend_by
              FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
              WHERE c.channel_id = ",
             $channel,
@@ -146,7 +147,7 @@ macro_rules! due_in_channels_sql {
 }
 
 /// The column of [`DUE_IN_CHANNELS_SQL`] that says whether the chunk's lane was locked.
-const DUE_LANE_HELD: usize = 5 + 13;
+const DUE_LANE_HELD: usize = 5 + 14;
 
 pub(crate) const DUE_IN_CHANNELS_SQL: &str = due_in_channels_sql!(
     "FOR UPDATE OF c SKIP LOCKED",
@@ -211,6 +212,7 @@ fn candidate(r: &Row, at: usize, channel: &ChannelRow) -> Result<Candidate> {
                 total: r.try_get(at + 8).map_err(get)?,
             },
             suspect: r.try_get(at + 12).map_err(get)?,
+            resend_by: r.try_get(at + 13).map_err(get)?,
             uid,
             text: r.try_get(at + 10).map_err(get)?,
             metadata: r.try_get(at + 11).map_err(get)?,
@@ -306,7 +308,7 @@ impl ChunkStore for PgTx<'_> {
         self.execute(
             "UPDATE outbound_delivery_chunks
              SET status = 'retry', attempts = 0, rate_limits = 0, due_at = NULL,
-                 claim_token = NULL, sent_before = (sent_before OR attempts > 0)
+                 claim_token = NULL, sent_before = (sent_before OR attempts > 0), resend_by = NULL
              WHERE delivery_id = $1 AND chunk_index = $2",
             &[&delivery, &index],
         )?;

@@ -51,14 +51,20 @@ impl OperatorStore for PgTx<'_> {
             .collect()
     }
 
-    fn note_settlement(&self, chunk: i64, since: i64, settlement: &str) -> Result<bool> {
+    fn note_settlement(
+        &self,
+        chunk: i64,
+        since: i64,
+        settlement: &str,
+        resend_by: Option<i64>,
+    ) -> Result<bool> {
         let (delivery, index) = super::chunk_key(chunk);
         let changed = self.execute(
-            "UPDATE outbound_delivery_chunks c SET settlement = $4
+            "UPDATE outbound_delivery_chunks c SET settlement = $4, resend_by = $5
              FROM outbound_deliveries d
              WHERE c.delivery_id = $1 AND c.chunk_index = $2 AND c.status = 'uncertain'
                AND c.settlement IS NULL AND d.id = c.delivery_id AND d.updated_at = $3",
-            &[&delivery, &index, &since, &settlement],
+            &[&delivery, &index, &since, &settlement, &resend_by],
         )?;
         Ok(changed == 1)
     }

@@ -184,7 +184,7 @@ impl ChunkStore for Tx<'_> {
         self.prepare_cached(
             "UPDATE outbound_delivery_chunks
              SET status = 'retry', attempts = 0, rate_limits = 0, due_at = NULL, claim_token = NULL,
-                 sent_before = (sent_before OR attempts > 0)
+                 sent_before = (sent_before OR attempts > 0), resend_by = NULL
              WHERE id = ?1",
         )?
         .execute([chunk])?;

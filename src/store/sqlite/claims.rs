@@ -17,7 +17,7 @@ use crate::store::{Candidate, ChannelRow, ChunkRef, ClaimStore, Readable};
 pub(crate) const CLAIM_SQL: &str =
     "SELECT c.id, c.delivery_id, c.due_at, c.chunk_index, c.status, c.attempts,
             d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text),
-            d.metadata, c.claim_token IS NOT NULL
+            d.metadata, c.claim_token IS NOT NULL, c.resend_by
      FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
      WHERE c.channel_id = ?1 AND c.due_at IS NOT NULL AND c.due_at <= ?2
      ORDER BY c.due_at";
@@ -65,6 +65,7 @@ fn candidate(r: &rusqlite::Row<'_>, channel: &ChannelRow) -> rusqlite::Result<Ca
         };
         Ok(Readable {
             suspect: r.get(12).map_err(|e| e.to_string())?,
+            resend_by: r.get(13).map_err(|e| e.to_string())?,
             chunk,
             uid,
             text: text(10)?,

@@ -52,14 +52,20 @@ impl OperatorStore for Tx<'_> {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
-    fn note_settlement(&self, chunk: i64, since: i64, settlement: &str) -> Result<bool> {
+    fn note_settlement(
+        &self,
+        chunk: i64,
+        since: i64,
+        settlement: &str,
+        resend_by: Option<i64>,
+    ) -> Result<bool> {
         let changed = self
             .prepare_cached(
-                "UPDATE outbound_delivery_chunks SET settlement = ?3
+                "UPDATE outbound_delivery_chunks SET settlement = ?3, resend_by = ?4
                  WHERE id = ?1 AND status = 'uncertain' AND settlement IS NULL
                    AND (SELECT updated_at FROM outbound_deliveries WHERE id = delivery_id) = ?2",
             )?
-            .execute(params![chunk, since, settlement])?;
+            .execute(params![chunk, since, settlement, resend_by])?;
         Ok(changed == 1)
     }
 

@@ -52,6 +52,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0008_finished_index.sql"),
     include_str!("../../../migrations/sqlite/0009_settled_by_the_platform.sql"),
     include_str!("../../../migrations/sqlite/0010_counted_not_read.sql"),
+    include_str!("../../../migrations/sqlite/0011_resend_deadline.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:
