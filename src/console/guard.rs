@@ -343,9 +343,14 @@ mod tests {
         assert!(!wide.permits("10.0.0.5:81") && !wide.permits("10.0.0.5"));
         assert!(wide.permits("box.example:80") && wide.permits("box.example"));
         assert!(!wide.permits("rebind.example:80"));
-        for bad in ["", "a b", "x:port", "<x>"] {
+        for bad in ["", "a b", "x:port", "<x>", "::1", "fe80::1:80", "[::1]x"] {
             assert!(AllowedHosts::loopback(None).allow(bad).is_err(), "{bad:?}");
         }
+        // An IPv6 address is written in brackets, with or without a port after them.
+        assert!(any_port.permits("[::1]") && any_port.permits("[::1]:1"));
+        assert!(!any_port.permits("[::1]x") && !any_port.permits("[::1]x:1"));
+        assert_eq!(split_host("[::1]"), Some(("[::1]".to_owned(), None)));
+        assert_eq!(split_host("::1"), None);
     }
 
     #[test]
@@ -368,6 +373,14 @@ mod tests {
             assert!(sessions.touch(&busy, at).is_some());
         }
         assert!(sessions.touch(&busy, lifetime).is_none(), "lifetime");
+        // Twelve hours, however busy: seen every 20 minutes, alive at 11:59, ended at 12.
+        let (day, _) = sessions.start(0).unwrap();
+        let minute = 60_000;
+        for at in (20..12 * 60).step_by(20) {
+            assert!(sessions.touch(&day, at * minute).is_some(), "at {at} min");
+        }
+        assert!(sessions.touch(&day, (12 * 60 - 1) * minute).is_some());
+        assert!(sessions.touch(&day, 12 * 60 * minute).is_none());
         let (out, _) = sessions.start(0).unwrap();
         sessions.end(&out);
         assert!(sessions.touch(&out, 1).is_none());
