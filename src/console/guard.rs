@@ -381,6 +381,10 @@ mod tests {
         }
         assert!(sessions.touch(&day, (12 * 60 - 1) * minute).is_some());
         assert!(sessions.touch(&day, 12 * 60 * minute).is_none());
+        // Thirty minutes without a request.
+        let (quiet, _) = sessions.start(0).unwrap();
+        assert!(sessions.touch(&quiet, 29 * minute).is_some());
+        assert!(sessions.touch(&quiet, 59 * minute).is_none());
         let (out, _) = sessions.start(0).unwrap();
         sessions.end(&out);
         assert!(sessions.touch(&out, 1).is_none());
