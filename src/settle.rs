@@ -168,7 +168,8 @@ pub enum Decision {
     Resend,
     /// The platform cannot tell: held for a person.
     Hold,
-    /// Not yet: asked again at the dispatcher's next round; nothing is recorded.
+    /// Not yet: asked again at the dispatcher's next round, or once the
+    /// [`wait`](Settlement::wait) is over; nothing is recorded on the part.
     Later,
 }
 
@@ -200,6 +201,10 @@ pub struct Settlement {
     /// by which it must go (see [`within_window`](Self::within_window)): kept on the
     /// part, and a claim at or after it holds the part instead of sending it.
     pub resend_by: Option<DateTime<Utc>>,
+    /// For a [`Later`](Decision::Later), how long the platform asked to be left alone
+    /// (a rate limit's `Retry-After`): a dispatcher asks nothing more of the channel
+    /// until it is over.
+    pub wait: Option<Duration>,
 }
 
 impl Settlement {
@@ -234,12 +239,33 @@ impl Settlement {
         Settlement::new(Decision::Later, asked, answer)
     }
 
+    /// Ask again, and ask the channel's platform nothing more, once `wait` is over (a
+    /// rate-limited lookup: the answer's `Retry-After`).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use chunked_outbox::settle::{Decision, Settlement};
+    ///
+    /// let later = Settlement::later_after("conversations.history", "ratelimited", Duration::from_secs(60));
+    /// assert_eq!((later.decision, later.wait), (Decision::Later, Some(Duration::from_secs(60))));
+    /// ```
+    pub fn later_after(
+        asked: impl Into<String>,
+        answer: impl Into<String>,
+        wait: Duration,
+    ) -> Settlement {
+        let mut later = Settlement::new(Decision::Later, asked, answer);
+        later.wait = Some(wait);
+        later
+    }
+
     fn new(decision: Decision, asked: impl Into<String>, answer: impl Into<String>) -> Settlement {
         Settlement {
             decision,
             asked: asked.into(),
             answer: answer.into(),
             resend_by: None,
+            wait: None,
         }
     }
 

@@ -38,6 +38,9 @@ struct Posted {
 struct State {
     posted: Vec<Posted>,
     swallowed: std::collections::HashSet<String>,
+    /// History reads (`conversations.history` and `.replies`) answered, rate-limited
+    /// or not.
+    lookups: usize,
 }
 
 /// The emulated Web API. Channels choose the behaviour: C404 does not exist, CARCH is
@@ -77,6 +80,10 @@ impl SlackApi {
 
     fn posted(&self) -> Vec<Posted> {
         self.state.lock().unwrap().posted.clone()
+    }
+
+    fn lookups(&self) -> usize {
+        self.state.lock().unwrap().lookups
     }
 }
 
@@ -176,6 +183,7 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
         if token != TOKEN {
             return respond(200, error("invalid_auth"), None);
         }
+        state.lock().unwrap().lookups += 1;
         let answer = history(&url, state);
         if answer["error"] == "ratelimited" {
             return respond(429, answer, Some("30"));
@@ -496,26 +504,34 @@ async fn a_failed_lookup_holds_the_part_for_a_person() {
     assert_eq!(dispatcher.stats().settled_held, 1);
 }
 
-/// A rate-limited lookup cannot tell yet: nothing is recorded, and the part is asked
-/// about again at the next round.
+/// A rate-limited lookup cannot tell yet: nothing is recorded, the answer is counted,
+/// and Slack is asked nothing more until its `Retry-After` (30 s) is over — not at the
+/// next round, nor about the channel's other waiting parts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rate_limited_lookup_is_asked_again_later() {
+async fn a_rate_limited_lookup_is_asked_again_after_its_wait() {
     let api = SlackApi::start();
     let dir = tempfile::tempdir().unwrap();
     let (outbox, dispatcher) = asking(&dir, api.adapter(TOKEN));
-    let ids = emulator::hello_each(&outbox, "slack", &["CBUSY"]);
+    // The older part is asked first; the other one (whose lookup would fail) waits
+    // with it, since the wait is the channel's.
+    let first = emulator::hello_each(&outbox, "slack", &["CBUSY"]);
+    let second = emulator::hello_each(&outbox, "slack", &["CBROKEN"]);
     emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
-    for _ in 0..2 {
+    for _ in 0..3 {
         assert_eq!(dispatcher.settle_once().await, 0);
-        let view = outbox.delivery(ids["CBUSY"]).unwrap().unwrap();
-        assert_eq!(
-            (view.status, view.chunks[0].settlement.clone()),
-            (DeliveryStatus::Uncertain, None)
-        );
+        for id in [first["CBUSY"], second["CBROKEN"]] {
+            let view = outbox.delivery(id).unwrap().unwrap();
+            assert_eq!(
+                (view.status, view.chunks[0].settlement.clone()),
+                (DeliveryStatus::Uncertain, None)
+            );
+        }
     }
+    assert_eq!(api.lookups(), 1, "one read, then the wait Slack asked for");
+    assert_eq!(dispatcher.stats().settled_later, 1);
     assert_eq!(
         outbox.possibly_sent("slack", 4).unwrap().len(),
-        1,
+        2,
         "still to be asked"
     );
 }

@@ -295,6 +295,37 @@ stores! {
         Ok(())
     }
 
+    /// A "later" with a wait (a rate limit's `Retry-After`): the channel's platform is
+    /// asked nothing more — about this part or any other — until the wait is over; the
+    /// answer is counted and reported, and nothing is recorded on the part.
+    fn a_later_answer_with_a_wait_leaves_the_channel_alone_until_it_is_over() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Ask));
+        let adapter = Scripted::new(
+            vec![timeout(), timeout()],
+            Settlement::later_after("history", "ratelimited", Duration::from_secs(30)),
+        );
+        let (dispatcher, events) = dispatcher(&db, &adapter);
+        let a = reply(&db.outbox, "1", &["only"]);
+        reply(&db.outbox, "2", &["only"]);
+        while dispatcher.run_once()? > 0 {}
+        assert_eq!(adapter.sent().len(), 2);
+        assert_eq!(dispatcher.settle_once(), 0);
+        assert_eq!(adapter.asked().len(), 1, "one question, not one per part");
+        assert_eq!(dispatcher.stats().settled_later, 1);
+        assert!(events.lock().unwrap().iter().any(|e| matches!(e, DispatchEvent::Settled { settlement, .. }
+            if settlement.decision == Decision::Later)));
+        assert_eq!(view(&db.outbox, a).chunks[0].settlement, None, "nothing recorded");
+        db.clock.advance(Duration::from_secs(29));
+        assert_eq!(dispatcher.settle_once(), 0);
+        assert_eq!(adapter.asked().len(), 1, "not asked during the wait");
+        db.clock.advance(Duration::from_secs(1));
+        adapter.answer(Settlement::found("history", "found", None));
+        assert_eq!(dispatcher.settle_once(), 2, "both asked once the wait is over");
+        assert_eq!(adapter.asked().len(), 3);
+        assert_eq!(view(&db.outbox, a).status, DeliveryStatus::Delivered, "found, as answered");
+        Ok(())
+    }
+
     /// Under `Hold` nobody asks; under `Ask` a part whose lease ran out (a crash) is
     /// asked about like one that timed out.
     fn only_asking_channels_are_asked_and_a_crash_is_asked_about() -> Result<()> {

@@ -155,8 +155,15 @@ impl<C: SlackClientHttpConnector + Send + Sync> SlackAdapter<C> {
             let page = session.http_session_api.http_get(method, &params, None);
             let page: History = match tokio::time::timeout(self.timeout, page).await {
                 Ok(Ok(page)) => page,
-                Ok(Err(SlackClientError::RateLimitError(_))) => {
-                    return Settlement::later(asked, "ratelimited");
+                Ok(Err(SlackClientError::RateLimitError(limited))) => {
+                    // Asked again once Slack's wait is over (a minute when it names none:
+                    // Tier 1's one request a minute).
+                    let wait = limited.retry_after.unwrap_or(Duration::from_secs(60));
+                    return Settlement::later_after(
+                        asked,
+                        format!("ratelimited, retry after {} s", wait.as_secs()),
+                        wait,
+                    );
                 }
                 Ok(Err(e)) => return Settlement::hold(asked, format!("the lookup failed: {e}")),
                 Err(_) => {

@@ -120,6 +120,9 @@ impl Dispatcher {
             let Some(adapter) = self.shared.adapters.get(&part.claim.channel) else {
                 continue;
             };
+            if !core.may_ask(&part.claim.channel) {
+                continue; // a wait its platform asked for began this round
+            }
             let settlement = super::settle_guarded(|| adapter.settle(&part));
             recorded += usize::from(core.settled(&part, settlement));
         }

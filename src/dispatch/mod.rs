@@ -290,6 +290,9 @@ pub struct DispatchStats {
     pub settled_resent: u64,
     /// Possibly-sent parts the platform could not tell about: held for a person.
     pub settled_held: u64,
+    /// Questions the platform answered "not yet" (a rate limit, a lookup too early):
+    /// asked again later, nothing recorded.
+    pub settled_later: u64,
 }
 
 #[derive(Debug, Default)]
@@ -310,6 +313,7 @@ struct Counters {
     settled_delivered: AtomicU64,
     settled_resent: AtomicU64,
     settled_held: AtomicU64,
+    settled_later: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -340,6 +344,7 @@ impl Counters {
             settled_delivered: get(&self.settled_delivered),
             settled_resent: get(&self.settled_resent),
             settled_held: get(&self.settled_held),
+            settled_later: get(&self.settled_later),
         }
     }
 }
@@ -472,6 +477,9 @@ pub(crate) struct Core {
     events: Option<EventSink>,
     /// Claims failed in a row, and when that was last logged.
     claim_failures: Mutex<(u64, Option<Instant>)>,
+    /// Channels whose platform asked to be asked nothing before a time (ms, outbox
+    /// clock): a rate-limited lookup's `Retry-After`.
+    settle_waits: Mutex<HashMap<String, i64>>,
 }
 
 /// How often claims that keep failing are logged (with how many failed): a store out
@@ -540,6 +548,7 @@ impl Core {
             counters: Counters::default(),
             events: None,
             claim_failures: Mutex::new((0, None)),
+            settle_waits: Mutex::new(HashMap::new()),
         })
     }
 
@@ -903,7 +912,7 @@ impl Core {
         };
         let mut parts = Vec::new();
         for channel in &self.channels {
-            if rules.channel(channel).replay != ReplayPolicy::Ask {
+            if rules.channel(channel).replay != ReplayPolicy::Ask || !self.may_ask(channel) {
                 continue;
             }
             match self.outbox.possibly_sent(channel, SETTLE_BATCH) {
@@ -914,11 +923,40 @@ impl Core {
         parts
     }
 
+    /// Whether `channel`'s platform may be asked now (no rate limit's wait running).
+    pub(crate) fn may_ask(&self, channel: &str) -> bool {
+        let waits = self.settle_waits.lock().unwrap_or_else(|e| e.into_inner());
+        waits
+            .get(channel)
+            .is_none_or(|until| *until <= self.outbox.options().now_ms())
+    }
+
     /// Records the platform's answer about `part`, counts it and reports it; whether it
     /// was recorded (not a `Later`, nor a part someone settled meanwhile).
     pub(crate) fn settled(&self, part: &PossiblySent, settlement: Settlement) -> bool {
         let claim = &part.claim;
         let _entered = Core::span(claim).entered();
+        if settlement.decision == Decision::Later {
+            // Nothing recorded; the channel is asked no sooner than the wait says.
+            bump(&self.counters.settled_later);
+            if let Some(wait) = settlement.wait {
+                let until = self.outbox.options().now_ms() + duration_ms(wait);
+                self.settle_waits
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(claim.channel.clone(), until);
+            }
+            telemetry::settled(&claim.channel, settlement.decision.as_str());
+            debug!(chunk = %claim.idempotency_key, wait_ms = settlement.wait.map(|w| w.as_millis() as u64), answer = %settlement.answer, "the platform says: not yet");
+            self.emit(DispatchEvent::Settled {
+                delivery_id: claim.delivery_id,
+                index: claim.index,
+                channel: claim.channel.clone(),
+                chat_id: claim.chat_id.clone(),
+                settlement,
+            });
+            return false;
+        }
         let recorded = match self.outbox.settle(part, &settlement) {
             Ok(Some(recorded)) => recorded,
             Ok(None) => return false,

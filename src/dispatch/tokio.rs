@@ -329,6 +329,9 @@ impl AsyncDispatcher {
             let Some(adapter) = self.shared.adapters.get(&part.claim.channel).cloned() else {
                 continue;
             };
+            if !self.shared.core.may_ask(&part.claim.channel) {
+                continue; // a wait its platform asked for began this round
+            }
             let settlement = CatchUnwind(adapter.settle(&part))
                 .await
                 .unwrap_or_else(|_| super::adapter_panicked());
