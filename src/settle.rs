@@ -87,6 +87,11 @@ pub struct PossiblySent {
     /// process that died, or hung, sending it); `None` for a send whose outcome was
     /// recorded as ambiguous.
     pub claimant: Option<ClaimantId>,
+    /// The platform's id for the reply's previous part (delivered before this one was
+    /// sent), if it has one: where a platform's ids are its own times (Slack's `ts`), a
+    /// lookup searches from there, whatever the clocks of the outbox and the platform
+    /// say.
+    pub previous_platform_id: Option<String>,
     /// The delivery row's last change (ms): recording an answer checks nothing moved.
     since_ms: i64,
 }
@@ -117,6 +122,7 @@ impl PossiblySent {
             uncertain_since: to_datetime(row.since),
             now: to_datetime(now),
             claimant: row.token.map(ClaimantId::of_token),
+            previous_platform_id: row.previous_platform_id,
             since_ms: row.since,
         })
     }
@@ -135,6 +141,7 @@ impl PossiblySent {
             uncertain_since: first_sent_at,
             now,
             claimant: None,
+            previous_platform_id: None,
             since_ms: i64::MIN,
         }
     }

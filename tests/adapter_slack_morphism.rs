@@ -222,7 +222,8 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
         });
         ts
     };
-    if channel == "C777" {
+    let second_in_c2nd = channel == "C2ND" && api_posts_in(state, "C2ND") > 1;
+    if channel == "C777" || second_in_c2nd {
         // Posted, but the answer comes after the client gave up.
         std::thread::sleep(Duration::from_secs(2));
     }
@@ -232,6 +233,12 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
                "message": {"type": "message", "text": text, "ts": ts, "bot_id": "B1"}}),
         None,
     );
+}
+
+/// Posts made in `channel` so far.
+fn api_posts_in(state: &Mutex<State>, channel: &str) -> usize {
+    let s = state.lock().unwrap();
+    s.posted.iter().filter(|p| p.channel == channel).count()
 }
 
 fn state(outbox: &Outbox, id: DeliveryId) -> (DeliveryStatus, ChunkStatus, u32, String) {
@@ -436,6 +443,60 @@ async fn a_possibly_sent_post_found_by_its_key_is_delivered() {
         "two posts and the chatter, nothing twice"
     );
     assert_eq!(dispatcher.stats().settled_delivered, 2);
+}
+
+/// The outbox's clock two minutes ahead of Slack's: the second part of a reply, posted
+/// but unanswered, is looked up from the `ts` of the reply's first part — Slack's own
+/// time — and found, not posted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lookup_searches_from_the_previous_parts_ts_whatever_the_clocks() {
+    let api = SlackApi::start();
+    let dir = tempfile::tempdir().unwrap();
+    let options = OutboxOptions::default()
+        .with_channel("slack", ChannelPolicy::asking())
+        .with_clock(Arc::new(chunked_outbox::clock::SkewedClock::ahead(
+            Duration::from_secs(120),
+        )));
+    let outbox = Outbox::open(dir.path().join("bot.db"), options).unwrap();
+    let dispatcher = AsyncDispatcher::builder(outbox.clone())
+        .adapter(
+            "slack",
+            api.adapter(TOKEN).with_lookup_grace(Duration::ZERO),
+        )
+        .build()
+        .unwrap();
+    let id = outbox
+        .enqueue(&NewDelivery::chunked(
+            "slack",
+            "C2ND",
+            "one two",
+            ["one", "two"],
+        ))
+        .unwrap()
+        .id;
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    let view = outbox.delivery(id).unwrap().unwrap();
+    assert_eq!(
+        (view.chunks[0].status, view.chunks[1].status),
+        (ChunkStatus::Delivered, ChunkStatus::Uncertain)
+    );
+    assert_eq!(dispatcher.settle_once().await, 1);
+    while emulator::send_due(&outbox, &api.adapter(TOKEN)).await > 0 {}
+    let view = outbox.delivery(id).unwrap().unwrap();
+    assert_eq!(view.status, DeliveryStatus::Delivered);
+    let kept = view.chunks[1].settlement.clone().unwrap();
+    assert!(kept.contains("a message with the key"), "{kept}");
+    let posted: Vec<Posted> = api
+        .posted()
+        .into_iter()
+        .filter(|p| p.channel == "C2ND")
+        .collect();
+    assert_eq!(posted.len(), 2, "each part posted once");
+    assert_eq!(
+        view.chunks[1].platform_message_id.as_deref(),
+        Some(posted[1].ts.as_str())
+    );
 }
 
 /// Read but never posted: the lookup finds nothing with the key since the first send,

@@ -88,6 +88,13 @@ const LOOKUP_PAGES: usize = 10;
 /// Slack's to differ.
 const CLOCK_MARGIN: Duration = Duration::from_secs(60);
 
+/// A Slack `ts` (`"1767225600.000100"`) as the time it names.
+fn slack_time(ts: &str) -> Option<chrono::DateTime<chrono::Utc>> {
+    let (seconds, micros) = ts.split_once('.')?;
+    let micros: u32 = micros.parse().ok().filter(|_| micros.len() == 6)?;
+    chrono::DateTime::from_timestamp(seconds.parse().ok()?, micros * 1000)
+}
+
 impl<C: SlackClientHttpConnector + Send + Sync> std::fmt::Debug for SlackAdapter<C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // The token stays out of logs.
@@ -118,14 +125,20 @@ impl<C: SlackClientHttpConnector + Send + Sync> SlackAdapter<C> {
         }
     }
 
-    /// Looks `part` up by its key in the messages since a minute before its first send.
+    /// Looks `part` up by its key in the messages since the reply's previous part (its
+    /// `ts`, on Slack's own clock), or, for a first part, since a minute before its first
+    /// send by the outbox's clock.
     async fn look_up(&self, part: &PossiblySent) -> Settlement {
         let claim = &part.claim;
         let thread = SendOptions::from_claim(claim)
             .ok()
             .and_then(|o| o.thread_ts);
-        let from =
-            part.first_sent_at - chrono::Duration::from_std(CLOCK_MARGIN).unwrap_or_default();
+        let from = match part.previous_platform_id.as_deref().and_then(slack_time) {
+            Some(previous) => previous,
+            None => {
+                part.first_sent_at - chrono::Duration::from_std(CLOCK_MARGIN).unwrap_or_default()
+            }
+        };
         let oldest = format!("{}.{:06}", from.timestamp(), from.timestamp_subsec_micros());
         let method = match thread {
             Some(_) => "conversations.replies",

@@ -820,6 +820,8 @@ pub(crate) struct Unasked {
     pub since: i64,
     /// The token of the claim that left it uncertain, if kept (a lease that ran out).
     pub token: Option<i64>,
+    /// The platform's id for the reply's previous part, if it has one.
+    pub previous_platform_id: Option<String>,
 }
 
 /// Retention.

@@ -23,7 +23,9 @@ pub(crate) const UNASKED_SQL: &str = concat!(
     super::chunk_id!("c.delivery_id", "c.chunk_index"),
     ", c.delivery_id, c.chunk_index, c.status, c.attempts, d.channel, d.chat_id,
             d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text), d.metadata,
-            coalesce(c.first_sent_at, d.created_at), d.updated_at, c.claim_token
+            coalesce(c.first_sent_at, d.created_at), d.updated_at, c.claim_token,
+            (SELECT p.platform_message_id FROM outbound_delivery_chunks p
+             WHERE p.delivery_id = c.delivery_id AND p.chunk_index = c.chunk_index - 1)
      FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
      WHERE d.status = 'uncertain' AND d.status <> 'delivered' AND d.status <> 'failed'
        AND d.channel = $1
@@ -46,6 +48,7 @@ impl OperatorStore for PgTx<'_> {
                     first_sent_at: r.try_get(12)?,
                     since: r.try_get(13)?,
                     token: r.try_get(14)?,
+                    previous_platform_id: r.try_get(15)?,
                 })
             })
             .collect()

@@ -24,7 +24,9 @@ pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
 pub(crate) const UNASKED_SQL: &str = concat!(
     "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
         d.channel, d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text),
-        d.metadata, coalesce(c.first_sent_at, d.created_at), d.updated_at, c.claim_token
+        d.metadata, coalesce(c.first_sent_at, d.created_at), d.updated_at, c.claim_token,
+        (SELECT p.platform_message_id FROM outbound_delivery_chunks p
+         WHERE p.id = c.id - 1 AND c.chunk_index > 0)
      FROM outbound_deliveries d JOIN outbound_delivery_chunks c ON ",
     chunks_of_delivery!("c", "d.id"),
     " WHERE d.id IN (SELECT id FROM outbound_deliveries
@@ -47,6 +49,7 @@ impl OperatorStore for Tx<'_> {
                 first_sent_at: r.get(12)?,
                 since: r.get(13)?,
                 token: r.get(14)?,
+                previous_platform_id: r.get(15)?,
             })
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
