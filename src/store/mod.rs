@@ -10,7 +10,7 @@
 //! | writers | one at a time (SQLite has one writer); readers beside it | many, on different hosts |
 //! | wake-ups across processes | within the poll interval (`PRAGMA data_version`) | at once (`LISTEN`/`NOTIFY`), polling while the listener is down |
 //! | the application's own transaction | [`Outbox::enqueue_in`](crate::Outbox::enqueue_in) on its rusqlite connection | `postgres`: `enqueue_in_pg`, `enqueue_in_tokio_pg`, `enqueue_in_sqlx` |
-//! | a lost answer to `COMMIT` | cannot happen (no network) | looked up on the server ([`Error::CommitUnknown`] when it cannot be) |
+//! | a lost answer to `COMMIT` | cannot happen (no network) | looked up on the server and timeline it ran on ([`Error::CommitUnknown`] when it cannot be, or another server answers in its place) |
 
 // The storage seam (for maintainers; ARCHITECTURE.md has the whole map): the rules of
 // the outbox (lanes, claims, outcomes, finalization, operator actions, retention) call

@@ -423,7 +423,7 @@ enum LostCommit {
 /// a promotion. Transaction ids are a server's own: a promoted standby hands out again
 /// the ids of transactions it never received, so whether a transaction committed can
 /// only be asked of the server and timeline it ran on.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ServerIdentity {
     system: Option<String>,
     timeline: Option<String>,
@@ -470,10 +470,11 @@ impl ServerIdentity {
 
 impl PgStore {
     /// Commits `tx` (see [`PgTx::commit_or_lose`]). When the connection is lost during
-    /// the commit, asks the server on another connection whether the transaction
-    /// committed, for up to `patience`: a commit that happened is a success, one that
-    /// did not is [`Error::Connection`] (nothing happened, a retry is safe); only a
-    /// server that stays out of reach makes it [`Error::CommitUnknown`].
+    /// the commit, asks the same server (and timeline) on another connection whether
+    /// the transaction committed, for up to `patience`: a commit that happened is a
+    /// success, one that did not is [`Error::Connection`] (nothing happened, a retry is
+    /// safe); a server that stays out of reach, or another one in its place (a
+    /// promoted standby), makes it [`Error::CommitUnknown`].
     pub(crate) fn commit(&self, tx: PgTx<'_>, announce: bool, patience: Duration) -> Result<()> {
         let (xid, message, server) = match tx.commit_or_lose(announce) {
             Ok(()) => return Ok(()),
