@@ -238,6 +238,8 @@ stores! {
         assert_eq!(dispatcher.run_once()?, 0);
         assert_eq!(dispatcher.settle_once(), 0, "asked no more");
         assert_eq!(adapter.sent().len(), 3);
+        let stats = dispatcher.stats();
+        assert_eq!((stats.settled_resent, stats.settled_held), (2, 1), "counted as held: {stats:?}");
         Ok(())
     }
 

@@ -966,6 +966,12 @@ impl Core {
                 return false;
             }
         };
+        let mut settlement = settlement;
+        if settlement.decision == Decision::Resend && recorded.status == ChunkStatus::Uncertain {
+            // A resend with no attempt left: held for a person instead (see
+            // `Outbox::settle`).
+            settlement.decision = Decision::Hold;
+        }
         let c = &self.counters;
         match settlement.decision {
             Decision::Delivered { .. } => bump(&c.settled_delivered),
