@@ -134,6 +134,40 @@ fn lost_commit_fails_without_the_identity_check() {
     );
 }
 
+/// Item 5: a call that meets a connection the server ended names the hosts of the
+/// connection string and the one that answered, not nobody (`no connection to : …`):
+/// a read on a pooled connection ended under it, a write after the primary crashed.
+#[test]
+fn an_error_after_a_crash_names_the_hosts() {
+    let Some(pair) = Pair::new() else {
+        return;
+    };
+    let outbox = Outbox::connect(&pair.url, OutboxOptions::default().with_readers(0)).unwrap();
+    outbox
+        .enqueue(&NewDelivery::single("t", "c1", "before"))
+        .unwrap();
+    // (used again at once: the pool hands it out unchecked)
+    pair.admin(0)
+        .batch_execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+        )
+        .unwrap();
+    let read = outbox.health().map(|_| ());
+    pair.act(&["crash-primary"]);
+    let write = outbox
+        .enqueue(&NewDelivery::single("t", "c1", "after"))
+        .map(|_| ());
+    for failed in [read, write] {
+        match failed {
+            Err(Error::Connection { target, .. } | Error::CommitUnknown { target, .. }) => {
+                assert!(target.contains(&format!("{}/a", pair.dir)), "{target:?}");
+            }
+            other => panic!("a call after the crash: {other:?}"),
+        }
+    }
+}
+
 /// An adapter that records what it sends, and can hold a send until told.
 #[derive(Clone, Default)]
 struct Platform {
@@ -292,6 +326,11 @@ fn health_read_from_a_standby_says_so() {
         None,
         "read from the primary"
     );
+    // A handle opened to read only is refused a write for good, on any server: that is
+    // its own refusal, not a server's passing state.
+    let reader = Outbox::connect_read_only(&pair.url, OutboxOptions::default()).unwrap();
+    let refused = reader.enqueue(&NewDelivery::single("t", "c9", "no"));
+    assert!(matches!(refused, Err(Error::ReadOnly(_))), "{refused:?}");
     // (A synchronous commit waits for the standby to keep it, not to replay it: the
     // tables and the replies show there a moment later.)
     let until = Instant::now() + Duration::from_secs(30);
