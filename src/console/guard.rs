@@ -430,6 +430,41 @@ mod tests {
         assert_eq!(throttle.wait(other, later), None);
     }
 
+    /// A peer that signs in starts afresh; the peers remembered are bounded, the
+    /// oldest forgotten first and the stale ones before any.
+    #[test]
+    fn a_sign_in_clears_its_peer_and_the_peers_remembered_are_bounded() {
+        let mut throttle = Throttle::default();
+        let peer = Some(IpAddr::from([10, 0, 0, 1]));
+        for _ in 0..=FREE_SIGN_IN_FAILURES {
+            throttle.fail(peer, 0);
+        }
+        assert!(throttle.wait(peer, 0).is_some());
+        throttle.succeed(peer);
+        assert_eq!(throttle.wait(peer, 0), None, "signed in: no wait");
+
+        let mut throttle = Throttle::default();
+        let nth = |n: usize| Some(IpAddr::from([10, 1, (n >> 8) as u8, n as u8]));
+        for n in 0..PEERS_REMEMBERED {
+            throttle.fail(nth(n), n as i64);
+        }
+        assert_eq!(throttle.peers.len(), PEERS_REMEMBERED);
+        // A peer already remembered forgets nobody.
+        throttle.fail(nth(5), 5_000);
+        assert_eq!(throttle.peers.len(), PEERS_REMEMBERED);
+        assert!(throttle.peers.contains_key(&nth(0)));
+        // A new one: the oldest goes.
+        let newcomer = Some(IpAddr::from([192, 168, 0, 1]));
+        throttle.fail(newcomer, 6_000);
+        assert_eq!(throttle.peers.len(), PEERS_REMEMBERED);
+        assert!(!throttle.peers.contains_key(&nth(0)) && throttle.peers.contains_key(&newcomer));
+        assert!(throttle.peers.contains_key(&nth(1)));
+        // Long after: the stale ones go first, all of them.
+        let later = 7_000 + LONGEST_SIGN_IN_WAIT.as_millis() as i64;
+        throttle.fail(Some(IpAddr::from([192, 168, 0, 2])), later);
+        assert_eq!(throttle.peers.len(), 1);
+    }
+
     #[test]
     fn a_token_needs_variety() {
         assert!(!varied(&"a".repeat(16)));

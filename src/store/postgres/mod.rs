@@ -1811,6 +1811,37 @@ const ACTIVITY_SQL: &str = "INSERT INTO outbound_activity AS a
 mod tests {
     use super::*;
 
+    /// The pool drops a connection whose server refused a write of this handle (a
+    /// standby, a fenced primary) and one the server ended; it keeps a sound one.
+    #[test]
+    fn the_pool_drops_a_connection_that_refused_writes_or_ended() {
+        use r2d2::ManageConnection;
+        let Some(url) = crate::store::test_server::server_url() else {
+            return;
+        };
+        let manager = Manager {
+            config: url.parse().unwrap(),
+            pooled: false,
+        };
+        let mut conn = manager.connect().unwrap();
+        assert!(!manager.has_broken(&mut conn), "a sound connection is kept");
+        assert!(conn.server.system.is_some() && conn.server.timeline.is_some());
+        conn.refused_writes = true;
+        assert!(manager.has_broken(&mut conn), "refused a write");
+        let mut ended = manager.connect().unwrap();
+        let pid: i32 = ended
+            .client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .unwrap()
+            .get(0);
+        let mut admin = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        admin
+            .execute("SELECT pg_terminate_backend($1)", &[&pid])
+            .unwrap();
+        assert!(ended.client.batch_execute("SELECT 1").is_err());
+        assert!(manager.has_broken(&mut ended), "ended by the server");
+    }
+
     fn described(url: &str) -> String {
         describe(&url.parse().unwrap())
     }
