@@ -341,14 +341,8 @@ async fn answer(
                 body: &body,
             };
             let page = console.respond(&asked);
-            if method == "POST" && path == format!("{}/sign-in", console::BASE) {
-                match page.status {
-                    403 => eprintln!("outbox serve: a sign-in from {peer} was refused"),
-                    429 => eprintln!(
-                        "outbox serve: a sign-in from {peer} waits: too many wrong tokens lately"
-                    ),
-                    _ => {}
-                }
+            if let Some(line) = sign_in_note(&method, &path, page.status, peer) {
+                eprintln!("{line}");
             }
             (page.status, page.headers, page.body)
         }
@@ -374,4 +368,65 @@ fn plain(status: u16, text: &'static str) -> hyper::Response<Full<Bytes>> {
     let mut response = hyper::Response::new(Full::new(Bytes::from_static(text.as_bytes())));
     *response.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or_default();
     response
+}
+
+/// The line on stderr for an answer to a sign-in: a refused token, or one made to wait;
+/// `None` for every other answer.
+fn sign_in_note(method: &str, path: &str, status: u16, peer: IpAddr) -> Option<String> {
+    if method != "POST" || path != format!("{}/sign-in", console::BASE) {
+        return None;
+    }
+    match status {
+        403 => Some(format!("outbox serve: a sign-in from {peer} was refused")),
+        429 => Some(format!(
+            "outbox serve: a sign-in from {peer} waits: too many wrong tokens lately"
+        )),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listener on one address answers to its own address and the loopback names; one
+    /// on every interface to any address on its port.
+    #[test]
+    fn the_names_answered_to_follow_the_listen_address() {
+        let one: SocketAddr = "10.0.0.5:9464".parse().unwrap();
+        let hosts = allowed_hosts(one, &[]).unwrap();
+        assert!(hosts.permits("10.0.0.5:9464") && hosts.permits("localhost:9464"));
+        assert!(!hosts.permits("10.0.0.6:9464"));
+        assert_eq!(answering(one, &[]), "localhost:9464, 10.0.0.5:9464");
+        let local: SocketAddr = "127.0.0.1:9464".parse().unwrap();
+        assert_eq!(answering(local, &[]), "localhost:9464");
+        assert!(!allowed_hosts(local, &[]).unwrap().permits("10.0.0.5:9464"));
+        let every: SocketAddr = "0.0.0.0:9464".parse().unwrap();
+        assert!(allowed_hosts(every, &[]).unwrap().permits("10.0.0.6:9464"));
+        assert_eq!(
+            answering(every, &["box.example".into()]),
+            "localhost:9464, any address:9464, box.example"
+        );
+    }
+
+    /// Only a sign-in's refusal or wait is a line on stderr.
+    #[test]
+    fn only_sign_ins_are_noted() {
+        let peer = IpAddr::from([10, 0, 0, 1]);
+        let sign_in = format!("{}/sign-in", console::BASE);
+        assert!(
+            sign_in_note("POST", &sign_in, 403, peer)
+                .unwrap()
+                .contains("refused")
+        );
+        assert!(
+            sign_in_note("POST", &sign_in, 429, peer)
+                .unwrap()
+                .contains("waits")
+        );
+        assert_eq!(sign_in_note("POST", &sign_in, 303, peer), None);
+        assert_eq!(sign_in_note("GET", &sign_in, 403, peer), None);
+        let action = format!("{}/dead-letters/dismiss", console::BASE);
+        assert_eq!(sign_in_note("POST", &action, 403, peer), None);
+    }
 }
