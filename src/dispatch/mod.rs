@@ -946,15 +946,8 @@ impl Core {
                     .unwrap_or_else(|e| e.into_inner())
                     .insert(claim.channel.clone(), until);
             }
-            telemetry::settled(&claim.channel, settlement.decision.as_str());
             debug!(chunk = %claim.idempotency_key, wait_ms = settlement.wait.map(|w| w.as_millis() as u64), answer = %settlement.answer, "the platform says: not yet");
-            self.emit(DispatchEvent::Settled {
-                delivery_id: claim.delivery_id,
-                index: claim.index,
-                channel: claim.channel.clone(),
-                chat_id: claim.chat_id.clone(),
-                settlement,
-            });
+            self.report_settled(claim, settlement);
             return false;
         }
         let recorded = match self.outbox.settle(part, &settlement) {
@@ -978,15 +971,8 @@ impl Core {
             Decision::Resend => bump(&c.settled_resent),
             Decision::Hold | Decision::Later => bump(&c.settled_held),
         }
-        telemetry::settled(&claim.channel, settlement.decision.as_str());
         info!(chunk = %claim.idempotency_key, decision = settlement.decision.as_str(), asked = %settlement.asked, answer = %settlement.answer, "asked the platform about a possibly-sent part");
-        self.emit(DispatchEvent::Settled {
-            delivery_id: claim.delivery_id,
-            index: claim.index,
-            channel: claim.channel.clone(),
-            chat_id: claim.chat_id.clone(),
-            settlement,
-        });
+        self.report_settled(claim, settlement);
         if recorded.finalized {
             bump(&c.finalized);
             self.report_delivered(claim, None);
@@ -994,6 +980,19 @@ impl Core {
             self.report_delivered(claim, Some(error));
         }
         true
+    }
+
+    /// Counts the platform's answer about `claim`'s part in the metrics and hands it to
+    /// the event sink.
+    fn report_settled(&self, claim: &Claim, settlement: Settlement) {
+        telemetry::settled(&claim.channel, settlement.decision.as_str());
+        self.emit(DispatchEvent::Settled {
+            delivery_id: claim.delivery_id,
+            index: claim.index,
+            channel: claim.channel.clone(),
+            chat_id: claim.chat_id.clone(),
+            settlement,
+        });
     }
 
     /// Gives a claim back unsent, due again at once.
