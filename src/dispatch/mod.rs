@@ -1612,4 +1612,43 @@ mod tests {
         core.claim_failed(&Error::Busy);
         assert_eq!(state().0, 1, "a new run");
     }
+
+    /// "Claims work again" is said once, after failures, not at every claim.
+    #[test]
+    fn a_claim_that_works_is_logged_only_after_failures() {
+        #[derive(Clone, Default)]
+        struct Sink(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Sink {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let (shared, _clock) = setup(0);
+        let core = &shared.core;
+        let sink = Sink::default();
+        let writer = sink.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        let logged = || String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        tracing::subscriber::with_default(subscriber, || {
+            core.claim_worked();
+            core.claim_worked();
+            assert!(!logged().contains("claims work again"), "{}", logged());
+            core.claim_failed(&Error::Busy);
+            core.claim_worked();
+            core.claim_worked();
+        });
+        assert_eq!(
+            logged().matches("claims work again").count(),
+            1,
+            "{}",
+            logged()
+        );
+    }
 }
