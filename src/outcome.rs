@@ -28,6 +28,14 @@ pub enum Outcome {
         /// The platform's id for the sent message, if it returned one.
         platform_message_id: Option<String>,
     },
+    /// The platform says an earlier send of the chunk landed, though it no longer shows
+    /// it (Discord answers a resend whose enforced nonce belongs to a message deleted
+    /// since with `10008 Unknown Message`): delivered, without an id, and `note` kept
+    /// with what the platform was asked about the part.
+    DeliveredEarlier {
+        /// Why the chunk counts as delivered.
+        note: String,
+    },
     /// A failure worth retrying (timeout before sending, 5xx, network down): `retry`
     /// after the backoff, or `failed` when no attempts are left.
     Transient {
@@ -424,6 +432,11 @@ fn apply(
             true,
             tally,
         ),
+        Outcome::DeliveredEarlier { note } => {
+            let recorded = state::deliver(tx, rules, chunk, None, now, true, tally)?;
+            tx.append_settlement(chunk.id, &state::storable_error(&note))?;
+            Ok(recorded)
+        }
         Outcome::Transient { .. } if crate::sabotage::planted("lost") => {
             state::deliver(tx, rules, chunk, None, now, true, tally)
         }
@@ -496,6 +509,11 @@ fn settle_held(
                 false,
                 tally,
             );
+        }
+        Outcome::DeliveredEarlier { note } => {
+            let recorded = state::deliver(tx, rules, chunk, None, now, false, tally)?;
+            tx.append_settlement(chunk.id, &state::storable_error(&note))?;
+            return Ok(recorded);
         }
         Outcome::Permanent { error } => return fail(&error),
         Outcome::Ambiguous { error } => {

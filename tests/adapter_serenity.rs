@@ -34,6 +34,8 @@ struct State {
     unavailable: usize,
     /// Requests answered 503 so far.
     answered_unavailable: usize,
+    /// Messages deleted (by a moderator), by index in `created`.
+    deleted: std::collections::HashSet<usize>,
     /// Discord's clock.
     clock: ManualClock,
 }
@@ -63,6 +65,7 @@ impl DiscordApi {
             rate_limited: HashMap::new(),
             unavailable: 0,
             answered_unavailable: 0,
+            deleted: Default::default(),
             clock: clock.clone(),
         }));
         let url = emulator::serve(state.clone(), answer);
@@ -96,6 +99,23 @@ impl DiscordApi {
     fn answered_unavailable(&self) -> usize {
         self.state.lock().unwrap().answered_unavailable
     }
+
+    /// A moderator deletes every message made so far.
+    fn delete_all(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.deleted = (0..s.created.len()).collect();
+    }
+}
+
+/// Whether `nonce`, enforced, names a message Discord still remembers but that was
+/// deleted: Discord then answers `10008 Unknown Message`.
+fn nonce_of_a_deleted_message(state: &Mutex<State>, body: &Value, nonce: Option<&str>) -> bool {
+    let s = state.lock().unwrap();
+    let now = chunked_outbox::clock::Clock::now_ms(&s.clock);
+    body["enforce_nonce"] == true
+        && nonce
+            .and_then(|n| s.by_nonce.get(n))
+            .is_some_and(|(i, at)| now - at < NONCE_MEMORY_MS && s.deleted.contains(i))
 }
 
 fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
@@ -159,6 +179,9 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
                     429,
                     json!({"message": "You are being rate limited.", "retry_after": 0.05, "global": false}),
                 )
+            }
+            _ if nonce_of_a_deleted_message(state, &body, nonce.as_deref()) => {
+                error(404, 10008, "Unknown Message")
             }
             _ => {
                 let (message, fresh) = {
@@ -502,6 +525,32 @@ async fn a_resend_that_misses_its_window_is_held_not_sent_late() {
         kept.contains("window has passed") && kept.contains("held for a person"),
         "{kept}"
     );
+}
+
+/// The first send landed and a moderator deleted it; the resend inside the nonce
+/// window is answered `10008 Unknown Message`: the part is delivered, with why, not a
+/// dead letter, and nothing is posted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_of_a_deleted_message_is_delivered_not_a_dead_letter() {
+    let clock = ManualClock::new(1_767_225_600_000);
+    let api = DiscordApi::start_at(&clock);
+    let dir = tempfile::tempdir().unwrap();
+    let (outbox, dispatcher, id) =
+        uncertain_on_777(&dir, &clock, DiscordAdapter::new(api.http(TOKEN))).await;
+    api.delete_all();
+    clock.advance(Duration::from_secs(60));
+    assert_eq!(dispatcher.settle_once().await, 1);
+    clock.advance(Duration::from_secs(6));
+    let adapter = DiscordAdapter::new(api.http(TOKEN));
+    assert_eq!(emulator::send_due(&outbox, &adapter).await, 1);
+    let view = outbox.delivery(id).unwrap().unwrap();
+    assert_eq!(view.status, DeliveryStatus::Delivered);
+    let kept = view.chunks[0].settlement.clone().unwrap();
+    assert!(
+        kept.contains("10008") && kept.contains("deleted since"),
+        "{kept}"
+    );
+    assert_eq!(api.created().len(), 1, "nothing posted again");
 }
 
 /// After the nonce window: a resend would be a second message, so the part is held

@@ -282,6 +282,27 @@ stores! {
         Ok(())
     }
 
+    /// A resend the platform says an earlier send already delivered (a message deleted
+    /// since): delivered, with the platform's word kept after the question's.
+    fn a_part_delivered_earlier_is_delivered_with_why() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Ask));
+        let ob = &db.outbox;
+        let id = reply(ob, "1", &["only"]);
+        let claim = claim_one(ob);
+        ob.record(&claim, timeout())?;
+        let part = ob.possibly_sent("chat", 16)?.remove(0);
+        ob.settle(&part, &Settlement::resend("the nonce", "inside the window"))?;
+        db.clock.advance(Duration::from_secs(6));
+        let again = claim_one(ob);
+        let note = "Discord answered 10008 Unknown Message: deleted since";
+        ob.record(&again, Outcome::DeliveredEarlier { note: note.into() })?;
+        let v = view(ob, id);
+        assert_eq!(v.status, DeliveryStatus::Delivered);
+        let kept = v.chunks[0].settlement.as_deref().unwrap();
+        assert!(kept.contains("inside the window") && kept.ends_with(note), "{kept}");
+        Ok(())
+    }
+
     /// Later: nothing recorded, asked again at the next round.
     fn a_later_answer_is_asked_again() -> Result<()> {
         let db = TestDb::new(asking(ReplayPolicy::Ask));

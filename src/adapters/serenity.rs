@@ -141,7 +141,10 @@ impl AsyncChannelAdapter for DiscordAdapter {
     fn send<'a>(&'a self, claim: &'a Claim) -> SendFuture<'a, Outcome> {
         Box::pin(async move {
             match request(claim) {
-                Ok((channel, message)) => outcome(channel.send_message(&self.http, message).await),
+                Ok((channel, message)) => crate::platforms::discord::resend_outcome(
+                    claim,
+                    outcome(channel.send_message(&self.http, message).await),
+                ),
                 Err(error) => Outcome::Permanent { error },
             }
         })

@@ -1110,7 +1110,7 @@ pub(crate) fn guarded(core: &Core, send: impl FnOnce() -> Outcome) -> Outcome {
 
 fn outcome_kind(outcome: &Outcome) -> &'static str {
     match outcome {
-        Outcome::Delivered { .. } => "delivered",
+        Outcome::Delivered { .. } | Outcome::DeliveredEarlier { .. } => "delivered",
         Outcome::Transient { .. } => "transient",
         Outcome::Permanent { .. } => "permanent",
         Outcome::RateLimited { .. } => "rate_limited",

@@ -21,6 +21,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::{HttpReply, Scope, delivered, rate_limited, seconds};
+use crate::claim::Claim;
 use crate::outcome::Outcome;
 use crate::settle::{PossiblySent, Settlement};
 
@@ -35,6 +36,36 @@ pub const NONCE_WINDOW: Duration = Duration::from_secs(120);
 /// ([`NONCE_WINDOW`] unless the application knows better), a hold for a person after.
 pub fn settle(part: &PossiblySent, window: Duration) -> Settlement {
     Settlement::within_window(part, window, "Discord nonce (enforce_nonce)")
+}
+
+/// `outcome` of a send of `claim`, read as what it is when `claim` is a resend:
+/// Discord answers `10008 Unknown Message` to a create whose enforced nonce belongs to
+/// a message deleted since (by a moderator, say), which means the part's earlier send
+/// landed. On a resend (attempt 2 or later) that answer is
+/// [`Outcome::DeliveredEarlier`], with why, not a dead letter that would stop the
+/// reply's next parts; on a first send it stays [`Outcome::Permanent`].
+///
+/// ```
+/// use chunked_outbox::{Claim, Outcome};
+/// use chunked_outbox::platforms::{discord, HttpReply};
+///
+/// let deleted = HttpReply::new(404, r#"{"message": "Unknown Message", "code": 10008}"#);
+/// let mut claim = Claim::for_testing("discord", "1", "hi");
+/// assert!(matches!(discord::resend_outcome(&claim, discord::outcome(&deleted)), Outcome::Permanent { .. }));
+/// claim.attempt = 2;
+/// assert!(matches!(discord::resend_outcome(&claim, discord::outcome(&deleted)), Outcome::DeliveredEarlier { .. }));
+/// ```
+pub fn resend_outcome(claim: &Claim, outcome: Outcome) -> Outcome {
+    match outcome {
+        Outcome::Permanent { error } if claim.attempt > 1 && error.contains("(code 10008)") => {
+            Outcome::DeliveredEarlier {
+                note: format!(
+                    "sent again with the same nonce, Discord answered {error}: the first send landed and was deleted since; delivered"
+                ),
+            }
+        }
+        other => other,
+    }
 }
 
 /// Maps Discord's answer to a message create.

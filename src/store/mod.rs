@@ -801,6 +801,8 @@ pub(crate) trait OperatorStore {
         settlement: &str,
         resend_by: Option<i64>,
     ) -> Result<bool>;
+    /// Adds `text` to what chunk `chunk` keeps of the platform's answers.
+    fn append_settlement(&self, chunk: i64, text: &str) -> Result<()>;
 }
 
 /// An `uncertain` chunk nobody asked its platform about yet (see

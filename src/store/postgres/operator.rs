@@ -72,6 +72,17 @@ impl OperatorStore for PgTx<'_> {
         Ok(changed == 1)
     }
 
+    fn append_settlement(&self, chunk: i64, text: &str) -> Result<()> {
+        let (delivery, index) = super::chunk_key(chunk);
+        self.execute(
+            "UPDATE outbound_delivery_chunks
+             SET settlement = CASE WHEN settlement IS NULL THEN $3 ELSE settlement || '; ' || $3 END
+             WHERE delivery_id = $1 AND chunk_index = $2",
+            &[&delivery, &index, &text],
+        )?;
+        Ok(())
+    }
+
     fn dead_letter_chunks(&self, channel: Option<&str>) -> Result<Vec<ChunkRef>> {
         self.on_indexes(|| self.query(DEAD_LETTER_CHUNKS_SQL, &[&channel]))?
             .iter()

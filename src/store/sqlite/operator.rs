@@ -72,6 +72,16 @@ impl OperatorStore for Tx<'_> {
         Ok(changed == 1)
     }
 
+    fn append_settlement(&self, chunk: i64, text: &str) -> Result<()> {
+        self.prepare_cached(
+            "UPDATE outbound_delivery_chunks
+             SET settlement = CASE WHEN settlement IS NULL THEN ?2 ELSE settlement || '; ' || ?2 END
+             WHERE id = ?1",
+        )?
+        .execute(params![chunk, text])?;
+        Ok(())
+    }
+
     fn dead_letter_chunks(&self, channel: Option<&str>) -> Result<Vec<ChunkRef>> {
         let mut stmt = self.prepare_cached(DEAD_LETTER_CHUNKS_SQL)?;
         let rows = stmt.query_map([channel], chunk_ref)?;
