@@ -433,9 +433,7 @@ fn apply(
             tally,
         ),
         Outcome::DeliveredEarlier { note } => {
-            let recorded = state::deliver(tx, rules, chunk, None, now, true, tally)?;
-            tx.append_settlement(chunk.id, &state::storable_error(&note))?;
-            Ok(recorded)
+            deliver_earlier(tx, rules, chunk, &note, now, true, tally)
         }
         Outcome::Transient { .. } if crate::sabotage::planted("lost") => {
             state::deliver(tx, rules, chunk, None, now, true, tally)
@@ -481,6 +479,22 @@ fn apply(
 /// set aside from its lane, so it goes back through the lane like an operator's
 /// decision would — delivered (and on to its next chunk, or finalized), retried, or a
 /// dead letter. Another ambiguous outcome leaves it held.
+/// [`Outcome::DeliveredEarlier`]: delivered without an id (as [`state::deliver`] with
+/// `claimed`), the platform's word added to what the part keeps of its answers.
+fn deliver_earlier(
+    tx: &dyn StoreTx,
+    rules: &Stored,
+    chunk: &ChunkRef,
+    note: &str,
+    now: i64,
+    claimed: bool,
+    tally: &mut Tally,
+) -> Result<Recorded> {
+    let recorded = state::deliver(tx, rules, chunk, None, now, claimed, tally)?;
+    tx.append_settlement(chunk.id, &state::storable_error(note))?;
+    Ok(recorded)
+}
+
 fn settle_held(
     tx: &dyn StoreTx,
     rules: &Stored,
@@ -511,9 +525,7 @@ fn settle_held(
             );
         }
         Outcome::DeliveredEarlier { note } => {
-            let recorded = state::deliver(tx, rules, chunk, None, now, false, tally)?;
-            tx.append_settlement(chunk.id, &state::storable_error(&note))?;
-            return Ok(recorded);
+            return deliver_earlier(tx, rules, chunk, &note, now, false, tally);
         }
         Outcome::Permanent { error } => return fail(&error),
         Outcome::Ambiguous { error } => {

@@ -423,9 +423,7 @@ pub(crate) fn hold_late_resend(
         "not sent again: the resend had to go by {} to stay inside the platform's deduplication window, and could not",
         to_datetime(by).format("%Y-%m-%d %H:%M:%S%.3f UTC")
     );
-    tx.set_chunk_aside(chunk.id, ChunkStatus::Uncertain, &error, true)?;
-    set_delivery_aside(tx, chunk.delivery, ChunkStatus::Uncertain, now)?;
-    lane::advance(tx, &rules.policy, chunk.lane(), now)
+    hold_uncertain(tx, rules, chunk, &error, now)
 }
 
 /// Puts a chunk whose lease ran out on a channel that may replay back to `retry`, due

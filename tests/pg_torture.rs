@@ -64,26 +64,7 @@ fn torture_with(skew: Option<&str>) {
         .args(skew.map(|s| format!("--skew={s}")))
         .output()
         .unwrap();
-    let text = String::from_utf8(out.stdout).unwrap();
-    let last = text.lines().last().unwrap_or_default();
-    let verdict: serde_json::Value = serde_json::from_str(last).unwrap_or_else(|e| {
-        panic!(
-            "no verdict ({e}): {text}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    assert_eq!(out.status.code(), Some(0), "{verdict}");
-    for field in [
-        "lost",
-        "out_of_order",
-        "missing_finalizations",
-        "wrong_finalizations",
-        "unexplained_duplicates",
-        "unexpected_dead_letters",
-        "uncertain_left",
-    ] {
-        assert_eq!(verdict[field], 0, "{field}: {verdict}");
-    }
+    let verdict = common::clean_torture_verdict(&out);
     assert!(verdict["max_uncertain_per_kill"].as_u64() <= verdict["max_sends_in_flight"].as_u64());
     assert_eq!(verdict["kills"], 20);
     assert_eq!(verdict["server_restarts"], 2);

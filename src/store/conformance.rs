@@ -2022,6 +2022,23 @@ pub(super) fn uncertain_chunks_are_asked_about_once(fresh: Fresh) {
     uncertain(a, da, true, T0 + 60);
     assert_eq!(view(id_a).settlement, None);
     assert_eq!(listed(10)[0], (a, T0 + 5, T0 + 60, Some(9), "x".to_owned()));
+    // A settlement that allows a resend keeps its deadline, which the claim's read of
+    // the chunk carries; a later word of the platform is added after the first.
+    assert!(write(&ob, |tx| tx.note_settlement(
+        a,
+        T0 + 60,
+        "resend",
+        Some(T0 + 900)
+    )));
+    write(&ob, |tx| tx.append_settlement(a, "delivered earlier"));
+    assert_eq!(
+        view(id_a).settlement.as_deref(),
+        Some("resend; delivered earlier")
+    );
+    write(&ob, |tx| tx.set_due(a, T0 + 70));
+    let read = write(&ob, |tx| tx.due_chunks(&channel, T0 + 70, 10));
+    let read = read.iter().find(|c| c.chunk == a).unwrap();
+    assert_eq!(read.row.as_ref().unwrap().resend_by, Some(T0 + 900));
     // A chunk no longer uncertain takes no settlement.
     write(&ob, |tx| {
         tx.set_chunk_aside(b, ChunkStatus::Failed, "gone", false)

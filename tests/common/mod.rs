@@ -470,3 +470,31 @@ pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// The verdict of an `outbox-lab torture` run (its last line, JSON), after checking the
+/// run exited 0 and that every promise held: nothing lost, out of order, finalized
+/// wrongly or not at all, no unexplained duplicate or dead letter, nothing left
+/// uncertain.
+pub fn clean_torture_verdict(out: &std::process::Output) -> serde_json::Value {
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text.lines().last().unwrap_or_default();
+    let verdict: serde_json::Value = serde_json::from_str(last).unwrap_or_else(|e| {
+        panic!(
+            "no verdict ({e}): {text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    assert_eq!(out.status.code(), Some(0), "{verdict}");
+    for field in [
+        "lost",
+        "out_of_order",
+        "missing_finalizations",
+        "wrong_finalizations",
+        "unexplained_duplicates",
+        "unexpected_dead_letters",
+        "uncertain_left",
+    ] {
+        assert_eq!(verdict[field], 0, "{field}: {verdict}");
+    }
+    verdict
+}
