@@ -58,9 +58,9 @@ use subtle::ConstantTimeEq;
 use crate::error::{Error, Result};
 use crate::ids::DeliveryId;
 use crate::inspect::{DeliveryView, ListFilter};
+use crate::lane::LaneHold;
 use crate::operator::Resolution;
 use crate::outbox::Outbox;
-use crate::rules::LaneFailurePolicy;
 use crate::status::{ChunkStatus, DeliveryStatus};
 
 pub use guard::{
@@ -822,7 +822,7 @@ impl Console {
             }
         }
         lanes.truncate(CHATS_LISTED);
-        let blocking = self.outbox.rules()?.lane_failure == LaneFailurePolicy::Block;
+        let rules = self.outbox.rules()?;
         let now = self.outbox.now();
         lanes
             .into_iter()
@@ -834,22 +834,39 @@ impl Console {
                         .unfinished()
                         .limit(crate::inspect::MAX_LIST_LIMIT),
                 )?;
-                // Oldest first. An uncertain reply holds its lane only under `Block`, and
-                // a dead letter only until it is dismissed (`LaneStore::lane_held`).
+                // Oldest first. An uncertain reply holds its lane under `Block`, and on
+                // a channel that asks its platform until the answer is kept; a dead
+                // letter holds it under `Block` until it is dismissed
+                // (`LaneStore::lane_held`).
                 let (queued, others): (Vec<_>, Vec<_>) = unfinished
                     .into_iter()
                     .rev()
                     .partition(|view| view.status == DeliveryStatus::Queued);
-                let holds = |view: &DeliveryView| match view.status {
-                    DeliveryStatus::Uncertain => blocking,
-                    DeliveryStatus::Failed => blocking && view.acknowledged_at.is_none(),
-                    _ => true,
-                };
-                // The oldest that holds the lane, read whole for its parts.
-                let holder = match others.into_iter().find(holds) {
-                    Some(view) => Some(self.outbox.delivery(view.id)?.unwrap_or(view)),
-                    None => None,
-                };
+                let hold = LaneHold::of(&rules, &channel);
+                let mut holder = None;
+                for view in others {
+                    let holds = match view.status {
+                        DeliveryStatus::Uncertain => hold != LaneHold::Nothing,
+                        DeliveryStatus::Failed => {
+                            hold == LaneHold::Everything && view.acknowledged_at.is_none()
+                        }
+                        _ => true,
+                    };
+                    if !holds {
+                        continue;
+                    }
+                    // Read whole for its parts.
+                    let whole = self.outbox.delivery(view.id)?.unwrap_or(view);
+                    let answered = whole
+                        .chunks
+                        .iter()
+                        .any(|c| c.status == ChunkStatus::Uncertain && c.settlement.is_some());
+                    if hold == LaneHold::Asking && answered {
+                        continue; // held for a person, the chat went on
+                    }
+                    holder = Some(whole);
+                    break;
+                }
                 Ok(
                     (!holder.as_ref().is_some_and(|h| moving(h, now))).then_some(StuckChat {
                         channel,

@@ -272,7 +272,7 @@ fn insert_keyless(
         for (lane, entry) in lanes.iter().zip(&entries) {
             heads.push(lane::head_of(
                 tx,
-                rules.policy.lane_failure,
+                lane::LaneHold::of(&rules.policy, lane.channel),
                 *lane,
                 entry.head.clone(),
             )?);

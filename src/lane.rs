@@ -18,7 +18,7 @@
 
 use crate::clock::duration_ms;
 use crate::error::Result;
-use crate::rules::{LaneFailurePolicy, LaneOrder};
+use crate::rules::{LaneFailurePolicy, LaneOrder, ReplayPolicy};
 use crate::rules::{Rules, Stored};
 use crate::status::DeliveryStatus;
 use crate::store::{Activation, HeadRow, LaneRef, StoreTx, Waiting};
@@ -33,16 +33,50 @@ pub(crate) enum LaneHead {
     Idle,
 }
 
-/// Decides who may send next in a lane, reading only its unfinished deliveries.
-pub(crate) fn head(tx: &dyn StoreTx, rules: &Rules, lane: LaneRef<'_>) -> Result<LaneHead> {
-    head_of(tx, rules.lane_failure, lane, tx.lane_head(lane)?)
+/// What, besides an active delivery, keeps a FIFO lane's next reply waiting: the
+/// lane's failure policy, and whether its channel asks the platform about a part that
+/// may have been sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LaneHold {
+    /// Nothing: a reply set aside (dead letter, uncertain) lets the next one go
+    /// ([`LaneFailurePolicy::Skip`]).
+    Nothing,
+    /// A reply whose part is uncertain and its platform not asked yet: the chat waits
+    /// for the answer, and goes on once it is "hold" ([`LaneFailurePolicy::Skip`] on a
+    /// channel under [`ReplayPolicy::Ask`]).
+    Asking,
+    /// Every uncertain reply and every dead letter nobody acknowledged
+    /// ([`LaneFailurePolicy::Block`]).
+    Everything,
 }
 
-/// [`head`], from the lane's first unfinished delivery as read, under failure policy
-/// `failure`.
+impl LaneHold {
+    /// What holds the lanes of `channel` under `rules`.
+    pub(crate) fn of(rules: &Rules, channel: &str) -> LaneHold {
+        match rules.lane_failure {
+            LaneFailurePolicy::Block => LaneHold::Everything,
+            LaneFailurePolicy::Skip if rules.channel(channel).replay == ReplayPolicy::Ask => {
+                LaneHold::Asking
+            }
+            LaneFailurePolicy::Skip => LaneHold::Nothing,
+        }
+    }
+}
+
+/// Decides who may send next in a lane, reading only its unfinished deliveries.
+pub(crate) fn head(tx: &dyn StoreTx, rules: &Rules, lane: LaneRef<'_>) -> Result<LaneHead> {
+    head_of(
+        tx,
+        LaneHold::of(rules, lane.channel),
+        lane,
+        tx.lane_head(lane)?,
+    )
+}
+
+/// [`head`], from the lane's first unfinished delivery as read, with `hold` holding it.
 pub(crate) fn head_of(
     tx: &dyn StoreTx,
-    failure: LaneFailurePolicy,
+    hold: LaneHold,
     lane: LaneRef<'_>,
     first: Option<HeadRow>,
 ) -> Result<LaneHead> {
@@ -51,9 +85,9 @@ pub(crate) fn head_of(
         Some(HeadRow::Queued(waiting)) => Some(waiting),
         None => None,
     };
-    if failure == LaneFailurePolicy::Block
+    if hold != LaneHold::Nothing
         && tx
-            .lane_held(lane)?
+            .lane_held(lane, hold == LaneHold::Everything)?
             .is_some_and(|held| next.as_ref().is_none_or(|n| held < n.position))
     {
         return Ok(LaneHead::Busy);
@@ -87,25 +121,29 @@ pub(crate) fn advance_many(
     }
     lanes.sort_unstable();
     lanes.dedup();
-    if tx.advance_lanes(lanes, rules.lane_failure, earliest)? {
+    let holds: Vec<LaneHold> = lanes
+        .iter()
+        .map(|lane| LaneHold::of(rules, lane.channel))
+        .collect();
+    if tx.advance_lanes(lanes, &holds, earliest)? {
         return Ok(());
     }
-    advance_lanes(tx, lanes, rules.lane_failure, earliest)
+    advance_lanes(tx, lanes, &holds, earliest)
 }
 
-/// The rule of [`advance`] for distinct FIFO lanes under failure policy `failure`,
+/// The rule of [`advance`] for distinct FIFO lanes, each held by what `holds` says,
 /// composed of the store's reads and writes — the lanes' heads read, then the next
 /// queued delivery of each free lane activated — where the store does not do it in one
 /// go ([`LaneStore::advance_lanes`](crate::store::LaneStore::advance_lanes)).
 pub(crate) fn advance_lanes(
     tx: &dyn StoreTx,
     lanes: &[LaneRef<'_>],
-    failure: LaneFailurePolicy,
+    holds: &[LaneHold],
     earliest: i64,
 ) -> Result<()> {
     let mut starting = Vec::new();
-    for (lane, first) in lanes.iter().zip(tx.lane_heads(lanes)?) {
-        if let LaneHead::Next(waiting) = head_of(tx, failure, *lane, first)? {
+    for ((lane, first), hold) in lanes.iter().zip(tx.lane_heads(lanes)?).zip(holds) {
+        if let LaneHead::Next(waiting) = head_of(tx, *hold, *lane, first)? {
             starting.push(activation(waiting, *lane, earliest));
         }
     }
@@ -184,15 +222,25 @@ pub(crate) fn rejoin(
 
 /// Moves stored rows with a change of the lane rules, so that no reply waits under a
 /// rule that no longer holds: under `Parallel` every queued delivery starts; under FIFO
-/// (with a changed failure policy) each lane with a queued delivery gets the head the
-/// new rules give it. Its caller holds the rules exclusively, so no lane changes under it.
+/// (with a changed failure policy, or a channel's replay policy) each lane with a
+/// queued delivery gets the head the new rules give it. Its caller holds the rules
+/// exclusively, so no lane changes under it.
 pub(crate) fn follow_rule_change(
     tx: &dyn StoreTx,
     before: &Rules,
     after: &Rules,
     now: i64,
 ) -> Result<()> {
-    if before.lane_order == after.lane_order && before.lane_failure == after.lane_failure {
+    // What holds a lane, on channels of the default rules and on every channel named.
+    let held_alike = |name: &str| LaneHold::of(before, name) == LaneHold::of(after, name);
+    let holds_alike = before.lane_failure == after.lane_failure
+        && before.default_channel.replay == after.default_channel.replay
+        && before
+            .channels
+            .keys()
+            .chain(after.channels.keys())
+            .all(|n| held_alike(n));
+    if before.lane_order == after.lane_order && holds_alike {
         return Ok(());
     }
     let mut lanes = std::collections::BTreeSet::new();

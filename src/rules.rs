@@ -42,6 +42,8 @@ pub enum ReplayPolicy {
     /// platform does not have it or will deduplicate the resend (inside its window),
     /// and leaves it held for a person only when the platform cannot tell. Every answer
     /// is kept on the chunk ([`ChunkView::settlement`](crate::monitoring::ChunkView::settlement)).
+    /// The chat waits for the answer: its next reply is not sent before it (see
+    /// [`LaneFailurePolicy::Skip`]).
     /// See [`settle`](crate::settle).
     Ask,
 }
@@ -67,8 +69,13 @@ pub enum LaneOrder {
 #[non_exhaustive]
 pub enum LaneFailurePolicy {
     /// The next delivery of the lane goes ahead; the failed one stays listed as a dead
-    /// letter. If it is later requeued, it waits until the lane is idle and may then
-    /// arrive after newer replies. The default: one bad reply does not silence a chat.
+    /// letter, an uncertain one waits for a person. If it is later requeued, it waits
+    /// until the lane is idle and may then arrive after newer replies. The default: one
+    /// bad reply does not silence a chat.
+    ///
+    /// On a channel that asks its platform ([`ReplayPolicy::Ask`]), a reply whose part
+    /// is being asked about holds the lane until the answer is recorded: delivered or
+    /// sent again, it goes before the next reply; held for a person, the lane moves on.
     #[default]
     Skip,
     /// The lane waits until the failed delivery is requeued, resolved or acknowledged

@@ -19,7 +19,8 @@
 //! answered with it ([`ChunkView::settlement`](crate::monitoring::ChunkView::settlement),
 //! `outbox show`), reported as [`DispatchEvent::Settled`](crate::dispatch::DispatchEvent::Settled)
 //! and counted (`outbox_settlements_total`). A part is asked about once each time it
-//! becomes uncertain. Two processes may ask about the same part at once; the first
+//! becomes uncertain, and its chat waits for the answer: the chat's next reply is sent
+//! after the part is delivered or sent again, or once it is held for a person. Two processes may ask about the same part at once; the first
 //! answer recorded wins and the other is dropped, so a part is settled once.
 //!
 //! An application without a dispatcher does the same with
@@ -427,7 +428,11 @@ impl Outbox {
                     state::rejoin_lane(tx, rules, &chunk, chunk.attempts, earliest, None)?;
                     Recorded::settled(ChunkStatus::Retry)
                 }
-                Decision::Hold | Decision::Later => Recorded::settled(ChunkStatus::Uncertain),
+                Decision::Hold | Decision::Later => {
+                    // The chat waited for the answer; held for a person, it goes on.
+                    crate::lane::advance(tx, &rules.policy, chunk.lane(), now)?;
+                    Recorded::settled(ChunkStatus::Uncertain)
+                }
             };
             Ok(Some(recorded))
         })

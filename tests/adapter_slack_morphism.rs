@@ -410,15 +410,14 @@ async fn a_possibly_sent_post_found_by_its_key_is_delivered() {
     let threaded = NewDelivery::single("slack", "C777", "in the thread")
         .with_metadata(r#"{"thread_ts": "1503435956.000247"}"#);
     let threaded = outbox.enqueue(&threaded).unwrap().id;
-    // One reply after the other (one lane); the first held does not hold the second.
-    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
-    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
-    api.chatter("C777", 450);
+    // One reply after the other (one lane): the second waits for the answer about the
+    // first.
     for id in [ids["C777"], threaded] {
+        emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
         assert_eq!(state(&outbox, id).1, ChunkStatus::Uncertain);
+        api.chatter("C777", 225);
+        assert_eq!(dispatcher.settle_once().await, 1);
     }
-
-    assert_eq!(dispatcher.settle_once().await, 2);
     let posted = api.posted();
     for (id, text) in [(ids["C777"], "hello C777"), (threaded, "in the thread")] {
         let view = outbox.delivery(id).unwrap().unwrap();
@@ -528,6 +527,47 @@ async fn a_possibly_sent_post_absent_from_the_history_is_posted_again() {
     assert_eq!(state(&outbox, ids["CLOST"]).0, DeliveryStatus::Delivered);
     assert_eq!(api.posted().len(), 1, "posted once");
     assert_eq!(dispatcher.stats().settled_resent, 1);
+}
+
+/// The chat waits for the answer: a reply read but never posted is looked up, not
+/// found and posted again before the chat's next reply, so the chat reads its replies
+/// in the order they were enqueued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chat_waits_for_the_lookup_so_its_replies_keep_their_order() {
+    let api = SlackApi::start();
+    let dir = tempfile::tempdir().unwrap();
+    let at_once = RetryPolicy::default().with_backoff(Backoff::Schedule(vec![Duration::ZERO]));
+    let (outbox, dispatcher) = asking_with(
+        &dir,
+        api.adapter(TOKEN),
+        ChannelPolicy::asking().with_retry(at_once),
+    );
+    let replies = ["first", "second"].map(|text| {
+        outbox
+            .enqueue(&NewDelivery::single("slack", "CLOST", text))
+            .unwrap()
+            .id
+    });
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    assert_eq!(state(&outbox, replies[0]).1, ChunkStatus::Uncertain);
+    assert!(api.posted().is_empty(), "the second waits for the answer");
+
+    assert_eq!(dispatcher.settle_once().await, 1);
+    while emulator::send_due(&outbox, &api.adapter(TOKEN)).await > 0 {}
+    let texts: Vec<Value> = api
+        .posted()
+        .iter()
+        .map(|p| p.body["text"].clone())
+        .collect();
+    assert_eq!(
+        texts,
+        ["first", "second"],
+        "in the order they were enqueued"
+    );
+    for id in replies {
+        assert_eq!(state(&outbox, id).0, DeliveryStatus::Delivered);
+    }
 }
 
 /// A lookup that fails cannot tell: the part is held for a person, with the error;

@@ -205,6 +205,62 @@ stores! {
         Ok(())
     }
 
+    /// Under `ask` (and the default lane policy `skip`) the chat waits for the answer:
+    /// the next reply is not sent while a part of the one before is being asked about,
+    /// so a resend lands before it (A1, A2, B — never A1, B, A2). Once the answer is
+    /// "hold", the chat goes on without the held reply.
+    fn a_chat_waits_for_the_answer_and_goes_on_once_it_is_hold() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Ask));
+        let adapter = Scripted::new(
+            vec![Outcome::delivered(Some("a1".into())), timeout()],
+            Settlement::resend("history", "no message with the key"),
+        );
+        let (dispatcher, _) = dispatcher(&db, &adapter);
+        let a = reply(&db.outbox, "1", &["a1", "a2"]);
+        let b = reply(&db.outbox, "1", &["b"]);
+        while dispatcher.run_once()? > 0 {}
+        assert_eq!(view(&db.outbox, a).chunks[1].status, ChunkStatus::Uncertain);
+        db.clock.advance(Duration::from_secs(3600));
+        assert_eq!(dispatcher.run_once()?, 0, "the chat waits for the answer");
+        assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Queued);
+        assert_eq!(dispatcher.settle_once(), 1);
+        db.clock.advance(Duration::from_secs(6));
+        while dispatcher.run_once()? > 0 {}
+        let keys = |id| view(&db.outbox, id).chunks.iter().map(|c| c.idempotency_key.clone()).collect::<Vec<_>>();
+        let sent = adapter.sent();
+        let delivered: Vec<_> = sent.iter().skip(2).cloned().collect();
+        assert_eq!(delivered, [keys(a)[1].clone(), keys(b)[0].clone()], "A2 again, then B: {sent:?}");
+        assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Delivered);
+
+        // Held for a person: the chat goes on at once.
+        adapter.answer(Settlement::hold("history", "internal_error"));
+        *adapter.sends.lock().unwrap() = vec![timeout()];
+        let c = reply(&db.outbox, "1", &["c"]);
+        let d = reply(&db.outbox, "1", &["d"]);
+        while dispatcher.run_once()? > 0 {}
+        assert_eq!(view(&db.outbox, c).status, DeliveryStatus::Uncertain);
+        assert_eq!(view(&db.outbox, d).status, DeliveryStatus::Queued, "waits for the answer");
+        assert_eq!(dispatcher.settle_once(), 1);
+        while dispatcher.run_once()? > 0 {}
+        assert_eq!(view(&db.outbox, c).status, DeliveryStatus::Uncertain);
+        assert_eq!(view(&db.outbox, d).status, DeliveryStatus::Delivered, "the chat went on");
+        Ok(())
+    }
+
+    /// Under `hold` nothing is asked, and under `skip` the chat does not wait for a
+    /// person: the next reply goes at once.
+    fn without_ask_a_held_reply_does_not_stop_its_chat() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Hold));
+        let adapter = Scripted::new(vec![timeout()], Settlement::hold("history", "?"));
+        let (dispatcher, _) = dispatcher(&db, &adapter);
+        let a = reply(&db.outbox, "1", &["a"]);
+        let b = reply(&db.outbox, "1", &["b"]);
+        while dispatcher.run_once()? > 0 {}
+        assert_eq!(view(&db.outbox, a).status, DeliveryStatus::Uncertain);
+        assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Delivered);
+        Ok(())
+    }
+
     /// A resend the platform decides is another attempt: the part keeps its attempts
     /// and waits the backoff its last one earned; once they are spent it is held for a
     /// person, with why, and asked no more.

@@ -127,30 +127,58 @@ pub(super) fn the_head_is_the_first_queued_when_nothing_is_active(fresh: Fresh) 
     }
 }
 
-/// A lane is held by an uncertain delivery or an unacknowledged dead letter, at its
-/// position; an acknowledged one holds nothing.
+/// A lane is held, at its position, by an uncertain delivery or an unacknowledged dead
+/// letter under `Block`, and by an uncertain one whose platform nobody asked yet
+/// otherwise; an acknowledged dead letter, or a part whose answer is kept, holds only
+/// under `Block`.
 pub(super) fn a_lane_is_held_by_uncertain_and_unacknowledged_dead_letters(fresh: Fresh) {
     let ob = fresh_at_t0(fresh);
+    let held = |block| write(&ob, |tx| tx.lane_held(lane("a"), block));
     let id = enqueue(&ob, "a", "x");
-    assert_eq!(write(&ob, |tx| tx.lane_held(lane("a"))), None);
+    assert_eq!((held(true), held(false)), (None, None));
     let claim = claim_one(&ob);
     ob.record(&claim, Outcome::Permanent { error: "no".into() })
         .unwrap();
     let position = write(&ob, |tx| tx.waiting(row(&ob, id))).position;
-    assert_eq!(write(&ob, |tx| tx.lane_held(lane("a"))), Some(position));
     assert_eq!(
-        write(&ob, |tx| tx.lane_held(lane("b"))),
+        (held(true), held(false)),
+        (Some(position), None),
+        "a dead letter"
+    );
+    assert_eq!(
+        write(&ob, |tx| tx.lane_held(lane("b"), true)),
         None,
         "lanes apart"
     );
     ob.dismiss_dead_letters(None).unwrap();
-    assert_eq!(write(&ob, |tx| tx.lane_held(lane("a"))), None);
+    assert_eq!(held(true), None);
     let id = enqueue(&ob, "a", "y");
     let claim = claim_one(&ob);
     ob.record(&claim, Outcome::Ambiguous { error: "?".into() })
         .unwrap();
     let position = write(&ob, |tx| tx.waiting(row(&ob, id))).position;
-    assert_eq!(write(&ob, |tx| tx.lane_held(lane("a"))), Some(position));
+    assert_eq!(
+        (held(true), held(false)),
+        (Some(position), Some(position)),
+        "uncertain, not asked yet"
+    );
+    let since = ob
+        .delivery(id)
+        .unwrap()
+        .unwrap()
+        .updated_at
+        .timestamp_millis();
+    assert!(write(&ob, |tx| tx.note_settlement(
+        claim.chunk_id.0,
+        since,
+        "asked: ?; answered: ?; held for a person",
+        None
+    )));
+    assert_eq!(
+        (held(true), held(false)),
+        (Some(position), None),
+        "uncertain, answered"
+    );
 }
 
 /// A lane's due time is the earliest asked for unless a pause or an interval ends
@@ -1688,8 +1716,9 @@ pub(super) fn batched_writes_leave_the_rows_one_at_a_time_leaves(fresh: Fresh) {
 /// [`LaneStore::advance_lanes`](crate::store::LaneStore::advance_lanes), where a store
 /// does it in one go, leaves the rows the rules' composition
 /// ([`lane::advance_lanes`](crate::lane::advance_lanes)) leaves, over lanes in
-/// every state a head can be in and under both failure policies.
+/// every state a head can be in and with every hold ([`LaneHold`](crate::lane::LaneHold)).
 pub(super) fn advancing_lanes_in_one_go_leaves_what_the_rules_leave(fresh: Fresh) {
+    use crate::lane::LaneHold;
     use crate::rules::LaneFailurePolicy;
     let clock = ManualClock::new(T0);
     // (Under `Block` the scene's own failures leave their lanes as they are.)
@@ -1699,6 +1728,7 @@ pub(super) fn advancing_lanes_in_one_go_leaves_what_the_rules_leave(fresh: Fresh
     // without chunk rows); partial: a delayed reply with a chunk delivered, put back in
     // its lane below; later: a delayed reply behind a head; paused: the lane paused;
     // failed and unsure: a dead letter and an uncertain reply ahead of queued ones;
+    // asked: an uncertain reply whose platform's answer is kept, ahead of a queued one;
     // idle: nothing at all.
     enqueue(&ob, "busy", "b1");
     enqueue(&ob, "busy", "b2");
@@ -1720,18 +1750,32 @@ pub(super) fn advancing_lanes_in_one_go_leaves_what_the_rules_leave(fresh: Fresh
     let f1 = enqueue(&ob, "failed", "f1");
     enqueue(&ob, "unsure", "u0");
     let u1 = enqueue(&ob, "unsure", "u1");
+    let a0 = enqueue(&ob, "asked", "a0");
+    let a1 = enqueue(&ob, "asked", "a1");
     clock.set(T0 + 2_000);
     for claim in ob.claim(20).unwrap() {
         let outcome = match claim.chat_id.as_str() {
             "partial" => Outcome::delivered(None),
             "failed" => Outcome::Permanent { error: "no".into() },
-            "unsure" => Outcome::Ambiguous { error: "?".into() },
+            "unsure" | "asked" => Outcome::Ambiguous { error: "?".into() },
             _ => continue,
         };
         ob.record(&claim, outcome).unwrap();
     }
+    let since = ob
+        .delivery(a0)
+        .unwrap()
+        .unwrap()
+        .updated_at
+        .timestamp_millis();
+    assert!(write(&ob, |tx| tx.note_settlement(
+        row(&ob, a0) * CHUNK_STRIDE,
+        since,
+        "held",
+        None
+    )));
     let lanes = [
-        "busy", "failed", "idle", "later", "next", "partial", "paused", "unsure",
+        "asked", "busy", "failed", "idle", "later", "next", "partial", "paused", "unsure",
     ]
     .map(lane);
     write(&ob, |tx| {
@@ -1753,6 +1797,7 @@ pub(super) fn advancing_lanes_in_one_go_leaves_what_the_rules_leave(fresh: Fresh
         assert_eq!(
             tx.lane_heads(&lanes)?,
             [
+                queued(a1, 0, None),
                 Some(HeadRow::Active),
                 queued(f1, 0, None),
                 None,
@@ -1764,19 +1809,28 @@ pub(super) fn advancing_lanes_in_one_go_leaves_what_the_rules_leave(fresh: Fresh
             ],
             "the lanes' heads"
         );
-        for failure in [LaneFailurePolicy::Skip, LaneFailurePolicy::Block] {
+        // Each hold on every lane, and the lanes held each their own way.
+        let mut held = vec![
+            [LaneHold::Nothing; 9],
+            [LaneHold::Asking; 9],
+            [LaneHold::Everything; 9],
+        ];
+        held.push(std::array::from_fn(|i| {
+            [LaneHold::Nothing, LaneHold::Asking, LaneHold::Everything][i % 3]
+        }));
+        for holds in held {
             for earliest in [T0 + 1_000, T0 + 9_000] {
                 same_both_ways(
                     tx,
-                    &format!("advance_lanes {failure:?} from {earliest}"),
+                    &format!("advance_lanes {holds:?} from {earliest}"),
                     || {
                         // (A store that does not do it in one go leaves it to the rules.)
-                        if !tx.advance_lanes(&lanes, failure, earliest)? {
-                            crate::lane::advance_lanes(tx, &lanes, failure, earliest)?;
+                        if !tx.advance_lanes(&lanes, &holds, earliest)? {
+                            crate::lane::advance_lanes(tx, &lanes, &holds, earliest)?;
                         }
                         Ok(())
                     },
-                    || crate::lane::advance_lanes(tx, &lanes, failure, earliest),
+                    || crate::lane::advance_lanes(tx, &lanes, &holds, earliest),
                 )?;
             }
         }

@@ -67,27 +67,36 @@ macro_rules! chunk_stride {
 }
 const _: () = assert!(crate::ids::CHUNK_STRIDE == 16384);
 
-/// The oldest delivery holding lane (`$channel`, `$chat`) under
-/// `LaneFailurePolicy::Block`: an uncertain one (from the index of work in flight), or a
-/// dead letter nobody acknowledged (from the lane's dead letters). The same query on
-/// every store, placeholders in its dialect.
+/// The oldest delivery holding lane (`$channel`, `$chat`): under
+/// `LaneFailurePolicy::Block` (`$block` true) an uncertain one or a dead letter nobody
+/// acknowledged; otherwise (a channel that asks its platform, `LaneHold::Asking`) an
+/// uncertain one whose part nobody has asked the platform about yet — its head chunk
+/// (`$head`, a condition on chunk `c` of delivery `d`) uncertain with no settlement.
+/// The same query on every store, placeholders and chunk key in its dialect.
 macro_rules! held_sql {
-    ($channel:literal, $chat:literal) => {
+    ($channel:literal, $chat:literal, $block:literal, $head:expr) => {
         concat!(
             "SELECT min(id) FROM (
-                 SELECT min(id) AS id FROM outbound_deliveries
-                 WHERE channel = ",
+                 SELECT min(d.id) AS id FROM outbound_deliveries d
+                 WHERE d.channel = ",
             $channel,
-            " AND chat_id = ",
+            " AND d.chat_id = ",
             $chat,
-            " AND status = 'uncertain' AND status <> 'delivered' AND status <> 'failed'
+            " AND d.status = 'uncertain' AND d.status <> 'delivered' AND d.status <> 'failed'
+                   AND (",
+            $block,
+            " OR EXISTS (SELECT 1 FROM outbound_delivery_chunks c WHERE ",
+            $head,
+            " AND c.status = 'uncertain' AND c.settlement IS NULL))
                  UNION ALL
                  SELECT min(id) FROM outbound_deliveries
                  WHERE channel = ",
             $channel,
             " AND chat_id = ",
             $chat,
-            " AND status = 'failed' AND acknowledged_at IS NULL) AS held"
+            " AND status = 'failed' AND acknowledged_at IS NULL AND ",
+            $block,
+            ") AS held"
         )
     };
 }
@@ -475,10 +484,12 @@ pub(crate) trait LaneStore {
     /// queued one in lane order (see `sabotage::planted("out_of_order")`); `None` if
     /// nothing is active or queued.
     fn lane_head(&self, lane: LaneRef<'_>) -> Result<Option<HeadRow>>;
-    /// The lane position of the first delivery holding the lane under
-    /// [`LaneFailurePolicy::Block`](crate::rules::LaneFailurePolicy::Block): an
-    /// uncertain one, or a dead letter nobody acknowledged.
-    fn lane_held(&self, lane: LaneRef<'_>) -> Result<Option<i64>>;
+    /// The lane position of the first delivery holding the lane: with `block`
+    /// ([`LaneFailurePolicy::Block`](crate::rules::LaneFailurePolicy::Block)) an
+    /// uncertain one or a dead letter nobody acknowledged; without, an uncertain one
+    /// whose platform nobody has asked about its part yet
+    /// ([`LaneHold::Asking`](crate::lane::LaneHold::Asking)).
+    fn lane_held(&self, lane: LaneRef<'_>, block: bool) -> Result<Option<i64>>;
     /// [`lane_head`](Self::lane_head) of each lane, in one go where the store can.
     fn lane_heads(&self, lanes: &[LaneRef<'_>]) -> Result<Vec<Option<HeadRow>>> {
         lanes.iter().map(|lane| self.lane_head(*lane)).collect()
@@ -493,7 +504,7 @@ pub(crate) trait LaneStore {
         composed::activate_many(self, heads)
     }
     /// Activates the next queued delivery of each free lane of `lanes` (distinct FIFO
-    /// lanes) under failure policy `failure`, its head chunk due no earlier than
+    /// lanes, each with what holds it in `holds`), its head chunk due no earlier than
     /// `earliest`, in one go where the store can: whether it did. A store that does not
     /// (the default) leaves it to the rules, which compose it from
     /// [`lane_heads`](Self::lane_heads), [`lane_held`](Self::lane_held) and
@@ -503,7 +514,7 @@ pub(crate) trait LaneStore {
     fn advance_lanes(
         &self,
         _lanes: &[LaneRef<'_>],
-        _failure: crate::rules::LaneFailurePolicy,
+        _holds: &[crate::lane::LaneHold],
         _earliest: i64,
     ) -> Result<bool> {
         Ok(false)

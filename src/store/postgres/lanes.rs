@@ -4,7 +4,7 @@
 
 use super::{PgTx, owned};
 use crate::error::Result;
-use crate::rules::LaneFailurePolicy;
+use crate::lane::LaneHold;
 use crate::store::pg_param;
 use crate::store::{Activation, DeliveryLane, HeadRow, LaneRef, LaneStore, Waiting};
 
@@ -118,7 +118,14 @@ pub(crate) fn head_row(r: &postgres::Row, at: usize) -> Result<HeadRow> {
     }))
 }
 
-pub(crate) const HELD_SQL: &str = crate::store::held_sql!("$1", "$2");
+/// The head chunk `c` of delivery `d`, for [`held_sql!`](crate::store::held_sql).
+macro_rules! head_chunk {
+    () => {
+        "c.delivery_id = d.id AND c.chunk_index = d.delivered_count"
+    };
+}
+
+pub(crate) const HELD_SQL: &str = crate::store::held_sql!("$1", "$2", "$3::boolean", head_chunk!());
 
 /// Pushes the lane's due head chunks back to `$3` (a chunk a claim holds is waited
 /// for, and skipped if the claim made it `sending`).
@@ -161,9 +168,10 @@ pub(crate) const ACTIVATE_MANY_SQL: &str = activate_sql!(
 );
 
 /// [`lane::advance_lanes`](crate::lane::advance_lanes) of lanes `$1`, `$2` from
-/// `$3` (`$4`: under `LaneFailurePolicy::Block`) in one statement: the head of each
-/// lane as [`head_sql!`] reads it; a queued one, unless the lane is held (as
-/// [`HELD_SQL`] reads it) before its position under `Block`, activated as
+/// `$3` (`$4`: whether anything holds each lane, `$5`: whether everything does, under
+/// `LaneFailurePolicy::Block`) in one statement: the head of each lane as
+/// [`head_sql!`] reads it; a queued one, unless the lane is held (as [`HELD_SQL`]
+/// reads it) before its position, activated as
 /// [`ACTIVATE_MANY_SQL`] activates it — `partial` if chunks of it were delivered, else
 /// `pending`, a delayed reply not before it asked.
 macro_rules! advance_sql {
@@ -174,13 +182,14 @@ macro_rules! advance_sql {
                          THEN greatest($3::bigint, h.not_before) ELSE $3::bigint END AS earliest,
                     l.ch, l.chat,
                     CASE WHEN h.head_index > 0 THEN 'partial' ELSE 'pending' END AS status
-             FROM unnest($1::text[], $2::text[]) AS l(ch, chat)
+             FROM unnest($1::text[], $2::text[], $4::boolean[], $5::boolean[])
+                  AS l(ch, chat, holds, block)
              CROSS JOIN LATERAL (",
             head_sql!("l.ch", "l.chat", $order),
             ") h(queued, id, head_index, not_before)
              WHERE h.queued
-               AND NOT ($4::boolean AND coalesce((",
-            crate::store::held_sql!("l.ch", "l.chat"),
+               AND NOT (l.holds AND coalesce((",
+            crate::store::held_sql!("l.ch", "l.chat", "l.block", head_chunk!()),
             ") < h.id, false))"
         ))
     };
@@ -239,16 +248,16 @@ impl LaneStore for PgTx<'_> {
         Ok(heads)
     }
 
-    fn lane_held(&self, lane: LaneRef<'_>) -> Result<Option<i64>> {
+    fn lane_held(&self, lane: LaneRef<'_>, block: bool) -> Result<Option<i64>> {
         Ok(self
-            .query_one(HELD_SQL, &[&lane.channel, &lane.chat_id])?
+            .query_one(HELD_SQL, &[&lane.channel, &lane.chat_id, &block])?
             .try_get(0)?)
     }
 
     fn advance_lanes(
         &self,
         lanes: &[LaneRef<'_>],
-        failure: LaneFailurePolicy,
+        holds: &[LaneHold],
         earliest: i64,
     ) -> Result<bool> {
         if lanes.is_empty() {
@@ -269,7 +278,18 @@ impl LaneStore for PgTx<'_> {
                 owned(channels),
                 owned(chats),
                 owned(earliest),
-                owned(failure == LaneFailurePolicy::Block),
+                owned(
+                    holds
+                        .iter()
+                        .map(|h| *h != LaneHold::Nothing)
+                        .collect::<Vec<bool>>(),
+                ),
+                owned(
+                    holds
+                        .iter()
+                        .map(|h| *h == LaneHold::Everything)
+                        .collect::<Vec<bool>>(),
+                ),
             ],
             None,
         )?;

@@ -73,7 +73,7 @@ const STATEMENTS: &[(&str, &str, &str, bool)] = &[
     (
         "advance lanes",
         ADVANCE_SQL,
-        "'{t,t}', '{c1,c2}', 0, true",
+        "'{t,t}', '{c1,c2}', 0, '{t,t}', '{f,t}'",
         false,
     ),
     ("enter lanes", ENTER_SQL, "'{t,t}', '{c1,c2}', 2", false),
@@ -93,7 +93,8 @@ const STATEMENTS: &[(&str, &str, &str, bool)] = &[
     ),
     ("load chunk", LOAD_CHUNK_SQL, "5, 0", false),
     ("lane head", HEAD_SQL, "'t', 'c1'", false),
-    ("lane held", HELD_SQL, "'t', 'c1'", false),
+    ("lane held", HELD_SQL, "'t', 'c1', false", false),
+    ("lane held, blocking", HELD_SQL, "'t', 'c1', true", false),
     ("pause", PAUSE_DUE_SQL, "'t', 'c1', 0", false),
     ("history", HISTORY_SQL, "5, 0", false),
     ("queued", QUEUED_ALL_SQL, "", true),

@@ -64,9 +64,19 @@ pub(crate) const HEAD_SQL: &str = head_sql!("id");
 /// [`HEAD_SQL`] with the newest queued reply first: the planted fault `out_of_order`.
 const HEAD_SQL_NEWEST_FIRST: &str = head_sql!("id DESC");
 
-/// The oldest delivery holding lane (`?1`, `?2`) under `LaneFailurePolicy::Block`:
-/// an uncertain one, or a dead letter nobody acknowledged.
-pub(crate) const HELD_SQL: &str = crate::store::held_sql!("?1", "?2");
+/// The oldest delivery holding lane (`?1`, `?2`): under `LaneFailurePolicy::Block`
+/// (`?3`) an uncertain one or a dead letter nobody acknowledged; otherwise an
+/// uncertain one whose platform was not asked yet.
+pub(crate) const HELD_SQL: &str = crate::store::held_sql!(
+    "?1",
+    "?2",
+    "?3",
+    concat!(
+        "c.id = d.id * ",
+        crate::store::chunk_stride!(),
+        " + d.delivered_count"
+    )
+);
 
 /// Pushes the lane's due chunks back to `?3`. Only head chunks are ever due: chunk
 /// `delivered_count` of an unfinished delivery, whose id is
@@ -126,10 +136,10 @@ impl LaneStore for Tx<'_> {
             .optional()?)
     }
 
-    fn lane_held(&self, lane: LaneRef<'_>) -> Result<Option<i64>> {
+    fn lane_held(&self, lane: LaneRef<'_>, block: bool) -> Result<Option<i64>> {
         Ok(self
             .prepare_cached(HELD_SQL)?
-            .query_row(params![lane.channel, lane.chat_id], |r| r.get(0))?)
+            .query_row(params![lane.channel, lane.chat_id, block], |r| r.get(0))?)
     }
 
     fn activate(&self, head: &Activation<'_>) -> Result<()> {

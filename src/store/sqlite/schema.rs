@@ -1032,11 +1032,12 @@ mod plan_tests {
             "SEARCH outbound_deliveries USING INDEX outbound_deliveries_open (channel=? AND chat_id=? AND status>? AND status<?)",
             "one range of the index, read in its order"
         );
-        let plan = explain(&ob, crate::store::sqlite::lanes::HELD_SQL, 2);
+        let plan = explain(&ob, crate::store::sqlite::lanes::HELD_SQL, 3);
         assert!(
             plan.contains(
-                "USING COVERING INDEX outbound_deliveries_open (channel=? AND chat_id=? AND status=?)"
-            ) && plan.contains("USING INDEX outbound_deliveries_dead (channel=? AND chat_id=?)"),
+                "USING INDEX outbound_deliveries_open (channel=? AND chat_id=? AND status=?)"
+            ) && plan.contains("USING INDEX outbound_deliveries_dead (channel=? AND chat_id=?)")
+                && plan.contains("SEARCH c USING INTEGER PRIMARY KEY (rowid=?)"),
             "{plan}"
         );
         assert_no_full_scan(&plan, "outbound_deliveries");
