@@ -181,7 +181,16 @@ impl Outbox {
         if let Some(rules) = &rules {
             rules.validate()?;
         }
-        self.change_rules(|tx, _| tx.store_channel_rules(channel, rules.as_ref()))
+        self.change_rules(|tx, before| {
+            tx.store_channel_rules(channel, rules.as_ref())?;
+            // (A channel that stops asking its platform lets its waiting chats go on.)
+            let mut after = before.policy.clone();
+            match &rules {
+                Some(rules) => after.channels.insert(channel.to_owned(), rules.clone()),
+                None => after.channels.remove(channel),
+            };
+            lane::follow_rule_change(tx, &before.policy, &after, self.options().now_ms())
+        })
     }
 
     /// The application's statement that finalization runs, if the file stores one (see
@@ -564,10 +573,16 @@ fn reconcile(tx: &dyn StoreTx, options: &OutboxOptions) -> Result<()> {
     }
     if store.any() {
         tx.store_file_rules(&wanted, store)?;
-        lane::follow_rule_change(tx, &stored, &wanted, options.now_ms())?;
     }
-    for (name, rules) in channels {
+    for (name, rules) in &channels {
         tx.store_channel_rules(name, rules.as_ref())?;
+        match rules {
+            Some(rules) => wanted.channels.insert((*name).clone(), rules.clone()),
+            None => wanted.channels.remove(*name),
+        };
+    }
+    if store.any() || !channels.is_empty() {
+        lane::follow_rule_change(tx, &stored, &wanted, options.now_ms())?;
     }
     Ok(())
 }
