@@ -247,6 +247,23 @@ stores! {
         Ok(())
     }
 
+    /// A chat waiting for an answer goes on as soon as its channel stops asking (the
+    /// stored rules changed by any process): nobody would ask any more.
+    fn a_chat_waiting_for_an_answer_goes_on_when_its_channel_stops_asking() -> Result<()> {
+        let db = TestDb::new(asking(ReplayPolicy::Ask));
+        let adapter = Scripted::new(vec![timeout()], Settlement::hold("history", "?"));
+        let (dispatcher, _) = dispatcher(&db, &adapter);
+        let a = reply(&db.outbox, "1", &["a"]);
+        let b = reply(&db.outbox, "1", &["b"]);
+        while dispatcher.run_once()? > 0 {}
+        assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Queued);
+        db.outbox.set_channel_policy("chat", Some(ChannelPolicy::default()))?;
+        while dispatcher.run_once()? > 0 {}
+        assert_eq!(view(&db.outbox, a).status, DeliveryStatus::Uncertain);
+        assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Delivered);
+        Ok(())
+    }
+
     /// Under `hold` nothing is asked, and under `skip` the chat does not wait for a
     /// person: the next reply goes at once.
     fn without_ask_a_held_reply_does_not_stop_its_chat() -> Result<()> {
