@@ -89,9 +89,11 @@ pub struct PossiblySent {
     /// recorded as ambiguous.
     pub claimant: Option<ClaimantId>,
     /// The platform's id for the reply's previous part (delivered before this one was
-    /// sent), if it has one: where a platform's ids are its own times (Slack's `ts`), a
-    /// lookup searches from there, whatever the clocks of the outbox and the platform
-    /// say.
+    /// sent), or, for a reply's first part, for the last part of the chat's latest reply
+    /// delivered before it was first sent (looked for among the 1,000 replies enqueued
+    /// before it), if one has it: where a platform's ids are its own times (Slack's
+    /// `ts`), a lookup searches from there, whatever the clocks of the outbox and the
+    /// platform say.
     pub previous_platform_id: Option<String>,
     /// The delivery row's last change (ms): recording an answer checks nothing moved.
     since_ms: i64,

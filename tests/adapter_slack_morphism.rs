@@ -6,16 +6,19 @@
 //! post's message metadata and answers `conversations.history` and
 //! `conversations.replies` (`oldest`, `include_all_metadata`, pages of `limit` with a
 //! cursor), so a possibly-sent part can be looked up: found, absent, or a lookup that
-//! fails.
+//! fails. Its history methods can be rate-limited as Slack's tiers limit them: Tier 1
+//! (one request a minute, 15 messages a page, for apps outside the Marketplace since
+//! 2025) and Tier 3 (50 a minute), on a clock the test moves.
 
 mod common;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use chunked_outbox::clock::ManualClock;
 use chunked_outbox::monitoring::{ChunkStatus, DeliveryStatus};
 use chunked_outbox::platforms::slack::slack_morphism::SlackAdapter;
-use chunked_outbox::rules::{Backoff, ChannelPolicy, RetryPolicy};
+use chunked_outbox::rules::{Backoff, ChannelPolicy, LaneOrder, RetryPolicy};
 use chunked_outbox::{AsyncDispatcher, DeliveryId, NewDelivery, Outbox, OutboxOptions};
 use common::emulator;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -39,8 +42,47 @@ struct State {
     posted: Vec<Posted>,
     swallowed: std::collections::HashSet<String>,
     /// History reads (`conversations.history` and `.replies`) answered, rate-limited
-    /// or not.
+    /// or not, and those answered with a page.
     lookups: usize,
+    pages: usize,
+    /// The rate tier of the history methods, on `clock`, with the times (ms) of the
+    /// reads it let through; none: unlimited.
+    tier: Option<(Tier, ManualClock)>,
+    reads_at: Vec<i64>,
+}
+
+/// A Slack rate tier of the history methods: requests a minute, and messages a page.
+#[derive(Clone, Copy)]
+struct Tier {
+    per_minute: usize,
+    page: usize,
+}
+
+/// Tier 1, what `conversations.history` and `.replies` allow an app outside the
+/// Marketplace since 2025: one request a minute, at most 15 messages a page.
+const TIER_1: Tier = Tier {
+    per_minute: 1,
+    page: 15,
+};
+/// Tier 3 (Marketplace apps): 50 requests a minute, pages of up to 999 messages.
+const TIER_3: Tier = Tier {
+    per_minute: 50,
+    page: 999,
+};
+
+/// The seconds to wait before the next history read, if the tier refuses one now;
+/// otherwise the read is counted.
+fn over_the_tier(state: &Mutex<State>) -> Option<u64> {
+    let mut s = state.lock().unwrap();
+    let (tier, clock) = s.tier.clone()?;
+    let now = chunked_outbox::clock::Clock::now_ms(&clock);
+    s.reads_at.retain(|at| now - at < 60_000);
+    if s.reads_at.len() >= tier.per_minute {
+        let free_at = s.reads_at[0] + 60_000;
+        return Some(((free_at - now) as u64).div_ceil(1000));
+    }
+    s.reads_at.push(now);
+    None
 }
 
 /// The emulated Web API. Channels choose the behaviour: C404 does not exist, CARCH is
@@ -56,7 +98,19 @@ struct SlackApi {
 
 impl SlackApi {
     fn start() -> SlackApi {
-        let state = Arc::new(Mutex::new(State::default()));
+        SlackApi::start_with(State::default())
+    }
+
+    /// An API whose history methods are rate-limited by `tier` on `clock`.
+    fn start_tier(tier: Tier, clock: &ManualClock) -> SlackApi {
+        SlackApi::start_with(State {
+            tier: Some((tier, clock.clone())),
+            ..State::default()
+        })
+    }
+
+    fn start_with(state: State) -> SlackApi {
+        let state = Arc::new(Mutex::new(state));
         let url = format!("{}/api", emulator::serve(state.clone(), answer));
         SlackApi { url, state }
     }
@@ -84,6 +138,11 @@ impl SlackApi {
 
     fn lookups(&self) -> usize {
         self.state.lock().unwrap().lookups
+    }
+
+    /// History pages answered (not rate-limited).
+    fn pages(&self) -> usize {
+        self.state.lock().unwrap().pages
     }
 }
 
@@ -123,9 +182,15 @@ fn history(url: &str, state: &Mutex<State>) -> Value {
         .unwrap_or(0.0);
     let thread = query(url, "ts").filter(|_| url.contains("conversations.replies"));
     let metadata = query(url, "include_all_metadata") == Some("true");
-    let limit: usize = query(url, "limit")
+    let asked: usize = query(url, "limit")
         .and_then(|l| l.parse().ok())
         .unwrap_or(100);
+    let limit = {
+        let s = state.lock().unwrap();
+        s.tier
+            .as_ref()
+            .map_or(asked, |(tier, _)| asked.min(tier.page))
+    };
     let from: usize = query(url, "cursor")
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
@@ -184,10 +249,14 @@ fn answer(mut request: tiny_http::Request, state: &Mutex<State>) {
             return respond(200, error("invalid_auth"), None);
         }
         state.lock().unwrap().lookups += 1;
+        if let Some(wait) = over_the_tier(state) {
+            return respond(429, error("ratelimited"), Some(&wait.to_string()));
+        }
         let answer = history(&url, state);
         if answer["error"] == "ratelimited" {
             return respond(429, answer, Some("30"));
         }
+        state.lock().unwrap().pages += usize::from(answer["ok"] == true);
         return respond(200, answer, None);
     }
     if !url.starts_with("/api/chat.postMessage") {
@@ -444,58 +513,68 @@ async fn a_possibly_sent_post_found_by_its_key_is_delivered() {
     assert_eq!(dispatcher.stats().settled_delivered, 2);
 }
 
-/// The outbox's clock two minutes ahead of Slack's: the second part of a reply, posted
-/// but unanswered, is looked up from the `ts` of the reply's first part — Slack's own
-/// time — and found, not posted again.
+/// The outbox's clock two minutes ahead of Slack's: a post made but unanswered — a
+/// reply's second part, or a chat's second reply — is looked up from the `ts` of the
+/// part before it (the reply's first part; the chat's last delivered reply) — Slack's
+/// own time — and found, not posted again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lookup_searches_from_the_previous_parts_ts_whatever_the_clocks() {
-    let api = SlackApi::start();
-    let dir = tempfile::tempdir().unwrap();
-    let options = OutboxOptions::default()
-        .with_channel("slack", ChannelPolicy::asking())
-        .with_clock(Arc::new(chunked_outbox::clock::SkewedClock::ahead(
-            Duration::from_secs(120),
-        )));
-    let outbox = Outbox::open(dir.path().join("bot.db"), options).unwrap();
-    let dispatcher = AsyncDispatcher::builder(outbox.clone())
-        .adapter(
-            "slack",
-            api.adapter(TOKEN).with_lookup_grace(Duration::ZERO),
-        )
-        .build()
-        .unwrap();
-    let id = outbox
-        .enqueue(&NewDelivery::chunked(
-            "slack",
-            "C2ND",
-            "one two",
-            ["one", "two"],
-        ))
-        .unwrap()
-        .id;
-    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
-    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
-    let view = outbox.delivery(id).unwrap().unwrap();
-    assert_eq!(
-        (view.chunks[0].status, view.chunks[1].status),
-        (ChunkStatus::Delivered, ChunkStatus::Uncertain)
-    );
-    assert_eq!(dispatcher.settle_once().await, 1);
-    while emulator::send_due(&outbox, &api.adapter(TOKEN)).await > 0 {}
-    let view = outbox.delivery(id).unwrap().unwrap();
-    assert_eq!(view.status, DeliveryStatus::Delivered);
-    let kept = view.chunks[1].settlement.clone().unwrap();
-    assert!(kept.contains("a message with the key"), "{kept}");
-    let posted: Vec<Posted> = api
-        .posted()
-        .into_iter()
-        .filter(|p| p.channel == "C2ND")
-        .collect();
-    assert_eq!(posted.len(), 2, "each part posted once");
-    assert_eq!(
-        view.chunks[1].platform_message_id.as_deref(),
-        Some(posted[1].ts.as_str())
-    );
+    let two_parts = vec![NewDelivery::chunked(
+        "slack",
+        "C2ND",
+        "one two",
+        ["one", "two"],
+    )];
+    let two_replies = vec![
+        NewDelivery::single("slack", "C2ND", "one"),
+        NewDelivery::single("slack", "C2ND", "two"),
+    ];
+    for replies in [two_parts, two_replies] {
+        let api = SlackApi::start();
+        let dir = tempfile::tempdir().unwrap();
+        let options = OutboxOptions::default()
+            .with_channel("slack", ChannelPolicy::asking())
+            .with_clock(Arc::new(chunked_outbox::clock::SkewedClock::ahead(
+                Duration::from_secs(120),
+            )));
+        let outbox = Outbox::open(dir.path().join("bot.db"), options).unwrap();
+        let dispatcher = AsyncDispatcher::builder(outbox.clone())
+            .adapter(
+                "slack",
+                api.adapter(TOKEN).with_lookup_grace(Duration::ZERO),
+            )
+            .build()
+            .unwrap();
+        let ids: Vec<DeliveryId> = replies
+            .iter()
+            .map(|r| outbox.enqueue(r).unwrap().id)
+            .collect();
+        emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+        emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+        let last = *ids.last().unwrap();
+        let second = |id| {
+            let view = outbox.delivery(id).unwrap().unwrap();
+            view.chunks.last().cloned().unwrap()
+        };
+        assert_eq!(second(last).status, ChunkStatus::Uncertain);
+        assert_eq!(dispatcher.settle_once().await, 1);
+        while emulator::send_due(&outbox, &api.adapter(TOKEN)).await > 0 {}
+        for id in &ids {
+            assert_eq!(state(&outbox, *id).0, DeliveryStatus::Delivered);
+        }
+        let kept = second(last).settlement.clone().unwrap();
+        assert!(kept.contains("a message with the key"), "{kept}");
+        let posted: Vec<Posted> = api
+            .posted()
+            .into_iter()
+            .filter(|p| p.channel == "C2ND")
+            .collect();
+        assert_eq!(posted.len(), 2, "each part posted once");
+        assert_eq!(
+            second(last).platform_message_id.as_deref(),
+            Some(posted[1].ts.as_str())
+        );
+    }
 }
 
 /// Read but never posted: the lookup finds nothing with the key since the first send,
@@ -635,4 +714,194 @@ async fn a_rate_limited_lookup_is_asked_again_after_its_wait() {
         2,
         "still to be asked"
     );
+}
+
+/// An outbox on `clock` whose Slack channel asks, with `order` lanes, and a dispatcher
+/// whose adapter looks up at once and gives up after `limit`.
+fn asking_on(
+    dir: &tempfile::TempDir,
+    api: &SlackApi,
+    clock: &ManualClock,
+    order: LaneOrder,
+    limit: Duration,
+) -> (Outbox, AsyncDispatcher) {
+    let options = OutboxOptions::default()
+        .with_channel("slack", ChannelPolicy::asking())
+        .with_lane_order(order)
+        .with_clock(Arc::new(clock.clone()));
+    let outbox = Outbox::open(dir.path().join("bot.db"), options).unwrap();
+    let adapter = api
+        .adapter(TOKEN)
+        .with_lookup_grace(Duration::ZERO)
+        .with_lookup_limit(limit);
+    let dispatcher = AsyncDispatcher::builder(outbox.clone())
+        .adapter("slack", adapter)
+        .build()
+        .unwrap();
+    (outbox, dispatcher)
+}
+
+/// A manual clock at the time now (Slack's `ts` are the emulator's real time).
+fn clock_now() -> ManualClock {
+    ManualClock::new(chrono::Utc::now().timestamp_millis())
+}
+
+/// Rounds of asking, `step` apart on `clock`, until `done` or `rounds` are over.
+async fn ask_until(
+    dispatcher: &AsyncDispatcher,
+    clock: &ManualClock,
+    step: Duration,
+    rounds: usize,
+    mut done: impl FnMut() -> bool,
+) {
+    for _ in 0..rounds {
+        if done() {
+            return;
+        }
+        dispatcher.settle_once().await;
+        clock.advance(step);
+    }
+}
+
+/// Tier 1: the post is on the third page of 15; a page a minute. The read goes on from
+/// its cursor after each `ratelimited` (its `Retry-After` kept: Slack is asked nothing
+/// before it is over) and finds the post: three pages in all, never posted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tier_1_lookup_goes_on_from_its_cursor_and_finds_the_post() {
+    let clock = clock_now();
+    let api = SlackApi::start_tier(TIER_1, &clock);
+    let dir = tempfile::tempdir().unwrap();
+    let (outbox, dispatcher) = asking_on(
+        &dir,
+        &api,
+        &clock,
+        LaneOrder::Fifo,
+        Duration::from_secs(1800),
+    );
+    let id = emulator::hello_each(&outbox, "slack", &["C777"])["C777"];
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    api.chatter("C777", 40);
+    let delivered = || state(&outbox, id).0 == DeliveryStatus::Delivered;
+    ask_until(&dispatcher, &clock, Duration::from_secs(10), 60, delivered).await;
+    let view = outbox.delivery(id).unwrap().unwrap();
+    assert_eq!(
+        view.status,
+        DeliveryStatus::Delivered,
+        "{:?}",
+        view.chunks[0].settlement
+    );
+    let ours: Vec<Posted> = api
+        .posted()
+        .into_iter()
+        .filter(|p| p.body["text"] == "hello C777")
+        .collect();
+    assert_eq!(ours.len(), 1, "posted once");
+    assert_eq!(
+        view.chunks[0].platform_message_id.as_deref(),
+        Some(ours[0].ts.as_str())
+    );
+    assert_eq!(api.pages(), 3, "each page read once");
+    assert!(
+        api.lookups() <= 5,
+        "one refusal a minute at most: {}",
+        api.lookups()
+    );
+    assert!(dispatcher.stats().settled_later >= 2);
+}
+
+/// Tier 1, two replies of one chat waiting at once (parallel lanes): one page read
+/// answers both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_read_serves_every_part_waiting_in_the_conversation() {
+    let clock = clock_now();
+    let api = SlackApi::start_tier(TIER_1, &clock);
+    let dir = tempfile::tempdir().unwrap();
+    let (outbox, dispatcher) = asking_on(
+        &dir,
+        &api,
+        &clock,
+        LaneOrder::Parallel,
+        Duration::from_secs(1800),
+    );
+    let ids = ["a", "b"].map(|text| {
+        outbox
+            .enqueue(&NewDelivery::single("slack", "C777", text))
+            .unwrap()
+            .id
+    });
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    for id in ids {
+        assert_eq!(state(&outbox, id).1, ChunkStatus::Uncertain);
+    }
+    assert_eq!(dispatcher.settle_once().await, 2);
+    for id in ids {
+        assert_eq!(state(&outbox, id).0, DeliveryStatus::Delivered);
+    }
+    assert_eq!((api.pages(), api.lookups()), (1, 1), "one read for both");
+    assert_eq!(api.posted().len(), 2);
+}
+
+/// Tier 1 and a busy channel: a read that has not reached the part's time when the
+/// adapter's limit is over holds the part for a person, with why; nothing is posted
+/// twice, and Slack is read no more than a page a minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lookup_that_cannot_finish_in_time_is_held_for_a_person() {
+    let clock = clock_now();
+    let api = SlackApi::start_tier(TIER_1, &clock);
+    let dir = tempfile::tempdir().unwrap();
+    let (outbox, dispatcher) = asking_on(
+        &dir,
+        &api,
+        &clock,
+        LaneOrder::Fifo,
+        Duration::from_secs(300),
+    );
+    let id = emulator::hello_each(&outbox, "slack", &["CLOST"])["CLOST"];
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    api.chatter("CLOST", 600);
+    let answered = || {
+        state(&outbox, id).0 != DeliveryStatus::Uncertain
+            || outbox.delivery(id).unwrap().unwrap().chunks[0]
+                .settlement
+                .is_some()
+    };
+    ask_until(&dispatcher, &clock, Duration::from_secs(10), 60, answered).await;
+    let view = outbox.delivery(id).unwrap().unwrap();
+    assert_eq!(view.status, DeliveryStatus::Uncertain);
+    let kept = view.chunks[0].settlement.clone().unwrap_or_default();
+    assert!(
+        kept.contains("had not finished 300 s") && kept.contains("held for a person"),
+        "{kept}"
+    );
+    assert!(
+        api.posted().iter().all(|p| p.body["text"] != "hello CLOST"),
+        "nothing posted"
+    );
+    assert!(
+        (5..=7).contains(&api.pages()),
+        "a page a minute: {}",
+        api.pages()
+    );
+}
+
+/// Tier 3: pages of 200, 50 reads a minute: the post, behind 1,500 messages, is found
+/// in one question, without a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_tier_3_a_lookup_reads_its_pages_at_once() {
+    let clock = clock_now();
+    let api = SlackApi::start_tier(TIER_3, &clock);
+    let dir = tempfile::tempdir().unwrap();
+    let (outbox, dispatcher) = asking_on(
+        &dir,
+        &api,
+        &clock,
+        LaneOrder::Fifo,
+        Duration::from_secs(1800),
+    );
+    let id = emulator::hello_each(&outbox, "slack", &["C777"])["C777"];
+    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    api.chatter("C777", 1_500);
+    assert_eq!(dispatcher.settle_once().await, 1);
+    assert_eq!(state(&outbox, id).0, DeliveryStatus::Delivered);
+    assert_eq!((api.pages(), api.lookups()), (8, 8));
 }

@@ -33,10 +33,18 @@
 //! [`ReplayPolicy::Ask`](crate::rules::ReplayPolicy::Ask) the adapter's
 //! [`settle`](AsyncChannelAdapter::settle) looks a possibly-sent part up:
 //! `conversations.history` of the channel (`conversations.replies` of the thread for a
-//! part posted into one) with `include_all_metadata`, from a minute before the part's
-//! first send. Found: delivered, with its `ts`. Not among every message since: sent
-//! again. A lookup that fails, times out, or has more than 2,000 messages to read is
-//! held for a person; a rate-limited one is asked again later. It looks only once the
+//! part posted into one) with `include_all_metadata`, from the latest Slack `ts` the
+//! outbox holds before the part — its reply's previous part, the chat's last reply
+//! delivered before it was sent, the thread's own `ts` — and only without one from a
+//! minute before its first send by the outbox's clock. Found: delivered, with its `ts`.
+//! Not among every message since: sent again. One read of a conversation serves every
+//! part waiting there, and it is kept between questions: under Slack's Tier 1 limits
+//! (since 2025 for apps outside the Marketplace: one history read a minute, 15 messages
+//! a page) a rate-limited read goes on from its cursor once the `Retry-After` is over,
+//! the dispatcher asking nothing more of the channel until then. A lookup that fails,
+//! times out, has more than 2,000 messages to read, or has not finished
+//! [`SlackAdapter::with_lookup_limit`] (30 minutes) after the part became uncertain is
+//! held for a person, with why. It looks only once the
 //! part has been uncertain for [`SlackAdapter::with_lookup_grace`] (10 s), so that a
 //! post Slack was still working on when the send gave up is in the history by then.
 //! The token needs `channels:history` (and `groups:history`, `im:history`,
@@ -56,7 +64,8 @@
 //! | `HttpProtocolError` otherwise, `EndOfStream`, the adapter's timeout | `Ambiguous` |
 //! | `ProtocolError` (an answer that cannot be read), any other | `Ambiguous` |
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::claim::Claim;
@@ -74,15 +83,70 @@ pub struct SlackAdapter<C: SlackClientHttpConnector + Send + Sync> {
     token: SlackApiToken,
     timeout: Duration,
     lookup_grace: Duration,
+    lookup_limit: Duration,
+    /// The history reads under way or done, by conversation (channel, thread).
+    readings: Mutex<HashMap<(String, Option<String>), Reading>>,
+}
+
+/// A read of one conversation's history (a channel's, or a thread's) from a Slack
+/// `ts`, page by page, kept between questions: every part waiting there is answered
+/// from the pages read, and a read that Slack rate-limits goes on from its cursor
+/// instead of starting again (under Tier 1, one page a minute).
+#[derive(Debug)]
+struct Reading {
+    /// From where, as asked (`oldest`) and as a time.
+    oldest: String,
+    from: chrono::DateTime<chrono::Utc>,
+    /// The outbox's clock when the read began: a part posted after it may be missing.
+    started: chrono::DateTime<chrono::Utc>,
+    /// Where the next page starts; `None` before the first page.
+    cursor: Option<String>,
+    /// Whether the last page was read.
+    done: bool,
+    /// The parts' keys found, with each one's `ts`.
+    seen: HashMap<String, String>,
+    /// Messages read so far.
+    read: usize,
+}
+
+impl Reading {
+    fn new(from: chrono::DateTime<chrono::Utc>, now: chrono::DateTime<chrono::Utc>) -> Reading {
+        Reading {
+            oldest: format!("{}.{:06}", from.timestamp(), from.timestamp_subsec_micros()),
+            from,
+            started: now,
+            cursor: None,
+            done: false,
+            seen: HashMap::new(),
+            read: 0,
+        }
+    }
+
+    /// Takes in a page read.
+    fn take(&mut self, page: History) {
+        self.read += page.messages.len();
+        for message in page.messages {
+            if let Some(key) = message.key() {
+                self.seen.insert(key, message.ts);
+            }
+        }
+        self.cursor = page
+            .response_metadata
+            .and_then(|m| m.next_cursor)
+            .filter(|c| !c.is_empty() && page.has_more.unwrap_or(true));
+        self.done = self.cursor.is_none();
+    }
 }
 
 /// The `event_type` of the message metadata every post carries; its `event_payload` is
 /// `{"key": claim.idempotency_key}`.
 pub const METADATA_EVENT_TYPE: &str = "chunked_outbox_part";
 
-/// Messages read per page of a lookup, and pages read at most.
+/// Messages asked for per page of a lookup (Slack gives Tier 1 apps 15 at most), pages
+/// read per question at most, and messages read before a part is held for a person.
 const LOOKUP_PAGE: u16 = 200;
 const LOOKUP_PAGES: usize = 10;
+const LOOKUP_MAX_READ: usize = 2_000;
 
 /// How far before a part's first send a lookup starts: room for the outbox's clock and
 /// Slack's to differ.
@@ -112,6 +176,8 @@ impl<C: SlackClientHttpConnector + Send + Sync> SlackAdapter<C> {
             token,
             timeout: Duration::from_secs(30),
             lookup_grace: Duration::from_secs(10),
+            lookup_limit: Duration::from_secs(30 * 60),
+            readings: Mutex::new(HashMap::new()),
         }
     }
 
@@ -125,21 +191,35 @@ impl<C: SlackClientHttpConnector + Send + Sync> SlackAdapter<C> {
         }
     }
 
-    /// Looks `part` up by its key in the messages since the reply's previous part (its
-    /// `ts`, on Slack's own clock), or, for a first part, since a minute before its first
-    /// send by the outbox's clock.
+    /// Holds a part whose lookup has not finished `limit` after it became uncertain (30
+    /// minutes by default), for a person: under Slack's Tier 1 (one history read a
+    /// minute, 15 messages a page) a busy channel can take longer than is worth waiting.
+    pub fn with_lookup_limit(self, limit: Duration) -> Self {
+        SlackAdapter {
+            lookup_limit: limit,
+            ..self
+        }
+    }
+
+    /// Looks `part` up by its key in its conversation's history: the channel's, or the
+    /// thread's for a part posted into one. The read starts from a Slack `ts` the outbox
+    /// holds — the reply's previous part, or the chat's last reply delivered before the
+    /// part was sent, or the thread's own `ts`, whichever is latest — and only without
+    /// one from a minute before its first send by the outbox's clock. The pages read
+    /// are kept between questions ([`Reading`]).
     async fn look_up(&self, part: &PossiblySent) -> Settlement {
         let claim = &part.claim;
         let thread = SendOptions::from_claim(claim)
             .ok()
             .and_then(|o| o.thread_ts);
-        let from = match part.previous_platform_id.as_deref().and_then(slack_time) {
-            Some(previous) => previous,
-            None => {
-                part.first_sent_at - chrono::Duration::from_std(CLOCK_MARGIN).unwrap_or_default()
-            }
-        };
-        let oldest = format!("{}.{:06}", from.timestamp(), from.timestamp_subsec_micros());
+        let known = [part.previous_platform_id.as_deref(), thread.as_deref()]
+            .into_iter()
+            .flatten()
+            .filter_map(slack_time)
+            .max();
+        let from = known.unwrap_or_else(|| {
+            part.first_sent_at - chrono::Duration::from_std(CLOCK_MARGIN).unwrap_or_default()
+        });
         let method = match thread {
             Some(_) => "conversations.replies",
             None => "conversations.history",
@@ -150,27 +230,90 @@ impl<C: SlackClientHttpConnector + Send + Sync> SlackAdapter<C> {
             from.format("%Y-%m-%dT%H:%M:%SZ"),
             claim.idempotency_key
         );
+        let conversation = (claim.chat_id.clone(), thread.clone());
+        // A read that started before the part's post would be in the history proves
+        // nothing about its absence.
+        let posted_by = part.uncertain_since
+            + chrono::Duration::from_std(self.lookup_grace).unwrap_or_default();
+        let stale_after = chrono::Duration::from_std(self.lookup_limit).unwrap_or_default();
         let session = self.client.open_session(&self.token);
-        let mut cursor: Option<String> = None;
-        let mut read = 0;
         for _ in 0..LOOKUP_PAGES {
+            // What the pages read so far tell, or where the next page starts.
+            let (oldest, cursor) = {
+                let mut readings = self.readings.lock().unwrap_or_else(|e| e.into_inner());
+                readings.retain(|_, r| part.now - r.started < stale_after * 2);
+                let reading = readings
+                    .entry(conversation.clone())
+                    .or_insert_with(|| Reading::new(from, part.now));
+                if let Some(ts) = reading.seen.get(&claim.idempotency_key) {
+                    return Settlement::found(
+                        asked,
+                        format!("a message with the key, ts {ts}"),
+                        Some(ts.clone()),
+                    );
+                }
+                let serves = reading.from <= from && reading.started >= posted_by;
+                if serves && reading.done {
+                    return Settlement::resend(
+                        asked,
+                        format!(
+                            "no message with the key among the {} since then",
+                            reading.read
+                        ),
+                    );
+                }
+                if !serves && (reading.done || part.now - reading.started > stale_after) {
+                    // A read of its own, from where this part needs it.
+                    *reading = Reading::new(from, part.now);
+                }
+                if part.uncertain_for() >= self.lookup_limit {
+                    return Settlement::hold(
+                        asked,
+                        format!(
+                            "the lookup had not finished {} s after the part became uncertain ({} messages read; Slack's rate limit allows so few reads)",
+                            self.lookup_limit.as_secs(),
+                            reading.read
+                        ),
+                    );
+                }
+                if reading.read >= LOOKUP_MAX_READ {
+                    let read = reading.read;
+                    readings.remove(&conversation);
+                    return Settlement::hold(
+                        asked,
+                        format!(
+                            "more than {read} messages since the first send; not all were read"
+                        ),
+                    );
+                }
+                (reading.oldest.clone(), reading.cursor.clone())
+            };
             let mut params: Vec<(&str, Option<String>)> = vec![
                 ("channel", Some(claim.chat_id.clone())),
                 ("oldest", Some(oldest.clone())),
                 ("inclusive", Some("true".into())),
                 ("include_all_metadata", Some("true".into())),
                 ("limit", Some(LOOKUP_PAGE.to_string())),
-                ("cursor", cursor.take()),
+                ("cursor", cursor.clone()),
             ];
             if let Some(ts) = &thread {
                 params.push(("ts", Some(ts.clone())));
             }
             let page = session.http_session_api.http_get(method, &params, None);
-            let page: History = match tokio::time::timeout(self.timeout, page).await {
-                Ok(Ok(page)) => page,
+            let failed = match tokio::time::timeout(self.timeout, page).await {
+                Ok(Ok(page)) => {
+                    let mut readings = self.readings.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(reading) = readings
+                        .get_mut(&conversation)
+                        .filter(|r| r.oldest == oldest && r.cursor == cursor)
+                    {
+                        reading.take(page);
+                    }
+                    continue;
+                }
                 Ok(Err(SlackClientError::RateLimitError(limited))) => {
                     // Asked again once Slack's wait is over (a minute when it names none:
-                    // Tier 1's one request a minute).
+                    // Tier 1's one request a minute), from where the read stands.
                     let wait = limited.retry_after.unwrap_or(Duration::from_secs(60));
                     return Settlement::later_after(
                         asked,
@@ -178,40 +321,18 @@ impl<C: SlackClientHttpConnector + Send + Sync> SlackAdapter<C> {
                         wait,
                     );
                 }
-                Ok(Err(e)) => return Settlement::hold(asked, format!("the lookup failed: {e}")),
-                Err(_) => {
-                    return Settlement::hold(
-                        asked,
-                        format!("the lookup got no answer within {:?}", self.timeout),
-                    );
-                }
+                Ok(Err(e)) => format!("the lookup failed: {e}"),
+                Err(_) => format!("the lookup got no answer within {:?}", self.timeout),
             };
-            read += page.messages.len();
-            if let Some(found) = page
-                .messages
-                .iter()
-                .find(|m| m.carries(&claim.idempotency_key))
-            {
-                return Settlement::found(
-                    asked,
-                    format!("a message with the key, ts {}", found.ts),
-                    Some(found.ts.clone()),
-                );
-            }
-            cursor = page
-                .response_metadata
-                .and_then(|m| m.next_cursor)
-                .filter(|c| !c.is_empty() && page.has_more.unwrap_or(true));
-            if cursor.is_none() {
-                return Settlement::resend(
-                    asked,
-                    format!("no message with the key among the {read} since then"),
-                );
-            }
+            self.readings
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&conversation);
+            return Settlement::hold(asked, failed);
         }
-        Settlement::hold(
+        Settlement::later(
             asked,
-            format!("more than {read} messages since the first send; not all were read"),
+            format!("{LOOKUP_PAGES} pages read; the rest at the next round"),
         )
     }
 
@@ -259,11 +380,13 @@ struct HistoryMessage {
 }
 
 impl HistoryMessage {
-    /// Whether the message is a post of the part with `key`.
-    fn carries(&self, key: &str) -> bool {
-        self.metadata.as_ref().is_some_and(|m| {
-            m["event_type"] == METADATA_EVENT_TYPE && m["event_payload"]["key"] == key
-        })
+    /// The key of the part the message is a post of, if it is one.
+    fn key(&self) -> Option<String> {
+        let m = self.metadata.as_ref()?;
+        if m["event_type"] != METADATA_EVENT_TYPE {
+            return None;
+        }
+        m["event_payload"]["key"].as_str().map(str::to_owned)
     }
 }
 

@@ -2105,6 +2105,69 @@ pub(super) fn uncertain_chunks_are_asked_about_once(fresh: Fresh) {
     )));
 }
 
+/// An unasked part carries the platform id a lookup may start from: its reply's
+/// previous part's, or, for a first part, the last part's of its chat's latest reply
+/// finished before it was first sent — not another chat's, nor one that finished after.
+pub(super) fn an_unasked_part_carries_the_platform_id_before_it(fresh: Fresh) {
+    let clock = ManualClock::new(T0);
+    let ob = fresh(options(&clock).with_lane_order(crate::rules::LaneOrder::Parallel));
+    let send = |outcome: Outcome| {
+        let claim = claim_one(&ob);
+        ob.record(&claim, outcome).unwrap();
+        clock.advance(Duration::from_millis(10));
+    };
+    let delivered = |id: &str| Outcome::delivered(Some(id.into()));
+    let maybe = || Outcome::Ambiguous { error: "?".into() };
+    // Chat p: a reply of two parts delivered, another chat's reply, then a reply sent
+    // once, uncertain; chat q: a reply whose second part is uncertain; chat n: nothing
+    // before its uncertain reply.
+    ob.enqueue(&NewDelivery::chunked("t", "p", "p0 p1", ["p0", "p1"]))
+        .unwrap();
+    send(delivered("p-0"));
+    send(delivered("p-1"));
+    enqueue(&ob, "x", "x0");
+    send(delivered("x-0"));
+    let p = enqueue(&ob, "p", "p2");
+    send(maybe());
+    let q = ob
+        .enqueue(&NewDelivery::chunked("t", "q", "q0 q1", ["q0", "q1"]))
+        .unwrap()
+        .id;
+    send(delivered("q-0"));
+    send(maybe());
+    let n = enqueue(&ob, "n", "n0");
+    send(maybe());
+    // Chat l: a reply whose first send started before the one ahead of it finished
+    // (parallel lanes): that one's id is no bound for it.
+    let l0 = enqueue(&ob, "l", "l0");
+    let l1 = enqueue(&ob, "l", "l1");
+    let mut both = ob.claim(2).unwrap();
+    both.sort_by_key(|c| c.delivery_id == l1);
+    clock.advance(Duration::from_millis(10));
+    ob.record(&both[0], delivered("l-0")).unwrap();
+    ob.record(&both[1], maybe()).unwrap();
+    assert_eq!(both[0].delivery_id, l0);
+    let bound = |id: DeliveryId| {
+        write(&ob, |tx| tx.unasked_uncertain("t", 10))
+            .into_iter()
+            .find(|u| u.uid == id.to_string())
+            .map(|u| u.previous_platform_id)
+            .expect("listed")
+    };
+    assert_eq!(
+        bound(p).as_deref(),
+        Some("p-1"),
+        "the chat's last delivered part"
+    );
+    assert_eq!(
+        bound(q).as_deref(),
+        Some("q-0"),
+        "the reply's previous part"
+    );
+    assert_eq!(bound(n), None, "nothing before it");
+    assert_eq!(bound(l1), None, "finished after its first send");
+}
+
 /// Makes one test of each contract for a store.
 macro_rules! conformance {
     ($store:ident, $fresh:expr) => {
@@ -2117,6 +2180,7 @@ macro_rules! conformance {
                 lane_positions_follow_insert_order,
                 the_head_is_the_first_queued_when_nothing_is_active,
                 a_lane_is_held_by_uncertain_and_unacknowledged_dead_letters,
+                an_unasked_part_carries_the_platform_id_before_it,
                 lane_due_times_wait_for_pauses_and_intervals,
                 a_pause_pushes_the_lanes_due_chunks,
                 due_chunks_come_in_due_order_up_to_the_limit,

@@ -101,6 +101,15 @@ macro_rules! held_sql {
     };
 }
 
+/// How many replies enqueued before an uncertain part's a lookup of its chat's last
+/// delivered part reads (`OperatorStore::unasked_uncertain`): a bounded range of the
+/// primary key, whatever the length of history.
+macro_rules! previous_replies_read {
+    () => {
+        "1000"
+    };
+}
+
 /// Placeholder `$n` of SQLite's dialect (`?n`) and of PostgreSQL's (`$n`): the shared
 /// statements below take one of the two.
 macro_rules! sqlite_param {
@@ -222,8 +231,8 @@ macro_rules! purgeable_sql {
 pub(crate) use pg_param;
 pub(crate) use {
     chunk_stride, count_delivered_sql, finished_sql, held_sql, mark_cancelled_sql,
-    mark_finalized_sql, mark_unfinalized_sql, purgeable_sql, set_delivery_aside_sql,
-    set_queued_sql, sqlite_param,
+    mark_finalized_sql, mark_unfinalized_sql, previous_replies_read, purgeable_sql,
+    set_delivery_aside_sql, set_queued_sql, sqlite_param,
 };
 
 /// One lane: the deliveries of one chat on one channel, in order. Locks are taken in
@@ -833,7 +842,9 @@ pub(crate) struct Unasked {
     pub since: i64,
     /// The token of the claim that left it uncertain, if kept (a lease that ran out).
     pub token: Option<i64>,
-    /// The platform's id for the reply's previous part, if it has one.
+    /// The platform's id for the reply's previous part, or for a first part the last
+    /// part of its chat's latest reply finished before it was first sent (among the
+    /// `previous_replies_read!` replies before it), if one has it.
     pub previous_platform_id: Option<String>,
 }
 

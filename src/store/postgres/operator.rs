@@ -24,8 +24,20 @@ pub(crate) const UNASKED_SQL: &str = concat!(
     ", c.delivery_id, c.chunk_index, c.status, c.attempts, d.channel, d.chat_id,
             d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text), d.metadata,
             coalesce(c.first_sent_at, d.created_at), d.updated_at, c.claim_token,
-            (SELECT p.platform_message_id FROM outbound_delivery_chunks p
-             WHERE p.delivery_id = c.delivery_id AND p.chunk_index = c.chunk_index - 1)
+            coalesce(
+                (SELECT p.platform_message_id FROM outbound_delivery_chunks p
+                 WHERE p.delivery_id = c.delivery_id AND p.chunk_index = c.chunk_index - 1),
+                (SELECT l.platform_message_id FROM outbound_deliveries e
+                 JOIN outbound_delivery_chunks l
+                   ON l.delivery_id = e.id AND l.chunk_index = e.chunk_count - 1
+                 WHERE e.id BETWEEN d.id - ",
+    crate::store::previous_replies_read!(),
+    " AND d.id - 1
+                   AND e.channel = d.channel AND e.chat_id = d.chat_id
+                   AND e.status = 'delivered'
+                   AND e.finished_at <= coalesce(c.first_sent_at, d.created_at)
+                   AND l.platform_message_id IS NOT NULL
+                 ORDER BY e.id DESC LIMIT 1))
      FROM outbound_delivery_chunks c JOIN outbound_deliveries d ON d.id = c.delivery_id
      WHERE d.status = 'uncertain' AND d.status <> 'delivered' AND d.status <> 'failed'
        AND d.channel = $1

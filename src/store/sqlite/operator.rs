@@ -25,8 +25,20 @@ pub(crate) const UNASKED_SQL: &str = concat!(
     "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
         d.channel, d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text),
         d.metadata, coalesce(c.first_sent_at, d.created_at), d.updated_at, c.claim_token,
-        (SELECT p.platform_message_id FROM outbound_delivery_chunks p
-         WHERE p.id = c.id - 1 AND c.chunk_index > 0)
+        coalesce(
+            (SELECT p.platform_message_id FROM outbound_delivery_chunks p
+             WHERE p.id = c.id - 1 AND c.chunk_index > 0),
+            (SELECT l.platform_message_id FROM outbound_deliveries e
+             JOIN outbound_delivery_chunks l ON l.id = e.id * ",
+    crate::store::chunk_stride!(),
+    " + e.chunk_count - 1
+             WHERE e.id BETWEEN d.id - ",
+    crate::store::previous_replies_read!(),
+    " AND d.id - 1
+               AND e.channel = d.channel AND e.chat_id = d.chat_id AND e.status = 'delivered'
+               AND e.finished_at <= coalesce(c.first_sent_at, d.created_at)
+               AND l.platform_message_id IS NOT NULL
+             ORDER BY e.id DESC LIMIT 1))
      FROM outbound_deliveries d JOIN outbound_delivery_chunks c ON ",
     chunks_of_delivery!("c", "d.id"),
     " WHERE d.id IN (SELECT id FROM outbound_deliveries
