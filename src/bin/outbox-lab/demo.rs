@@ -335,9 +335,10 @@ pub fn run(db: Option<&Path>, args: &DemoArgs) -> CliResult<u8> {
         files.platform.display()
     ));
     say(format!(
-        "{} replies to {} chats on telegram (cannot be asked), discord (deduplicates a nonce for a few minutes) and slack (can be looked up); \
+        "{} replies to {} chats on telegram (cannot be asked), discord (deduplicates a nonce for a few minutes), slack (can be looked up) \
+         and matrix (deduplicates a transaction id for 30 minutes); \
          fast retry schedule for the demo: 50, 100, 200, 400 ms; the dispatcher settles a possibly-sent part \
-         by asking slack and discord; on telegram an operator resends it",
+         by asking slack, discord and matrix, and the chat waits for the answer; on telegram an operator resends it",
         args.replies, args.chats
     ));
 
@@ -592,13 +593,14 @@ fn print_verdict(s: &Summary) {
     );
     let seen = |c: &str| s.settling.duplicates_seen.get(c).copied().unwrap_or(0);
     println!(
-        "  possibly-sent parts settled by asking the platform: {} found, {} sent again, {} held; left for a person: {}; duplicates the chats saw: slack {}, discord {}, telegram {}",
+        "  possibly-sent parts settled by asking the platform: {} found, {} sent again, {} held; left for a person: {}; duplicates the chats saw: slack {}, discord {}, matrix {}, telegram {}",
         s.settling.platform_found,
         s.settling.platform_resend,
         s.settling.platform_hold,
         s.settling.left_for_a_person,
         seen("slack"),
         seen("discord"),
+        seen("matrix"),
         seen("telegram")
     );
     println!(

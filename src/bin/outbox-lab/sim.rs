@@ -1,12 +1,18 @@
-//! The simulated world shared by `outbox-lab demo` and `outbox-lab torture`: three platforms
+//! The simulated world shared by `outbox-lab demo` and `outbox-lab torture`: four platforms
 //! that fail in the ways real ones do and record what they accept in their own SQLite
 //! file, replies of realistic shapes, and the operator who settles uncertain chunks.
 //!
-//! Slack and Discord are declared [`ReplayPolicy::Ask`]:
+//! Slack, Discord and Matrix are declared [`ReplayPolicy::Ask`]:
 //! the dispatchers ask them about a possibly-sent part (Slack answers a lookup by the
-//! key in the message metadata; Discord deduplicates a nonce for a few minutes) and
-//! settle it without a person. Telegram cannot be asked: its possibly-sent parts are
-//! held for the operator.
+//! key in the message metadata; Discord deduplicates a nonce for a few minutes; a
+//! Matrix homeserver a transaction id for 30 minutes, every process sending as one
+//! device) and settle it without a person. Telegram cannot be asked: its possibly-sent
+//! parts are held for the operator.
+//!
+//! With `OUTBOX_LAB_SLACK_TIER=1` in the environment, Slack's history reads are limited
+//! as Tier 1 limits them (since 2025 for apps outside the Marketplace): one a minute
+//! for the whole workspace, whichever process asks, the others answered `ratelimited`
+//! with the seconds left in `Retry-After`.
 //!
 //! The operator knows only what a real one could: what the outbox shows, and what a
 //! platform's own API answers where it has one (Slack lets a bot look its messages up
@@ -40,6 +46,10 @@ pub enum Api {
     /// Slack `chat.postMessage`: no idempotency key, text of at most 40,000 characters,
     /// errors as `{"ok": false, "error": ...}`, 429 with a `Retry-After` header.
     Slack,
+    /// Matrix `PUT …/send/m.room.message/{txnId}`: the transaction id deduplicates a
+    /// resend from the same device for 30 minutes (Synapse), events of at most 65,536
+    /// bytes, `M_LIMIT_EXCEEDED` with `retry_after_ms`, a 502 from the proxy in front.
+    Matrix,
 }
 
 /// One simulated platform's traits.
@@ -53,7 +63,7 @@ pub struct SimChannel {
     pub lookup: bool,
 }
 
-pub const CHANNELS: [SimChannel; 3] = [
+pub const CHANNELS: [SimChannel; 4] = [
     SimChannel {
         name: "telegram",
         api: Api::Telegram,
@@ -71,6 +81,12 @@ pub const CHANNELS: [SimChannel; 3] = [
         api: Api::Slack,
         splitter: Splitter::slack(),
         lookup: true,
+    },
+    SimChannel {
+        name: "matrix",
+        api: Api::Matrix,
+        splitter: Splitter::matrix(),
+        lookup: false,
     },
 ];
 
@@ -93,10 +109,20 @@ pub fn sim_options() -> OutboxOptions {
         // policy.
         .with_channel("discord", ChannelPolicy::asking())
         .with_channel("slack", ChannelPolicy::asking())
+        .with_channel("matrix", ChannelPolicy::asking())
 }
 
 /// How long the simulated Discord remembers a nonce: "a few minutes".
 const NONCE_MEMORY_MS: i64 = 3 * 60 * 1000;
+
+/// How long the simulated homeserver remembers a transaction id (Synapse's 30 minutes).
+const TRANSACTION_MEMORY_MS: i64 = 30 * 60 * 1000;
+
+/// Whether Slack's history reads are limited as Tier 1 limits them (one a minute), from
+/// `OUTBOX_LAB_SLACK_TIER=1`.
+fn slack_tier_1() -> bool {
+    std::env::var("OUTBOX_LAB_SLACK_TIER").is_ok_and(|tier| tier.trim() == "1")
+}
 
 fn wall_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
@@ -112,7 +138,8 @@ pub fn open_platform(path: &Path) -> rusqlite::Result<Connection> {
              nonce TEXT, at INTEGER NOT NULL DEFAULT 0);
          CREATE INDEX IF NOT EXISTS received_key ON received (key);
          CREATE INDEX IF NOT EXISTS received_nonce ON received (nonce) WHERE nonce IS NOT NULL;
-         CREATE TABLE IF NOT EXISTS deduplicated (key TEXT NOT NULL);",
+         CREATE TABLE IF NOT EXISTS deduplicated (key TEXT NOT NULL);
+         CREATE TABLE IF NOT EXISTS history_reads (at INTEGER NOT NULL);",
     )?;
     Ok(conn)
 }
@@ -122,7 +149,8 @@ pub fn open_platform(path: &Path) -> rusqlite::Result<Connection> {
 pub struct Request<'a> {
     pub chat: &'a str,
     pub text: &'a str,
-    /// Discord's `nonce` (sent with `enforce_nonce: true`), if the client sent one.
+    /// Discord's `nonce` (sent with `enforce_nonce: true`) or Matrix's transaction id,
+    /// if the client sent one.
     pub nonce: Option<String>,
     /// What identifies the message in the platform's record, for the verdict alone (a
     /// real record would hold the text; the key is shorter).
@@ -193,12 +221,26 @@ impl SimPlatform {
     }
 
     /// The platform's answer about a possibly-sent part. Slack looks its history up by
-    /// the key in the message metadata (a lookup is rate-limited one time in twenty:
-    /// asked again later); Discord deduplicates a resend inside its nonce window.
+    /// the key in the message metadata (a lookup is rate-limited one time in twenty, or
+    /// under Tier 1 whenever another was made less than a minute ago: asked again
+    /// later); Discord deduplicates a resend inside its nonce window, a Matrix
+    /// homeserver inside its transaction window.
     fn answer_about(&self, part: &PossiblySent) -> Settlement {
         match self.api {
             Api::Slack => {
-                if self.rng.lock().unwrap_or_else(|e| e.into_inner()).u8(0..20) == 0 {
+                if slack_tier_1() {
+                    match self.tier_1_wait() {
+                        Ok(Some(wait)) => {
+                            return Settlement::later_after(
+                                "conversations.history",
+                                format!("ratelimited (Tier 1), retry after {} s", wait.as_secs()),
+                                wait,
+                            );
+                        }
+                        Ok(None) => {}
+                        Err(e) => return Settlement::later("conversations.history", e.to_string()),
+                    }
+                } else if self.rng.lock().unwrap_or_else(|e| e.into_inner()).u8(0..20) == 0 {
                     return Settlement::later("conversations.history", "ratelimited");
                 }
                 let asked = format!(
@@ -226,8 +268,29 @@ impl SimPlatform {
                 }
             }
             Api::Discord => platforms::discord::settle(part, platforms::discord::NONCE_WINDOW),
+            Api::Matrix => {
+                platforms::matrix::settle(part, platforms::matrix::SYNAPSE_TRANSACTION_WINDOW)
+            }
             Api::Telegram => Settlement::hold("telegram", "no way to ask"),
         }
+    }
+
+    /// Under Tier 1: how long before the workspace may read Slack's history again, or
+    /// `None` if now (this read is then counted, for every process).
+    fn tier_1_wait(&self) -> rusqlite::Result<Option<Duration>> {
+        let mut conn = self.record.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        let now = wall_ms();
+        let last: Option<i64> =
+            tx.query_row("SELECT max(at) FROM history_reads", [], |r| r.get(0))?;
+        if let Some(last) = last.filter(|at| now - at < 60_000) {
+            let left = (last + 60_000 - now) as u64;
+            return Ok(Some(Duration::from_secs(left.div_ceil(1000))));
+        }
+        tx.execute("DELETE FROM history_reads", [])?;
+        tx.execute("INSERT INTO history_reads (at) VALUES (?1)", [now])?;
+        tx.commit()?;
+        Ok(None)
     }
 
     /// Records an accepted message and returns its id; a replay with a nonce seen in
@@ -236,12 +299,16 @@ impl SimPlatform {
     fn accept(&self, request: &Request<'_>) -> rusqlite::Result<i64> {
         let conn = self.record.lock().unwrap_or_else(|e| e.into_inner());
         let now = wall_ms();
+        let memory = match self.api {
+            Api::Matrix => TRANSACTION_MEMORY_MS,
+            _ => NONCE_MEMORY_MS,
+        };
         if let Some(nonce) = &request.nonce {
             let seen: Option<i64> = conn
                 .query_row(
                     "SELECT id FROM received WHERE nonce = ?1 AND channel = ?2 AND at > ?3
                      ORDER BY id LIMIT 1",
-                    params![nonce, self.channel, now - NONCE_MEMORY_MS],
+                    params![nonce, self.channel, now - memory],
                     |r| r.get(0),
                 )
                 .optional()?;
@@ -322,6 +389,14 @@ impl SimPlatform {
             Api::Slack if request.text.chars().count() > 40_000 => {
                 Answer::http(200, r#"{"ok": false, "error": "msg_too_long"}"#)
             }
+            Api::Matrix if gone => Answer::http(
+                403,
+                r#"{"errcode": "M_FORBIDDEN", "error": "User not in room"}"#,
+            ),
+            Api::Matrix if request.text.len() > 65_536 => Answer::http(
+                413,
+                r#"{"errcode": "M_TOO_LARGE", "error": "event too large"}"#,
+            ),
             _ => return None,
         })
     }
@@ -335,6 +410,8 @@ impl SimPlatform {
             ),
             Api::Discord => Answer::http(502, "<html>502 Bad Gateway</html>"),
             Api::Slack => Answer::http(200, r#"{"ok": false, "error": "service_unavailable"}"#),
+            // (The proxy in front of a homeserver; ambiguous to the client.)
+            Api::Matrix => Answer::http(502, "<html>502 Bad Gateway</html>"),
         }
     }
 
@@ -353,6 +430,10 @@ impl SimPlatform {
                 retry_after: Some("1".into()),
                 body: r#"{"ok": false, "error": "ratelimited"}"#.into(),
             },
+            Api::Matrix => Answer::http(
+                429,
+                r#"{"errcode": "M_LIMIT_EXCEEDED", "error": "Too many requests", "retry_after_ms": 300}"#,
+            ),
         }
     }
 
@@ -367,6 +448,7 @@ impl SimPlatform {
                 200,
                 format!(r#"{{"ok": true, "channel": "C1", "ts": "1700000000.{id:06}"}}"#),
             ),
+            Api::Matrix => Answer::http(200, format!(r#"{{"event_id": "${id}:example.org"}}"#)),
         }
     }
 
@@ -391,6 +473,7 @@ impl SimPlatform {
                     Api::Telegram => platforms::telegram::outcome(&reply),
                     Api::Discord => platforms::discord::outcome(&reply),
                     Api::Slack => platforms::slack::outcome(&reply),
+                    Api::Matrix => platforms::matrix::outcome(&reply),
                 }
             }
         }
@@ -402,14 +485,16 @@ impl ChannelAdapter for SimPlatform {
         let request = Request {
             chat: &claim.chat_id,
             text: &claim.text,
-            // The full key is 38 characters; Discord takes at most 25.
-            nonce: (self.api == Api::Discord).then(|| {
-                if chunked_outbox::sabotage::planted("unexpected_dead_letters") {
-                    claim.idempotency_key.clone()
-                } else {
-                    claim.compact_key()
+            // The full key is 38 characters; Discord takes at most 25. A Matrix
+            // transaction id is the key (URL-encoded by a real client).
+            nonce: match self.api {
+                Api::Discord if chunked_outbox::sabotage::planted("unexpected_dead_letters") => {
+                    Some(claim.idempotency_key.clone())
                 }
-            }),
+                Api::Discord => Some(claim.compact_key()),
+                Api::Matrix => Some(claim.idempotency_key.clone()),
+                _ => None,
+            },
             key: &claim.idempotency_key,
         };
         self.outcome(&self.post(&request))
