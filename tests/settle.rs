@@ -264,6 +264,25 @@ stores! {
         Ok(())
     }
 
+    /// The same when the channel asks under the default channel rules and those stop
+    /// asking.
+    fn a_chat_waiting_for_an_answer_goes_on_when_the_default_rules_stop_asking() -> Result<()> {
+        let db = TestDb::new(OutboxOptions::default().with_default_channel(ChannelPolicy::asking()));
+        let adapter = Scripted::new(vec![timeout()], Settlement::hold("history", "?"));
+        let (dispatcher, _) = dispatcher(&db, &adapter);
+        let a = reply(&db.outbox, "1", &["a"]);
+        let b = reply(&db.outbox, "1", &["b"]);
+        while dispatcher.run_once()? > 0 {}
+        assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Queued);
+        let mut rules = db.outbox.rules()?;
+        rules.default_channel = ChannelPolicy::default();
+        db.outbox.set_rules(rules)?;
+        while dispatcher.run_once()? > 0 {}
+        assert_eq!(view(&db.outbox, a).status, DeliveryStatus::Uncertain);
+        assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Delivered);
+        Ok(())
+    }
+
     /// Under `hold` nothing is asked, and under `skip` the chat does not wait for a
     /// person: the next reply goes at once.
     fn without_ask_a_held_reply_does_not_stop_its_chat() -> Result<()> {
