@@ -185,10 +185,7 @@ impl Outbox {
             tx.store_channel_rules(channel, rules.as_ref())?;
             // (A channel that stops asking its platform lets its waiting chats go on.)
             let mut after = before.policy.clone();
-            match &rules {
-                Some(rules) => after.channels.insert(channel.to_owned(), rules.clone()),
-                None => after.channels.remove(channel),
-            };
+            after.set_channel(channel, rules.as_ref());
             lane::follow_rule_change(tx, &before.policy, &after, self.options().now_ms())
         })
     }
@@ -576,10 +573,7 @@ fn reconcile(tx: &dyn StoreTx, options: &OutboxOptions) -> Result<()> {
     }
     for (name, rules) in &channels {
         tx.store_channel_rules(name, rules.as_ref())?;
-        match rules {
-            Some(rules) => wanted.channels.insert((*name).clone(), rules.clone()),
-            None => wanted.channels.remove(*name),
-        };
+        wanted.set_channel(name, rules.as_ref());
     }
     if store.any() || !channels.is_empty() {
         lane::follow_rule_change(tx, &stored, &wanted, options.now_ms())?;

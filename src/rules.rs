@@ -438,6 +438,14 @@ impl Rules {
     pub fn retry_for(&self, channel: &str) -> &RetryPolicy {
         self.channel(channel).retry.as_ref().unwrap_or(&self.retry)
     }
+
+    /// Gives `channel` rules of its own (`Some`), or the default ones (`None`).
+    pub(crate) fn set_channel(&mut self, channel: &str, rules: Option<&ChannelPolicy>) {
+        match rules {
+            Some(rules) => self.channels.insert(channel.to_owned(), rules.clone()),
+            None => self.channels.remove(channel),
+        };
+    }
 }
 
 /// What a handle knows of the stored rules: the rules, which of the file-wide ones

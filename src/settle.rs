@@ -20,8 +20,9 @@
 //! `outbox show`), reported as [`DispatchEvent::Settled`](crate::dispatch::DispatchEvent::Settled)
 //! and counted (`outbox_settlements_total`). A part is asked about once each time it
 //! becomes uncertain, and its chat waits for the answer: the chat's next reply is sent
-//! after the part is delivered or sent again, or once it is held for a person. Two processes may ask about the same part at once; the first
-//! answer recorded wins and the other is dropped, so a part is settled once.
+//! after the part is delivered or sent again, or once it is held for a person. Two
+//! processes may ask about the same part at once; the first answer recorded wins and
+//! the other is dropped, so a part is settled once.
 //!
 //! An application without a dispatcher does the same with
 //! [`Outbox::possibly_sent`] and [`Outbox::settle`]:
