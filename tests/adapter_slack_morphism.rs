@@ -716,50 +716,64 @@ async fn a_rate_limited_lookup_is_asked_again_after_its_wait() {
     );
 }
 
-/// An outbox on `clock` whose Slack channel asks, with `order` lanes, and a dispatcher
-/// whose adapter looks up at once and gives up after `limit`.
-fn asking_on(
-    dir: &tempfile::TempDir,
-    api: &SlackApi,
-    clock: &ManualClock,
-    order: LaneOrder,
-    limit: Duration,
-) -> (Outbox, AsyncDispatcher) {
-    let options = OutboxOptions::default()
-        .with_channel("slack", ChannelPolicy::asking())
-        .with_lane_order(order)
-        .with_clock(Arc::new(clock.clone()));
-    let outbox = Outbox::open(dir.path().join("bot.db"), options).unwrap();
-    let adapter = api
-        .adapter(TOKEN)
-        .with_lookup_grace(Duration::ZERO)
-        .with_lookup_limit(limit);
-    let dispatcher = AsyncDispatcher::builder(outbox.clone())
-        .adapter("slack", adapter)
-        .build()
-        .unwrap();
-    (outbox, dispatcher)
+/// An emulated Slack whose history methods `tier` limits, on a manual clock started at
+/// the time now (Slack's `ts` are the emulator's real time); an outbox on that clock
+/// whose Slack channel asks, with `order` lanes; a dispatcher whose adapter looks up at
+/// once and gives up after `limit`.
+struct Tiered {
+    clock: ManualClock,
+    api: SlackApi,
+    outbox: Outbox,
+    dispatcher: AsyncDispatcher,
+    _dir: tempfile::TempDir,
 }
 
-/// A manual clock at the time now (Slack's `ts` are the emulator's real time).
-fn clock_now() -> ManualClock {
-    ManualClock::new(chrono::Utc::now().timestamp_millis())
-}
-
-/// Rounds of asking, `step` apart on `clock`, until `done` or `rounds` are over.
-async fn ask_until(
-    dispatcher: &AsyncDispatcher,
-    clock: &ManualClock,
-    step: Duration,
-    rounds: usize,
-    mut done: impl FnMut() -> bool,
-) {
-    for _ in 0..rounds {
-        if done() {
-            return;
+impl Tiered {
+    fn new(tier: Tier, order: LaneOrder, limit: Duration) -> Tiered {
+        let clock = ManualClock::new(chrono::Utc::now().timestamp_millis());
+        let api = SlackApi::start_tier(tier, &clock);
+        let dir = tempfile::tempdir().unwrap();
+        let options = OutboxOptions::default()
+            .with_channel("slack", ChannelPolicy::asking())
+            .with_lane_order(order)
+            .with_clock(Arc::new(clock.clone()));
+        let outbox = Outbox::open(dir.path().join("bot.db"), options).unwrap();
+        let adapter = api
+            .adapter(TOKEN)
+            .with_lookup_grace(Duration::ZERO)
+            .with_lookup_limit(limit);
+        let dispatcher = AsyncDispatcher::builder(outbox.clone())
+            .adapter("slack", adapter)
+            .build()
+            .unwrap();
+        Tiered {
+            clock,
+            api,
+            outbox,
+            dispatcher,
+            _dir: dir,
         }
-        dispatcher.settle_once().await;
-        clock.advance(step);
+    }
+
+    /// `hello {chat}` sent once to `chat` (left uncertain there, posted or not), then
+    /// `chatter` messages of others after it.
+    async fn uncertain_hello(&self, chat: &str, chatter: usize) -> DeliveryId {
+        let id = emulator::hello_each(&self.outbox, "slack", &[chat])[chat];
+        emulator::send_due(&self.outbox, &self.api.adapter(TOKEN)).await;
+        assert_eq!(state(&self.outbox, id).1, ChunkStatus::Uncertain);
+        self.api.chatter(chat, chatter);
+        id
+    }
+
+    /// Rounds of asking, 10 s apart, until `done` or 60 rounds are over.
+    async fn ask_until(&self, mut done: impl FnMut() -> bool) {
+        for _ in 0..60 {
+            if done() {
+                return;
+            }
+            self.dispatcher.settle_once().await;
+            self.clock.advance(Duration::from_secs(10));
+        }
     }
 }
 
@@ -768,21 +782,11 @@ async fn ask_until(
 /// before it is over) and finds the post: three pages in all, never posted twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tier_1_lookup_goes_on_from_its_cursor_and_finds_the_post() {
-    let clock = clock_now();
-    let api = SlackApi::start_tier(TIER_1, &clock);
-    let dir = tempfile::tempdir().unwrap();
-    let (outbox, dispatcher) = asking_on(
-        &dir,
-        &api,
-        &clock,
-        LaneOrder::Fifo,
-        Duration::from_secs(1800),
-    );
-    let id = emulator::hello_each(&outbox, "slack", &["C777"])["C777"];
-    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
-    api.chatter("C777", 40);
-    let delivered = || state(&outbox, id).0 == DeliveryStatus::Delivered;
-    ask_until(&dispatcher, &clock, Duration::from_secs(10), 60, delivered).await;
+    let t = Tiered::new(TIER_1, LaneOrder::Fifo, Duration::from_secs(1800));
+    let id = t.uncertain_hello("C777", 40).await;
+    t.ask_until(|| state(&t.outbox, id).0 == DeliveryStatus::Delivered)
+        .await;
+    let (outbox, api) = (&t.outbox, &t.api);
     let view = outbox.delivery(id).unwrap().unwrap();
     assert_eq!(
         view.status,
@@ -806,36 +810,28 @@ async fn a_tier_1_lookup_goes_on_from_its_cursor_and_finds_the_post() {
         "one refusal a minute at most: {}",
         api.lookups()
     );
-    assert!(dispatcher.stats().settled_later >= 2);
+    assert!(t.dispatcher.stats().settled_later >= 2);
 }
 
 /// Tier 1, two replies of one chat waiting at once (parallel lanes): one page read
 /// answers both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_read_serves_every_part_waiting_in_the_conversation() {
-    let clock = clock_now();
-    let api = SlackApi::start_tier(TIER_1, &clock);
-    let dir = tempfile::tempdir().unwrap();
-    let (outbox, dispatcher) = asking_on(
-        &dir,
-        &api,
-        &clock,
-        LaneOrder::Parallel,
-        Duration::from_secs(1800),
-    );
+    let t = Tiered::new(TIER_1, LaneOrder::Parallel, Duration::from_secs(1800));
+    let (outbox, api, dispatcher) = (&t.outbox, &t.api, &t.dispatcher);
     let ids = ["a", "b"].map(|text| {
         outbox
             .enqueue(&NewDelivery::single("slack", "C777", text))
             .unwrap()
             .id
     });
-    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
+    emulator::send_due(outbox, &api.adapter(TOKEN)).await;
     for id in ids {
-        assert_eq!(state(&outbox, id).1, ChunkStatus::Uncertain);
+        assert_eq!(state(outbox, id).1, ChunkStatus::Uncertain);
     }
     assert_eq!(dispatcher.settle_once().await, 2);
     for id in ids {
-        assert_eq!(state(&outbox, id).0, DeliveryStatus::Delivered);
+        assert_eq!(state(outbox, id).0, DeliveryStatus::Delivered);
     }
     assert_eq!((api.pages(), api.lookups()), (1, 1), "one read for both");
     assert_eq!(api.posted().len(), 2);
@@ -846,26 +842,16 @@ async fn one_read_serves_every_part_waiting_in_the_conversation() {
 /// twice, and Slack is read no more than a page a minute.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lookup_that_cannot_finish_in_time_is_held_for_a_person() {
-    let clock = clock_now();
-    let api = SlackApi::start_tier(TIER_1, &clock);
-    let dir = tempfile::tempdir().unwrap();
-    let (outbox, dispatcher) = asking_on(
-        &dir,
-        &api,
-        &clock,
-        LaneOrder::Fifo,
-        Duration::from_secs(300),
-    );
-    let id = emulator::hello_each(&outbox, "slack", &["CLOST"])["CLOST"];
-    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
-    api.chatter("CLOST", 600);
+    let t = Tiered::new(TIER_1, LaneOrder::Fifo, Duration::from_secs(300));
+    let id = t.uncertain_hello("CLOST", 600).await;
+    let (outbox, api) = (&t.outbox, &t.api);
     let answered = || {
-        state(&outbox, id).0 != DeliveryStatus::Uncertain
+        state(outbox, id).0 != DeliveryStatus::Uncertain
             || outbox.delivery(id).unwrap().unwrap().chunks[0]
                 .settlement
                 .is_some()
     };
-    ask_until(&dispatcher, &clock, Duration::from_secs(10), 60, answered).await;
+    t.ask_until(answered).await;
     let view = outbox.delivery(id).unwrap().unwrap();
     assert_eq!(view.status, DeliveryStatus::Uncertain);
     let kept = view.chunks[0].settlement.clone().unwrap_or_default();
@@ -888,20 +874,9 @@ async fn a_lookup_that_cannot_finish_in_time_is_held_for_a_person() {
 /// in one question, without a refusal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_tier_3_a_lookup_reads_its_pages_at_once() {
-    let clock = clock_now();
-    let api = SlackApi::start_tier(TIER_3, &clock);
-    let dir = tempfile::tempdir().unwrap();
-    let (outbox, dispatcher) = asking_on(
-        &dir,
-        &api,
-        &clock,
-        LaneOrder::Fifo,
-        Duration::from_secs(1800),
-    );
-    let id = emulator::hello_each(&outbox, "slack", &["C777"])["C777"];
-    emulator::send_due(&outbox, &api.adapter(TOKEN)).await;
-    api.chatter("C777", 1_500);
-    assert_eq!(dispatcher.settle_once().await, 1);
-    assert_eq!(state(&outbox, id).0, DeliveryStatus::Delivered);
-    assert_eq!((api.pages(), api.lookups()), (8, 8));
+    let t = Tiered::new(TIER_3, LaneOrder::Fifo, Duration::from_secs(1800));
+    let id = t.uncertain_hello("C777", 1_500).await;
+    assert_eq!(t.dispatcher.settle_once().await, 1);
+    assert_eq!(state(&t.outbox, id).0, DeliveryStatus::Delivered);
+    assert_eq!((t.api.pages(), t.api.lookups()), (8, 8));
 }

@@ -250,37 +250,20 @@ stores! {
     /// A chat waiting for an answer goes on as soon as its channel stops asking (the
     /// stored rules changed by any process): nobody would ask any more.
     fn a_chat_waiting_for_an_answer_goes_on_when_its_channel_stops_asking() -> Result<()> {
-        let db = TestDb::new(asking(ReplayPolicy::Ask));
-        let adapter = Scripted::new(vec![timeout()], Settlement::hold("history", "?"));
-        let (dispatcher, _) = dispatcher(&db, &adapter);
-        let a = reply(&db.outbox, "1", &["a"]);
-        let b = reply(&db.outbox, "1", &["b"]);
-        while dispatcher.run_once()? > 0 {}
-        assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Queued);
-        db.outbox.set_channel_policy("chat", Some(ChannelPolicy::default()))?;
-        while dispatcher.run_once()? > 0 {}
-        assert_eq!(view(&db.outbox, a).status, DeliveryStatus::Uncertain);
-        assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Delivered);
-        Ok(())
+        goes_on_once_nobody_asks(asking(ReplayPolicy::Ask), |outbox| {
+            outbox.set_channel_policy("chat", Some(ChannelPolicy::default()))
+        })
     }
 
     /// The same when the channel asks under the default channel rules and those stop
     /// asking.
     fn a_chat_waiting_for_an_answer_goes_on_when_the_default_rules_stop_asking() -> Result<()> {
-        let db = TestDb::new(OutboxOptions::default().with_default_channel(ChannelPolicy::asking()));
-        let adapter = Scripted::new(vec![timeout()], Settlement::hold("history", "?"));
-        let (dispatcher, _) = dispatcher(&db, &adapter);
-        let a = reply(&db.outbox, "1", &["a"]);
-        let b = reply(&db.outbox, "1", &["b"]);
-        while dispatcher.run_once()? > 0 {}
-        assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Queued);
-        let mut rules = db.outbox.rules()?;
-        rules.default_channel = ChannelPolicy::default();
-        db.outbox.set_rules(rules)?;
-        while dispatcher.run_once()? > 0 {}
-        assert_eq!(view(&db.outbox, a).status, DeliveryStatus::Uncertain);
-        assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Delivered);
-        Ok(())
+        let options = OutboxOptions::default().with_default_channel(ChannelPolicy::asking());
+        goes_on_once_nobody_asks(options, |outbox| {
+            let mut rules = outbox.rules()?;
+            rules.default_channel = ChannelPolicy::default();
+            outbox.set_rules(rules)
+        })
     }
 
     /// Under `hold` nothing is asked, and under `skip` the chat does not wait for a
@@ -544,6 +527,26 @@ stores! {
 }
 
 /// Waits (at most 10 s) until `done` holds, looking every millisecond.
+/// A reply of chat 1 held uncertain under `options` (its channel asking), a second one
+/// waiting behind it; once `stop_asking` changes the stored rules, the second is sent.
+fn goes_on_once_nobody_asks(
+    options: OutboxOptions,
+    stop_asking: impl FnOnce(&chunked_outbox::Outbox) -> Result<()>,
+) -> Result<()> {
+    let db = TestDb::new(options);
+    let adapter = Scripted::new(vec![timeout()], Settlement::hold("history", "?"));
+    let (dispatcher, _) = dispatcher(&db, &adapter);
+    let a = reply(&db.outbox, "1", &["a"]);
+    let b = reply(&db.outbox, "1", &["b"]);
+    while dispatcher.run_once()? > 0 {}
+    assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Queued);
+    stop_asking(&db.outbox)?;
+    while dispatcher.run_once()? > 0 {}
+    assert_eq!(view(&db.outbox, a).status, DeliveryStatus::Uncertain);
+    assert_eq!(view(&db.outbox, b).status, DeliveryStatus::Delivered);
+    Ok(())
+}
+
 fn until(mut done: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while !done() {

@@ -1064,3 +1064,49 @@ fn back_names_a_console_page_and_nothing_reaches_a_header() {
         Some(format!("/console/deliveries/{id}?done=requeued&n=1").as_str())
     );
 }
+
+#[test]
+fn a_chat_waiting_for_its_platforms_answer_is_held_until_the_answer_is_hold() {
+    // Lane failure policy `skip`, the channel asking its platform: the uncertain reply
+    // holds its chat until the answer is recorded.
+    let options =
+        OutboxOptions::default().with_channel("slack", crate::rules::ChannelPolicy::asking());
+    let outbox = Outbox::open_in_memory(options).unwrap();
+    let held = uncertain(&outbox, "slack");
+    outbox
+        .enqueue(&NewDelivery::single("slack", "7", "second"))
+        .unwrap();
+    let console = Console::new(outbox.clone());
+    let page = get(&console, "/console/chats");
+    assert!(
+        page.body.contains("slack, 7")
+            && page.body.contains(&format!(
+                "Part 1 of <a href=\"/console/deliveries/{held}\">"
+            )),
+        "{}",
+        page.body
+    );
+    let part = outbox.possibly_sent("slack", 1).unwrap().remove(0);
+    let answer = crate::settle::Settlement::hold("history", "internal_error");
+    outbox.settle(&part, &answer).unwrap().unwrap();
+    let page = get(&console, "/console/chats");
+    assert!(!page.body.contains("slack, 7"), "{}", page.body);
+    // The chat went on: what holds it now is the next reply's retry, not the held one.
+    let claim = outbox.claim_channels(&["slack"], 1).unwrap().remove(0);
+    let outcome = Outcome::Transient {
+        error: "502 Bad Gateway".into(),
+    };
+    outbox.record(&claim, outcome).unwrap();
+    outbox
+        .enqueue(&NewDelivery::single("slack", "7", "third"))
+        .unwrap();
+    let page = get(&console, "/console/chats");
+    assert!(
+        page.body.contains(&format!(
+            "Part 1 of <a href=\"/console/deliveries/{}\">",
+            claim.delivery_id
+        )) && !page.body.contains(&held.to_string()),
+        "{}",
+        page.body
+    );
+}
