@@ -3,6 +3,7 @@
 use crate::store::sqlite_param;
 use rusqlite::{OptionalExtension, Row, params};
 
+use super::dead::Table;
 use super::tx::Tx;
 use crate::error::Result;
 use crate::status::{ChunkStatus, DeliveryStatus};
@@ -159,36 +160,43 @@ impl ChunkStore for Tx<'_> {
         due: i64,
         error: Option<&str>,
     ) -> Result<()> {
-        self.prepare_cached(
-            "UPDATE outbound_delivery_chunks
-             SET status = ?2, attempts = ?3, due_at = ?4, claim_token = NULL,
-                 last_error = coalesce(?5, last_error)
-             WHERE id = ?1",
-        )?
-        .execute(params![chunk, status.as_str(), attempts, due, error])?;
-        Ok(())
+        self.counting_chunk(chunk, || {
+            self.prepare_cached(
+                "UPDATE outbound_delivery_chunks
+                 SET status = ?2, attempts = ?3, due_at = ?4, claim_token = NULL,
+                     last_error = coalesce(?5, last_error)
+                 WHERE id = ?1",
+            )?
+            .execute(params![chunk, status.as_str(), attempts, due, error])?;
+            Ok(())
+        })
     }
 
     fn set_retry_unscheduled(&self, chunk: i64, attempts: u32, error: Option<&str>) -> Result<()> {
-        self.prepare_cached(
-            "UPDATE outbound_delivery_chunks
-             SET status = 'retry', attempts = ?2, due_at = NULL, claim_token = NULL,
-                 last_error = coalesce(?3, last_error)
-             WHERE id = ?1",
-        )?
-        .execute(params![chunk, attempts, error])?;
-        Ok(())
+        self.counting_chunk(chunk, || {
+            self.prepare_cached(
+                "UPDATE outbound_delivery_chunks
+                 SET status = 'retry', attempts = ?2, due_at = NULL, claim_token = NULL,
+                     last_error = coalesce(?3, last_error)
+                 WHERE id = ?1",
+            )?
+            .execute(params![chunk, attempts, error])?;
+            Ok(())
+        })
     }
 
     fn reset_budget(&self, chunk: i64) -> Result<()> {
-        self.prepare_cached(
-            "UPDATE outbound_delivery_chunks
-             SET status = 'retry', attempts = 0, rate_limits = 0, due_at = NULL, claim_token = NULL,
-                 sent_before = (sent_before OR attempts > 0), resend_by = NULL
-             WHERE id = ?1",
-        )?
-        .execute([chunk])?;
-        Ok(())
+        self.counting_chunk(chunk, || {
+            self.prepare_cached(
+                "UPDATE outbound_delivery_chunks
+                 SET status = 'retry', attempts = 0, rate_limits = 0, due_at = NULL,
+                     claim_token = NULL, sent_before = (sent_before OR attempts > 0),
+                     resend_by = NULL
+                 WHERE id = ?1",
+            )?
+            .execute([chunk])?;
+            Ok(())
+        })
     }
 
     fn count_rate_limit(&self, chunk: i64) -> Result<u32> {
@@ -206,6 +214,7 @@ impl ChunkStore for Tx<'_> {
         platform_message_id: Option<&str>,
         now: i64,
     ) -> Result<()> {
+        self.debug_not_dead(Table::Chunks, chunk)?;
         self.prepare_cached(
             "UPDATE outbound_delivery_chunks
              SET status = 'delivered', due_at = NULL, claim_token = NULL,
@@ -223,12 +232,70 @@ impl ChunkStore for Tx<'_> {
         status: Option<DeliveryStatus>,
     ) -> Result<()> {
         // One write to the delivery row: the count, and its status if it changes.
+        self.debug_not_dead(Table::Deliveries, delivery)?;
         self.prepare_cached(crate::store::count_delivered_sql!(sqlite_param))?
             .execute(params![delivery, now, status.map(DeliveryStatus::as_str)])?;
         Ok(())
     }
 
     fn set_chunk_aside(
+        &self,
+        chunk: i64,
+        status: ChunkStatus,
+        error: &str,
+        keep_token: bool,
+    ) -> Result<()> {
+        self.counting_chunk(chunk, || {
+            self.set_chunk_aside_uncounted(chunk, status, error, keep_token)
+        })
+    }
+
+    fn retry_keeping_token(&self, chunk: i64, due: i64) -> Result<()> {
+        self.counting_chunk(chunk, || {
+            self.prepare_cached(
+                "UPDATE outbound_delivery_chunks SET status = 'retry', due_at = ?2 WHERE id = ?1",
+            )?
+            .execute(params![chunk, due])?;
+            Ok(())
+        })
+    }
+
+    fn set_delivery_aside(
+        &self,
+        delivery: i64,
+        status: ChunkStatus,
+        now: i64,
+        finished: Option<i64>,
+    ) -> Result<()> {
+        self.counting(delivery, || {
+            self.prepare_cached(crate::store::set_delivery_aside_sql!(sqlite_param))?
+                .execute(params![delivery, status.as_str(), now, finished])?;
+            Ok(())
+        })
+    }
+
+    fn set_corrupt(
+        &self,
+        chunk: i64,
+        delivery: i64,
+        reason: &str,
+        now: i64,
+    ) -> Result<Option<(String, String)>> {
+        self.counting(delivery, || {
+            self.set_corrupt_uncounted(chunk, delivery, reason, now)
+        })
+    }
+
+    fn delivery_names(&self, delivery: i64) -> Result<Option<(String, String, String)>> {
+        Ok(self
+            .prepare_cached("SELECT uid, channel, chat_id FROM outbound_deliveries WHERE id = ?1")?
+            .query_row([delivery], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .optional()?)
+    }
+}
+
+impl Tx<'_> {
+    fn set_chunk_aside_uncounted(
         &self,
         chunk: i64,
         status: ChunkStatus,
@@ -255,27 +322,7 @@ impl ChunkStore for Tx<'_> {
         Ok(())
     }
 
-    fn retry_keeping_token(&self, chunk: i64, due: i64) -> Result<()> {
-        self.prepare_cached(
-            "UPDATE outbound_delivery_chunks SET status = 'retry', due_at = ?2 WHERE id = ?1",
-        )?
-        .execute(params![chunk, due])?;
-        Ok(())
-    }
-
-    fn set_delivery_aside(
-        &self,
-        delivery: i64,
-        status: ChunkStatus,
-        now: i64,
-        finished: Option<i64>,
-    ) -> Result<()> {
-        self.prepare_cached(crate::store::set_delivery_aside_sql!(sqlite_param))?
-            .execute(params![delivery, status.as_str(), now, finished])?;
-        Ok(())
-    }
-
-    fn set_corrupt(
+    fn set_corrupt_uncounted(
         &self,
         chunk: i64,
         delivery: i64,
@@ -305,13 +352,6 @@ impl ChunkStore for Tx<'_> {
                 String::from_utf8(chat_id).ok()?,
             ))
         }))
-    }
-
-    fn delivery_names(&self, delivery: i64) -> Result<Option<(String, String, String)>> {
-        Ok(self
-            .prepare_cached("SELECT uid, channel, chat_id FROM outbound_deliveries WHERE id = ?1")?
-            .query_row([delivery], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .optional()?)
     }
 }
 

@@ -4,6 +4,7 @@ use rusqlite::params;
 use rusqlite::types::ValueRef;
 
 use super::chunks::{chunk_ref, chunk_ref_where};
+use super::dead::Table;
 use super::tx::Tx;
 use crate::error::Result;
 use crate::ids::DeliveryId;
@@ -120,6 +121,7 @@ impl ClaimStore for Tx<'_> {
     }
 
     fn mark_sending(&self, chunk: i64, now: i64, lease_until: i64, token: i64) -> Result<()> {
+        self.debug_not_dead(Table::Chunks, chunk)?;
         self.prepare_cached(
             "UPDATE outbound_delivery_chunks
              SET status = 'sending', attempts = attempts + 1, due_at = ?2,

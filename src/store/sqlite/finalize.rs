@@ -6,6 +6,7 @@ use rusqlite::types::Value;
 use rusqlite::{Connection, params};
 
 use super::chunks::chunks_of_delivery;
+use super::dead::Table;
 use super::schema::sqlite_message;
 use super::tx::Tx;
 use crate::error::{Error, Result};
@@ -124,15 +125,18 @@ impl FinalizeStore for Tx<'_> {
     }
 
     fn mark_finalized(&self, delivery: i64, now: i64) -> Result<()> {
+        self.debug_not_dead(Table::Deliveries, delivery)?;
         self.prepare_cached(crate::store::mark_finalized_sql!(sqlite_param))?
             .execute(params![delivery, now])?;
         Ok(())
     }
 
     fn mark_unfinalized(&self, delivery: i64, now: i64, message: &str) -> Result<()> {
-        self.prepare_cached(crate::store::mark_unfinalized_sql!(sqlite_param))?
-            .execute(params![delivery, now, message])?;
-        Ok(())
+        self.counting(delivery, || {
+            self.prepare_cached(crate::store::mark_unfinalized_sql!(sqlite_param))?
+                .execute(params![delivery, now, message])?;
+            Ok(())
+        })
     }
 
     fn add_channel_stats(&self, t: &ChannelTally<'_>) -> Result<()> {

@@ -4,6 +4,7 @@
 use crate::store::sqlite_param;
 use rusqlite::{OptionalExtension, params};
 
+use super::dead::Table;
 use super::tx::Tx;
 use crate::error::Result;
 use crate::ids::CHUNK_STRIDE;
@@ -149,6 +150,7 @@ impl LaneStore for Tx<'_> {
             lane,
             earliest,
         } = head;
+        self.debug_not_dead(Table::Deliveries, waiting.id)?;
         self.prepare_cached("UPDATE outbound_deliveries SET status = ?2 WHERE id = ?1")?
             .execute(params![waiting.id, status.as_str()])?;
         // The head chunk has a row, whose due time is set, except at the first
@@ -231,9 +233,11 @@ impl LaneStore for Tx<'_> {
     }
 
     fn set_queued(&self, delivery: i64) -> Result<()> {
-        self.prepare_cached(crate::store::set_queued_sql!(sqlite_param))?
-            .execute([delivery])?;
-        Ok(())
+        self.counting(delivery, || {
+            self.prepare_cached(crate::store::set_queued_sql!(sqlite_param))?
+                .execute([delivery])?;
+            Ok(())
+        })
     }
 
     fn queued_deliveries(&self) -> Result<Vec<DeliveryLane>> {

@@ -21,6 +21,7 @@ pub(crate) mod tx;
 pub(crate) mod chunks;
 pub(crate) mod claims;
 pub(crate) mod connection;
+pub(crate) mod dead;
 pub(crate) mod deliveries;
 pub(crate) mod file;
 pub(crate) mod finalize;

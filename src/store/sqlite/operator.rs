@@ -112,7 +112,14 @@ impl OperatorStore for Tx<'_> {
              RETURNING channel, chat_id",
         )?;
         let rows = stmt.query_map(params![now, channel], |r| Ok((r.get(0)?, r.get(1)?)))?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
+        let lanes: Vec<(String, String)> = rows.collect::<rusqlite::Result<_>>()?;
+        // Each one acknowledged is one fewer unacknowledged dead letter of its channel.
+        let mut channels: Vec<&str> = lanes.iter().map(|(channel, _)| channel.as_str()).collect();
+        channels.sort_unstable();
+        for run in channels.chunk_by(|a, b| a == b) {
+            self.add_dead(run[0].as_bytes(), [0, -(run.len() as i64), 0, 0])?;
+        }
+        Ok(lanes)
     }
 
     fn chunk_progress(&self, delivery: i64) -> Result<Vec<ChunkProgress>> {
@@ -136,15 +143,19 @@ impl OperatorStore for Tx<'_> {
     }
 
     fn delete_chunks(&self, delivery: i64) -> Result<u64> {
-        Ok(self
-            .prepare_cached(DELETE_CHUNKS_SQL)?
-            .execute([delivery])? as u64)
+        self.counting(delivery, || {
+            Ok(self
+                .prepare_cached(DELETE_CHUNKS_SQL)?
+                .execute([delivery])? as u64)
+        })
     }
 
     fn mark_cancelled(&self, delivery: i64, now: i64) -> Result<()> {
-        self.prepare_cached(crate::store::mark_cancelled_sql!(sqlite_param))?
-            .execute(params![delivery, now])?;
-        Ok(())
+        self.counting(delivery, || {
+            self.prepare_cached(crate::store::mark_cancelled_sql!(sqlite_param))?
+                .execute(params![delivery, now])?;
+            Ok(())
+        })
     }
 
     fn held_or_head_chunk(&self, delivery: i64, uid: &str) -> Result<Option<ChunkRef>> {

@@ -25,18 +25,20 @@ impl RetentionStore for Tx<'_> {
     }
 
     fn delete_delivery(&self, delivery: i64) -> Result<u64> {
-        let removed = self
-            .prepare_cached(concat!(
-                "DELETE FROM outbound_deliveries WHERE id = ?1 AND ",
-                finished_sql!()
-            ))?
-            .execute([delivery])?;
-        if removed == 0 {
-            return Ok(0);
-        }
-        Ok(self
-            .prepare_cached(DELETE_CHUNKS_SQL)?
-            .execute([delivery])? as u64)
+        self.counting(delivery, || {
+            let removed = self
+                .prepare_cached(concat!(
+                    "DELETE FROM outbound_deliveries WHERE id = ?1 AND ",
+                    finished_sql!()
+                ))?
+                .execute([delivery])?;
+            if removed == 0 {
+                return Ok(0);
+            }
+            Ok(self
+                .prepare_cached(DELETE_CHUNKS_SQL)?
+                .execute([delivery])? as u64)
+        })
     }
 
     fn forget_delivered(&self, channel: &str, count: i64) -> Result<()> {

@@ -53,6 +53,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0009_settled_by_the_platform.sql"),
     include_str!("../../../migrations/sqlite/0010_counted_not_read.sql"),
     include_str!("../../../migrations/sqlite/0011_resend_deadline.sql"),
+    include_str!("../../../migrations/sqlite/0012_counted_by_the_writer.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:
@@ -359,7 +360,7 @@ mod tests {
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 11);
+        assert_eq!(SCHEMA_VERSION, 12);
     }
 
     fn schema_of(conn: &Connection) -> Vec<String> {
@@ -584,7 +585,7 @@ mod tests {
         let chunks = "SELECT json_array(id, status, channel_id) FROM outbound_delivery_chunks
                       ORDER BY id";
         let before = (dump(&conn, rows), dump(&conn, chunks));
-        migrate(&mut conn).unwrap();
+        migrations().to_version(&mut conn, 10).unwrap();
         assert_eq!((dump(&conn, rows), dump(&conn, chunks)), before);
         let counts = |conn: &Connection| {
             dump(
@@ -607,7 +608,8 @@ mod tests {
             ),
             ["[1,1,2,60999,60999]", "[3,0,1,0,0]"]
         );
-        // After it, the triggers keep them: a requeue, an acknowledgement, a purge.
+        // After it (until version 12), the triggers keep them: a requeue, an
+        // acknowledgement, a purge.
         conn.execute_batch(
             "UPDATE outbound_deliveries SET status = 'pending' WHERE id = 1;
              UPDATE outbound_delivery_chunks SET status = 'retry' WHERE id = 16384;
@@ -619,6 +621,84 @@ mod tests {
         )
         .unwrap();
         assert_eq!(counts(&conn), ["[\"telegram\",2,1,1,2]"]);
+    }
+
+    /// Version 12 keeps every row of a file of version 11, with replies in every state,
+    /// and the dead letters' counts its triggers kept; the triggers are gone.
+    #[test]
+    fn version_twelve_keeps_every_row_and_the_counts_without_triggers() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrations().to_version(&mut conn, 11).unwrap();
+        // Written through version 11's triggers, which count the dead letters.
+        conn.execute_batch(
+            "INSERT INTO outbound_channels (id, name) VALUES (1, 'slack'), (2, 'telegram');
+             INSERT INTO outbound_deliveries (id, uid, channel, chat_id, status, chunk_count,
+                 delivered_count, created_at, updated_at, text, acknowledged_at, corrupt,
+                 finished_at, finalize_error)
+             VALUES (1, 'u1', 'slack', 'a', 'failed', 2, 1, 1, 2, 'x y', NULL, NULL, 60000, NULL),
+                    (2, 'u2', 'slack', 'b', 'failed', 1, 0, 1, 2, 'x', 5, NULL, 60500, NULL),
+                    (3, 'u3', 'telegram', 'a', 'failed', 1, 0, 1, 2, 'x', NULL, 'bad', 9, NULL),
+                    (4, 'u4', 'telegram', 'a', 'queued', 1, 0, 1, 1, 'x', NULL, NULL, NULL, NULL),
+                    (5, 'u5', 'slack', 'c', 'delivered', 1, 1, 1, 3, 'x', NULL, NULL, 61000, NULL),
+                    (6, 'u6', 'slack', 'c', 'uncertain', 1, 0, 1, 1, 'x', NULL, NULL, NULL, NULL),
+                    (7, 'u7', 'slack', 'd', 'pending', 1, 0, 1, 1, 'x', NULL, NULL, NULL, NULL),
+                    (8, 'u8', 'slack', 'e', 'partial', 2, 1, 1, 1, 'x y', NULL, NULL, NULL, NULL),
+                    (9, 'u9', 'slack', 'f', 'cancelled', 1, 0, 1, 1, 'x', NULL, NULL, 7, NULL),
+                    (10, 'u10', 'slack', 'g', 'unfinalized', 1, 1, 1, 1, 'x', NULL, NULL, NULL,
+                     'no such table');
+             INSERT INTO outbound_delivery_chunks
+                 (id, delivery_id, chunk_index, status, channel_id, attempts, due_at,
+                  claim_token, resend_by)
+             VALUES (1 * 16384, 1, 0, 'delivered', 1, 1, NULL, NULL, NULL),
+                    (1 * 16384 + 1, 1, 1, 'failed', 1, 5, NULL, NULL, NULL),
+                    (2 * 16384, 2, 0, 'failed', 1, 1, NULL, NULL, NULL),
+                    (3 * 16384, 3, 0, 'failed', 2, 0, NULL, NULL, NULL),
+                    (5 * 16384, 5, 0, 'delivered', 1, 1, NULL, NULL, NULL),
+                    (6 * 16384, 6, 0, 'uncertain', 1, 1, NULL, 3, 70000),
+                    (7 * 16384, 7, 0, 'sending', 1, 1, 90000, 4, NULL),
+                    (8 * 16384, 8, 0, 'delivered', 1, 1, NULL, NULL, NULL),
+                    (8 * 16384 + 1, 8, 1, 'retry', 1, 2, 80000, NULL, NULL),
+                    (10 * 16384, 10, 0, 'delivered', 1, 1, NULL, NULL, NULL);",
+        )
+        .unwrap();
+        let dump = |conn: &Connection, sql: &str| -> Vec<String> {
+            conn.prepare(sql)
+                .unwrap()
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .collect::<rusqlite::Result<_>>()
+                .unwrap()
+        };
+        let rows = "SELECT json_array(id, uid, channel, chat_id, status, chunk_count,
+                        delivered_count, created_at, updated_at, text, acknowledged_at, corrupt,
+                        finished_at, finalize_error)
+                    FROM outbound_deliveries ORDER BY id";
+        let chunks = "SELECT json_array(id, delivery_id, chunk_index, status, channel_id,
+                          attempts, due_at, claim_token, resend_by)
+                      FROM outbound_delivery_chunks ORDER BY id";
+        let counts = "SELECT json_array(channel, dead_letters, unacknowledged, corrupt,
+                          failed_chunks)
+                      FROM outbound_dead_letter_counts WHERE dead_letters OR failed_chunks
+                      ORDER BY channel";
+        let before = (dump(&conn, rows), dump(&conn, chunks), dump(&conn, counts));
+        assert_eq!(
+            before.2,
+            ["[\"slack\",2,1,0,2]", "[\"telegram\",1,1,1,1]"],
+            "version 11's triggers counted them"
+        );
+        migrate(&mut conn).unwrap();
+        assert_eq!(
+            (dump(&conn, rows), dump(&conn, chunks), dump(&conn, counts)),
+            before
+        );
+        let triggers: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'trigger'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(triggers, 0, "no trigger is left on the outbox's tables");
     }
 
     #[test]
