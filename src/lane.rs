@@ -213,10 +213,12 @@ pub(crate) fn rejoin(
     lane: LaneRef<'_>,
     earliest: i64,
 ) -> Result<()> {
+    // Out of the dead letters (and unfinished) first, whatever the lane order: a
+    // dead letter that starts again is counted so, and no longer finished.
+    tx.set_queued(delivery)?;
     if rules.lane_order == LaneOrder::Parallel {
         return activate(tx, &tx.waiting(delivery)?, lane, earliest);
     }
-    tx.set_queued(delivery)?;
     advance(tx, rules, lane, earliest)
 }
 
