@@ -24,8 +24,8 @@ pub(crate) const OPEN_DELIVERIES_SQL: &str =
  WHERE status <> 'delivered' AND status <> 'failed'
  GROUP BY channel, status, acknowledged_at IS NULL";
 
-/// The dead letters and failed parts of each channel, as the triggers of schema version
-/// 10 keep them: a snapshot's cost does not grow with the dead letters kept.
+/// The dead letters and failed parts of each channel, as the statements that change them
+/// keep them (`super::dead`): a snapshot's cost does not grow with the dead letters kept.
 pub(crate) const DEAD_LETTER_COUNTS_SQL: &str =
     "SELECT channel, dead_letters, unacknowledged, corrupt, failed_chunks
  FROM outbound_dead_letter_counts
