@@ -156,6 +156,9 @@ struct Verdict {
     /// Dead letters to chats that still exist: a send a real platform accepts was
     /// refused, or a refusal was misread.
     unexpected_dead_letters: u64,
+    /// Health's dead-letter counts (dead letters, unacknowledged ones, failed parts)
+    /// that differ from the dead letters the operator lists with their parts.
+    dead_letters_miscounted: u64,
     seed: u64,
     elapsed_ms: u64,
 }
@@ -468,6 +471,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
     }
     let ok = verdict.lost == 0
         && verdict.unexpected_dead_letters == 0
+        && verdict.dead_letters_miscounted == 0
         && verdict.out_of_order == 0
         && verdict.missing_finalizations == 0
         && verdict.wrong_finalizations == 0
@@ -475,6 +479,39 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         && verdict.max_uncertain_per_kill <= verdict.max_sends_in_flight
         && verdict.uncertain_left == 0;
     Ok(if ok { 0 } else { 1 })
+}
+
+/// How many of health's dead-letter counts differ from what an operator lists: the
+/// dead letters, those nobody acknowledged, and their failed parts.
+fn dead_letters_miscounted(outbox: &Outbox) -> CliResult<u64> {
+    let totals = outbox.health()?.totals;
+    let listed = outbox.list(
+        &chunked_outbox::monitoring::ListFilter::default()
+            .status(chunked_outbox::monitoring::DeliveryStatus::Failed)
+            .limit(10_000),
+    )?;
+    let unacknowledged = listed
+        .iter()
+        .filter(|d| d.acknowledged_at.is_none())
+        .count();
+    let mut failed_parts = 0;
+    for d in &listed {
+        if let Some(view) = outbox.delivery(d.id)? {
+            failed_parts += view
+                .chunks
+                .iter()
+                .filter(|c| c.status == chunked_outbox::monitoring::ChunkStatus::Failed)
+                .count();
+        }
+    }
+    Ok([
+        (totals.failed_deliveries, listed.len()),
+        (totals.unacknowledged_dead_letters, unacknowledged),
+        (totals.failed_chunks, failed_parts),
+    ]
+    .iter()
+    .filter(|(counted, seen)| *counted != *seen as u64)
+    .count() as u64)
 }
 
 /// One process under torture.
@@ -660,6 +697,7 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
     }
     // History rows of deliveries nobody enqueued.
     v.wrong_finalizations += rows.len() as u64;
+    v.dead_letters_miscounted = dead_letters_miscounted(outbox)?;
     v.out_of_order = record.chats_out_of_order(&position);
 
     // What each kill of a dispatcher left uncertain: the chunks the operator found held
