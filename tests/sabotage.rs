@@ -114,29 +114,3 @@ faults!(
     unexpected_dead_letters,
 );
 
-/// The torture's dead-letter counts against what an operator lists: a store that stops
-/// counting is caught.
-#[test]
-fn dead_letters_miscounted() {
-    assert_eq!(
-        chunked_outbox::sabotage::COUNT_FAULTS,
-        ["dead_letters_miscounted"]
-    );
-    let (code, verdict) = run(
-        "dead_letters_miscounted",
-        &[
-            "torture",
-            "--kills",
-            "30",
-            "--seed",
-            "5",
-            "--settle-timeout",
-            "20s",
-        ],
-    );
-    assert!(
-        caught("dead_letters_miscounted", &verdict),
-        "the torture missed uncounted dead letters: {verdict}"
-    );
-    assert!(code.is_some_and(|c| c != 0), "exited {code:?}: {verdict}");
-}
