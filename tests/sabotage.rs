@@ -113,4 +113,3 @@ faults!(
     uncertain_left,
     unexpected_dead_letters,
 );
-
