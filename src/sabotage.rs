@@ -18,14 +18,6 @@ pub const FAULTS: &[&str] = &[
     "unexpected_dead_letters",
 ];
 
-/// A fault of the SQLite store's dead-letter counts: the statements that make and
-/// unmake dead letters stop counting them. The torture's verdict
-/// `dead_letters_miscounted` (health against what an operator lists) catches it when
-/// dead letters are left at the end of the run (`OUTBOX_SABOTAGE=dead_letters_miscounted
-/// outbox-lab torture`); not yet in `tests/sabotage.rs`, whose short run may purge
-/// every dead letter before the verdict.
-#[cfg(feature = "sabotage")]
-pub const COUNT_FAULTS: &[&str] = &["dead_letters_miscounted"];
 /// Faults of a store's locks, which a single process never shows: the lane hammer
 /// (`tests/hammer.rs`) must catch each.
 #[cfg(feature = "sabotage")]

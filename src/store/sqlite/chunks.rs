@@ -246,7 +246,24 @@ impl ChunkStore for Tx<'_> {
         keep_token: bool,
     ) -> Result<()> {
         self.counting_chunk(chunk, || {
-            self.set_chunk_aside_uncounted(chunk, status, error, keep_token)
+            if keep_token {
+                self.prepare_cached(
+                    "UPDATE outbound_delivery_chunks
+                     SET status = ?2, due_at = NULL, last_error = ?3,
+                         settlement = CASE WHEN ?2 = 'uncertain' THEN NULL ELSE settlement END
+                     WHERE id = ?1",
+                )?
+                .execute(params![chunk, status.as_str(), error])?;
+            } else {
+                self.prepare_cached(
+                    "UPDATE outbound_delivery_chunks
+                     SET status = ?2, due_at = NULL, claim_token = NULL, last_error = ?3,
+                         settlement = CASE WHEN ?2 = 'uncertain' THEN NULL ELSE settlement END
+                     WHERE id = ?1",
+                )?
+                .execute(params![chunk, status.as_str(), error])?;
+            }
+            Ok(())
         })
     }
 
@@ -282,7 +299,29 @@ impl ChunkStore for Tx<'_> {
         now: i64,
     ) -> Result<Option<(String, String)>> {
         self.counting(delivery, || {
-            self.set_corrupt_uncounted(chunk, delivery, reason, now)
+            self.prepare_cached(
+                "UPDATE outbound_delivery_chunks
+                 SET status = 'failed', due_at = NULL, claim_token = NULL, last_error = ?2
+                 WHERE id = ?1",
+            )?
+            .execute(params![chunk, reason])?;
+            // Read back as bytes: the text may be what cannot be read.
+            let lane: Option<(Vec<u8>, Vec<u8>)> = self
+                .prepare_cached(
+                    "UPDATE outbound_deliveries
+                     SET status = 'failed', updated_at = ?2, finished_at = ?2, corrupt = ?3
+                     WHERE id = ?1 RETURNING CAST(channel AS BLOB), CAST(chat_id AS BLOB)",
+                )?
+                .query_row(params![delivery, now, reason], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })
+                .optional()?;
+            Ok(lane.and_then(|(channel, chat_id)| {
+                Some((
+                    String::from_utf8(channel).ok()?,
+                    String::from_utf8(chat_id).ok()?,
+                ))
+            }))
         })
     }
 
@@ -291,67 +330,6 @@ impl ChunkStore for Tx<'_> {
             .prepare_cached("SELECT uid, channel, chat_id FROM outbound_deliveries WHERE id = ?1")?
             .query_row([delivery], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
             .optional()?)
-    }
-}
-
-impl Tx<'_> {
-    fn set_chunk_aside_uncounted(
-        &self,
-        chunk: i64,
-        status: ChunkStatus,
-        error: &str,
-        keep_token: bool,
-    ) -> Result<()> {
-        if keep_token {
-            self.prepare_cached(
-                "UPDATE outbound_delivery_chunks
-                 SET status = ?2, due_at = NULL, last_error = ?3,
-                     settlement = CASE WHEN ?2 = 'uncertain' THEN NULL ELSE settlement END
-                 WHERE id = ?1",
-            )?
-            .execute(params![chunk, status.as_str(), error])?;
-        } else {
-            self.prepare_cached(
-                "UPDATE outbound_delivery_chunks
-                 SET status = ?2, due_at = NULL, claim_token = NULL, last_error = ?3,
-                     settlement = CASE WHEN ?2 = 'uncertain' THEN NULL ELSE settlement END
-                 WHERE id = ?1",
-            )?
-            .execute(params![chunk, status.as_str(), error])?;
-        }
-        Ok(())
-    }
-
-    fn set_corrupt_uncounted(
-        &self,
-        chunk: i64,
-        delivery: i64,
-        reason: &str,
-        now: i64,
-    ) -> Result<Option<(String, String)>> {
-        self.prepare_cached(
-            "UPDATE outbound_delivery_chunks
-             SET status = 'failed', due_at = NULL, claim_token = NULL, last_error = ?2
-             WHERE id = ?1",
-        )?
-        .execute(params![chunk, reason])?;
-        // Read back as bytes: the text may be what cannot be read.
-        let lane: Option<(Vec<u8>, Vec<u8>)> = self
-            .prepare_cached(
-                "UPDATE outbound_deliveries
-                 SET status = 'failed', updated_at = ?2, finished_at = ?2, corrupt = ?3
-                 WHERE id = ?1 RETURNING CAST(channel AS BLOB), CAST(chat_id AS BLOB)",
-            )?
-            .query_row(params![delivery, now, reason], |r| {
-                Ok((r.get(0)?, r.get(1)?))
-            })
-            .optional()?;
-        Ok(lane.and_then(|(channel, chat_id)| {
-            Some((
-                String::from_utf8(channel).ok()?,
-                String::from_utf8(chat_id).ok()?,
-            ))
-        }))
     }
 }
 

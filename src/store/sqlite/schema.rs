@@ -363,6 +363,16 @@ mod tests {
         assert_eq!(SCHEMA_VERSION, 12);
     }
 
+    /// The first column of each row `sql` reads, as text.
+    fn dump(conn: &Connection, sql: &str) -> Vec<String> {
+        conn.prepare(sql)
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap()
+    }
+
     fn schema_of(conn: &Connection) -> Vec<String> {
         let mut stmt = conn
             .prepare("SELECT coalesce(sql, name) FROM sqlite_master ORDER BY name")
@@ -572,14 +582,6 @@ mod tests {
                     (6 * 16384, 6, 0, 'uncertain', 1);",
         )
         .unwrap();
-        let dump = |conn: &Connection, sql: &str| -> Vec<String> {
-            conn.prepare(sql)
-                .unwrap()
-                .query_map([], |r| r.get(0))
-                .unwrap()
-                .collect::<rusqlite::Result<_>>()
-                .unwrap()
-        };
         let rows = "SELECT json_array(id, uid, channel, chat_id, status, acknowledged_at, corrupt)
                     FROM outbound_deliveries ORDER BY id";
         let chunks = "SELECT json_array(id, status, channel_id) FROM outbound_delivery_chunks
@@ -661,14 +663,6 @@ mod tests {
                     (10 * 16384, 10, 0, 'delivered', 1, 1, NULL, NULL, NULL);",
         )
         .unwrap();
-        let dump = |conn: &Connection, sql: &str| -> Vec<String> {
-            conn.prepare(sql)
-                .unwrap()
-                .query_map([], |r| r.get(0))
-                .unwrap()
-                .collect::<rusqlite::Result<_>>()
-                .unwrap()
-        };
         let rows = "SELECT json_array(id, uid, channel, chat_id, status, chunk_count,
                         delivered_count, created_at, updated_at, text, acknowledged_at, corrupt,
                         finished_at, finalize_error)
