@@ -1905,10 +1905,13 @@ pub(super) fn lanes_are_entered_as_their_reads_say(fresh: Fresh) {
     let b1 = enqueue(&ob, "b", "b1");
     let claim = claim_one(&ob);
     ob.record(&claim, Outcome::delivered(None)).unwrap();
+    let q1 = enqueue(&ob, "q", "q1");
     write(&ob, |tx| {
         tx.pause_lane(lane("b"), T0 + 60_000)?;
+        // (a reply put back in its lane: the lane's head is queued)
+        tx.set_queued(row(&ob, q1))?;
         let staged = tx.stage(&NewDelivery::single("t", "c", "staged"), T0)?;
-        let lanes = [lane("a"), lane("b"), lane("c"), lane("nobody")];
+        let lanes = [lane("a"), lane("b"), lane("c"), lane("nobody"), lane("q")];
         let before = tx.next_delivery_row()?;
         let (entries, rows) = tx.enter_lanes(&lanes, 3)?;
         let (expected, later) = crate::store::composed::enter_lanes(tx, &lanes, 3)?;
@@ -1919,6 +1922,11 @@ pub(super) fn lanes_are_entered_as_their_reads_say(fresh: Fresh) {
             matches!(entries[0].head, Some(HeadRow::Active)),
             "{entries:?}"
         );
+        assert!(
+            matches!(&entries[4].head, Some(HeadRow::Queued(w)) if w.id == row(&ob, q1)),
+            "{entries:?}"
+        );
+        assert_eq!(entries[3].head, None, "{entries:?}");
         assert!(
             rows[0] >= before && rows[0] > row(&ob, b1),
             "{rows:?} after {before}"

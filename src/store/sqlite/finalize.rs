@@ -26,11 +26,14 @@ const FINALIZE_VALUES_SQL: &str = concat!(
 );
 
 /// The statement that copies delivery `?1` into the crate's history, delivered at
-/// `?2`, with `$content` as the content.
+/// `?2`, with `$content` as the content. `OR FAIL`: it copies at most one row, so a
+/// failure leaves nothing of its own to undo (and fails the transaction, which undoes
+/// the rest); without it SQLite would run this `INSERT ... SELECT` under a statement
+/// journal, copying every page it changes, in every finalization.
 macro_rules! history_sql {
     ($content:literal) => {
         concat!(
-            "INSERT INTO outbound_messages
+            "INSERT OR FAIL INTO outbound_messages
                  (delivery_id, channel, chat_id, sender, content, chunk_count, created_at, delivered_at)
              SELECT uid, channel, chat_id, sender, ",
             $content,

@@ -65,6 +65,52 @@ pub(crate) const HEAD_SQL: &str = head_sql!("id");
 /// [`HEAD_SQL`] with the newest queued reply first: the planted fault `out_of_order`.
 const HEAD_SQL_NEWEST_FIRST: &str = head_sql!("id DESC");
 
+/// Lane (`?1`, `?2`) as an enqueue enters it, in one statement: the next delivery row
+/// (`DeliveryStore::next_delivery_row`), the end of the lane's pause or interval
+/// (`LaneStore::lane_due_time` of `?3`, the earliest time there is), and its head as
+/// [`HEAD_SQL`] reads it (NULLs for none): the head's id from the index alone, its row
+/// by that id.
+macro_rules! enter_sql {
+    ($order:literal) => {
+        concat!(
+            "SELECT (SELECT coalesce(max(id), 0) + 1 FROM outbound_deliveries), ",
+            lane_due!("?3", "?1", "?2"),
+            ", d.status = 'queued', d.id, d.delivered_count, d.not_before
+             FROM (SELECT 1) LEFT JOIN outbound_deliveries d ON d.id = (
+                 SELECT id FROM outbound_deliveries
+                 WHERE channel = ?1 AND chat_id = ?2 AND status >= 'partial'
+                   AND status <= 'queued' AND status <> 'delivered' AND status <> 'failed'
+                 ORDER BY status, ",
+            $order,
+            " LIMIT 1)"
+        )
+    };
+}
+
+/// [`enter_sql!`] as a lane is entered.
+pub(crate) const ENTER_SQL: &str = enter_sql!("id");
+
+/// [`ENTER_SQL`] with the newest queued reply first: the planted fault `out_of_order`.
+pub(crate) const ENTER_SQL_NEWEST_FIRST: &str = enter_sql!("id DESC");
+
+/// A head as [`HEAD_SQL`] reads it, from column `at` on: queued (with what its
+/// activation needs) or active; `None` where the columns are NULL (no head).
+pub(crate) fn head_row(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<Option<HeadRow>> {
+    let Some(queued) = r.get::<_, Option<bool>>(at)? else {
+        return Ok(None);
+    };
+    if !queued {
+        return Ok(Some(HeadRow::Active));
+    }
+    let id = r.get(at + 1)?;
+    Ok(Some(HeadRow::Queued(Waiting {
+        id,
+        position: id,
+        head_index: r.get(at + 2)?,
+        not_before: r.get(at + 3)?,
+    })))
+}
+
 /// The oldest delivery holding lane (`?1`, `?2`): under `LaneFailurePolicy::Block`
 /// (`?3`) an uncertain one or a dead letter nobody acknowledged; otherwise an
 /// uncertain one whose platform was not asked yet.
@@ -120,21 +166,9 @@ impl LaneStore for Tx<'_> {
         };
         Ok(self
             .prepare_cached(sql)?
-            .query_row(params![lane.channel, lane.chat_id], |r| {
-                let queued: bool = r.get(0)?;
-                Ok(if queued {
-                    let id = r.get(1)?;
-                    HeadRow::Queued(Waiting {
-                        id,
-                        position: id,
-                        head_index: r.get(2)?,
-                        not_before: r.get(3)?,
-                    })
-                } else {
-                    HeadRow::Active
-                })
-            })
-            .optional()?)
+            .query_row(params![lane.channel, lane.chat_id], |r| head_row(r, 0))
+            .optional()?
+            .flatten())
     }
 
     fn lane_held(&self, lane: LaneRef<'_>, block: bool) -> Result<Option<i64>> {

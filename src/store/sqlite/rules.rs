@@ -8,7 +8,7 @@ use rusqlite::{OptionalExtension, params};
 use super::tx::Tx;
 use crate::error::Result;
 use crate::rules::{ChannelPolicy, FileColumns, FileRules, Rules, Stored};
-use crate::store::{ChannelRow, LaneRef, Locks, RuleStore, StoreTx};
+use crate::store::{ChannelRow, DeliveryStore, LaneEntry, LaneRef, Locks, RuleStore, StoreTx};
 
 /// Every write transaction is `BEGIN IMMEDIATE`: it holds the database's one write lock
 /// from its first statement to its end, so it holds every lane, slot, key and the rules
@@ -54,6 +54,42 @@ impl StoreTx for Tx<'_> {
 
     fn in_transaction(&self) -> bool {
         !self.is_autocommit()
+    }
+
+    fn enter_lanes(
+        &self,
+        lanes: &[LaneRef<'_>],
+        rows: usize,
+    ) -> Result<(Vec<LaneEntry>, Vec<i64>)> {
+        let sql = if crate::sabotage::planted("out_of_order") {
+            super::lanes::ENTER_SQL_NEWEST_FIRST
+        } else {
+            super::lanes::ENTER_SQL
+        };
+        let mut stmt = self.prepare_cached(sql)?;
+        let mut first = None;
+        let mut entries = Vec::with_capacity(lanes.len());
+        for lane in lanes {
+            let (next, entry) =
+                stmt.query_row(params![lane.channel, lane.chat_id, i64::MIN], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        LaneEntry {
+                            // (SQLite has no staged replies.)
+                            staged_before: false,
+                            free_at: r.get(1)?,
+                            head: super::lanes::head_row(r, 2)?,
+                        },
+                    ))
+                })?;
+            first.get_or_insert(next);
+            entries.push(entry);
+        }
+        let first = match first {
+            Some(first) => first,
+            None => self.next_delivery_row()?,
+        };
+        Ok((entries, (first..).take(rows).collect()))
     }
 
     fn note_dead_letter(&self, delivery: i64, error: &str) {
