@@ -36,8 +36,12 @@ pub const SETTLE_FAULTS: &[&str] = &["settle_holds", "settle_resends"];
 #[cfg(feature = "sabotage")]
 pub const FAILOVER_FAULTS: &[&str] = &["lost_commit_asked_anywhere"];
 
-/// Whether the fault `name` (one of [`FAULTS`] or [`LOCK_FAULTS`]) is planted in this
-/// process.
+/// A fault of SQLite's dead-letter counts, which its writers keep (schema 12): the
+/// torture's verdict `dead_letters_miscounted` must catch it (`tests/sabotage.rs`).
+#[cfg(feature = "sabotage")]
+pub const COUNT_FAULTS: &[&str] = &["dead_letters_miscounted"];
+
+/// Whether the fault `name` (one of the lists above) is planted in this process.
 #[cfg(feature = "sabotage")]
 pub fn planted(name: &str) -> bool {
     static CHOSEN: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();

@@ -91,6 +91,40 @@ fn check(fault: &str) {
     }
 }
 
+/// The dead letters' counts, kept by SQLite's writers: a short torture, which makes
+/// dead letters (replies to chats that no longer exist) and lists them as an operator
+/// does, must report the counts it plants wrong. A run that made no dead letter would
+/// prove nothing, so it fails too.
+#[test]
+fn dead_letters_miscounted() {
+    let fault = "dead_letters_miscounted";
+    assert_eq!(chunked_outbox::sabotage::COUNT_FAULTS, [fault]);
+    let (code, verdict) = run(
+        fault,
+        &[
+            "torture",
+            "--kills",
+            "30",
+            "--seed",
+            "5",
+            "--settle-timeout",
+            "20s",
+        ],
+    );
+    assert!(
+        verdict["dead_letters"].as_u64() > Some(0),
+        "the run made no dead letter to count: {verdict}"
+    );
+    assert!(
+        caught(fault, &verdict),
+        "the torture missed {fault}: {verdict}"
+    );
+    assert!(
+        code.is_some_and(|c| c != 0),
+        "the torture reported {fault} but exited {code:?}: {verdict}"
+    );
+}
+
 macro_rules! faults {
     ($($fault:ident),* $(,)?) => {
         $(#[test] fn $fault() { check(stringify!($fault)) })*
