@@ -32,20 +32,30 @@ macro_rules! lane_due {
     };
 }
 
-/// The lane head's statement, its queued deliveries in the order `$order` of their ids.
+/// The lane head's statement, reading `$columns` of it, its queued deliveries in the
+/// order `$order` of their ids.
 macro_rules! head_sql {
-    ($order:literal) => {
+    ($columns:expr, $order:literal) => {
         concat!(
-            "SELECT status = 'queued', id,
-                    CASE WHEN status = 'queued' THEN delivered_count END,
-                    CASE WHEN status = 'queued' THEN not_before END
-             FROM outbound_deliveries
+            "SELECT ",
+            $columns,
+            " FROM outbound_deliveries
              WHERE channel = ?1 AND chat_id = ?2 AND status >= 'partial' AND status <= 'queued'
                AND status <> 'delivered' AND status <> 'failed'
              ORDER BY status, ",
             $order,
             " LIMIT 1"
         )
+    };
+}
+
+/// The columns of the head [`HEAD_SQL`] reads: whether it is queued, and for a queued
+/// one what its activation needs.
+macro_rules! head_columns {
+    () => {
+        "status = 'queued', id,
+         CASE WHEN status = 'queued' THEN delivered_count END,
+         CASE WHEN status = 'queued' THEN not_before END"
     };
 }
 
@@ -60,10 +70,10 @@ macro_rules! head_sql {
 ///
 /// The lane position of a delivery is its row id: chosen as one past the largest under
 /// the writer's lock (`DeliveryStore::next_delivery_row`), so in commit order.
-pub(crate) const HEAD_SQL: &str = head_sql!("id");
+pub(crate) const HEAD_SQL: &str = head_sql!(head_columns!(), "id");
 
 /// [`HEAD_SQL`] with the newest queued reply first: the planted fault `out_of_order`.
-const HEAD_SQL_NEWEST_FIRST: &str = head_sql!("id DESC");
+const HEAD_SQL_NEWEST_FIRST: &str = head_sql!(head_columns!(), "id DESC");
 
 /// Lane (`?1`, `?2`) as an enqueue enters it, in one statement: the next delivery row
 /// (`DeliveryStore::next_delivery_row`), the end of the lane's pause or interval
@@ -76,13 +86,9 @@ macro_rules! enter_sql {
             "SELECT (SELECT coalesce(max(id), 0) + 1 FROM outbound_deliveries), ",
             lane_due!("?3", "?1", "?2"),
             ", d.status = 'queued', d.id, d.delivered_count, d.not_before
-             FROM (SELECT 1) LEFT JOIN outbound_deliveries d ON d.id = (
-                 SELECT id FROM outbound_deliveries
-                 WHERE channel = ?1 AND chat_id = ?2 AND status >= 'partial'
-                   AND status <= 'queued' AND status <> 'delivered' AND status <> 'failed'
-                 ORDER BY status, ",
-            $order,
-            " LIMIT 1)"
+             FROM (SELECT 1) LEFT JOIN outbound_deliveries d ON d.id = (",
+            head_sql!("id", $order),
+            ")"
         )
     };
 }

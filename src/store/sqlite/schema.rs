@@ -1115,6 +1115,21 @@ mod plan_tests {
             "{plan}"
         );
         assert_no_full_scan(&plan, "outbound_deliveries");
+        // An enqueue's entry: the head's id from the covering index, its row by that id,
+        // the lane's pause by its key; the head is not materialized first.
+        let plan = explain(&ob, crate::store::sqlite::lanes::ENTER_SQL, 3);
+        assert!(
+            plan.contains(
+                "SEARCH outbound_deliveries USING COVERING INDEX outbound_deliveries_open \
+                 (channel=? AND chat_id=? AND status>? AND status<?)"
+            ) && plan.contains("SEARCH d USING INTEGER PRIMARY KEY (rowid=?)")
+                && plan
+                    .contains("SEARCH outbound_lanes USING PRIMARY KEY (channel=? AND chat_id=?)")
+                && !plan.contains("MATERIALIZE"),
+            "{plan}"
+        );
+        assert_no_full_scan(&plan, "outbound_deliveries");
+        assert_no_full_scan(&plan, "d");
     }
 
     /// The statements of every claim, ack and enqueue run without a temporary b-tree:
@@ -1126,6 +1141,7 @@ mod plan_tests {
         let conn = ob.sqlite("test").unwrap().writer();
         for sql in [
             crate::store::sqlite::lanes::HEAD_SQL,
+            crate::store::sqlite::lanes::ENTER_SQL,
             crate::store::sqlite::lanes::HELD_SQL,
             crate::store::sqlite::chunks::CLAIMED_SQL,
             crate::store::sqlite::finalize::HISTORY_SQL,
