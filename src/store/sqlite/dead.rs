@@ -142,3 +142,47 @@ impl Tx<'_> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::tx::Tx;
+    use crate::ids::CHUNK_STRIDE;
+    use crate::store::{ChunkStore, FinalizeStore};
+    use crate::{NewDelivery, Outbox, OutboxOptions};
+
+    /// A dead letter and its failed part, on a fresh outbox: the delivery's row number.
+    fn dead_letter(ob: &Outbox) -> i64 {
+        ob.enqueue(&NewDelivery::single("t", "gone", "x")).unwrap();
+        let claim = ob.claim(1).unwrap().pop().unwrap();
+        ob.record_error_text(&claim, "Forbidden: bot was blocked by the user")
+            .unwrap();
+        claim.chunk_id.0 / CHUNK_STRIDE
+    }
+
+    /// In a debug build the hot path's writes, which do not count, stop at a dead
+    /// letter's rows: a change they made there would leave the counts wrong.
+    #[test]
+    #[cfg(debug_assertions)]
+    fn the_hot_path_stops_at_a_dead_letter_in_debug_builds() {
+        let ob = Outbox::open_in_memory(OutboxOptions::default()).unwrap();
+        let delivery = dead_letter(&ob);
+        let conn = ob.sqlite("test").unwrap().writer();
+        for write in [
+            &(|tx: &Tx<'_>| tx.mark_delivered(delivery * CHUNK_STRIDE, None, 0))
+                as &dyn Fn(&Tx<'_>) -> crate::Result<()>,
+            &|tx: &Tx<'_>| tx.mark_finalized(delivery, 0),
+        ] {
+            let tx = Tx::new(&conn);
+            let stopped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| write(&tx)));
+            assert!(stopped.is_err(), "a write to a dead letter went through");
+        }
+        drop(conn);
+        // Nothing was changed: still one dead letter with its failed part.
+        let totals = ob.health().unwrap().totals;
+        assert_eq!(
+            (totals.failed_deliveries, totals.failed_chunks),
+            (1, 1),
+            "{totals:?}"
+        );
+    }
+}
