@@ -38,6 +38,34 @@ fn caught(fault: &str, verdict: &Value) -> bool {
     n(fault).is_some_and(|v| v > 0)
 }
 
+/// The torture's arguments, with `kills` kills.
+fn torture(kills: &str) -> [&str; 7] {
+    [
+        "torture",
+        "--kills",
+        kills,
+        "--seed",
+        "5",
+        "--settle-timeout",
+        "20s",
+    ]
+}
+
+/// Runs `harness` (`args`) with `fault` planted: its verdict must report the fault and
+/// its exit code say it failed. Returns the verdict.
+fn assert_reported(harness: &str, fault: &str, args: &[&str]) -> Value {
+    let (code, verdict) = run(fault, args);
+    assert!(
+        caught(fault, &verdict),
+        "{harness} missed the planted fault {fault}: {verdict}"
+    );
+    assert!(
+        code.is_some_and(|c| c != 0),
+        "{harness} reported {fault} but exited {code:?}: {verdict}"
+    );
+    verdict
+}
+
 fn check(fault: &str) {
     // A kill must land while a dispatcher holds more sends than its bound: likelier
     // with more kills, which a busy machine (the other faults' runs beside this one)
@@ -47,48 +75,25 @@ fn check(fault: &str) {
     } else {
         ("30", "2")
     };
-    let harnesses: [(&str, &[&str]); 2] = [
-        (
-            "torture",
-            &[
-                "torture",
-                "--kills",
-                kills,
-                "--seed",
-                "5",
-                "--settle-timeout",
-                "20s",
-            ],
-        ),
-        (
+    assert_reported("torture", fault, &torture(kills));
+    assert_reported(
+        "demo",
+        fault,
+        &[
             "demo",
-            &[
-                "demo",
-                "--json",
-                "--replies",
-                "600",
-                "--chats",
-                "60",
-                "--crashes",
-                crashes,
-                "--seed",
-                "3",
-                "--settle-timeout",
-                "20s",
-            ],
-        ),
-    ];
-    for (harness, args) in harnesses {
-        let (code, verdict) = run(fault, args);
-        assert!(
-            caught(fault, &verdict),
-            "{harness} missed the planted fault {fault}: {verdict}"
-        );
-        assert!(
-            code.is_some_and(|c| c != 0),
-            "{harness} reported {fault} but exited {code:?}: {verdict}"
-        );
-    }
+            "--json",
+            "--replies",
+            "600",
+            "--chats",
+            "60",
+            "--crashes",
+            crashes,
+            "--seed",
+            "3",
+            "--settle-timeout",
+            "20s",
+        ],
+    );
 }
 
 /// The dead letters' counts, kept by SQLite's writers: a short torture, which makes
@@ -99,29 +104,10 @@ fn check(fault: &str) {
 fn dead_letters_miscounted() {
     let fault = "dead_letters_miscounted";
     assert_eq!(chunked_outbox::sabotage::COUNT_FAULTS, [fault]);
-    let (code, verdict) = run(
-        fault,
-        &[
-            "torture",
-            "--kills",
-            "30",
-            "--seed",
-            "5",
-            "--settle-timeout",
-            "20s",
-        ],
-    );
+    let verdict = assert_reported("torture", fault, &torture("30"));
     assert!(
         verdict["dead_letters"].as_u64() > Some(0),
         "the run made no dead letter to count: {verdict}"
-    );
-    assert!(
-        caught(fault, &verdict),
-        "the torture missed {fault}: {verdict}"
-    );
-    assert!(
-        code.is_some_and(|c| c != 0),
-        "the torture reported {fault} but exited {code:?}: {verdict}"
     );
 }
 
