@@ -176,36 +176,61 @@ pub(crate) struct Wakeups {
 /// in this process wakes them at once instead of at their next poll.
 #[derive(Debug, Default)]
 pub(crate) struct Notifier {
-    generation: Mutex<u64>,
+    state: Mutex<Generation>,
     changed: Condvar,
     #[cfg(feature = "tokio")]
     pub(crate) async_changed: tokio::sync::Notify,
 }
 
+/// The generation, and how many threads wait on it.
+#[derive(Debug, Default)]
+struct Generation {
+    value: u64,
+    /// Blocked in [`Notifier::wait`]: a notification with none wakes nobody, and
+    /// skips the wake-up call, a system call on every write otherwise (the standard
+    /// condition variable makes it whether or not anyone waits).
+    waiters: usize,
+}
+
 impl Notifier {
     pub(crate) fn notify(&self) {
-        *self.lock() += 1;
-        self.changed.notify_all();
+        let mut state = self.lock();
+        state.value += 1;
+        // Read under the lock a waiter holds until it sleeps: one counted here is
+        // asleep or sees the new generation before it would sleep.
+        if state.waiters > 0 {
+            self.changed.notify_all();
+        }
+        drop(state);
         #[cfg(feature = "tokio")]
         self.async_changed.notify_waiters();
     }
 
     pub(crate) fn generation(&self) -> u64 {
-        *self.lock()
+        self.lock().value
     }
 
     /// Waits until the generation differs from `seen` or `timeout` passes; returns the
     /// generation then.
     pub(crate) fn wait(&self, seen: u64, timeout: Duration) -> u64 {
-        let (guard, _) = self
+        let mut state = self.lock();
+        state.waiters += 1;
+        let (mut state, _) = self
             .changed
-            .wait_timeout_while(self.lock(), timeout, |g| *g == seen)
+            .wait_timeout_while(state, timeout, |g| g.value == seen)
             .unwrap_or_else(|e| e.into_inner());
-        *guard
+        state.waiters -= 1;
+        state.value
     }
 
-    fn lock(&self) -> MutexGuard<'_, u64> {
-        self.generation.lock().unwrap_or_else(|e| e.into_inner())
+    /// Threads blocked in [`wait`](Self::wait) now.
+    #[cfg(test)]
+    fn waiters(&self) -> usize {
+        self.lock().waiters
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Generation> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -254,5 +279,29 @@ mod tests {
         };
         assert_eq!(n.wait(seen, Duration::from_secs(60)), seen + 1);
         waker.join().unwrap();
+    }
+
+    #[test]
+    fn a_notification_wakes_a_counted_waiter_and_the_count_falls_back() {
+        let n = Arc::new(Notifier::default());
+        n.notify();
+        assert_eq!((n.generation(), n.waiters()), (1, 0), "nobody waited");
+        let waiter = {
+            let n = n.clone();
+            std::thread::spawn(move || {
+                let started = std::time::Instant::now();
+                (n.wait(1, Duration::from_secs(60)), started.elapsed())
+            })
+        };
+        // The count is raised under the lock the waiter sleeps with.
+        while n.waiters() == 0 {
+            std::thread::yield_now();
+        }
+        n.notify();
+        let (generation, waited) = waiter.join().unwrap();
+        // Not at the end of its minute: woken.
+        assert!(waited < Duration::from_secs(30), "waited {waited:?}");
+        assert_eq!(generation, 2);
+        assert_eq!(n.waiters(), 0);
     }
 }
