@@ -58,7 +58,7 @@ impl Synchronous {
 /// | upgrade an older schema | yes |
 /// | reader connections | 4 |
 /// | maximum database size | none |
-/// | background WAL checkpoints | at least every 100 ms (sooner while writes fill the WAL) |
+/// | background WAL checkpoints | every 100 ms |
 /// | clock | [`SystemClock`] |
 /// | PostgreSQL: wake-ups by LISTEN/NOTIFY | on |
 /// | stored: retry | [`RetryPolicy::default`] (5 s, 25 s, 2 min, 10 min; 5 attempts; ±10 %) |
@@ -305,11 +305,8 @@ impl OutboxOptions {
         self
     }
 
-    /// Passive WAL checkpoints on a background thread at least this often, so that the
-    /// checkpoint rarely falls inside a commit (which then stalls for an fsync). While
-    /// writes fill the WAL with more than about a thousand pages between two
-    /// checkpoints, the thread comes back sooner, down to a sixteenth of the interval,
-    /// keeping the WAL small: commits to a small WAL are faster. SQLite's
+    /// Passive WAL checkpoints on a background thread at this interval, so that the
+    /// checkpoint rarely falls inside a commit (which then stalls for an fsync). SQLite's
     /// automatic checkpoint stays on as the bound under sustained writes, at
     /// [`BACKGROUND_AUTOCHECKPOINT_PAGES`](crate::store::sqlite::StorageSettings::BACKGROUND_AUTOCHECKPOINT_PAGES)
     /// instead of 1000. `None` leaves checkpoints to it alone, at SQLite's default.

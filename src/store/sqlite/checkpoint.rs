@@ -46,10 +46,9 @@ impl Checkpointer {
             .spawn(move || {
                 let (lock, wake) = &*signal;
                 let mut stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
-                let mut wait = every / FASTEST;
                 loop {
                     let (guard, _) = wake
-                        .wait_timeout_while(stopped, wait, |stop| !*stop)
+                        .wait_timeout_while(stopped, every, |stop| !*stop)
                         .unwrap_or_else(|e| e.into_inner());
                     stopped = guard;
                     if *stopped {
@@ -58,8 +57,7 @@ impl Checkpointer {
                     // A failed or partial checkpoint is retried at the next tick; the
                     // WAL only grows meanwhile, nothing is lost.
                     let _running = turn.lock().unwrap_or_else(|e| e.into_inner());
-                    let frames = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| r.get(1));
-                    wait = pace(wait, every, frames.unwrap_or(0));
+                    let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
                 }
             })
             .map_err(|source| Error::Io {
@@ -90,60 +88,9 @@ impl Drop for Checkpointer {
     }
 }
 
-/// The WAL the thread leaves behind it, in frames: SQLite's own checkpoint threshold.
-const TARGET_FRAMES: i64 = 1000;
-
-/// The shortest wait between two checkpoints, as a fraction of the longest.
-const FASTEST: u32 = 16;
-
-/// The wait before the next checkpoint, after one that found `frames` frames in the
-/// WAL (written since it last restarted) at the end of a wait of `wait`. While the
-/// writes outrun [`TARGET_FRAMES`], the wait shrinks in proportion, so that the next
-/// checkpoint finds about that many, down to a sixteenth of `every`; otherwise it
-/// doubles back towards `every`, so an idle outbox looks at its WAL once every `every`.
-/// The thread starts at the shortest wait, as if the writes were outrunning it: a
-/// process that opens the outbox and enqueues at once keeps a small WAL from the start.
-///
-/// A small WAL is cheaper to write as well as to read: commits to a WAL checkpointed
-/// this way ran about a tenth faster, on a disk, than to one checkpointed at a fixed
-/// 100 ms, which let it grow to thousands of frames (`examples/sqlite_hot_path.rs`).
-fn pace(wait: Duration, every: Duration, frames: i64) -> Duration {
-    let fastest = every / FASTEST;
-    if frames > TARGET_FRAMES {
-        wait.mul_f64(TARGET_FRAMES as f64 / frames as f64)
-            .max(fastest)
-    } else {
-        (wait * 2).min(every)
-    }
-}
-
 /// Copies the WAL back into the database file and truncates it, on `conn`; `false` if
 /// readers, or a checkpoint by another process, kept it from completing.
 pub(crate) fn truncate(conn: &rusqlite::Connection) -> Result<bool> {
     let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
     Ok(busy == 0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn checkpoints_come_sooner_while_writes_outrun_the_target_and_drift_back_after() {
-        let every = Duration::from_millis(160);
-        let ms = Duration::from_millis;
-        // Four times the target: the next wait is a quarter, so about the target is
-        // written in it; never below a sixteenth of `every`.
-        assert_eq!(pace(every, every, 4 * TARGET_FRAMES), ms(40));
-        assert_eq!(pace(ms(40), every, 2 * TARGET_FRAMES), ms(20));
-        assert_eq!(pace(ms(20), every, 100 * TARGET_FRAMES), ms(10));
-        // At or under the target: back towards `every`, doubling.
-        let mut wait = ms(10);
-        let mut waits = Vec::new();
-        for frames in [TARGET_FRAMES, 0, 0, 0, 0] {
-            wait = pace(wait, every, frames);
-            waits.push(wait.as_millis());
-        }
-        assert_eq!(waits, [20, 40, 80, 160, 160]);
-    }
 }
