@@ -303,7 +303,12 @@ mod tests {
             })
         };
         // The count is raised under the lock the waiter sleeps with.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
         while n.waiters_and_calls().0 == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the waiter was never counted"
+            );
             std::thread::yield_now();
         }
         n.notify();
