@@ -10,8 +10,10 @@
 //! (default: a temporary directory). `PHASE=enqueue` runs only the enqueues,
 //! `PHASE=drain` fills the backlog by `enqueue_batch` and runs only the drain: under
 //! callgrind, instruction counts per message do not depend on the machine's noise.
+//! `CHECKPOINT_MS` sets the background checkpoints' interval (default: the crate's;
+//! 0 leaves checkpoints to SQLite's own).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use chunked_outbox::{NewDelivery, Outbox, OutboxOptions, Outcome};
 
@@ -28,8 +30,14 @@ fn main() {
         Err(_) => tempfile::tempdir(),
     }
     .expect("a temporary directory");
-    let outbox = Outbox::open(dir.path().join("outbox.db"), OutboxOptions::default())
-        .expect("open the outbox");
+    let mut options = OutboxOptions::default();
+    if let Some(ms) = std::env::var("CHECKPOINT_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        options = options.with_background_checkpoints((ms > 0).then(|| Duration::from_millis(ms)));
+    }
+    let outbox = Outbox::open(dir.path().join("outbox.db"), options).expect("open the outbox");
     let text = "x".repeat(100);
     let reply = |i: usize| NewDelivery::single("bench", format!("chat-{}", i % CHATS), &text);
 
