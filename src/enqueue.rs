@@ -46,7 +46,7 @@ impl Outbox {
     pub fn enqueue(&self, delivery: &NewDelivery) -> Result<Enqueued> {
         delivery.validate()?;
         self.storable(delivery)?;
-        let enqueued = self.write_and_wake(|tx, rules| {
+        let enqueued = self.write_and_wake_if_due(|tx, rules| {
             lock_for(tx, &[delivery])?;
             let now = self.options().now_ms();
             match insert_keyless(tx, self, rules, &[delivery], now)? {
@@ -112,7 +112,7 @@ impl Outbox {
         if deliveries.is_empty() {
             return Ok(Vec::new());
         }
-        let stored = self.write_and_wake(|tx, rules| {
+        let stored = self.write_and_wake_if_due(|tx, rules| {
             lock_for(tx, &deliveries)?;
             let now = self.options().now_ms();
             match insert_keyless(tx, self, rules, &deliveries, now)? {

@@ -12,7 +12,7 @@ use crate::lane;
 use crate::options::OutboxOptions;
 use crate::rules::{self, ChannelPolicy, FileRules, RetryPolicy, Rules, Stored};
 use crate::store::StoreTx;
-use crate::store::connections::{ChangeWatch, Notifier, Store, Wakeups, Write};
+use crate::store::connections::{Announce, ChangeWatch, Notifier, Store, Wakeups, Write};
 
 /// How often a claim of a handle that hears no notification looks for replies staged
 /// by applications' transactions unasked (see [`Outbox::take_staged_hint`]): the
@@ -249,7 +249,7 @@ impl Outbox {
     /// schema, holds more than one statement, writes nothing, or uses a parameter that
     /// is positional or not one of the names (nothing is stored then); database errors.
     pub fn set_finalization(&self, sql: Option<&str>) -> Result<()> {
-        self.transact(true, false, |tx, _| {
+        self.transact(true, Announce::No, |tx, _| {
             if let Some(sql) = sql {
                 finalize::validate_statement(tx, sql)?;
             }
@@ -380,7 +380,7 @@ impl Outbox {
         &self,
         f: impl FnMut(&dyn StoreTx, &Stored) -> Result<T> + Send,
     ) -> Result<T> {
-        self.transact(false, false, f)
+        self.transact(false, Announce::No, f)
     }
 
     /// As [`write`](Self::write) for a change of the stored rules: the rules held
@@ -390,18 +390,18 @@ impl Outbox {
         &self,
         f: impl FnMut(&dyn StoreTx, &Stored) -> Result<()> + Send,
     ) -> Result<()> {
-        self.transact(true, true, f)?;
+        self.transact(true, Announce::Yes, f)?;
         self.wake();
         Ok(())
     }
 
     /// One write transaction: the rules locked (shared, or exclusive for a change of
     /// them) and read as they stand in it, `f`, then the commit — announced to every
-    /// listening process if `announce`.
+    /// listening process as `announce` says.
     fn transact<T: Send>(
         &self,
         change_rules: bool,
-        announce: bool,
+        announce: Announce,
         mut f: impl FnMut(&dyn StoreTx, &Stored) -> Result<T> + Send,
     ) -> Result<T> {
         let how = Write {
@@ -462,7 +462,18 @@ impl Outbox {
         &self,
         f: impl FnMut(&dyn StoreTx, &Stored) -> Result<T> + Send,
     ) -> Result<T> {
-        let value = self.transact(false, true, f)?;
+        let value = self.transact(false, Announce::Yes, f)?;
+        self.wake();
+        Ok(value)
+    }
+
+    /// As [`write_and_wake`](Self::write_and_wake), waking other processes only if
+    /// the transaction made a chunk due (see [`Announce::IfMadeDue`]): for enqueues.
+    pub(crate) fn write_and_wake_if_due<T: Send>(
+        &self,
+        f: impl FnMut(&dyn StoreTx, &Stored) -> Result<T> + Send,
+    ) -> Result<T> {
+        let value = self.transact(false, Announce::IfMadeDue, f)?;
         self.wake();
         Ok(value)
     }
@@ -494,7 +505,7 @@ impl Outbox {
         if !self.options().declares_rules() {
             return Ok(());
         }
-        self.transact(true, true, |tx, _| reconcile(tx, self.options()))
+        self.transact(true, Announce::Yes, |tx, _| reconcile(tx, self.options()))
     }
 }
 

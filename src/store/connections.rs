@@ -26,8 +26,27 @@ pub(crate) struct Capabilities {
 pub(crate) struct Write {
     /// It changes the stored rules: it holds them exclusively.
     pub change_rules: bool,
-    /// Its commit wakes every process listening on the store (where the store can).
-    pub announce: bool,
+    /// Whether its commit wakes every process listening on the store (where the
+    /// store can).
+    pub announce: Announce,
+}
+
+/// Which write transactions' commits wake the processes listening on the store: on
+/// PostgreSQL a notification sent with the commit, which costs the commit a
+/// database-wide lock (commits that notify run one at a time) and every listening
+/// connection a wake-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Announce {
+    /// Never: a claim, a record (whoever records next claims what it made due), the
+    /// finalization statement stored.
+    No,
+    /// Only if it made a chunk due: stored a reply at the head of its lane, or
+    /// activated one that waited. An enqueue behind a busy lane head makes nothing due
+    /// (the record that finishes the head activates it), so it wakes nobody.
+    IfMadeDue,
+    /// Always: a change of the rules, an operator's or a recovery's change, which may
+    /// make work due in ways the store does not see.
+    Yes,
 }
 
 /// The connection half of a store (see the [module](self)). A store's transactions are

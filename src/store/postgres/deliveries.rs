@@ -380,6 +380,11 @@ impl DeliveryStore for PgTx<'_> {
     }
 
     fn insert_deliveries(&self, rows: &[NewRow<'_>]) -> Result<Vec<bool>> {
+        // (A row its caller key keeps out makes this an announcement too many, not one
+        // too few.)
+        if rows.iter().any(|r| r.head_due.is_some()) {
+            self.made_due.set(true);
+        }
         let columns = InsertColumns::of(rows);
         if rows.iter().all(|r| r.delivery.idempotency_key.is_none()) {
             // Only a caller key can make the insert leave a row out: without one, each

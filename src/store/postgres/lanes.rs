@@ -304,6 +304,7 @@ impl LaneStore for PgTx<'_> {
         if heads.is_empty() {
             return Ok(());
         }
+        self.made_due.set(true);
         let ids: Vec<i64> = heads.iter().map(|h| h.waiting.id).collect();
         let indexes: Vec<i64> = heads.iter().map(|h| h.waiting.head_index).collect();
         let earliest: Vec<i64> = heads.iter().map(|h| h.earliest).collect();

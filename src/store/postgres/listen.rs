@@ -22,7 +22,7 @@ use crate::store::connections::Notifier;
 /// The notification channel of the outbox in the connection's current schema (one per
 /// schema: a database may hold several outboxes). A name made of letters and digits,
 /// used through `pg_notify` and quoted for `LISTEN`.
-const CHANNEL_QUERY: &str = "SELECT 'chunked_outbox_' || md5(current_schema())";
+pub(super) const CHANNEL_QUERY: &str = "SELECT 'chunked_outbox_' || md5(current_schema())";
 
 /// Commits a transaction with its notification (delivered at the commit, and only if
 /// it commits), in one round trip.

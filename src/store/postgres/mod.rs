@@ -83,6 +83,7 @@ use postgres::{Row, Statement};
 use crate::clock::ServerTime;
 use crate::error::{Error, Result};
 use crate::status::{ChunkStatus, DeliveryStatus};
+use crate::store::connections::Announce;
 use crate::store::{ChannelRow, LaneEntry, LaneRef, Locks, StoreTx};
 
 /// The public id of chunk `$index` of delivery row `$delivery`, as a column:
@@ -475,7 +476,17 @@ impl PgStore {
     /// success, one that did not is [`Error::Connection`] (nothing happened, a retry is
     /// safe); a server that stays out of reach, or another one in its place (a
     /// promoted standby), makes it [`Error::CommitUnknown`].
-    pub(crate) fn commit(&self, tx: PgTx<'_>, announce: bool, patience: Duration) -> Result<()> {
+    pub(crate) fn commit(
+        &self,
+        tx: PgTx<'_>,
+        announce: Announce,
+        patience: Duration,
+    ) -> Result<()> {
+        let announce = match announce {
+            Announce::Yes => true,
+            Announce::IfMadeDue => tx.made_due.get(),
+            Announce::No => false,
+        };
         let (xid, message, server) = match tx.commit_or_lose(announce) {
             Ok(()) => return Ok(()),
             Err(LostCommit::Failed(e)) => return Err(e),
@@ -805,6 +816,9 @@ pub(crate) struct PgTx<'c> {
     /// How many of those there were when its nested transaction began.
     activity_mark: Cell<usize>,
     dead_letters: RefCell<Vec<(i64, String)>>,
+    /// Whether it stored a reply at the head of its lane or activated one that waited
+    /// (see [`Announce::IfMadeDue`]).
+    made_due: Cell<bool>,
 }
 
 /// A value of a statement kept back (see [`PgTx::defer`]).
@@ -935,6 +949,7 @@ impl<'c> PgTx<'c> {
             activity: RefCell::new(Vec::new()),
             activity_mark: Cell::new(0),
             dead_letters: RefCell::new(Vec::new()),
+            made_due: Cell::new(false),
             conn: RefCell::new(conn),
         };
         if let Some(exclusive) = opening {

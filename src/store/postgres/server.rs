@@ -200,6 +200,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::store::connections::Announce;
     use crate::store::test_server::{fresh_schema_url, server_url};
 
     /// A dispatcher reads the due times again at a poll only while nobody listens
@@ -420,6 +421,115 @@ mod tests {
         );
     }
 
+    /// An enqueue's commit notifies the listening processes only when it made a chunk
+    /// due: a reply at the head of its lane (due now or later), or a queued one it
+    /// activated. One queued behind its lane's head, or found by its caller key, makes
+    /// nothing due and notifies nobody; nor do a claim and a record.
+    #[test]
+    fn only_an_enqueue_that_makes_a_chunk_due_is_announced() {
+        use postgres::fallible_iterator::FallibleIterator;
+
+        use crate::store::{LaneRef, LaneStore};
+        use crate::{NewDelivery, Outbox, Outcome};
+        let Some(url) = fresh_schema_url() else {
+            return;
+        };
+        let outbox = Outbox::connect(&url, OutboxOptions::default().with_listen(false)).unwrap();
+        let mut listening = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let channel: String = listening
+            .query_one(listen::CHANNEL_QUERY, &[])
+            .unwrap()
+            .get(0);
+        listening
+            .batch_execute(&format!("LISTEN \"{channel}\""))
+            .unwrap();
+        let mut marking = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        // The outbox's notifications since the last call: those committed before a
+        // marker notification, which arrives after every one committed before it.
+        let mut heard = || {
+            marking
+                .execute("SELECT pg_notify($1, 'marker')", &[&channel])
+                .unwrap();
+            let mut heard = 0;
+            let mut notifications = listening.notifications();
+            let mut arriving = notifications.timeout_iter(Duration::from_secs(30));
+            loop {
+                let n = arriving
+                    .next()
+                    .unwrap()
+                    .expect("the marker notification never arrived");
+                if n.payload() == "marker" {
+                    return heard;
+                }
+                heard += 1;
+            }
+        };
+        let reply = |chat: &str, text: &str| NewDelivery::single("t", chat, text);
+
+        outbox.enqueue(&reply("a", "a1")).unwrap();
+        assert_eq!(heard(), 1, "a reply at the head of its lane");
+        outbox.enqueue(&reply("a", "a2")).unwrap();
+        assert_eq!(heard(), 0, "a reply queued behind its lane's head");
+        outbox
+            .enqueue_batch(&[reply("a", "a3"), reply("b", "b1"), reply("b", "b2")])
+            .unwrap();
+        assert_eq!(heard(), 1, "a batch with one reply at the head of its lane");
+        let b3 = outbox
+            .enqueue_batch(&[reply("a", "a4"), reply("b", "b3")])
+            .unwrap();
+        assert_eq!(heard(), 0, "a batch of replies queued behind their heads");
+        let later = outbox.now() + chrono::Duration::hours(1);
+        outbox.enqueue(&reply("c", "c1").not_before(later)).unwrap();
+        assert_eq!(heard(), 1, "a reply at the head of its lane, due later");
+        let keyed = reply("d", "d1").with_idempotency_key("k");
+        outbox.enqueue(&keyed).unwrap();
+        assert_eq!(
+            heard(),
+            1,
+            "a reply with a caller key at the head of its lane"
+        );
+        outbox.enqueue(&keyed).unwrap();
+        assert_eq!(heard(), 0, "a reply found by its caller key");
+        outbox
+            .enqueue(&reply("d", "d2").with_idempotency_key("k2"))
+            .unwrap();
+        assert_eq!(
+            heard(),
+            0,
+            "a reply with a caller key queued behind its head"
+        );
+
+        let claims = outbox.claim(10).unwrap();
+        assert_eq!(heard(), 0, "a claim");
+        outbox.record(&claims[0], Outcome::delivered(None)).unwrap();
+        assert_eq!(heard(), 0, "a record that activates the next reply");
+
+        // An enqueue that finds a queued reply with nothing in front of it activates
+        // that one first: its transaction made a chunk due.
+        let store = PgStore::open(&url, &mut OutboxOptions::default(), false).unwrap();
+        let queued = outbox.delivery_rowid(b3[1].id);
+        let made_due = store
+            .transaction(
+                Begin::Write {
+                    change_rules: false,
+                },
+                |tx: PgTx<'_>| {
+                    tx.activate_many(&[])?;
+                    let before = tx.made_due.get();
+                    let waiting = tx.waiting(queued)?;
+                    tx.activate(&crate::store::Activation {
+                        waiting,
+                        status: crate::status::DeliveryStatus::Pending,
+                        lane: LaneRef::new("t", "b"),
+                        earliest: 0,
+                    })?;
+                    Ok((before, tx.made_due.get()))
+                },
+            )
+            .unwrap();
+        assert_eq!(made_due, (false, true), "an activation made a chunk due");
+    }
+
     /// Another handle's commit wakes this handle's dispatchers through the listener;
     /// a listener whose connection is killed reconnects and wakes them once (what was
     /// committed meanwhile was not announced to it).
@@ -442,7 +552,7 @@ mod tests {
         let seen = notifier.generation();
         let announce = Write {
             change_rules: false,
-            announce: true,
+            announce: Announce::Yes,
         };
         other.write(announce, &mut |_| Ok(())).unwrap();
         assert_ne!(
