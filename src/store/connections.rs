@@ -218,16 +218,20 @@ impl Notifier {
     pub(crate) fn notify(&self) {
         let mut state = self.lock();
         state.value += 1;
-        // Read under the lock a waiter holds until it sleeps: one counted here is
-        // asleep or sees the new generation before it would sleep.
-        if state.waiters > 0 {
-            self.changed.notify_all();
-            #[cfg(test)]
-            {
-                state.wake_calls += 1;
-            }
+        // Read under the lock a waiter holds until it sleeps: one counted here has
+        // released the lock only by going to sleep on the condition variable, so the
+        // call made after the lock is released reaches it (and a waiter that comes
+        // later sees the new generation). Made after the release, the call does not
+        // wake a thread only for it to wait for the lock this one still holds.
+        let wake = state.waiters > 0;
+        #[cfg(test)]
+        {
+            state.wake_calls += usize::from(wake);
         }
         drop(state);
+        if wake {
+            self.changed.notify_all();
+        }
         #[cfg(feature = "tokio")]
         self.async_changed.notify_waiters();
     }
