@@ -10,6 +10,7 @@ use crate::outbox::Outbox;
 use crate::rules::Stored;
 use crate::state::{self, Expired};
 use crate::status::ChunkStatus;
+use crate::store::connections::Announce;
 use crate::store::{ChannelRow, LaneRef, StoreTx, channel_rows};
 
 /// Most chunks one [`Outbox::claim`] may hand out: one claim transaction holds the
@@ -316,7 +317,7 @@ impl Outbox {
     ///
     /// [`Error::Busy`] and other database errors; nothing is changed then.
     pub fn recover(&self, scope: RecoverScope) -> Result<RecoveryReport> {
-        self.write_and_wake(|tx, rules| {
+        self.write_and_wake(Announce::Yes, |tx, rules| {
             let now = self.options().now_ms();
             if crate::enqueue::activate_staged(tx, self, rules, now)? {
                 self.hint_staged();

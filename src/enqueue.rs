@@ -10,6 +10,7 @@ pub use crate::reply::{MAX_ENQUEUE_BATCH, NewDelivery};
 use crate::rules::LaneOrder;
 use crate::rules::Stored;
 use crate::status::DeliveryStatus;
+use crate::store::connections::Announce;
 use crate::store::{LaneRef, NewRow, StoreTx, StoredContent};
 
 /// What [`Outbox::enqueue`] did.
@@ -46,7 +47,7 @@ impl Outbox {
     pub fn enqueue(&self, delivery: &NewDelivery) -> Result<Enqueued> {
         delivery.validate()?;
         self.storable(delivery)?;
-        let enqueued = self.write_and_wake_if_due(|tx, rules| {
+        let enqueued = self.write_and_wake(Announce::IfMadeDue, |tx, rules| {
             lock_for(tx, &[delivery])?;
             let now = self.options().now_ms();
             match insert_keyless(tx, self, rules, &[delivery], now)? {
@@ -112,7 +113,7 @@ impl Outbox {
         if deliveries.is_empty() {
             return Ok(Vec::new());
         }
-        let stored = self.write_and_wake_if_due(|tx, rules| {
+        let stored = self.write_and_wake(Announce::IfMadeDue, |tx, rules| {
             lock_for(tx, &deliveries)?;
             let now = self.options().now_ms();
             match insert_keyless(tx, self, rules, &deliveries, now)? {

@@ -10,6 +10,7 @@ use crate::lane;
 use crate::outbox::Outbox;
 use crate::state::{self, Recorded, expect_status, requeue};
 use crate::status::{ChunkStatus, DeliveryStatus};
+use crate::store::connections::Announce;
 use crate::store::{ChunkProgress, ChunkRef, DeliveryState, LaneRef, StoreTx};
 
 /// How to settle a chunk held as `uncertain`.
@@ -37,7 +38,7 @@ impl Outbox {
     /// [`Error::ChunkNotFound`]; [`Error::InvalidState`] if the chunk is neither
     /// `failed` nor `uncertain`.
     pub fn requeue_chunk(&self, chunk: ChunkId) -> Result<()> {
-        self.write_and_wake(|tx, rules| {
+        self.write_and_wake(Announce::Yes, |tx, rules| {
             let chunk = locked_chunk(tx, chunk)?;
             requeue(tx, rules, &chunk, "requeue", self.options().now_ms())
         })
@@ -66,7 +67,7 @@ impl Outbox {
     /// [`Error::DeliveryNotFound`]; [`Error::DeliveryState`] (naming the delivery and its
     /// status) if nothing in it is failed or uncertain.
     pub fn requeue_delivery(&self, delivery: DeliveryId) -> Result<()> {
-        self.write_and_wake(|tx, rules| {
+        self.write_and_wake(Announce::Yes, |tx, rules| {
             lock_lane_of(self, tx, delivery)?;
             let chunk = held_or_head_chunk(self, tx, delivery)?;
             if !matches!(chunk.status, ChunkStatus::Failed | ChunkStatus::Uncertain) {
@@ -84,7 +85,7 @@ impl Outbox {
     ///
     /// Database errors; nothing is changed then.
     pub fn requeue_dead_letters(&self, channel: Option<&str>) -> Result<u64> {
-        self.write_and_wake(|tx, rules| {
+        self.write_and_wake(Announce::Yes, |tx, rules| {
             let now = self.options().now_ms();
             let listed = tx.dead_letter_chunks(channel)?;
             let mut lanes: Vec<LaneRef<'_>> = listed.iter().map(|c| c.lane()).collect();
@@ -124,7 +125,7 @@ impl Outbox {
     /// [`Error::ChunkNotFound`]; [`Error::InvalidState`] if the chunk is not
     /// `uncertain`.
     pub fn resolve_uncertain(&self, chunk: ChunkId, resolution: Resolution) -> Result<Recorded> {
-        self.write_and_wake(|tx, rules| {
+        self.write_and_wake(Announce::Yes, |tx, rules| {
             let chunk = locked_chunk(tx, chunk)?;
             expect_status(&chunk, &[ChunkStatus::Uncertain], "resolve", "uncertain")?;
             let now = self.options().now_ms();
@@ -155,7 +156,7 @@ impl Outbox {
     /// unfinalized; [`Error::FinalizationRefused`] if the statement refuses it again
     /// (nothing changes then).
     pub fn finalize_again(&self, delivery: DeliveryId) -> Result<()> {
-        self.write_and_wake(|tx, rules| {
+        self.write_and_wake(Announce::Yes, |tx, rules| {
             let (id, status, channel, chat_id) = lock_lane_of(self, tx, delivery)?;
             if status != DeliveryStatus::Unfinalized {
                 return Err(Error::DeliveryState {
@@ -187,7 +188,7 @@ impl Outbox {
     ///
     /// Database errors; nothing is changed then.
     pub fn dismiss_dead_letters(&self, channel: Option<&str>) -> Result<u64> {
-        self.write_and_wake(|tx, rules| {
+        self.write_and_wake(Announce::Yes, |tx, rules| {
             let now = self.options().now_ms();
             // One write that decides nothing; the lanes it frees are locked before their
             // heads are read.
@@ -244,7 +245,7 @@ impl Outbox {
     /// or wholly delivered, uncertain or failed; [`Error::CancelTooLate`] if a send of
     /// it has started.
     pub fn cancel(&self, delivery: DeliveryId) -> Result<()> {
-        self.write_and_wake(|tx, rules| {
+        self.write_and_wake(Announce::Yes, |tx, rules| {
             let (id, status, channel, chat_id) = lock_lane_of(self, tx, delivery)?;
             match status {
                 DeliveryStatus::Cancelled => return Ok(()),

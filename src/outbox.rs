@@ -455,37 +455,19 @@ impl Outbox {
         Ok(cached.clone())
     }
 
-    /// As [`write`](Self::write), then wakes the idle dispatchers of this process
-    /// and (by a notification sent with the commit, where the store can) of every
-    /// other process on the outbox: for writes that can make work due.
+    /// As [`write`](Self::write), then wakes the idle dispatchers of this process,
+    /// and those of every other process on the outbox as `announce` says (by a
+    /// notification sent with the commit, where the store can): [`Announce::Yes`] for
+    /// writes that can make work due, [`Announce::IfMadeDue`] for enqueues,
+    /// [`Announce::No`] for a dispatcher's own round, whose claim in the same
+    /// transaction takes what its outcomes made due (other hosts find the rest when
+    /// they next look).
     pub(crate) fn write_and_wake<T: Send>(
         &self,
+        announce: Announce,
         f: impl FnMut(&dyn StoreTx, &Stored) -> Result<T> + Send,
     ) -> Result<T> {
-        let value = self.transact(false, Announce::Yes, f)?;
-        self.wake();
-        Ok(value)
-    }
-
-    /// As [`write_and_wake`](Self::write_and_wake), waking other processes only if
-    /// the transaction made a chunk due (see [`Announce::IfMadeDue`]): for enqueues.
-    pub(crate) fn write_and_wake_if_due<T: Send>(
-        &self,
-        f: impl FnMut(&dyn StoreTx, &Stored) -> Result<T> + Send,
-    ) -> Result<T> {
-        let value = self.transact(false, Announce::IfMadeDue, f)?;
-        self.wake();
-        Ok(value)
-    }
-
-    /// As [`write_and_wake`](Self::write_and_wake), waking this process's dispatchers
-    /// only: for a dispatcher's own round, whose claim in the same transaction takes
-    /// what its outcomes made due (other hosts find the rest when they next look).
-    pub(crate) fn write_and_wake_here<T: Send>(
-        &self,
-        f: impl FnMut(&dyn StoreTx, &Stored) -> Result<T> + Send,
-    ) -> Result<T> {
-        let value = self.write(f)?;
+        let value = self.transact(false, announce, f)?;
         self.wake();
         Ok(value)
     }

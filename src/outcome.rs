@@ -14,6 +14,7 @@ use crate::rules::ReplayPolicy;
 use crate::rules::Stored;
 use crate::state::{self, Recorded, cut_at};
 use crate::status::ChunkStatus;
+use crate::store::connections::Announce;
 use crate::store::{ChunkRef, LaneRef, StoreTx};
 
 /// Longest platform message id kept with an ack; a longer one is cut to this length.
@@ -148,7 +149,7 @@ impl Outbox {
         // commits that send it): whoever records claims next, and its claim takes what
         // these outcomes made due, as a dispatcher's does; other processes find the
         // rest when they next look (within a second: `ChangeWatcher`).
-        self.write_and_wake_here(|tx, rules| {
+        self.write_and_wake(Announce::No, |tx, rules| {
             // (A store may run the transaction again: it records from its own copy.)
             let outcomes = outcomes.iter().map(|(claim, o)| (*claim, o.clone()));
             record_in(tx, rules, outcomes, now())
@@ -218,7 +219,7 @@ impl Outbox {
     ///
     /// As [`record`](Self::record).
     pub fn release_after(&self, claim: &Claim, delay: Duration) -> Result<Recorded> {
-        self.write_and_wake(|tx, rules| {
+        self.write_and_wake(Announce::Yes, |tx, rules| {
             tx.lock_lanes(&mut [LaneRef::new(&claim.channel, &claim.chat_id)])?;
             let chunk = claimed(tx, claim)?;
             let now = self.options().now_ms();

@@ -67,6 +67,7 @@ use crate::outbox::Outbox;
 use crate::state::{self, Recorded};
 use crate::status::ChunkStatus;
 use crate::store::Unasked;
+use crate::store::connections::Announce;
 
 /// A part held as `uncertain` that nobody has asked its platform about yet, as an
 /// adapter's [`settle`](crate::ChannelAdapter::settle) sees it.
@@ -390,7 +391,7 @@ impl Outbox {
         } else {
             None
         };
-        self.write_and_wake(|tx, rules| {
+        self.write_and_wake(Announce::Yes, |tx, rules| {
             let Ok(chunk) = crate::operator::locked_chunk(tx, part.claim.chunk_id) else {
                 return Ok(None); // purged meanwhile
             };

@@ -8,6 +8,7 @@ use crate::outcome::{self, Outcome};
 use crate::rules::Stored;
 use crate::state::{DeadLetter, Recorded};
 use crate::store::StoreTx;
+use crate::store::connections::Announce;
 
 /// What one record-and-claim step of a dispatcher did.
 pub(crate) struct Step {
@@ -56,7 +57,7 @@ impl Outbox {
         if outcomes.is_empty() {
             self.write(step)
         } else {
-            self.write_and_wake_here(step)
+            self.write_and_wake(Announce::No, step)
         }
     }
 }

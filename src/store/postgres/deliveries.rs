@@ -382,7 +382,7 @@ impl DeliveryStore for PgTx<'_> {
     fn insert_deliveries(&self, rows: &[NewRow<'_>]) -> Result<Vec<bool>> {
         // (A row its caller key keeps out makes this an announcement too many, not one
         // too few.)
-        if rows.iter().any(|r| r.head_due.is_some()) {
+        if rows.iter().any(|r| r.active) {
             self.made_due.set(true);
         }
         let columns = InsertColumns::of(rows);
