@@ -1905,7 +1905,13 @@ pub(super) fn lanes_are_entered_as_their_reads_say(fresh: Fresh) {
     let b1 = enqueue(&ob, "b", "b1");
     let claim = claim_one(&ob);
     ob.record(&claim, Outcome::delivered(None)).unwrap();
-    let q1 = enqueue(&ob, "q", "q1");
+    // (a delayed reply: what its activation needs is read with the head)
+    let q1 = ob
+        .enqueue(
+            &NewDelivery::single("t", "q", "q1").not_before(crate::clock::to_datetime(T0 + 5_000)),
+        )
+        .unwrap()
+        .id;
     write(&ob, |tx| {
         tx.pause_lane(lane("b"), T0 + 60_000)?;
         // (a reply put back in its lane: the lane's head is queued)
@@ -1923,7 +1929,8 @@ pub(super) fn lanes_are_entered_as_their_reads_say(fresh: Fresh) {
             "{entries:?}"
         );
         assert!(
-            matches!(&entries[4].head, Some(HeadRow::Queued(w)) if w.id == row(&ob, q1)),
+            matches!(&entries[4].head, Some(HeadRow::Queued(w))
+                if w.id == row(&ob, q1) && w.not_before == Some(T0 + 5_000)),
             "{entries:?}"
         );
         assert_eq!(entries[3].head, None, "{entries:?}");

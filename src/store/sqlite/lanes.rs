@@ -78,17 +78,20 @@ const HEAD_SQL_NEWEST_FIRST: &str = head_sql!(head_columns!(), "id DESC");
 /// Lane (`?1`, `?2`) as an enqueue enters it, in one statement: the next delivery row
 /// (`DeliveryStore::next_delivery_row`), the end of the lane's pause or interval
 /// (`LaneStore::lane_due_time` of `?3`, the earliest time there is), and its head as
-/// [`HEAD_SQL`] reads it (NULLs for none): the head's id from the index alone, its row
-/// by that id.
+/// [`HEAD_SQL`] reads it (NULLs for none). The head's id and whether it is queued come
+/// from the index alone, as one number (`id * 2 + queued`); its row is read only for a
+/// queued head, whose activation needs it.
 macro_rules! enter_sql {
     ($order:literal) => {
         concat!(
             "SELECT (SELECT coalesce(max(id), 0) + 1 FROM outbound_deliveries), ",
             lane_due!("?3", "?1", "?2"),
-            ", d.status = 'queued', d.id, d.delivered_count, d.not_before
-             FROM (SELECT 1) LEFT JOIN outbound_deliveries d ON d.id = (",
-            head_sql!("id", $order),
-            ")"
+            ", h % 2 = 1, h / 2,
+             CASE WHEN h % 2 = 1 THEN (SELECT delivered_count FROM outbound_deliveries WHERE id = h / 2) END,
+             CASE WHEN h % 2 = 1 THEN (SELECT not_before FROM outbound_deliveries WHERE id = h / 2) END
+             FROM (SELECT (",
+            head_sql!("id * 2 + (status = 'queued')", $order),
+            ") AS h)"
         )
     };
 }

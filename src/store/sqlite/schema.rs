@@ -1115,14 +1115,14 @@ mod plan_tests {
             "{plan}"
         );
         assert_no_full_scan(&plan, "outbound_deliveries");
-        // An enqueue's entry: the head's id from the covering index, its row by that id,
-        // the lane's pause by its key; the head is not materialized first.
+        // An enqueue's entry: the head from the covering index, a queued head's row by
+        // its id, the lane's pause by its key; the head is not materialized first.
         let plan = explain(&ob, crate::store::sqlite::lanes::ENTER_SQL, 3);
         assert!(
             plan.contains(
                 "SEARCH outbound_deliveries USING COVERING INDEX outbound_deliveries_open \
                  (channel=? AND chat_id=? AND status>? AND status<?)"
-            ) && plan.contains("SEARCH d USING INTEGER PRIMARY KEY (rowid=?)")
+            ) && plan.contains("SEARCH outbound_deliveries USING INTEGER PRIMARY KEY (rowid=?)")
                 && plan
                     .contains("SEARCH outbound_lanes USING PRIMARY KEY (channel=? AND chat_id=?)")
                 && !plan.contains("MATERIALIZE"),
