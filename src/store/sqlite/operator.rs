@@ -18,9 +18,8 @@ pub(crate) const DEAD_LETTER_CHUNKS_SQL: &str = chunk_ref_where!(
      ORDER BY d.id"
 );
 
-/// [`OperatorStore::unasked_uncertain`]: the channel's uncertain deliveries from the
-/// index of unfinished ones, each one's chunks by the chunk key. `?1` the channel, `?2`
-/// the limit.
+/// [`OperatorStore::unasked_uncertain`]: the channel's uncertain deliveries from their
+/// own index, each one's chunks by the chunk key. `?1` the channel, `?2` the limit.
 pub(crate) const UNASKED_SQL: &str = concat!(
     "SELECT c.id, c.delivery_id, c.chunk_index, c.status, c.attempts,
         d.channel, d.chat_id, d.created_at, d.chunk_count, d.uid, coalesce(c.text, d.text),
@@ -41,9 +40,7 @@ pub(crate) const UNASKED_SQL: &str = concat!(
              ORDER BY e.id DESC LIMIT 1))
      FROM outbound_deliveries d JOIN outbound_delivery_chunks c ON ",
     chunks_of_delivery!("c", "d.id"),
-    " WHERE d.id IN (SELECT id FROM outbound_deliveries
-                    WHERE status = 'uncertain' AND status <> 'delivered' AND status <> 'failed'
-                      AND channel = ?1)
+    " WHERE d.id IN (SELECT id FROM outbound_deliveries WHERE status = 'uncertain' AND channel = ?1)
        AND c.status = 'uncertain' AND c.settlement IS NULL
      ORDER BY c.id
      LIMIT ?2"

@@ -25,6 +25,7 @@ SELECT name, sql FROM main.sqlite_master
 WHERE (type = 'index' OR type = 'trigger') AND sql IS NOT NULL
   AND (tbl_name = 'outbound_deliveries' OR tbl_name = 'outbound_delivery_chunks')
   AND name <> 'outbound_deliveries_idempotency' AND name <> 'outbound_deliveries_open'
+  AND name <> 'outbound_deliveries_uncertain'
   AND name <> 'outbound_delivery_chunks_due' AND name <> 'outbound_deliveries_finished';
 "
     };
@@ -54,6 +55,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0010_counted_not_read.sql"),
     include_str!("../../../migrations/sqlite/0011_resend_deadline.sql"),
     include_str!("../../../migrations/sqlite/0012_counted_by_the_writer.sql"),
+    include_str!("../../../migrations/sqlite/0013_open_index_by_chat.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:
@@ -356,11 +358,12 @@ pub(crate) fn id_salt(conn: &Connection) -> Result<i64> {
 mod tests {
     use super::*;
     use crate::store::sqlite::connection::check_file;
+    use rusqlite::OptionalExtension;
 
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 12);
+        assert_eq!(SCHEMA_VERSION, 13);
     }
 
     /// The first column of each row `sql` reads, as text.
@@ -519,11 +522,13 @@ mod tests {
             dump(&conn, indexes),
         );
         migrate(&mut conn).unwrap();
-        // Version 8 adds one, version 10 two (the dead letters').
+        // Version 8 adds one, version 10 two (the dead letters'), version 13 one (the
+        // uncertain replies').
         before.2.extend([
             "outbound_deliveries_finished".into(),
             "outbound_deliveries_dead".into(),
             "outbound_deliveries_dead_newest".into(),
+            "outbound_deliveries_uncertain".into(),
         ]);
         before.2.sort();
         let after = (
@@ -625,15 +630,10 @@ mod tests {
         assert_eq!(counts(&conn), ["[\"telegram\",2,1,1,2]"]);
     }
 
-    /// Version 12 keeps every row of a file of version 11, with replies in every state,
-    /// and the dead letters' counts its triggers kept; the triggers are gone.
-    #[test]
-    fn version_twelve_keeps_every_row_and_the_counts_without_triggers() {
-        let mut conn = Connection::open_in_memory().unwrap();
-        migrations().to_version(&mut conn, 11).unwrap();
-        // Written through version 11's triggers, which count the dead letters.
-        conn.execute_batch(
-            "INSERT INTO outbound_channels (id, name) VALUES (1, 'slack'), (2, 'telegram');
+    /// Replies in every state (and their chunks) on two channels, as versions 11 to 13
+    /// store them.
+    const EVERY_STATE: &str =
+        "INSERT INTO outbound_channels (id, name) VALUES (1, 'slack'), (2, 'telegram');
              INSERT INTO outbound_deliveries (id, uid, channel, chat_id, status, chunk_count,
                  delivered_count, created_at, updated_at, text, acknowledged_at, corrupt,
                  finished_at, finalize_error)
@@ -660,9 +660,16 @@ mod tests {
                     (7 * 16384, 7, 0, 'sending', 1, 1, 90000, 4, NULL),
                     (8 * 16384, 8, 0, 'delivered', 1, 1, NULL, NULL, NULL),
                     (8 * 16384 + 1, 8, 1, 'retry', 1, 2, 80000, NULL, NULL),
-                    (10 * 16384, 10, 0, 'delivered', 1, 1, NULL, NULL, NULL);",
-        )
-        .unwrap();
+                    (10 * 16384, 10, 0, 'delivered', 1, 1, NULL, NULL, NULL);";
+
+    /// Version 12 keeps every row of a file of version 11, with replies in every state,
+    /// and the dead letters' counts its triggers kept; the triggers are gone.
+    #[test]
+    fn version_twelve_keeps_every_row_and_the_counts_without_triggers() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrations().to_version(&mut conn, 11).unwrap();
+        // Written through version 11's triggers, which count the dead letters.
+        conn.execute_batch(EVERY_STATE).unwrap();
         let rows = "SELECT json_array(id, uid, channel, chat_id, status, chunk_count,
                         delivered_count, created_at, updated_at, text, acknowledged_at, corrupt,
                         finished_at, finalize_error)
@@ -693,6 +700,91 @@ mod tests {
             )
             .unwrap();
         assert_eq!(triggers, 0, "no trigger is left on the outbox's tables");
+    }
+
+    /// Version 13 keeps every row of a file of version 12, with replies in every state;
+    /// its index of work in flight holds the same replies, keyed by chat first, and
+    /// each lane's head and the uncertain replies are read as before.
+    #[test]
+    fn version_thirteen_keeps_every_row_and_reads_the_lanes_as_before() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrations().to_version(&mut conn, 12).unwrap();
+        conn.execute_batch(EVERY_STATE).unwrap();
+        let rows = "SELECT json_array(id, uid, channel, chat_id, status, chunk_count,
+                        delivered_count, created_at, updated_at, text, acknowledged_at, corrupt,
+                        finished_at, finalize_error)
+                    FROM outbound_deliveries ORDER BY id";
+        let chunks = "SELECT json_array(id, delivery_id, chunk_index, status, channel_id,
+                          attempts, due_at, claim_token, resend_by)
+                      FROM outbound_delivery_chunks ORDER BY id";
+        let in_flight = "SELECT CAST(id AS TEXT) FROM outbound_deliveries
+                         INDEXED BY outbound_deliveries_open
+                         WHERE status <> 'delivered' AND status <> 'failed' ORDER BY id";
+        let reads = |conn: &Connection| {
+            let lanes = dump(
+                conn,
+                "SELECT DISTINCT json_array(channel, chat_id) FROM outbound_deliveries
+                 ORDER BY 1",
+            );
+            let mut head = conn.prepare(crate::store::sqlite::lanes::HEAD_SQL).unwrap();
+            let heads: Vec<String> = lanes
+                .iter()
+                .map(|lane| {
+                    let lane: (String, String) = serde_json::from_str(lane).unwrap();
+                    let found: Option<(bool, i64)> = head
+                        .query_row([&lane.0, &lane.1], |r| Ok((r.get(0)?, r.get(1)?)))
+                        .optional()
+                        .unwrap();
+                    format!("{lane:?}: {found:?}")
+                })
+                .collect();
+            let unasked: Vec<i64> = ["slack", "telegram"]
+                .iter()
+                .flat_map(|channel| {
+                    conn.prepare(crate::store::sqlite::operator::UNASKED_SQL)
+                        .unwrap()
+                        .query_map(rusqlite::params![channel, 10], |r| r.get(0))
+                        .unwrap()
+                        .collect::<rusqlite::Result<Vec<i64>>>()
+                        .unwrap()
+                })
+                .collect();
+            (heads, unasked)
+        };
+        let before = (
+            dump(&conn, rows),
+            dump(&conn, chunks),
+            dump(&conn, in_flight),
+            reads(&conn),
+        );
+        assert_eq!(
+            before.2,
+            ["4", "6", "7", "8", "9", "10"],
+            "the work in flight, held by version 12's index"
+        );
+        assert_eq!(
+            before.3.1,
+            [6 * 16384],
+            "the uncertain part nobody asked about"
+        );
+        migrate(&mut conn).unwrap();
+        assert_eq!(
+            (
+                dump(&conn, rows),
+                dump(&conn, chunks),
+                dump(&conn, in_flight),
+                reads(&conn)
+            ),
+            before
+        );
+        let key: String = conn
+            .query_row(
+                "SELECT group_concat(name, ',') FROM pragma_index_info('outbound_deliveries_open')",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(key, "chat_id,channel,status,id");
     }
 
     #[test]
@@ -790,7 +882,8 @@ mod tests {
                 "outbound_deliveries_dead_newest",
                 "outbound_deliveries_finished",
                 "outbound_deliveries_idempotency",
-                "outbound_deliveries_open"
+                "outbound_deliveries_open",
+                "outbound_deliveries_uncertain"
             ]
         );
         conn.execute(
@@ -1077,14 +1170,14 @@ mod plan_tests {
     }
 
     /// The uncertain parts nobody asked about yet: the channel's uncertain deliveries
-    /// from the index of unfinished ones, their chunks by the chunk key; only those
-    /// rows are sorted (oldest first), never history.
+    /// from the index of uncertain ones, their chunks by the chunk key; only those rows
+    /// are sorted (oldest first), never history nor the rest of the work in flight.
     #[test]
-    fn unasked_parts_are_found_from_the_open_index() {
+    fn unasked_parts_are_found_from_the_uncertain_index() {
         let ob = populated();
         let plan = explain(&ob, crate::store::sqlite::operator::UNASKED_SQL, 2);
         assert!(
-            plan.contains("USING COVERING INDEX outbound_deliveries_open (channel=?)"),
+            plan.contains("USING COVERING INDEX outbound_deliveries_uncertain (channel=?)"),
             "{plan}"
         );
         assert!(
@@ -1103,13 +1196,13 @@ mod plan_tests {
         let plan = explain(&ob, crate::store::sqlite::lanes::HEAD_SQL, 2);
         assert_eq!(
             plan,
-            "SEARCH outbound_deliveries USING INDEX outbound_deliveries_open (channel=? AND chat_id=? AND status>? AND status<?)",
+            "SEARCH outbound_deliveries USING INDEX outbound_deliveries_open (chat_id=? AND channel=? AND status>? AND status<?)",
             "one range of the index, read in its order"
         );
         let plan = explain(&ob, crate::store::sqlite::lanes::HELD_SQL, 3);
         assert!(
             plan.contains(
-                "USING INDEX outbound_deliveries_open (channel=? AND chat_id=? AND status=?)"
+                "USING INDEX outbound_deliveries_open (chat_id=? AND channel=? AND status=?)"
             ) && plan.contains("USING INDEX outbound_deliveries_dead (channel=? AND chat_id=?)")
                 && plan.contains("SEARCH c USING INTEGER PRIMARY KEY (rowid=?)"),
             "{plan}"
@@ -1121,7 +1214,7 @@ mod plan_tests {
         assert!(
             plan.contains(
                 "SEARCH outbound_deliveries USING COVERING INDEX outbound_deliveries_open \
-                 (channel=? AND chat_id=? AND status>? AND status<?)"
+                 (chat_id=? AND channel=? AND status>? AND status<?)"
             ) && plan.contains("SEARCH outbound_deliveries USING INTEGER PRIMARY KEY (rowid=?)")
                 && plan
                     .contains("SEARCH outbound_lanes USING PRIMARY KEY (channel=? AND chat_id=?)")
