@@ -662,6 +662,17 @@ mod tests {
                     (8 * 16384 + 1, 8, 1, 'retry', 1, 2, 80000, NULL, NULL),
                     (10 * 16384, 10, 0, 'delivered', 1, 1, NULL, NULL, NULL);";
 
+    /// The columns of [`EVERY_STATE`]'s replies, a row each.
+    const EVERY_STATE_ROWS: &str = "SELECT json_array(id, uid, channel, chat_id, status,
+            chunk_count, delivered_count, created_at, updated_at, text, acknowledged_at,
+            corrupt, finished_at, finalize_error)
+        FROM outbound_deliveries ORDER BY id";
+
+    /// The columns of [`EVERY_STATE`]'s chunks, a row each.
+    const EVERY_STATE_CHUNKS: &str = "SELECT json_array(id, delivery_id, chunk_index, status,
+            channel_id, attempts, due_at, claim_token, resend_by)
+        FROM outbound_delivery_chunks ORDER BY id";
+
     /// Version 12 keeps every row of a file of version 11, with replies in every state,
     /// and the dead letters' counts its triggers kept; the triggers are gone.
     #[test]
@@ -670,13 +681,7 @@ mod tests {
         migrations().to_version(&mut conn, 11).unwrap();
         // Written through version 11's triggers, which count the dead letters.
         conn.execute_batch(EVERY_STATE).unwrap();
-        let rows = "SELECT json_array(id, uid, channel, chat_id, status, chunk_count,
-                        delivered_count, created_at, updated_at, text, acknowledged_at, corrupt,
-                        finished_at, finalize_error)
-                    FROM outbound_deliveries ORDER BY id";
-        let chunks = "SELECT json_array(id, delivery_id, chunk_index, status, channel_id,
-                          attempts, due_at, claim_token, resend_by)
-                      FROM outbound_delivery_chunks ORDER BY id";
+        let (rows, chunks) = (EVERY_STATE_ROWS, EVERY_STATE_CHUNKS);
         let counts = "SELECT json_array(channel, dead_letters, unacknowledged, corrupt,
                           failed_chunks)
                       FROM outbound_dead_letter_counts WHERE dead_letters OR failed_chunks
@@ -710,13 +715,7 @@ mod tests {
         let mut conn = Connection::open_in_memory().unwrap();
         migrations().to_version(&mut conn, 12).unwrap();
         conn.execute_batch(EVERY_STATE).unwrap();
-        let rows = "SELECT json_array(id, uid, channel, chat_id, status, chunk_count,
-                        delivered_count, created_at, updated_at, text, acknowledged_at, corrupt,
-                        finished_at, finalize_error)
-                    FROM outbound_deliveries ORDER BY id";
-        let chunks = "SELECT json_array(id, delivery_id, chunk_index, status, channel_id,
-                          attempts, due_at, claim_token, resend_by)
-                      FROM outbound_delivery_chunks ORDER BY id";
+        let (rows, chunks) = (EVERY_STATE_ROWS, EVERY_STATE_CHUNKS);
         let in_flight = "SELECT CAST(id AS TEXT) FROM outbound_deliveries
                          INDEXED BY outbound_deliveries_open
                          WHERE status <> 'delivered' AND status <> 'failed' ORDER BY id";
