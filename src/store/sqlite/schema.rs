@@ -681,12 +681,15 @@ mod tests {
         migrations().to_version(&mut conn, 11).unwrap();
         // Written through version 11's triggers, which count the dead letters.
         conn.execute_batch(EVERY_STATE).unwrap();
-        let (rows, chunks) = (EVERY_STATE_ROWS, EVERY_STATE_CHUNKS);
         let counts = "SELECT json_array(channel, dead_letters, unacknowledged, corrupt,
                           failed_chunks)
                       FROM outbound_dead_letter_counts WHERE dead_letters OR failed_chunks
                       ORDER BY channel";
-        let before = (dump(&conn, rows), dump(&conn, chunks), dump(&conn, counts));
+        let before = (
+            dump(&conn, EVERY_STATE_ROWS),
+            dump(&conn, EVERY_STATE_CHUNKS),
+            dump(&conn, counts),
+        );
         assert_eq!(
             before.2,
             ["[\"slack\",2,1,0,2]", "[\"telegram\",1,1,1,1]"],
@@ -694,7 +697,11 @@ mod tests {
         );
         migrate(&mut conn).unwrap();
         assert_eq!(
-            (dump(&conn, rows), dump(&conn, chunks), dump(&conn, counts)),
+            (
+                dump(&conn, EVERY_STATE_ROWS),
+                dump(&conn, EVERY_STATE_CHUNKS),
+                dump(&conn, counts)
+            ),
             before
         );
         let triggers: i64 = conn
@@ -715,7 +722,6 @@ mod tests {
         let mut conn = Connection::open_in_memory().unwrap();
         migrations().to_version(&mut conn, 12).unwrap();
         conn.execute_batch(EVERY_STATE).unwrap();
-        let (rows, chunks) = (EVERY_STATE_ROWS, EVERY_STATE_CHUNKS);
         let in_flight = "SELECT CAST(id AS TEXT) FROM outbound_deliveries
                          INDEXED BY outbound_deliveries_open
                          WHERE status <> 'delivered' AND status <> 'failed' ORDER BY id";
@@ -751,8 +757,8 @@ mod tests {
             (heads, unasked)
         };
         let before = (
-            dump(&conn, rows),
-            dump(&conn, chunks),
+            dump(&conn, EVERY_STATE_ROWS),
+            dump(&conn, EVERY_STATE_CHUNKS),
             dump(&conn, in_flight),
             reads(&conn),
         );
@@ -769,21 +775,20 @@ mod tests {
         migrate(&mut conn).unwrap();
         assert_eq!(
             (
-                dump(&conn, rows),
-                dump(&conn, chunks),
+                dump(&conn, EVERY_STATE_ROWS),
+                dump(&conn, EVERY_STATE_CHUNKS),
                 dump(&conn, in_flight),
                 reads(&conn)
             ),
             before
         );
-        let key: String = conn
-            .query_row(
-                "SELECT group_concat(name, ',') FROM pragma_index_info('outbound_deliveries_open')",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
-        assert_eq!(key, "chat_id,channel,status,id");
+        assert_eq!(
+            dump(
+                &conn,
+                "SELECT group_concat(name, ',') FROM pragma_index_info('outbound_deliveries_open')"
+            ),
+            ["chat_id,channel,status,id"]
+        );
     }
 
     #[test]
