@@ -146,7 +146,10 @@ struct Verdict {
     /// person, and the duplicates each channel's chats saw.
     settling: Settling,
     /// The most chunks that became `uncertain` through one kill of a dispatcher, and
-    /// the most sends that dispatcher could have had in flight (workers × batch).
+    /// the most sends that dispatcher could have had in flight (workers × batch). A
+    /// fault of the server (a connection kill, a restart) the dispatcher lived through
+    /// strands what it had in flight too: the chunks left under a killed dispatcher
+    /// count per stranding, the kill and each such fault (rounded up).
     max_uncertain_per_kill: u64,
     max_sends_in_flight: u64,
     /// Chunks still `uncertain` when the run ended.
@@ -375,10 +378,15 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
             .collect::<CliResult<_>>()?,
     );
     let mut generations: Vec<u64> = (0..roles.len() as u64).collect();
+    // Each dispatcher killed, with the server's faults it lived through.
     let mut killed_dispatchers = Vec::new();
     let mut rng = fastrand::Rng::with_seed(args.seed);
     let mut generation = roles.len() as u64;
     let (mut connections_killed, mut restarts) = (0, 0);
+    // The server's faults so far (each round of connection kills and each restart
+    // counts once), and how many there were when each role's process started.
+    let mut faults = 0;
+    let mut born_at = roles.map(|_| 0);
     // The server's faults, spread evenly over the kills.
     let spread = |n: u64, i: u64| (i + 1) * n / args.kills.max(1) - i * n / args.kills.max(1);
     for i in 0..args.kills {
@@ -386,6 +394,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         if let Some(server) = &server {
             for _ in 0..spread(args.connection_kills, i) {
                 connections_killed += server.terminate_connections(&schema_name(args.seed))?;
+                faults += 1;
             }
             for _ in 0..spread(args.server_restarts, i) {
                 let command = args.restart_command.as_deref().unwrap_or_default();
@@ -396,6 +405,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
                     return Err(format!("the restart command failed: {status}").into());
                 }
                 restarts += 1;
+                faults += 1;
             }
         }
         // Most kills hit a dispatcher (sends in flight) or the producer (enqueues).
@@ -408,10 +418,11 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         child.kill()?;
         child.wait()?;
         if roles[victim] == Role::Dispatcher {
-            killed_dispatchers.push(generations[victim]);
+            killed_dispatchers.push((generations[victim], faults - born_at[victim]));
         }
         generation += 1;
         generations[victim] = generation;
+        born_at[victim] = faults;
         // The producer keeps the run's seed: it decides which chat each reply goes to.
         let seed = if victim == 0 {
             args.seed
@@ -610,7 +621,9 @@ fn produce(outbox: &Outbox, dir: &Path, seed: u64, replies: u64) -> CliResult<u8
     Ok(0)
 }
 
-fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<Verdict> {
+/// Checks every promise; `killed` holds each dispatcher killed (its generation), with
+/// the server's faults it lived through.
+fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[(u64, u64)]) -> CliResult<Verdict> {
     let mut v = Verdict::default();
     // What the producer knows it enqueued (enqueue returned Ok), in order.
     let mut confirmed: Vec<(u64, DeliveryId)> = Vec::new();
@@ -701,7 +714,8 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
     v.out_of_order = record.chats_out_of_order(&position);
 
     // What each kill of a dispatcher left uncertain: the chunks the operator found held
-    // under the dead process's claimant, plus any still held at the end.
+    // under the dead process's claimant, plus any still held at the end, per stranding
+    // (its kill and each fault of the server it lived through).
     let mut held_at_end: HashMap<String, HashSet<(u32, String)>> = HashMap::new();
     let h = outbox.health()?;
     v.uncertain_left = h.totals.uncertain_chunks;
@@ -731,7 +745,7 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
         })
         .collect();
     let empty = HashSet::new();
-    for generation in killed {
+    for (generation, faults) in killed {
         let Some(claimant) = claimants.get(generation) else {
             continue; // killed before it claimed anything
         };
@@ -740,9 +754,10 @@ fn verify(dir: &Path, outbox: &Outbox, seed: u64, killed: &[u64]) -> CliResult<V
             .get(claimant)
             .unwrap_or(&empty);
         let left = held_at_end.get(claimant).unwrap_or(&empty);
+        let strandings = 1 + faults;
         v.max_uncertain_per_kill = v
             .max_uncertain_per_kill
-            .max(seen.union(left).count() as u64);
+            .max((seen.union(left).count() as u64).div_ceil(strandings));
     }
     v.max_sends_in_flight = (DISPATCH_WORKERS * DISPATCH_BATCH) as u64;
     Ok(v)
