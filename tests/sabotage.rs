@@ -67,10 +67,13 @@ fn assert_reported(harness: &str, fault: &str, args: &[&str]) -> Value {
 }
 
 fn check(fault: &str) {
-    // A kill must land while a dispatcher holds more sends than its bound: likelier
+    // Two faults show only when a kill lands at the right moment: while a dispatcher
+    // holds more sends than its bound, or while it holds a part of a channel the
+    // operator cannot ask about, which the operator then resends blind (the dispatchers'
+    // settlers settle the others first, faster on a fast machine). Both are likelier
     // with more kills, which a busy machine (the other faults' runs beside this one)
-    // needs.
-    let (kills, crashes) = if fault == "max_uncertain_per_kill" {
+    // needs too.
+    let (kills, crashes) = if fault == "max_uncertain_per_kill" || fault == "uncertain_left" {
         ("90", "6")
     } else {
         ("30", "2")
