@@ -115,7 +115,7 @@ fn median_ms(answer: impl Fn()) -> f64 {
 }
 
 fn page(console: &Console, target: &str) {
-    let page = console.respond(&Request::get(target));
+    let page = console.respond(&Request::get(target).from_owner());
     assert!(
         matches!(page.status, 200 | 303),
         "{target}: {}",

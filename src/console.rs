@@ -8,13 +8,23 @@
 //! and platform ids; found by its id or caller key) and the stored rules.
 //!
 //! Like [`Endpoint`](crate::monitoring::Endpoint) it answers a [`Request`] with a
-//! [`Response`], so any HTTP server can mount it. It is safe by default:
+//! [`Response`], so any HTTP server can mount it. It is safe by construction: who can
+//! reach a request's sender ([`Reach`]) decides what it is shown, whatever the server
+//! in front was told.
 //!
 //! - it answers only to its own names ([`AllowedHosts`]; the loopback names by
 //!   default): a request whose `Host` is another name is refused with 421, so a web page
 //!   that points its own name at the console's address (DNS rebinding) reads nothing;
-//! - **read-only** unless [`with_actions`](Console::with_actions) gives it a token, and
-//!   then **every page but the sign-in form and the style sheet needs the sign-in**:
+//! - **without a token it shows nothing but to the file's owner**: a request is
+//!   answered only when its server vouches that it came from this process's own
+//!   account over a channel nobody else can open ([`Request::owner`]: a Unix socket
+//!   whose peer credentials were checked). Over TCP, any account of the machine reaches
+//!   a loopback port, so every page answers 403 and says how to turn the console on;
+//! - with a token ([`with_actions`](Console::with_actions)) **every page but the
+//!   sign-in form and the style sheet needs the sign-in**, and a sign-in from another
+//!   machine ([`Reach::Network`]) is taken only over TLS (HTTPS, or a proxy that ends
+//!   it: [`with_secure_cookie`](Console::with_secure_cookie)) unless plain HTTP is
+//!   accepted by name ([`with_plain_http_sign_in`](Console::with_plain_http_sign_in)):
 //!   signing in starts a session kept on the server (the cookie, `HttpOnly`,
 //!   `SameSite=Strict`, carries only its random id, never the token; it ends after
 //!   [`SESSION_IDLE`] without a request, [`SESSION_LIFETIME`] after sign-in, or at
@@ -23,9 +33,11 @@
 //! - every action is a `POST` carrying its session's form token (CSRF), refused when its
 //!   `Origin` is another site or `Sec-Fetch-Site` says it came from one, and changes the
 //!   outbox in one transaction of the operation it names, as the `outbox` tool would;
-//! - failed sign-ins are counted per peer and overall: past
-//!   [`FREE_SIGN_IN_FAILURES`] the next attempt waits, twice as long each time (429 with
-//!   `Retry-After`);
+//! - failed sign-ins are counted per client and overall: past
+//!   [`FREE_SIGN_IN_FAILURES`] of its own a client's next attempt waits, twice as long
+//!   each time (429 with `Retry-After`); everyone's failures together only take away the
+//!   free ones, so a client that has failed nothing is always heard and nobody's wrong
+//!   tokens shut the operator out;
 //! - every answer carries [`SECURITY_HEADERS`] (no script runs, nothing is loaded from
 //!   elsewhere, no other site frames it), every value is escaped (a reply whose text is
 //!   `<script>` renders as text), and a reply's text is shown only when asked for
@@ -38,11 +50,18 @@
 //! let outbox = Outbox::open_in_memory(OutboxOptions::default())?;
 //! outbox.enqueue(&NewDelivery::single("telegram", "42", "<b>hi</b>"))?;
 //! let console = Console::new(outbox);
-//! let page = console.respond(&Request::get("/console"));
+//! // Without a token, only the file's owner is shown anything: a server says so of a
+//! // request that came over a socket only that account can open.
+//! let page = console.respond(&Request::get("/console").from_owner());
 //! assert_eq!(page.status, 200);
 //! assert!(page.body.contains("telegram"));
+//! // Anyone else — a TCP client, even on loopback — reads nothing.
+//! let tcp = console.respond(&Request::get("/console").from_peer([127, 0, 0, 1].into()));
+//! assert_eq!(tcp.status, 403);
+//! assert!(!tcp.body.contains("telegram"));
 //! // Read-only: no action is taken.
-//! let refused = console.respond(&Request::post("/console/actions/dismiss", b"channel="));
+//! let refused =
+//!     console.respond(&Request::post("/console/actions/dismiss", b"channel=").from_owner());
 //! assert_eq!(refused.status, 403);
 //! # Ok::<(), chunked_outbox::Error>(())
 //! ```
@@ -65,7 +84,7 @@ use crate::status::{ChunkStatus, DeliveryStatus};
 
 pub use guard::{
     AllowedHosts, FREE_SIGN_IN_FAILURES, FREE_SIGN_IN_FAILURES_OVERALL, LONGEST_SIGN_IN_WAIT,
-    MIN_TOKEN_VARIETY, SESSION_IDLE, SESSION_LIFETIME,
+    MIN_TOKEN_VARIETY, SESSION_IDLE, SESSION_LIFETIME, client_key, is_loopback_name,
 };
 use guard::{Sessions, Throttle};
 use pages::StuckChat;
@@ -97,10 +116,39 @@ pub const MIN_TOKEN_LEN: usize = 16;
 /// The most a form's body may be; a server may refuse a longer one before reading it.
 pub const MAX_FORM_BYTES: usize = 16 * 1024;
 
+/// The headers a proxy adds, most telling first. A request that carries any of them
+/// came through a proxy, so others than the file's owner may have sent it; an embedding
+/// server passes the first one present as [`Request::forwarded`].
+pub const FORWARDING_HEADERS: [&str; 6] = [
+    "Forwarded",
+    "X-Forwarded-For",
+    "X-Real-IP",
+    "X-Forwarded-Host",
+    "X-Forwarded-Proto",
+    "Via",
+];
+
+/// Who can have sent a request, as far as the console can tell: it decides what the
+/// request is shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    /// The file's owner, and nobody else: the server took the request over a channel
+    /// only this process's account can open ([`Request::owner`]), under a loopback name,
+    /// with no proxy in between.
+    Owner,
+    /// Any account of this machine: a TCP client on a loopback address, under a
+    /// loopback name, with no proxy in between. Nothing it sends crosses a network.
+    ThisMachine,
+    /// Anyone the network lets through: a client on another address, a name other than
+    /// the loopback names, a proxy in front (any of [`FORWARDING_HEADERS`]), or a peer
+    /// the server did not name.
+    Network,
+}
+
 /// A request as the console needs it. An embedding server fills in every header it
 /// received: the `Host` decides whether the console answers at all, `Origin` and
-/// `Sec-Fetch-Site` whether a form is taken, the peer's address how long a failed
-/// sign-in waits.
+/// `Sec-Fetch-Site` whether a form is taken, the peer (and a proxy's forwarding
+/// header) who can have sent it ([`Reach`]) and how long a failed sign-in waits.
 #[derive(Debug, Clone, Copy)]
 pub struct Request<'a> {
     /// `GET`, `HEAD` or `POST`.
@@ -117,9 +165,19 @@ pub struct Request<'a> {
     /// The `Sec-Fetch-Site` header, if any: a `POST` marked `cross-site` or `same-site`
     /// is refused.
     pub fetch_site: Option<&'a str>,
-    /// The client's address, for counting its failed sign-ins (`None`: counted with
-    /// every other request that has none).
+    /// The TCP peer's address (`None`: a request with no address, counted as one
+    /// client with every other such request, and reached from the network unless
+    /// [`owner`](Self::owner)).
     pub peer: Option<IpAddr>,
+    /// Whether the server vouches that the request came from this process's own
+    /// account over a channel no other account can open: a Unix socket whose peer
+    /// credentials it checked. Only then does a console without a token show anything.
+    pub owner: bool,
+    /// The first of [`FORWARDING_HEADERS`] the request carried, if any: it came through
+    /// a proxy. From a trusted proxy ([`Console::with_trusted_proxies`]) the client's
+    /// address is read from it (a `Forwarded` or `X-Forwarded-For` chain); from anyone
+    /// else it is never believed, only noticed.
+    pub forwarded: Option<&'a str>,
     /// Whether the request came over HTTPS (the session cookie is `Secure` then).
     pub https: bool,
     /// The body of a `POST` (`application/x-www-form-urlencoded`).
@@ -127,7 +185,8 @@ pub struct Request<'a> {
 }
 
 impl<'a> Request<'a> {
-    /// A `GET` of `target` to `localhost`, with no cookie.
+    /// A `GET` of `target` to `localhost`, with no cookie, from a sender nobody named
+    /// (reached from the network, see [`Reach`]).
     pub fn get(target: &'a str) -> Self {
         Request {
             method: "GET",
@@ -137,6 +196,8 @@ impl<'a> Request<'a> {
             origin: None,
             fetch_site: None,
             peer: None,
+            owner: false,
+            forwarded: None,
             https: false,
             body: b"",
         }
@@ -187,6 +248,32 @@ impl<'a> Request<'a> {
     pub fn from_peer(self, peer: IpAddr) -> Self {
         Request {
             peer: Some(peer),
+            ..self
+        }
+    }
+
+    /// The same request, vouched for as coming from this process's own account over a
+    /// channel nobody else can open (see [`owner`](Self::owner)).
+    pub fn from_owner(self) -> Self {
+        Request {
+            owner: true,
+            ..self
+        }
+    }
+
+    /// The same request through a proxy that added `value` as its forwarding header
+    /// (see [`forwarded`](Self::forwarded)).
+    pub fn with_forwarded(self, value: &'a str) -> Self {
+        Request {
+            forwarded: Some(value),
+            ..self
+        }
+    }
+
+    /// The same request over HTTPS.
+    pub fn over_https(self) -> Self {
+        Request {
+            https: true,
             ..self
         }
     }
@@ -242,6 +329,18 @@ impl Response {
     }
 }
 
+/// What a console without a token answers anyone but the file's owner.
+const NO_TOKEN: &str = "This console has no token, so it shows nothing over TCP: any account \
+    of this machine can reach a loopback port, and the pages show every reply. Start it with \
+    a token (outbox serve --console-token-file FILE) to put it behind a sign-in, or on a \
+    socket only this account can open (outbox serve --listen unix:PATH) to read it without one.";
+
+/// What a sign-in over plain HTTP from another machine is answered.
+const PLAIN_HTTP: &str = "Sign-in refused: this request came from another machine (or through \
+    a proxy) over plain HTTP, where the token would cross the network in clear. Put TLS in \
+    front (a proxy that ends it, with outbox serve --secure-cookie), or accept plain HTTP by \
+    name (outbox serve --allow-plain-http-sign-in).";
+
 /// The pages of the console, answered for one outbox.
 #[derive(Clone)]
 pub struct Console {
@@ -250,6 +349,8 @@ pub struct Console {
     hosts: Arc<AllowedHosts>,
     actions: Option<Arc<Secrets>>,
     secure_cookie: bool,
+    plain_http_sign_in: bool,
+    trusted_proxies: Arc<[IpAddr]>,
 }
 
 /// What turns the actions on: the operator's token, the sign-in form's token, and the
@@ -353,6 +454,8 @@ impl Console {
             hosts: Arc::new(AllowedHosts::loopback(None)),
             actions: None,
             secure_cookie: false,
+            plain_http_sign_in: false,
+            trusted_proxies: Arc::new([]),
         }
     }
 
@@ -363,11 +466,51 @@ impl Console {
         self
     }
 
-    /// Marks the session cookie `Secure` on every answer, not only on requests that
-    /// came over HTTPS ([`Request::https`]): for a console behind a proxy that ends TLS.
+    /// Says that TLS ends in front of this console (a proxy that ends it): every
+    /// request counts as come over HTTPS ([`Request::https`]), so a sign-in from
+    /// another machine is taken and the session cookie is marked `Secure` on every
+    /// answer.
     pub fn with_secure_cookie(mut self, secure: bool) -> Self {
         self.secure_cookie = secure;
         self
+    }
+
+    /// Takes a sign-in from another machine ([`Reach::Network`]) over plain HTTP too,
+    /// where the token crosses the network in clear: only for a network the operator
+    /// trusts with it. Off by default.
+    pub fn with_plain_http_sign_in(mut self, accept: bool) -> Self {
+        self.plain_http_sign_in = accept;
+        self
+    }
+
+    /// The proxies whose forwarding header ([`Request::forwarded`]) names the client:
+    /// behind one, every request's peer is the proxy, so without this every client
+    /// shares one count of failed sign-ins. A request from any other peer is counted by
+    /// its own address, whatever it claims.
+    pub fn with_trusted_proxies(mut self, proxies: impl IntoIterator<Item = IpAddr>) -> Self {
+        self.trusted_proxies = proxies.into_iter().collect();
+        self
+    }
+
+    /// Who can have sent `request` (see [`Reach`]).
+    pub fn reach(&self, request: &Request<'_>) -> Reach {
+        let loopback_name = request.host.is_some_and(guard::is_loopback_name);
+        if request.forwarded.is_some() || !loopback_name {
+            Reach::Network
+        } else if request.owner {
+            Reach::Owner
+        } else if request.peer.is_some_and(|peer| peer.is_loopback()) {
+            Reach::ThisMachine
+        } else {
+            Reach::Network
+        }
+    }
+
+    /// The client `request` is counted as: its peer, or behind a trusted proxy
+    /// ([`with_trusted_proxies`](Self::with_trusted_proxies)) the address the proxy
+    /// forwarded. A server uses it to bound what one client may hold.
+    pub fn client(&self, request: &Request<'_>) -> Option<IpAddr> {
+        guard::client(request.peer, request.forwarded, &self.trusted_proxies)
     }
 
     /// Turns the actions on for whoever signs in with `token`, and puts every page
@@ -429,7 +572,11 @@ impl Console {
     /// The answer to `request`. It blocks for the reads of one page, or for one
     /// action's transactions.
     pub fn respond(&self, request: &Request<'_>) -> Response {
-        if !request.host.is_some_and(|host| self.hosts.permits(host)) {
+        let https = request.https || self.secure_cookie;
+        if !request
+            .host
+            .is_some_and(|host| self.hosts.permits_over(host, https))
+        {
             return Response::new(
                 421,
                 "text/plain; charset=utf-8",
@@ -446,6 +593,13 @@ impl Console {
         let route = *found.value;
         let posting = matches!(route, Route::SignIn | Route::SignOut | Route::Act(_));
         let mut viewer = self.viewer(request.cookie);
+        // Without a token, nobody signs in: the pages are shown to the owner alone.
+        if self.actions.is_none()
+            && self.reach(request) != Reach::Owner
+            && !matches!(route, Route::Style)
+        {
+            return refused(&viewer, NO_TOKEN);
+        }
         match (request.method, posting) {
             ("GET" | "HEAD", _) => {}
             ("POST", true) => return self.post(route, request, &viewer),
@@ -601,8 +755,14 @@ impl Console {
         viewer: &Viewer,
         form: &Form,
     ) -> Response {
+        if self.reach(request) == Reach::Network
+            && !(request.https || self.secure_cookie || self.plain_http_sign_in)
+        {
+            return refused(viewer, PLAIN_HTTP);
+        }
         let now = self.now_ms();
-        let waiting = lock(&secrets.throttle).wait(request.peer, now);
+        let client = self.client(request);
+        let waiting = lock(&secrets.throttle).wait(client, now);
         if let Some(wait) = waiting {
             let seconds = wait.as_millis().div_ceil(1000).max(1);
             let mut answer = Response::html(
@@ -620,9 +780,9 @@ impl Console {
             .get("token")
             .is_some_and(|t| same(t.trim(), &secrets.token))
         {
-            let failures = lock(&secrets.throttle).fail(request.peer, now);
+            let failures = lock(&secrets.throttle).fail(client, now);
             tracing::warn!(
-                peer = ?request.peer,
+                client = ?client,
                 failures,
                 "console: a sign-in with a wrong token"
             );
@@ -635,7 +795,7 @@ impl Console {
                 ),
             );
         }
-        lock(&secrets.throttle).succeed(request.peer);
+        lock(&secrets.throttle).succeed(client);
         let mut sessions = lock(&secrets.sessions);
         if let Some(old) = &viewer.session {
             sessions.end(old);

@@ -1022,9 +1022,10 @@ fn serve_answers_scrapers_and_load_balancers() -> Result<()> {
         "{body}"
     );
 
-    // The console, under /console, with its security headers.
+    // The console, under /console, with its security headers: without a token it shows
+    // nothing over TCP, and says how to turn it on.
     let response = reqwest::blocking::get(format!("{base}/console")).expect("HTTP answer");
-    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(response.status().as_u16(), 403);
     let header = |name: &str| {
         response
             .headers()
@@ -1036,7 +1037,8 @@ fn serve_answers_scrapers_and_load_balancers() -> Result<()> {
     assert!(csp.contains("default-src 'none'"), "{csp:?}");
     assert_eq!(header("x-content-type-options").as_deref(), Some("nosniff"));
     let page = response.text().unwrap();
-    assert!(page.contains("<th scope=\"row\">telegram</th>"), "{page}");
+    assert!(page.contains("--console-token-file"), "{page}");
+    assert!(!page.contains("telegram"), "{page}");
     assert_eq!(get(format!("{base}/console/nowhere")).0, 404);
     Ok(())
 }

@@ -197,9 +197,12 @@ mod endpoint {
 #[cfg(all(feature = "tokio", feature = "console"))]
 mod console_mounted {
     use super::*;
+    use std::net::SocketAddr;
+
     use axum::body::{Body, Bytes};
-    use axum::http::{HeaderMap, Method, Uri, header};
-    use chunked_outbox::console::{Console, Request};
+    use axum::extract::ConnectInfo;
+    use axum::http::{HeaderMap, Method, Uri};
+    use chunked_outbox::console::{Console, FORWARDING_HEADERS, Request};
     use chunked_outbox::monitoring::{DeliveryStatus, ListFilter};
 
     fn mount(console: Console) -> (tokio::runtime::Runtime, String) {
@@ -209,22 +212,30 @@ mod console_mounted {
             .unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let console = Arc::new(console);
-        let page = move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
+        let page = move |ConnectInfo(peer): ConnectInfo<SocketAddr>,
+                         method: Method,
+                         uri: Uri,
+                         headers: HeaderMap,
+                         body: Bytes| {
             let console = console.clone();
             async move {
                 // A page is a database read: off the runtime's workers.
                 let answer = tokio::task::spawn_blocking(move || {
                     // Every header the console decides by: the Host (421 for a name
-                    // not its own), the cookie, and where a form came from.
-                    let value = |name| headers.get(name).and_then(|v| v.to_str().ok());
+                    // not its own), the cookie, where a form came from, and whether a
+                    // proxy forwarded it; and the peer's address: who can have sent it.
+                    let value = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+                    let forwarded = FORWARDING_HEADERS.iter().find_map(|name| value(name));
                     let request = Request {
                         method: method.as_str(),
                         target: uri.path_and_query().map_or("/", |p| p.as_str()),
-                        host: value(header::HOST),
-                        cookie: value(header::COOKIE),
-                        origin: value(header::ORIGIN),
-                        fetch_site: value(header::HeaderName::from_static("sec-fetch-site")),
-                        peer: None,
+                        host: value("host"),
+                        cookie: value("cookie"),
+                        origin: value("origin"),
+                        fetch_site: value("sec-fetch-site"),
+                        peer: Some(peer.ip()),
+                        owner: false,
+                        forwarded,
                         https: false,
                         body: &body,
                     };
@@ -242,7 +253,13 @@ mod console_mounted {
         let app = axum::Router::new()
             .route("/console", axum::routing::any(page.clone()))
             .route("/console/{*rest}", axum::routing::any(page));
-        runtime.spawn(async move { axum::serve(listener, app).await });
+        runtime.spawn(async move {
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .await
+        });
         (runtime, base)
     }
 
@@ -255,12 +272,18 @@ mod console_mounted {
                 .id;
             let claim = outbox.claim(1)?.remove(0);
             outbox.record(&claim, Outcome::Permanent { error: "chat not found".into() })?;
-            let console = Console::new(outbox.clone()).with_actions("an-application-chosen-token")?;
-            let (_runtime, base) = mount(console);
             let client = reqwest::blocking::Client::builder()
                 .redirect(reqwest::redirect::Policy::none())
                 .build()
                 .unwrap();
+            // Without a token, a console over TCP shows nothing, even on loopback: every
+            // account of the machine reaches the port.
+            let (_open, open_base) = mount(Console::new(outbox.clone()));
+            let open = client.get(format!("{open_base}/console/dead-letters")).send().unwrap();
+            assert_eq!(open.status().as_u16(), 403);
+            assert!(!open.text().unwrap().contains("chat not found"));
+            let console = Console::new(outbox.clone()).with_actions("an-application-chosen-token")?;
+            let (_runtime, base) = mount(console);
             // Nothing is read before the sign-in; a rebinding page's name is refused.
             let page = client.get(format!("{base}/console/dead-letters")).send().unwrap();
             assert_eq!(page.status().as_u16(), 303);
@@ -275,6 +298,17 @@ mod console_mounted {
             let form = client.get(format!("{base}/console/sign-in")).send().unwrap().text().unwrap();
             let at = form.find("name=\"csrf\" value=\"").unwrap() + 19;
             let csrf = &form[at..at + 32];
+            // Through a proxy over plain HTTP the token would cross a network in clear:
+            // the sign-in is refused before the token is looked at.
+            let proxied = client
+                .post(format!("{base}/console/sign-in"))
+                .header("x-forwarded-for", "203.0.113.9")
+                .body(format!("csrf={csrf}&token=an-application-chosen-token"))
+                .send()
+                .unwrap();
+            assert_eq!(proxied.status().as_u16(), 403);
+            assert!(proxied.headers().get("set-cookie").is_none());
+            assert!(proxied.text().unwrap().contains("in clear"));
             let signed = client
                 .post(format!("{base}/console/sign-in"))
                 .body(format!("csrf={csrf}&token=an-application-chosen-token"))

@@ -1,5 +1,6 @@
 //! What stands between the network and the console's pages: the names it answers to,
-//! the sessions of the people signed in, and the count of failed sign-ins.
+//! who can reach a request's sender, the sessions of the people signed in, and the count
+//! of failed sign-ins.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -70,7 +71,9 @@ impl AllowedHosts {
         {
             return Err(invalid("a host name has only letters, digits, - and ."));
         }
-        self.names.push((host, port));
+        if !self.names.contains(&(host.clone(), port)) {
+            self.names.push((host, port));
+        }
         Ok(self)
     }
 
@@ -82,11 +85,20 @@ impl AllowedHosts {
         self
     }
 
-    /// Whether a request whose `Host` header is `host` is answered.
+    /// Whether a request over plain HTTP whose `Host` header is `host` is answered. A
+    /// `Host` without a port names HTTP's default port, 80 (what browsers and curl send
+    /// there).
     pub fn permits(&self, host: &str) -> bool {
+        self.permits_over(host, false)
+    }
+
+    /// Whether a request whose `Host` header is `host` is answered, over HTTPS when
+    /// `https` (a `Host` without a port then names port 443).
+    pub fn permits_over(&self, host: &str, https: bool) -> bool {
         let Some((name, port)) = split_host(host.trim()) else {
             return false;
         };
+        let port = port.or(Some(if https { 443 } else { 80 }));
         let named = self
             .names
             .iter()
@@ -95,6 +107,38 @@ impl AllowedHosts {
             || self.any_address_on.is_some_and(|on| {
                 port == Some(on) && name.trim_matches(['[', ']']).parse::<IpAddr>().is_ok()
             })
+    }
+}
+
+/// Whether the name in `host` (a `Host` header's value, with or without its port) is a
+/// loopback name: `localhost` or a loopback address. Only a client on this machine
+/// sends one (or a proxy that rewrote the name, which says so in a forwarding header).
+pub fn is_loopback_name(host: &str) -> bool {
+    split_host(host.trim()).is_some_and(|(name, _)| {
+        name == "localhost"
+            || name
+                .trim_matches(['[', ']'])
+                .parse::<IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    })
+}
+
+impl std::fmt::Display for AllowedHosts {
+    /// The names, each with its port (`:*` for any), comma-separated; `any address:PORT`
+    /// for [`any_address`](Self::any_address).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut names: Vec<String> = self
+            .names
+            .iter()
+            .map(|(name, port)| match port {
+                Some(port) => format!("{name}:{port}"),
+                None => format!("{name}:*"),
+            })
+            .collect();
+        if let Some(port) = self.any_address_on {
+            names.push(format!("any address:{port}"));
+        }
+        f.write_str(&names.join(", "))
     }
 }
 
@@ -204,16 +248,18 @@ pub(crate) fn random_hex() -> Result<String> {
     Ok(random.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// Failed sign-ins a peer may make before it has to wait.
+/// Failed sign-ins a client may make before it has to wait.
 pub const FREE_SIGN_IN_FAILURES: u32 = 3;
-/// Failed sign-ins from everyone together before everyone has to wait.
+/// Failed sign-ins from everyone together past which each client's allowance is gone:
+/// every client's next failure then earns a wait at once. A client with no failures of
+/// its own is always heard, so nobody else's wrong tokens keep the operator out.
 pub const FREE_SIGN_IN_FAILURES_OVERALL: u32 = 30;
 /// The longest wait a failed sign-in earns.
 pub const LONGEST_SIGN_IN_WAIT: Duration = Duration::from_secs(15 * 60);
-/// The most peers whose failures are remembered (the oldest is forgotten first).
+/// The most clients whose failures are remembered (the oldest is forgotten first).
 const PEERS_REMEMBERED: usize = 4096;
 
-/// Failed sign-ins of one peer, or of everyone.
+/// Failed sign-ins of one client, or of everyone.
 #[derive(Debug, Clone, Copy, Default)]
 struct Failures {
     count: u32,
@@ -247,7 +293,10 @@ impl Failures {
     }
 }
 
-/// The failed sign-ins, per peer and overall: a growing wait once too many failed.
+/// The failed sign-ins, per client and overall. A client's own failures make it wait,
+/// longer each time; everyone's together only take away each client's free failures.
+/// So a client that has failed nothing is always heard, and a correct token from it
+/// always signs in, however many wrong ones others send.
 #[derive(Debug, Default)]
 pub(crate) struct Throttle {
     peers: HashMap<Option<IpAddr>, Failures>,
@@ -255,19 +304,21 @@ pub(crate) struct Throttle {
 }
 
 impl Throttle {
-    /// How long `peer` has to wait before its sign-in is even looked at; `None` if it
+    /// How long `client` has to wait before its sign-in is even looked at; `None` if it
     /// need not.
-    pub(crate) fn wait(&self, peer: Option<IpAddr>, now: i64) -> Option<Duration> {
-        let peer = self.peers.get(&peer).copied().unwrap_or_default();
-        let open = peer
-            .open_at(FREE_SIGN_IN_FAILURES)
-            .max(self.overall.open_at(FREE_SIGN_IN_FAILURES_OVERALL));
+    pub(crate) fn wait(&self, client: Option<IpAddr>, now: i64) -> Option<Duration> {
+        let own = self.peers.get(&client_key(client))?;
+        let crowded =
+            self.overall.count > FREE_SIGN_IN_FAILURES_OVERALL && !self.overall.stale(now);
+        let free = if crowded { 0 } else { FREE_SIGN_IN_FAILURES };
+        let open = own.open_at(free);
         (open > now).then(|| Duration::from_millis((open - now) as u64))
     }
 
-    /// Counts a failed sign-in of `peer` at `now`; how many it has made in a row.
-    pub(crate) fn fail(&mut self, peer: Option<IpAddr>, now: i64) -> u32 {
-        if self.peers.len() >= PEERS_REMEMBERED && !self.peers.contains_key(&peer) {
+    /// Counts a failed sign-in of `client` at `now`; how many it has made in a row.
+    pub(crate) fn fail(&mut self, client: Option<IpAddr>, now: i64) -> u32 {
+        let key = client_key(client);
+        if self.peers.len() >= PEERS_REMEMBERED && !self.peers.contains_key(&key) {
             self.peers.retain(|_, f| !f.stale(now));
             if self.peers.len() >= PEERS_REMEMBERED {
                 let oldest = self
@@ -281,15 +332,75 @@ impl Throttle {
             }
         }
         self.overall.fail(now);
-        let failures = self.peers.entry(peer).or_default();
+        let failures = self.peers.entry(key).or_default();
         failures.fail(now);
         failures.count
     }
 
-    /// A peer that signed in starts afresh.
-    pub(crate) fn succeed(&mut self, peer: Option<IpAddr>) {
-        self.peers.remove(&peer);
+    /// A client that signed in starts afresh.
+    pub(crate) fn succeed(&mut self, client: Option<IpAddr>) {
+        self.peers.remove(&client_key(client));
     }
+}
+
+/// What one client is counted as: its IPv4 address, or its IPv6 network (the first 64
+/// bits: one host is given a whole /64 and may use any address in it).
+pub fn client_key(client: Option<IpAddr>) -> Option<IpAddr> {
+    Some(match client? {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(
+                u128::from(v6) & !((1u128 << 64) - 1),
+            )),
+        },
+    })
+}
+
+/// The client behind a request from `peer`: `peer` itself, unless it is one of the
+/// `trusted` proxies, and then the last address of the `forwarded` chain (a
+/// `Forwarded` or `X-Forwarded-For` value) that is not a trusted proxy: the one a
+/// trusted proxy saw. A chain that names no address leaves the proxy as the client.
+pub(crate) fn client(
+    peer: Option<IpAddr>,
+    forwarded: Option<&str>,
+    trusted: &[IpAddr],
+) -> Option<IpAddr> {
+    let peer = peer?;
+    if !trusted.contains(&peer) {
+        return Some(peer);
+    }
+    for hop in forwarded.unwrap_or_default().rsplit(',') {
+        match hop_address(hop) {
+            Some(address) if trusted.contains(&address) => continue,
+            Some(address) => return Some(address),
+            None => break,
+        }
+    }
+    Some(peer)
+}
+
+/// The address of one hop of a forwarding chain: `for=…` of a `Forwarded` element
+/// (`for=192.0.2.7;proto=https`, `for="[2001:db8::1]:4711"`), or an `X-Forwarded-For`
+/// entry, with or without a port.
+fn hop_address(hop: &str) -> Option<IpAddr> {
+    let hop = hop.trim();
+    let value = if hop.contains('=') {
+        hop.split(';').find_map(|pair| {
+            let (name, value) = pair.split_once('=')?;
+            name.trim()
+                .eq_ignore_ascii_case("for")
+                .then_some(value.trim())
+        })?
+    } else {
+        hop
+    };
+    let value = value.trim_matches('"');
+    if let Ok(ip) = value.parse::<IpAddr>() {
+        return Some(ip);
+    }
+    let (host, _) = split_host(value)?;
+    host.trim_matches(['[', ']']).parse().ok()
 }
 
 /// The fewest different characters a console token may have: a token of one repeated
@@ -340,7 +451,12 @@ mod tests {
             .allow("Box.example")
             .unwrap();
         assert!(wide.permits("10.0.0.5:80") && wide.permits("[fe80::1]:80"));
-        assert!(!wide.permits("10.0.0.5:81") && !wide.permits("10.0.0.5"));
+        assert!(!wide.permits("10.0.0.5:81") && !wide.permits("10.0.0.5:8080"));
+        // Without a port: HTTP's 80 (HTTPS's 443).
+        assert!(wide.permits("10.0.0.5") && wide.permits("box.example"));
+        assert!(!wide.permits_over("10.0.0.5", true));
+        let tls = AllowedHosts::loopback(Some(443));
+        assert!(tls.permits_over("localhost", true) && !tls.permits("localhost"));
         assert!(wide.permits("box.example:80") && wide.permits("box.example"));
         assert!(!wide.permits("rebind.example:80"));
         for bad in ["", "a b", "x:port", "<x>", "::1", "fe80::1:80", "[::1]x"] {
@@ -397,7 +513,7 @@ mod tests {
     }
 
     #[test]
-    fn failed_sign_ins_earn_a_growing_wait_per_peer_and_overall() {
+    fn failed_sign_ins_earn_a_growing_wait_per_client() {
         let mut throttle = Throttle::default();
         let peer = Some(IpAddr::from([10, 0, 0, 1]));
         let other = Some(IpAddr::from([10, 0, 0, 2]));
@@ -411,7 +527,11 @@ mod tests {
         assert_eq!(throttle.wait(peer, 1000), None);
         throttle.fail(peer, 1000);
         assert_eq!(throttle.wait(peer, 1000), Some(Duration::from_secs(2)));
-        assert_eq!(throttle.wait(other, 1000), None, "another peer is not held");
+        assert_eq!(
+            throttle.wait(other, 1000),
+            None,
+            "another client is not held"
+        );
         for _ in 0..30 {
             throttle.fail(peer, 1000);
         }
@@ -420,14 +540,93 @@ mod tests {
             throttle.wait(peer, 1000),
             Some(Duration::from_secs(15 * 60))
         );
-        // Everyone together past their allowance: everyone waits.
-        assert!(throttle.wait(other, 1000).is_some());
         throttle.succeed(peer);
         let later = 1000 + LONGEST_SIGN_IN_WAIT.as_millis() as i64;
         assert_eq!(throttle.wait(peer, later), None);
         // Forgotten after a longest wait without a failure.
         throttle.fail(other, later);
         assert_eq!(throttle.wait(other, later), None);
+    }
+
+    /// Everyone's failures together never keep out a client that has failed nothing:
+    /// they only take away the free failures of those that have.
+    #[test]
+    fn nobody_elses_failures_refuse_a_client_with_none() {
+        let mut throttle = Throttle::default();
+        let nth = |n: u8| Some(IpAddr::from([203, 0, 113, n]));
+        // A few addresses, each within its own allowance, past everyone's together.
+        for n in 0..=FREE_SIGN_IN_FAILURES_OVERALL as u8 / FREE_SIGN_IN_FAILURES as u8 {
+            for _ in 0..FREE_SIGN_IN_FAILURES {
+                throttle.fail(nth(n), 0);
+            }
+        }
+        assert!(throttle.overall.count > FREE_SIGN_IN_FAILURES_OVERALL);
+        let operator = Some(IpAddr::from([198, 51, 100, 7]));
+        assert_eq!(throttle.wait(operator, 0), None, "no failures of its own");
+        assert_eq!(throttle.wait(None, 0), None);
+        // Their allowance is gone: each of them now waits.
+        assert_eq!(throttle.wait(nth(0), 0), Some(Duration::from_secs(4)));
+        // The operator mistypes once: a second's wait, not a lock-out.
+        throttle.fail(operator, 0);
+        assert_eq!(throttle.wait(operator, 0), Some(Duration::from_secs(1)));
+        assert_eq!(throttle.wait(operator, 1000), None);
+        // Once everyone's failures are stale, the allowance is back.
+        let later = LONGEST_SIGN_IN_WAIT.as_millis() as i64;
+        throttle.fail(operator, later);
+        assert_eq!(throttle.wait(operator, later), None);
+    }
+
+    /// Behind a trusted proxy the client is the last address it forwarded that is not
+    /// a trusted proxy; from anyone else the header is never believed.
+    #[test]
+    fn the_client_is_read_from_trusted_proxies_only() {
+        let proxy = IpAddr::from([10, 0, 0, 9]);
+        let inner = IpAddr::from([10, 0, 0, 8]);
+        let trusted = [proxy, inner];
+        let client_at = |peer: IpAddr, forwarded| client(Some(peer), forwarded, &trusted);
+        let alice = IpAddr::from([198, 51, 100, 7]);
+        assert_eq!(
+            client_at(alice, Some("1.2.3.4")),
+            Some(alice),
+            "not a proxy"
+        );
+        assert_eq!(client_at(proxy, Some("1.2.3.4, 198.51.100.7")), Some(alice));
+        assert_eq!(
+            client_at(proxy, Some("198.51.100.7:5120, 10.0.0.8")),
+            Some(alice)
+        );
+        assert_eq!(
+            client_at(
+                proxy,
+                Some("for=1.2.3.4, for=\"[2001:db8::1]:4711\";proto=https")
+            ),
+            Some(IpAddr::from([0x2001, 0xdb8, 0, 0, 0, 0, 0, 1]))
+        );
+        assert_eq!(
+            client_at(proxy, Some("For=198.51.100.7;proto=http")),
+            Some(alice)
+        );
+        assert_eq!(client_at(proxy, Some("unknown")), Some(proxy));
+        assert_eq!(
+            client_at(proxy, Some("10.0.0.8")),
+            Some(proxy),
+            "only proxies"
+        );
+        assert_eq!(client_at(proxy, None), Some(proxy));
+        assert_eq!(client(None, Some("1.2.3.4"), &trusted), None);
+        // One client: an IPv4 address, or an IPv6 /64.
+        let v6 = |last| Some(IpAddr::from([0x2001, 0xdb8, 0, 1, 0, 0, 0, last]));
+        assert_eq!(client_key(v6(1)), client_key(v6(2)));
+        assert_ne!(
+            client_key(v6(1)),
+            client_key(Some(IpAddr::from([0x2001, 0xdb8, 0, 2, 0, 0, 0, 1])))
+        );
+        let mapped = "::ffff:198.51.100.7".parse::<IpAddr>().ok();
+        assert_eq!(client_key(mapped), Some(alice));
+        assert_eq!(client_key(None), None);
+        assert!(is_loopback_name("127.0.0.2:80") && is_loopback_name("[::1]"));
+        assert!(is_loopback_name("LOCALHOST") && !is_loopback_name("10.0.0.1"));
+        assert!(!is_loopback_name("localhost.example") && !is_loopback_name("::1"));
     }
 
     /// A peer that signs in starts afresh; the peers remembered are bounded, the

@@ -24,8 +24,19 @@ fn console_with(text: &str) -> (Console, DeliveryId) {
     (Console::new(outbox), id)
 }
 
+/// A `GET` from the file's owner (see [`Request::owner`]): what most tests need of a
+/// console without a token.
+fn owner_get(target: &str) -> Request<'_> {
+    Request::get(target).from_owner()
+}
+
+/// A `POST` from the file's owner.
+fn owner_post<'a>(target: &'a str, body: &'a [u8]) -> Request<'a> {
+    Request::post(target, body).from_owner()
+}
+
 fn get(console: &Console, target: &str) -> Response {
-    console.respond(&Request::get(target))
+    console.respond(&owner_get(target))
 }
 
 /// A reply on `channel`, chat 7, whose send failed for good.
@@ -71,12 +82,12 @@ fn sign_in(console: &Console) -> (String, String) {
     let page = get(console, "/console/sign-in");
     let csrf = form_token(&page.body);
     let body = format!("csrf={csrf}&token={TOKEN}");
-    let answer = console.respond(&Request::post("/console/sign-in", body.as_bytes()));
+    let answer = console.respond(&owner_post("/console/sign-in", body.as_bytes()));
     assert_eq!(answer.status, 303, "{}", answer.body);
     let cookie = answer.header("Set-Cookie").unwrap();
     assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"));
     let cookie = cookie.split(';').next().unwrap().to_owned();
-    let page = console.respond(&Request::get("/console").with_cookie(&cookie));
+    let page = console.respond(&owner_get("/console").with_cookie(&cookie));
     assert_eq!(page.status, 200, "{}", page.body);
     let session_csrf = form_token(&page.body);
     assert_ne!(
@@ -93,7 +104,7 @@ fn form_token(body: &str) -> String {
 }
 
 fn post(console: &Console, cookie: &str, target: &str, body: &str) -> Response {
-    console.respond(&Request::post(target, body.as_bytes()).with_cookie(cookie))
+    console.respond(&owner_post(target, body.as_bytes()).with_cookie(cookie))
 }
 
 fn status(outbox: &Outbox, id: DeliveryId) -> DeliveryStatus {
@@ -136,11 +147,11 @@ fn unknown_pages_ids_and_methods_are_refused() {
         get(&console, &format!("/console/deliveries/{absent}")).status,
         404
     );
-    let post = console.respond(&Request::post("/console", b""));
+    let post = console.respond(&owner_post("/console", b""));
     assert_eq!((post.status, post.header("Allow")), (405, Some("GET")));
     let put = Request {
         method: "PUT",
-        ..Request::get("/console/actions/dismiss")
+        ..owner_get("/console/actions/dismiss")
     };
     assert_eq!(console.respond(&put).header("Allow"), Some("GET, POST"));
     assert_eq!(get(&console, "/console/style.css").status, 200);
@@ -252,13 +263,13 @@ fn a_read_only_console_takes_no_action() {
 fn signing_in_takes_the_token_and_a_form_token() {
     let console = Console::new(outbox()).with_actions(TOKEN).unwrap();
     let csrf = form_token(&get(&console, "/console/sign-in").body);
-    let wrong_token = console.respond(&Request::post(
+    let wrong_token = console.respond(&owner_post(
         "/console/sign-in",
         format!("csrf={csrf}&token=not-the-token-at-all").as_bytes(),
     ));
     assert_eq!(wrong_token.status, 403);
     assert_eq!(wrong_token.header("Set-Cookie"), None);
-    let no_csrf = console.respond(&Request::post(
+    let no_csrf = console.respond(&owner_post(
         "/console/sign-in",
         format!("token={TOKEN}").as_bytes(),
     ));
@@ -268,10 +279,10 @@ fn signing_in_takes_the_token_and_a_form_token() {
     let other = Console::new(outbox()).with_actions(TOKEN).unwrap();
     assert_ne!(form_token(&get(&other, "/console/sign-in").body), csrf);
     let (console, cookie, _) = signed_in(outbox());
-    let page = console.respond(&Request::get("/console").with_cookie(&cookie));
+    let page = console.respond(&owner_get("/console").with_cookie(&cookie));
     assert!(page.body.contains("Sign out"), "{}", page.body);
     // A wrong cookie is nobody: sent to the sign-in.
-    let page = console.respond(&Request::get("/console").with_cookie("outbox_console=wrong"));
+    let page = console.respond(&owner_get("/console").with_cookie("outbox_console=wrong"));
     assert_eq!(page.status, 303);
     assert_eq!(page.header("Location"), Some("/console/sign-in"));
 }
@@ -282,7 +293,7 @@ fn an_action_needs_the_cookie_and_the_form_token() {
     let id = dead_letter(&outbox, "telegram");
     let (console, cookie, csrf) = signed_in(outbox.clone());
     let body = format!("csrf={csrf}&delivery={id}");
-    let no_cookie = console.respond(&Request::post("/console/actions/requeue", body.as_bytes()));
+    let no_cookie = console.respond(&owner_post("/console/actions/requeue", body.as_bytes()));
     assert_eq!(no_cookie.status, 403);
     let wrong_csrf = post(
         &console,
@@ -315,8 +326,8 @@ fn requeue_resolve_resend_and_dismiss_change_the_rows() {
     let resent = uncertain(&outbox, "discord");
     let (console, cookie, csrf) = signed_in(outbox.clone());
 
-    let page = console
-        .respond(&Request::get(&format!("/console/deliveries/{failed}")).with_cookie(&cookie));
+    let page =
+        console.respond(&owner_get(&format!("/console/deliveries/{failed}")).with_cookie(&cookie));
     assert!(page.body.contains("Requeue") && page.body.contains("fresh attempt budget"));
     let back = format!("/console/deliveries/{failed}");
     let answer = post(
@@ -332,7 +343,7 @@ fn requeue_resolve_resend_and_dismiss_change_the_rows() {
     );
     assert_eq!(status(&outbox, failed), DeliveryStatus::Pending);
     let after =
-        console.respond(&Request::get(answer.header("Location").unwrap()).with_cookie(&cookie));
+        console.respond(&owner_get(answer.header("Location").unwrap()).with_cookie(&cookie));
     assert!(
         after.body.contains("Requeued: the reply goes out again."),
         "{}",
@@ -402,8 +413,7 @@ fn a_replay_resends_every_uncertain_part_of_one_channel() {
     let slack = [uncertain(&outbox, "slack"), uncertain(&outbox, "slack")];
     let other = uncertain(&outbox, "discord");
     let (console, cookie, csrf) = signed_in(outbox.clone());
-    let page =
-        console.respond(&Request::get("/console/uncertain?channel=slack").with_cookie(&cookie));
+    let page = console.respond(&owner_get("/console/uncertain?channel=slack").with_cookie(&cookie));
     assert!(
         page.body.contains("Resend every uncertain part of slack"),
         "{}",
@@ -578,8 +588,8 @@ fn dead_letters_are_filtered_by_error_and_chats_are_found() {
         .record_error_text(&claim, "channel_not_found")
         .unwrap();
     let (console, cookie, _) = signed_in(outbox.clone());
-    let page = console
-        .respond(&Request::get("/console/dead-letters?error=NOT_FOUND").with_cookie(&cookie));
+    let page =
+        console.respond(&owner_get("/console/dead-letters?error=NOT_FOUND").with_cookie(&cookie));
     assert!(page.body.contains(&other.to_string()), "{}", page.body);
     assert!(!page.body.contains("bot was blocked"), "{}", page.body);
     // The buttons for every dead letter of a channel are not offered under an error filter.
@@ -588,20 +598,20 @@ fn dead_letters_are_filtered_by_error_and_chats_are_found() {
         "{}",
         page.body
     );
-    let all = console.respond(&Request::get("/console/dead-letters").with_cookie(&cookie));
+    let all = console.respond(&owner_get("/console/dead-letters").with_cookie(&cookie));
     assert!(all.body.contains("/console/actions/dismiss"));
     // A search by chat lists its unfinished replies, on every channel.
     outbox
         .enqueue(&NewDelivery::single("discord", "C9", "y"))
         .unwrap();
-    let chat = console.respond(&Request::get("/console/deliveries?id=C9").with_cookie(&cookie));
+    let chat = console.respond(&owner_get("/console/deliveries?id=C9").with_cookie(&cookie));
     assert_eq!(chat.status, 200);
     assert!(
         chat.body.contains("slack, C9") && chat.body.contains("discord, C9"),
         "{}",
         chat.body
     );
-    let none = Request::get("/console/deliveries?id=C8").with_cookie(&cookie);
+    let none = owner_get("/console/deliveries?id=C8").with_cookie(&cookie);
     assert_eq!(console.respond(&none).status, 404);
 }
 
@@ -760,17 +770,17 @@ fn a_request_naming_another_host_is_refused() {
         "/console".to_owned(),
         "/console/style.css".to_owned(),
     ] {
-        let rebound = console.respond(&Request::get(&target).with_host("rebind.example:9464"));
+        let rebound = console.respond(&owner_get(&target).with_host("rebind.example:9464"));
         assert_eq!(rebound.status, 421, "{target}");
         assert!(!rebound.body.contains("a secret reply"));
         let hostless = Request {
             host: None,
-            ..Request::get(&target)
+            ..owner_get(&target)
         };
         assert_eq!(console.respond(&hostless).status, 421, "{target}");
     }
     for own in ["localhost:9464", "127.0.0.1:9464", "[::1]:9464"] {
-        let page = Request::get("/console").with_host(own);
+        let page = owner_get("/console").with_host(own);
         assert_eq!(console.respond(&page).status, 200, "{own}");
     }
     // An embedder names its own hosts and port.
@@ -781,13 +791,18 @@ fn a_request_naming_another_host_is_refused() {
     );
     assert_eq!(
         named
-            .respond(&Request::get("/console").with_host("localhost:8080"))
+            .respond(&owner_get("/console").with_host("localhost:8080"))
             .status,
         421
     );
+    // The name is answered; but it is a name others reach it by (a proxy's), so a
+    // console without a token shows nothing under it, even to the owner's socket.
+    let proxied = named.respond(&owner_get("/console").with_host("ops.example"));
+    assert_eq!(proxied.status, 403);
+    assert!(proxied.body.contains("no token"), "{}", proxied.body);
     assert_eq!(
         named
-            .respond(&Request::get("/console").with_host("ops.example"))
+            .respond(&owner_get("/console").with_host("localhost:9464"))
             .status,
         200
     );
@@ -840,7 +855,7 @@ fn with_a_token_reading_needs_the_sign_in() {
     assert_eq!(get(&console, "/console/style.css").status, 200);
     let (cookie, _) = sign_in(&console);
     for page in &pages[..7] {
-        let answer = console.respond(&Request::get(page).with_cookie(&cookie));
+        let answer = console.respond(&owner_get(page).with_cookie(&cookie));
         assert_eq!(answer.status, 200, "{page}");
     }
     // Without a token the console is read-only and readable: `outbox serve` mounts it so
@@ -882,7 +897,7 @@ fn an_action_takes_only_its_sessions_form_from_its_own_origin() {
     assert_eq!(requeue(&other_cookie, &csrf).status, 403);
     assert_eq!(status(&outbox, id), DeliveryStatus::Failed);
     let body = format!("csrf={csrf}&delivery={id}");
-    let form = Request::post("/console/actions/requeue", body.as_bytes())
+    let form = owner_post("/console/actions/requeue", body.as_bytes())
         .with_host("localhost:9464")
         .with_cookie(&cookie);
     for forged in [
@@ -906,7 +921,7 @@ fn an_action_takes_only_its_sessions_form_from_its_own_origin() {
     // the fetch metadata saying it is the console's own.
     let id = dead_letter(&outbox, "viber");
     let body = format!("csrf={csrf}&delivery={id}");
-    let chromium = Request::post("/console/actions/requeue", body.as_bytes())
+    let chromium = owner_post("/console/actions/requeue", body.as_bytes())
         .with_cookie(&cookie)
         .with_origin("null")
         .with_fetch_site("same-origin");
@@ -914,8 +929,7 @@ fn an_action_takes_only_its_sessions_form_from_its_own_origin() {
     assert_eq!(status(&outbox, id), DeliveryStatus::Pending);
     // The sign-in form is held to the same origin.
     let signing = format!("csrf={public}&token={TOKEN}");
-    let forged =
-        Request::post("/console/sign-in", signing.as_bytes()).with_fetch_site("cross-site");
+    let forged = owner_post("/console/sign-in", signing.as_bytes()).with_fetch_site("cross-site");
     assert_eq!(console.respond(&forged).status, 403);
 }
 
@@ -931,7 +945,7 @@ fn a_session_is_the_servers_and_ends() {
     assert_eq!(cookie.len(), "outbox_console=".len() + 32);
     let reads = |cookie: &str| {
         console
-            .respond(&Request::get("/console").with_cookie(cookie))
+            .respond(&owner_get("/console").with_cookie(cookie))
             .status
             == 200
     };
@@ -979,7 +993,7 @@ fn a_session_is_the_servers_and_ends() {
         let body = format!("csrf={}&token={TOKEN}", form_token(&page.body));
         let request = Request {
             https,
-            ..Request::post("/console/sign-in", body.as_bytes())
+            ..owner_post("/console/sign-in", body.as_bytes())
         };
         console
             .respond(&request)
@@ -1005,7 +1019,7 @@ fn wrong_tokens_earn_a_growing_wait() {
     let operator = IpAddr::from([192, 0, 2, 2]);
     let try_token = |peer: IpAddr, token: &str| {
         let body = format!("csrf={csrf}&token={token}");
-        console.respond(&Request::post("/console/sign-in", body.as_bytes()).from_peer(peer))
+        console.respond(&owner_post("/console/sign-in", body.as_bytes()).from_peer(peer))
     };
     for _ in 0..=FREE_SIGN_IN_FAILURES {
         assert_eq!(try_token(attacker, "wrong-token-0123456789").status, 403);
@@ -1109,4 +1123,148 @@ fn a_chat_waiting_for_its_platforms_answer_is_held_until_the_answer_is_hold() {
         "{}",
         page.body
     );
+}
+
+/// Who can reach a request decides what it is shown: without a token, the owner's
+/// socket alone reads; a TCP client (even on loopback), a proxy in front (any
+/// forwarding header) or a name others use read nothing.
+#[test]
+fn without_a_token_only_the_owner_reads() {
+    let (console, id) = console_with("a secret reply");
+    let target = format!("/console/deliveries/{id}?text=1");
+    let loopback = IpAddr::from([127, 0, 0, 1]);
+    let owner = console.respond(&owner_get(&target));
+    assert_eq!(owner.status, 200);
+    assert!(owner.body.contains("a secret reply"));
+    let others = [
+        (
+            "a TCP client on loopback",
+            Request::get(&target).from_peer(loopback),
+        ),
+        (
+            "another machine",
+            Request::get(&target).from_peer([192, 0, 2, 7].into()),
+        ),
+        ("a sender nobody named", Request::get(&target)),
+        (
+            "a proxy on the owner's socket",
+            owner_get(&target).with_forwarded("192.0.2.7"),
+        ),
+        (
+            "a proxy on loopback",
+            Request::get(&target)
+                .from_peer(loopback)
+                .with_forwarded("for=192.0.2.7"),
+        ),
+    ];
+    for (who, request) in others {
+        let answer = console.respond(&request);
+        assert_eq!(answer.status, 403, "{who}");
+        assert!(!answer.body.contains("a secret reply"), "{who}");
+        assert!(
+            answer.body.contains("--console-token-file"),
+            "{who}: says how"
+        );
+    }
+    // Whatever its value: a header a proxy adds marks the request as proxied.
+    assert_eq!(
+        console.reach(&owner_get(&target).with_forwarded("")),
+        Reach::Network
+    );
+    assert_eq!(console.reach(&owner_get("/console")), Reach::Owner);
+    let tcp = Request::get("/console").from_peer(loopback);
+    assert_eq!(console.reach(&tcp), Reach::ThisMachine);
+    assert_eq!(
+        console.reach(&tcp.with_host("127.0.0.2:9464")),
+        Reach::ThisMachine
+    );
+    assert_eq!(console.reach(&tcp.with_host("box.example")), Reach::Network);
+    // The style sheet shows nothing of the outbox.
+    let style = console.respond(&Request::get("/console/style.css").from_peer(loopback));
+    assert_eq!(style.status, 200);
+}
+
+/// A sign-in from another machine is taken only over TLS (the request came over HTTPS,
+/// or TLS ends in front), or over plain HTTP accepted by name; the cookie is `Secure`
+/// whenever TLS is in front. From this machine, plain HTTP crosses no network.
+#[test]
+fn a_token_crosses_a_network_only_over_tls() {
+    let console = Console::new(outbox())
+        .with_actions(TOKEN)
+        .unwrap()
+        .with_allowed_hosts(AllowedHosts::loopback(None).allow("ops.example").unwrap());
+    let csrf = form_token(&get(&console, "/console/sign-in").body);
+    let body = format!("csrf={csrf}&token={TOKEN}");
+    let remote = IpAddr::from([192, 0, 2, 7]);
+    let sign_in = |console: &Console, request: Request<'_>| console.respond(&request);
+    let plain = Request::post("/console/sign-in", body.as_bytes())
+        .with_host("ops.example")
+        .from_peer(remote);
+    let refused = sign_in(&console, plain);
+    assert_eq!(refused.status, 403);
+    assert!(refused.body.contains("in clear"), "{}", refused.body);
+    assert_eq!(refused.header("Set-Cookie"), None);
+    // Refused before the token is looked at: a wrong one is not counted either.
+    let wrong = format!("csrf={csrf}&token=not-the-token-0123456789");
+    for _ in 0..=FREE_SIGN_IN_FAILURES {
+        let guess = Request::post("/console/sign-in", wrong.as_bytes())
+            .with_host("ops.example")
+            .from_peer(remote);
+        assert_eq!(sign_in(&console, guess).status, 403);
+    }
+    let https = sign_in(&console, plain.over_https());
+    assert_eq!(https.status, 303, "{}", https.body);
+    assert!(https.header("Set-Cookie").unwrap().contains("; Secure"));
+    let behind_tls = console.clone().with_secure_cookie(true);
+    let proxied = sign_in(
+        &behind_tls,
+        plain.with_forwarded("for=192.0.2.7;proto=https"),
+    );
+    assert_eq!(proxied.status, 303);
+    assert!(proxied.header("Set-Cookie").unwrap().contains("; Secure"));
+    let accepted = console.clone().with_plain_http_sign_in(true);
+    let in_clear = sign_in(&accepted, plain);
+    assert_eq!(in_clear.status, 303);
+    assert!(!in_clear.header("Set-Cookie").unwrap().contains("Secure"));
+    // This machine: no network crossed.
+    let local = Request::post("/console/sign-in", body.as_bytes()).from_peer([127, 0, 0, 1].into());
+    assert_eq!(sign_in(&console, local).status, 303);
+}
+
+/// Wrong tokens from many addresses never keep out the right token from one that has
+/// failed nothing; behind a trusted proxy, the clients it forwards are counted apart.
+#[test]
+fn nobody_elses_wrong_tokens_lock_the_operator_out() {
+    let (_clock, outbox) = outbox_on_a_clock();
+    let console = Console::new(outbox).with_actions(TOKEN).unwrap();
+    let csrf = form_token(&get(&console, "/console/sign-in").body);
+    let wrong = format!("csrf={csrf}&token=wrong-token-0123456789");
+    let right = format!("csrf={csrf}&token={TOKEN}");
+    let attempt = |body: &str, peer: IpAddr, forwarded: Option<&str>| {
+        let request = Request {
+            forwarded,
+            ..owner_post("/console/sign-in", body.as_bytes()).from_peer(peer)
+        };
+        console.respond(&request).status
+    };
+    for n in 0..40u8 {
+        let status = attempt(&wrong, IpAddr::from([203, 0, 113, n % 12]), None);
+        assert!(status == 403 || status == 429, "{status}");
+    }
+    assert_eq!(attempt(&right, IpAddr::from([198, 51, 100, 7]), None), 303);
+
+    // Behind a proxy every peer is the proxy: trusted, it names the clients.
+    let proxy = IpAddr::from([127, 0, 0, 1]);
+    let trusting = console.clone().with_trusted_proxies([proxy]);
+    let attempt = |body: &str, forwarded: &str| {
+        let request = owner_post("/console/sign-in", body.as_bytes())
+            .from_peer(proxy)
+            .with_forwarded(forwarded);
+        trusting.respond(&request.over_https()).status
+    };
+    for _ in 0..10 {
+        attempt(&wrong, "203.0.113.50");
+    }
+    assert_eq!(attempt(&right, "203.0.113.50"), 429, "its own failures");
+    assert_eq!(attempt(&right, "198.51.100.8"), 303, "another client");
 }
