@@ -95,7 +95,11 @@ fn serve(db: &str, token_file: &Path) -> (common::serve::Serving, String) {
         db,
         &["--console-token-file".as_ref(), token_file.as_os_str()],
     );
-    assert!(serving.banner.contains("actions on"), "{}", serving.banner);
+    assert!(
+        serving.banner.contains("behind the sign-in"),
+        "{}",
+        serving.banner
+    );
     let base = serving.base();
     (serving, base)
 }

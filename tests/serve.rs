@@ -46,8 +46,10 @@ impl Serving {
             .expect("VmRSS")
     }
 
+    /// A connection from a misbehaving client: 127.0.0.2, another address than the
+    /// well-behaved one's (a client only ever holds its own share of the slots).
     fn connect(&self) -> TcpStream {
-        let stream = TcpStream::connect(&self.0.addr).unwrap();
+        let stream = common::serve::connect_from([127, 0, 0, 2].into(), self.0.target());
         stream
             .set_write_timeout(Some(Duration::from_secs(2)))
             .unwrap();
