@@ -858,8 +858,7 @@ fn with_a_token_reading_needs_the_sign_in() {
         let answer = console.respond(&owner_get(page).with_cookie(&cookie));
         assert_eq!(answer.status, 200, "{page}");
     }
-    // Without a token the console is read-only and readable: `outbox serve` mounts it so
-    // on loopback only.
+    // Without a token the console is read-only, and read by the file's owner alone.
     assert_eq!(get(&Console::new(outbox), "/console").status, 200);
 }
 
