@@ -122,16 +122,25 @@ pub enum Error {
         message: String,
     },
 
-    /// The database was written by a newer version of this crate. Upgrade the crate;
-    /// nothing was changed in the file.
+    /// The database was migrated by a newer version of this crate to a schema that no
+    /// longer accepts this build as a writer (a contract step dropped what it relies
+    /// on). Upgrade to the release named; nothing was changed.
     #[error(
-        "database schema version {found} is newer than this build supports ({supported}); upgrade chunked-outbox"
+        "database schema version {found} no longer accepts writes from this build (schema {supported}): it takes builds of schema {writable_from} or later; upgrade to {upgrade_to} (nothing was changed)"
     )]
     SchemaTooNew {
-        /// The schema version found in the file.
+        /// The schema version found in the database.
         found: i64,
         /// The newest schema version this build knows.
         supported: i64,
+        /// The oldest schema version whose build the database still accepts as a
+        /// writer (a schema before version 14 on SQLite, 9 on PostgreSQL, accepts only
+        /// its own): a newer schema that is still at or below `supported` here is
+        /// written as usual.
+        writable_from: i64,
+        /// The release to upgrade to: the one that migrated the database, or a
+        /// description of any build of schema `writable_from` or later.
+        upgrade_to: String,
     },
 
     /// The database was written by an older version of this crate and this handle was

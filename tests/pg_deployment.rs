@@ -383,22 +383,35 @@ fn an_async_bot_connects_uses_and_drops_the_outbox_on_many_threads() {
 }
 
 /// Rolling deploys: a process that keeps running while a newer build migrates the
-/// schema writes nothing more (its statements may rely on what the migration changed):
-/// each write fails with `SchemaTooNew` and changes nothing, while it can still read.
-/// docs/OPERATING.md says what to do: stop the older processes, migrate, start the
-/// newer ones.
+/// schema keeps writing as long as the schema accepts it (an expand step), and writes
+/// nothing more once a contract step took that away: each write fails with
+/// `SchemaTooNew`, naming the release to upgrade to, and changes nothing, while it can
+/// still read. docs/OPERATING.md "Upgrades" says what to do.
 #[test]
-fn an_older_process_writes_nothing_once_a_newer_build_migrated() {
+fn an_older_process_writes_on_until_a_contract_step() {
     let url = url();
     let older = Outbox::connect(&url, OutboxOptions::default()).unwrap();
     older
         .enqueue(&NewDelivery::single("t", "c", "before"))
         .unwrap();
-    // A newer build's migration, as it records itself.
+    // A newer build's expand migration, as it records itself.
     admin(&url)
         .batch_execute(
             "INSERT INTO outbound_schema_history (version, name, applied_on, checksum)
              VALUES (99, 'from_a_newer_build', now()::text, '0')",
+        )
+        .unwrap();
+    older
+        .enqueue(&NewDelivery::single("t", "c2", "during"))
+        .unwrap();
+    let claim = older.claim(1).unwrap().remove(0);
+    older.ack(&claim, None).unwrap();
+    drop(Outbox::connect(&url, OutboxOptions::default()).unwrap());
+    // Its contract step.
+    admin(&url)
+        .batch_execute(
+            "UPDATE outbound_policy SET writable_from = 99;
+             UPDATE outbound_meta SET migrated_by = 'chunked-outbox 9.9.9 (schema 99)'",
         )
         .unwrap();
     for err in [
@@ -409,17 +422,25 @@ fn an_older_process_writes_nothing_once_a_newer_build_migrated() {
         older.claim(1).map(|_| ()).unwrap_err(),
     ] {
         assert!(
-            matches!(err, Error::SchemaTooNew { found: 99, .. }),
+            matches!(
+                err,
+                Error::SchemaTooNew {
+                    writable_from: 99,
+                    ..
+                }
+            ),
             "{err:?}"
         );
     }
     let all = older
         .list(&chunked_outbox::monitoring::ListFilter::default())
         .unwrap();
-    assert_eq!(all.len(), 1, "the refused write changed nothing");
-    // A newer handle is what connects now; an older one is refused at once.
-    assert!(matches!(
-        Outbox::connect(&url, OutboxOptions::default()),
-        Err(Error::SchemaTooNew { .. })
-    ));
+    assert_eq!(all.len(), 2, "the refused write changed nothing");
+    // An older handle connecting now is refused at once, told what to upgrade to.
+    let refused = Outbox::connect(&url, OutboxOptions::default()).map(drop);
+    assert!(
+        matches!(&refused, Err(Error::SchemaTooNew { found: 99, upgrade_to, .. })
+            if upgrade_to == "chunked-outbox 9.9.9 (schema 99)"),
+        "{refused:?}"
+    );
 }

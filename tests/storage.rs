@@ -73,7 +73,7 @@ fn newer_schema_is_refused_and_the_file_left_untouched() -> Result<()> {
     let before = std::fs::read(&path).unwrap();
     let err = Outbox::open(&path, OutboxOptions::default()).unwrap_err();
     assert!(
-        matches!(err, Error::SchemaTooNew { found, supported } if found == SCHEMA_VERSION + 1 && supported == SCHEMA_VERSION),
+        matches!(err, Error::SchemaTooNew { found, supported, .. } if found == SCHEMA_VERSION + 1 && supported == SCHEMA_VERSION),
         "{err:?}"
     );
     assert!(err.to_string().contains("upgrade"));
@@ -86,6 +86,55 @@ fn newer_schema_is_refused_and_the_file_left_untouched() -> Result<()> {
         1,
         "no -wal or -shm appeared"
     );
+    Ok(())
+}
+
+/// A rolling upgrade on one file: a newer build's expand step leaves this build
+/// writing it as before; once a contract step takes that away, each write of a handle
+/// still open fails with `SchemaTooNew` naming the release to upgrade to and changes
+/// nothing, reads still work, and a new open is refused with the file left as it was.
+#[test]
+fn an_older_build_writes_a_newer_file_until_a_contract_step() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rolling.db");
+    let older = Outbox::open(&path, OutboxOptions::default())?;
+    older.enqueue(&NewDelivery::single("t", "c", "before"))?;
+    // A newer build's expand step, as it records itself.
+    raw(&path).pragma_update(None, "user_version", SCHEMA_VERSION + 1)?;
+    older.enqueue(&NewDelivery::single("t", "c2", "during"))?;
+    let claim = older.claim(1)?.remove(0);
+    older.ack(&claim, None)?;
+    drop(Outbox::open(&path, OutboxOptions::default())?);
+    drop(Outbox::open_read_only(&path, OutboxOptions::default())?);
+    // Its contract step.
+    raw(&path).execute_batch(&format!(
+        "UPDATE outbound_policy SET writable_from = {};
+         UPDATE outbound_meta SET migrated_by = 'chunked-outbox 9.9.9 (schema 99)'",
+        SCHEMA_VERSION + 1
+    ))?;
+    let err = older
+        .enqueue(&NewDelivery::single("t", "c", "after"))
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::SchemaTooNew { writable_from, upgrade_to, .. }
+            if *writable_from == SCHEMA_VERSION + 1 && upgrade_to == "chunked-outbox 9.9.9 (schema 99)"),
+        "{err:?}"
+    );
+    assert!(matches!(older.claim(1), Err(Error::SchemaTooNew { .. })));
+    let all = older.list(&chunked_outbox::monitoring::ListFilter::default())?;
+    assert_eq!(
+        all.len(),
+        2,
+        "the refused write changed nothing; reads work"
+    );
+    drop(older);
+    let before = std::fs::read(&path).unwrap();
+    let refused = Outbox::open(&path, OutboxOptions::default()).map(drop);
+    assert!(
+        matches!(refused, Err(Error::SchemaTooNew { .. })),
+        "{refused:?}"
+    );
+    assert!(std::fs::read(&path).unwrap() == before, "left as it was");
     Ok(())
 }
 

@@ -210,10 +210,10 @@ const OPENING_SQL: &str = "SELECT outbound_lock_rules($3) FROM (
                 set_config('enable_seqscan', 'off', true),
                 set_config('enable_mergejoin', 'off', true),
                 set_config('enable_hashjoin', 'off', true)) settings";
-/// The rules' version, the server's clock (ms) and the schema's version, as
-/// `outbound_begin` answers them.
+/// The rules' version, the server's clock (ms) and the oldest build the schema accepts
+/// as a writer, as `outbound_begin` answers them.
 const STATE_SQL: &str = "SELECT p.version, (extract(epoch FROM clock_timestamp()) * 1000)::int8,
-            (SELECT max(h.version) FROM outbound_schema_history h)::bigint
+            p.writable_from
      FROM outbound_policy p WHERE p.id = 1";
 
 impl Begins {
@@ -1094,7 +1094,7 @@ impl<'c> PgTx<'c> {
     }
 
     /// Takes in what the opening of the transaction read (`[rules' version, server's
-    /// clock, schema's version]`, each `None` when there was no row), between the
+    /// clock, oldest writer the schema accepts]`, each `None` when there was no row), between the
     /// local times `before` and `after`.
     fn begun(
         &self,
@@ -1102,11 +1102,10 @@ impl<'c> PgTx<'c> {
         before: i64,
         after: i64,
     ) -> Result<()> {
-        // A newer build migrated the schema while this process ran: its statements may
-        // rely on what the migration changed, so it writes nothing more.
-        let supported = schema::latest_version();
-        if let Some(found) = schema.filter(|v| *v > supported) {
-            return Err(Error::SchemaTooNew { found, supported });
+        // A newer build's contract step, while this process ran, dropped what its
+        // statements rely on: it writes nothing more (an expand step leaves it be).
+        if let Some(writable_from) = schema.filter(|v| *v > schema::latest_version()) {
+            return Err(schema::too_new(writable_from, writable_from, ""));
         }
         if let Some(server) = server {
             self.time.observe(server, before, after);

@@ -23,6 +23,59 @@ pub(crate) fn latest_version() -> i64 {
     })
 }
 
+/// The first schema version that says which builds may write it (`writable_from`):
+/// an older schema accepts only its own build.
+const WRITABLE_FROM_SINCE: i64 = 9;
+
+/// The oldest build (schema version) this build's schema accepts as a writer: what its
+/// migrations leave in `outbound_policy.writable_from`. Only a contract step raises it.
+#[cfg(test)]
+const WRITABLE_FROM: i64 = 9;
+
+/// What `outbound_meta.migrated_by` says of this build: the release to upgrade to.
+fn this_release() -> String {
+    format!(
+        "chunked-outbox {} (schema {})",
+        env!("CARGO_PKG_VERSION"),
+        latest_version()
+    )
+}
+
+/// The refusal of a schema at version `found` that accepts writers from
+/// `writable_from` on, migrated by `migrated_by` (empty if unknown).
+pub(crate) fn too_new(found: i64, writable_from: i64, migrated_by: &str) -> Error {
+    Error::SchemaTooNew {
+        found,
+        supported: latest_version(),
+        writable_from,
+        upgrade_to: if migrated_by.is_empty() {
+            format!("a chunked-outbox release of schema {writable_from} or later")
+        } else {
+            migrated_by.to_owned()
+        },
+    }
+}
+
+/// A schema at version `found`, newer than this build's, that may still accept it as
+/// a writer: `Ok` if it does, [`Error::SchemaTooNew`] if a contract step took that away.
+fn accepts(conn: &mut PgConn, found: i64) -> Result<()> {
+    let (writable_from, migrated_by) = if found >= WRITABLE_FROM_SINCE {
+        let row = conn.client.query_one(
+            "SELECT p.writable_from, m.migrated_by FROM outbound_policy p, outbound_meta m
+             WHERE p.id = 1 AND m.id = 1",
+            &[],
+        )?;
+        (row.try_get::<_, i64>(0)?, row.try_get::<_, String>(1)?)
+    } else {
+        (found, String::new())
+    };
+    if writable_from <= latest_version() {
+        Ok(())
+    } else {
+        Err(too_new(found, writable_from, &migrated_by))
+    }
+}
+
 /// refinery's record of applied migrations, in the outbox's schema.
 const HISTORY: &str = "outbound_schema_history";
 
@@ -99,14 +152,13 @@ fn migrate_locked(
 ) -> Result<()> {
     let found = applied_version(conn)?;
     let latest = latest_version();
-    if found > latest {
-        return Err(Error::SchemaTooNew {
-            found,
-            supported: latest,
-        });
-    }
-    if found == latest {
-        return Ok(());
+    if found >= latest {
+        // A newer schema is written as it is, if it still accepts this build.
+        return if found > latest {
+            accepts(conn, found)
+        } else {
+            Ok(())
+        };
     }
     if !upgrade {
         return Err(if found == 0 {
@@ -136,11 +188,15 @@ fn migrate_locked(
             statement: String::new(),
             message: e.to_string(),
         })?;
+    conn.client.execute(
+        "UPDATE outbound_meta SET migrated_by = $1",
+        &[&this_release()],
+    )?;
     Ok(())
 }
 
-/// Refuses a schema whose outbox is not at this build's version (a read-only handle
-/// changes nothing).
+/// Refuses a schema whose outbox is not at this build's version, or a newer one that
+/// still accepts it (a read-only handle changes nothing).
 pub(crate) fn require_current(conn: &mut PgConn) -> Result<()> {
     let schema = current_schema(conn)?;
     let found = applied_version(conn)?;
@@ -149,10 +205,7 @@ pub(crate) fn require_current(conn: &mut PgConn) -> Result<()> {
         0 => Err(Error::NotAnOutbox {
             path: format!("schema {schema}").into(),
         }),
-        f if f > latest => Err(Error::SchemaTooNew {
-            found: f,
-            supported: latest,
-        }),
+        f if f > latest => accepts(conn, f),
         f if f < latest => Err(Error::SchemaTooOld {
             path: format!("schema {schema}").into(),
             found: f,
@@ -206,6 +259,18 @@ mod tests {
                  VALUES (99, 'from_the_future', '2030-01-01', '0')",
             )
             .unwrap();
+        let stored: i64 = client(&url)
+            .query_one("SELECT writable_from FROM outbound_policy", &[])
+            .unwrap()
+            .get(0);
+        assert_eq!(stored, super::WRITABLE_FROM);
+        // An expand step: still written as it is.
+        drop(Outbox::connect(&url, OutboxOptions::default()).unwrap());
+        drop(Outbox::connect_read_only(&url, OutboxOptions::default()).unwrap());
+        // A contract step: refused.
+        client(&url)
+            .batch_execute("UPDATE outbound_policy SET writable_from = 99")
+            .unwrap();
         let before = tables(&url);
         for opened in [
             Outbox::connect(&url, OutboxOptions::default()),
@@ -213,11 +278,13 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    opened,
+                    &opened,
                     Err(Error::SchemaTooNew {
                         found: 99,
                         supported,
-                    }) if supported == super::latest_version()
+                        writable_from: 99,
+                        upgrade_to,
+                    }) if *supported == super::latest_version() && upgrade_to == &super::this_release()
                 ),
                 "{opened:?}"
             );

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use rusqlite::{OptionalExtension, params};
 
+use super::schema;
 use super::tx::Tx;
 use crate::error::Result;
 use crate::rules::{ChannelPolicy, FileColumns, FileRules, Rules, Stored};
@@ -133,12 +134,21 @@ impl StoreTx for Tx<'_> {
 impl RuleStore for Tx<'_> {
     fn rules_version(&self) -> Result<i64> {
         // Read once per transaction, first: through the connection's own cache, so the
-        // statement is not one more that the `Tx` keeps for the rest of the work.
-        Ok(rusqlite::Connection::prepare_cached(
+        // statement is not one more that the `Tx` keeps for the rest of the work. With
+        // it, which builds the schema still accepts: a newer build's contract step
+        // stops this one before it writes anything more.
+        let (version, writable_from): (i64, i64) = rusqlite::Connection::prepare_cached(
             self,
-            "SELECT version FROM outbound_policy WHERE id = 1",
+            "SELECT version, writable_from FROM outbound_policy WHERE id = 1",
         )?
-        .query_row([], |r| r.get(0))?)
+        .query_row([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        if writable_from > schema::SCHEMA_VERSION {
+            let found: i64 = self.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+            let migrated_by: String =
+                self.query_row("SELECT migrated_by FROM outbound_meta", [], |r| r.get(0))?;
+            return Err(schema::too_new(found, writable_from, &migrated_by));
+        }
+        Ok(version)
     }
 
     fn load_rules(&self) -> Result<Stored> {

@@ -56,6 +56,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0011_resend_deadline.sql"),
     include_str!("../../../migrations/sqlite/0012_counted_by_the_writer.sql"),
     include_str!("../../../migrations/sqlite/0013_open_index_by_chat.sql"),
+    include_str!("../../../migrations/sqlite/0014_writable_from.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:
@@ -180,21 +181,93 @@ fn rename_history(tx: &Connection) -> rusqlite::Result<()> {
 /// The schema version this build writes (SQLite `user_version`).
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
+/// The first schema version that says which builds may write it (`writable_from`):
+/// an older file accepts only its own build.
+const WRITABLE_FROM_SINCE: i64 = 14;
+
+/// The oldest build (schema version) this build's schema accepts as a writer: what
+/// its migrations leave in `outbound_policy.writable_from`. Only a contract step raises
+/// it.
+#[cfg(test)]
+const WRITABLE_FROM: i64 = 14;
+
 fn user_version(conn: &Connection) -> Result<i64> {
     Ok(conn.query_row("PRAGMA user_version", [], |r| r.get(0))?)
 }
 
-/// Refuses a file written by a newer version. Called before anything (even a pragma
-/// such as `journal_mode`) is written, so a refused file is left byte for byte as it was.
-pub(crate) fn refuse_newer(conn: &Connection) -> Result<()> {
+/// How a file's schema stands to this build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Standing {
+    /// Older than this build's: it needs a migration.
+    Older(i64),
+    /// This build's own.
+    Current,
+    /// Newer, and still accepting this build as a writer (it was migrated by an expand
+    /// step): written as it is, never migrated by this build.
+    NewerAccepting(i64),
+}
+
+/// How the schema of `conn`'s file stands to this build; [`Error::SchemaTooNew`] if a
+/// newer build migrated it past what this one may write. Reads only, so a refused file
+/// is left byte for byte as it was.
+pub(crate) fn standing(conn: &Connection) -> Result<Standing> {
     let found = user_version(conn)?;
-    if found > SCHEMA_VERSION {
-        return Err(Error::SchemaTooNew {
-            found,
-            supported: SCHEMA_VERSION,
-        });
+    if found < SCHEMA_VERSION {
+        return Ok(Standing::Older(found));
     }
-    Ok(())
+    if found == SCHEMA_VERSION {
+        return Ok(Standing::Current);
+    }
+    let said = conn.query_row(
+        "SELECT p.writable_from, m.migrated_by FROM outbound_policy p, outbound_meta m
+         WHERE p.id = 1",
+        [],
+        |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)),
+    );
+    let (writable_from, migrated_by) = match said {
+        Ok(said) if found >= WRITABLE_FROM_SINCE => said,
+        // No such table or column (not a statement that ran: one that could not be
+        // compiled): a file that says nothing of its writers accepts only its own.
+        Err(rusqlite::Error::SqliteFailure(e, _)) if e.code == rusqlite::ErrorCode::Unknown => {
+            (found, String::new())
+        }
+        Ok(_) => (found, String::new()),
+        Err(e) => return Err(e.into()),
+    };
+    if writable_from <= SCHEMA_VERSION {
+        return Ok(Standing::NewerAccepting(found));
+    }
+    Err(too_new(found, writable_from, &migrated_by))
+}
+
+/// The refusal of a file at schema `found` that accepts writers from `writable_from`
+/// on, migrated by `migrated_by` (empty if unknown).
+pub(crate) fn too_new(found: i64, writable_from: i64, migrated_by: &str) -> Error {
+    Error::SchemaTooNew {
+        found,
+        supported: SCHEMA_VERSION,
+        writable_from,
+        upgrade_to: if migrated_by.is_empty() {
+            format!("a chunked-outbox release of schema {writable_from} or later")
+        } else {
+            migrated_by.to_owned()
+        },
+    }
+}
+
+/// Refuses a file written by a newer version that no longer accepts this build. Called
+/// before anything (even a pragma such as `journal_mode`) is written, so a refused file
+/// is left byte for byte as it was.
+pub(crate) fn refuse_newer(conn: &Connection) -> Result<()> {
+    standing(conn).map(drop)
+}
+
+/// What `outbound_meta.migrated_by` says of this build: the release to upgrade to.
+fn this_release() -> String {
+    format!(
+        "chunked-outbox {} (schema {SCHEMA_VERSION})",
+        env!("CARGO_PKG_VERSION")
+    )
 }
 
 /// Brings the schema to [`SCHEMA_VERSION`], refusing a newer one before writing.
@@ -202,16 +275,20 @@ pub(crate) fn refuse_newer(conn: &Connection) -> Result<()> {
 /// Several processes may open a new file at once: whoever loses the race finds the
 /// schema already current after its own attempt failed, and that is success.
 pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
-    refuse_newer(conn)?;
-    if user_version(conn)? == SCHEMA_VERSION {
+    let Standing::Older(from) = standing(conn)? else {
         return Ok(());
-    }
-    let from = user_version(conn)?;
+    };
     conn.set_transaction_behavior(TransactionBehavior::Immediate);
     let result = migrations().to_latest(conn);
     conn.set_transaction_behavior(TransactionBehavior::Deferred);
     let outcome = match result {
-        Ok(()) => Ok(()),
+        Ok(()) => conn
+            .execute(
+                "UPDATE outbound_meta SET migrated_by = ?1",
+                [this_release()],
+            )
+            .map(drop)
+            .map_err(Error::from),
         Err(_) if user_version(conn)? == SCHEMA_VERSION => Ok(()),
         Err(rusqlite_migration::Error::RusqliteError { err, .. }) => match Error::from(err) {
             // Nothing wrong with the schema: the file is busy, full, read-only, ...
@@ -327,10 +404,10 @@ fn statements(sql: &str) -> Vec<&str> {
 /// (`NotAnOutbox`). An empty file counts as not an outbox too: only a handle that may
 /// create (and so upgrade) one gives it a schema.
 pub(crate) fn refuse_upgrade(conn: &Connection, path: &Path) -> Result<()> {
-    let found = user_version(conn)?;
-    if found == SCHEMA_VERSION {
-        return Ok(());
-    }
+    let found = match standing(conn)? {
+        Standing::Current | Standing::NewerAccepting(_) => return Ok(()),
+        Standing::Older(found) => found,
+    };
     let ours: bool = conn.query_row(
         "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE name = 'outbound_meta')",
         [],
@@ -363,7 +440,7 @@ mod tests {
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 13);
+        assert_eq!(SCHEMA_VERSION, 14);
     }
 
     /// The first column of each row `sql` reads, as text.
@@ -921,13 +998,62 @@ mod tests {
             .unwrap();
         let err = migrate(&mut conn).unwrap_err();
         assert!(
-            matches!(err, Error::SchemaTooNew { found, supported } if found == SCHEMA_VERSION + 1 && supported == SCHEMA_VERSION),
+            matches!(err, Error::SchemaTooNew { found, supported, writable_from, .. } if found == SCHEMA_VERSION + 1 && supported == SCHEMA_VERSION && writable_from == found),
             "{err:?}"
         );
         let tables: i64 = conn
             .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
             .unwrap();
         assert_eq!(tables, 0);
+    }
+
+    /// A newer schema that still accepts this build (an expand step) is written as it
+    /// is and never migrated; one whose contract step took that away is refused,
+    /// naming the release that migrated it.
+    #[test]
+    fn a_newer_schema_is_written_while_it_accepts_this_build() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn).unwrap();
+        let stored: (i64, String) = conn
+            .query_row(
+                "SELECT p.writable_from, m.migrated_by FROM outbound_policy p, outbound_meta m",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(stored, (WRITABLE_FROM, this_release()));
+        assert_eq!(standing(&conn).unwrap(), Standing::Current);
+        conn.pragma_update(None, "user_version", SCHEMA_VERSION + 1)
+            .unwrap();
+        assert_eq!(
+            standing(&conn).unwrap(),
+            Standing::NewerAccepting(SCHEMA_VERSION + 1)
+        );
+        migrate(&mut conn).unwrap();
+        assert_eq!(
+            user_version(&conn).unwrap(),
+            SCHEMA_VERSION + 1,
+            "not migrated"
+        );
+        conn.execute_batch(&format!(
+            "UPDATE outbound_policy SET writable_from = {};
+             UPDATE outbound_meta SET migrated_by = 'chunked-outbox 9.9.9 (schema 99)'",
+            SCHEMA_VERSION + 1
+        ))
+        .unwrap();
+        let err = standing(&conn).unwrap_err();
+        assert!(
+            matches!(&err, Error::SchemaTooNew { writable_from, upgrade_to, .. }
+                if *writable_from == SCHEMA_VERSION + 1 && upgrade_to == "chunked-outbox 9.9.9 (schema 99)"),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains("upgrade to chunked-outbox 9.9.9"),
+            "{err}"
+        );
+        // A file older than this build needs a migration, and says so.
+        conn.pragma_update(None, "user_version", 3).unwrap();
+        assert_eq!(standing(&conn).unwrap(), Standing::Older(3));
     }
 
     /// A header naming more pages than the file holds is a truncation for a file at
