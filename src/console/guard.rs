@@ -548,6 +548,38 @@ mod tests {
         assert_eq!(throttle.wait(other, later), None);
     }
 
+    /// Everyone's allowance is gone only past its last free failure: at exactly
+    /// [`FREE_SIGN_IN_FAILURES_OVERALL`] each client still has its own free ones.
+    #[test]
+    fn the_overall_allowance_ends_past_its_last_free_failure() {
+        let mut throttle = Throttle::default();
+        let client = Some(IpAddr::from([198, 51, 100, 7]));
+        throttle.fail(client, 0);
+        for n in 1..FREE_SIGN_IN_FAILURES_OVERALL {
+            throttle.fail(Some(IpAddr::from([203, 0, 113, n as u8])), 0);
+        }
+        assert_eq!(throttle.overall.count, FREE_SIGN_IN_FAILURES_OVERALL);
+        assert_eq!(throttle.wait(client, 0), None, "its own failure is still free");
+        throttle.fail(Some(IpAddr::from([203, 0, 114, 1])), 0);
+        assert_eq!(throttle.wait(client, 0), Some(Duration::from_secs(1)));
+    }
+
+    /// The names are printed each with its port, `:*` for any, and any address last.
+    #[test]
+    fn the_names_print_as_they_are_answered() {
+        let hosts = AllowedHosts::loopback(Some(9464))
+            .any_address(9464)
+            .allow("box.example")
+            .unwrap()
+            .allow("box.example")
+            .unwrap();
+        assert_eq!(
+            hosts.to_string(),
+            "localhost:9464, 127.0.0.1:9464, [::1]:9464, box.example:*, any address:9464"
+        );
+        assert_eq!(AllowedHosts::loopback(None).to_string(), "localhost:*, 127.0.0.1:*, [::1]:*");
+    }
+
     /// Everyone's failures together never keep out a client that has failed nothing:
     /// they only take away the free failures of those that have.
     #[test]
