@@ -559,7 +559,11 @@ mod tests {
             throttle.fail(Some(IpAddr::from([203, 0, 113, n as u8])), 0);
         }
         assert_eq!(throttle.overall.count, FREE_SIGN_IN_FAILURES_OVERALL);
-        assert_eq!(throttle.wait(client, 0), None, "its own failure is still free");
+        assert_eq!(
+            throttle.wait(client, 0),
+            None,
+            "its own failure is still free"
+        );
         throttle.fail(Some(IpAddr::from([203, 0, 114, 1])), 0);
         assert_eq!(throttle.wait(client, 0), Some(Duration::from_secs(1)));
     }
@@ -577,7 +581,10 @@ mod tests {
             hosts.to_string(),
             "localhost:9464, 127.0.0.1:9464, [::1]:9464, box.example:*, any address:9464"
         );
-        assert_eq!(AllowedHosts::loopback(None).to_string(), "localhost:*, 127.0.0.1:*, [::1]:*");
+        assert_eq!(
+            AllowedHosts::loopback(None).to_string(),
+            "localhost:*, 127.0.0.1:*, [::1]:*"
+        );
     }
 
     /// Everyone's failures together never keep out a client that has failed nothing:

@@ -186,6 +186,11 @@ fn stop_path(dir: &Path) -> PathBuf {
     dir.join("stop")
 }
 
+/// The file that stops the role process of `generation` alone.
+fn own_stop_path(dir: &Path, generation: u64) -> PathBuf {
+    dir.join(format!("stop-{generation}"))
+}
+
 fn spawn(
     role: Role,
     dir: &Path,
@@ -528,10 +533,16 @@ fn dead_letters_miscounted(outbox: &Outbox) -> CliResult<u64> {
 /// One process under torture.
 pub fn role(args: &RoleArgs) -> CliResult<u8> {
     let platform = args.dir.join("platform.db");
-    let stop = stop_path(&args.dir);
+    // Every role stops when the run ends, or when this process alone is asked to (a
+    // clean stop, as a rolling upgrade stops a process of the older build).
+    let (all, own) = (
+        stop_path(&args.dir),
+        own_stop_path(&args.dir, args.generation),
+    );
+    let stopping = || all.exists() || own.exists();
     let outbox = open_outbox(&args.dir, args.skew_ms)?;
     match args.role {
-        Role::Producer => produce(&outbox, &args.dir, args.seed, args.replies),
+        Role::Producer => produce(&outbox, &args.dir, args.seed, args.replies, &own),
         Role::Dispatcher => {
             // Who this process is, for the verdict to attribute what a kill leaves.
             let mut claimants = std::fs::OpenOptions::new()
@@ -553,7 +564,7 @@ pub fn role(args: &RoleArgs) -> CliResult<u8> {
                 );
             }
             let running = builder.build()?.start()?;
-            while !stop.exists() {
+            while !stopping() {
                 std::thread::sleep(Duration::from_millis(10));
             }
             running.shutdown(Duration::from_secs(10));
@@ -566,7 +577,7 @@ pub fn role(args: &RoleArgs) -> CliResult<u8> {
                 .append(true)
                 .open(args.dir.join("operator.log"))?;
             let mut rng = fastrand::Rng::with_seed(args.seed);
-            while !stop.exists() {
+            while !stopping() {
                 retrying(|| outbox.recover(RecoverScope::ExpiredLeases))?;
                 match settle_like_an_operator(&outbox, &api, OPERATOR_GRACE, &mut log) {
                     Err(e) if e.downcast_ref::<Error>().is_some_and(transient) => {}
@@ -588,7 +599,7 @@ pub fn role(args: &RoleArgs) -> CliResult<u8> {
 /// Enqueues replies `0..replies` with caller keys, logging each id once `enqueue`
 /// returned. A restarted producer resumes after the last logged reply and enqueues it
 /// again under the same key, which the outbox deduplicates.
-fn produce(outbox: &Outbox, dir: &Path, seed: u64, replies: u64) -> CliResult<u8> {
+fn produce(outbox: &Outbox, dir: &Path, seed: u64, replies: u64, stop: &Path) -> CliResult<u8> {
     let log_path = dir.join("producer.log");
     let next = std::fs::read_to_string(&log_path)
         .unwrap_or_default()
@@ -601,6 +612,9 @@ fn produce(outbox: &Outbox, dir: &Path, seed: u64, replies: u64) -> CliResult<u8
         .append(true)
         .open(&log_path)?;
     for n in next..replies {
+        if stop.exists() {
+            return Ok(0);
+        }
         let (channel, chat) = chat_of(seed, n);
         let mut rng = fastrand::Rng::with_seed(n);
         let text = reply_text(&mut rng, n as usize);
