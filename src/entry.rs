@@ -36,7 +36,9 @@ impl Outbox {
     /// file's; [`Error::DatabaseMissing`] if the file is missing and creation is off;
     /// [`Error::NotADatabase`] if the file is not an SQLite database and
     /// [`Error::Corrupt`] if it is a damaged one (either is left untouched);
-    /// [`Error::SchemaTooNew`] if a newer version of this crate wrote it;
+    /// [`Error::SchemaTooNew`] if a newer version of this crate migrated it past what
+    /// this build may write (a contract step; a newer schema that still accepts this
+    /// build is written as it is, see docs/OPERATING.md "Upgrades");
     /// [`Error::SchemaTooOld`] or [`Error::NotAnOutbox`] if upgrades are off
     /// ([`OutboxOptions::with_schema_upgrade`]) and the file needs one;
     /// [`Error::CannotOpen`] if the file or its `-wal`/`-shm` companions cannot be
@@ -52,9 +54,10 @@ impl Outbox {
 
     /// Opens an existing outbox file for reading only: health, inspection and the
     /// stored rules, never a write. Nothing is created, migrated or switched: the file
-    /// must be an outbox at this build's schema version. Writes through the returned
-    /// handle fail with [`Error::ReadOnly`]. This is how the `outbox` tool opens a file
-    /// for `health`, `list`, `show` and `config show`.
+    /// must be an outbox at this build's schema version (or a newer one that still
+    /// accepts it). Writes through the returned handle fail with [`Error::ReadOnly`].
+    /// This is how the `outbox` tool opens a file for `health`, `list`, `show` and
+    /// `config show`.
     ///
     /// # Errors
     ///
@@ -215,7 +218,8 @@ impl Outbox {
     /// [`Error::InvalidInput`] for options out of range or a URL that does not parse;
     /// [`Error::Connection`] if the server cannot be reached or refuses the login;
     /// [`Error::PolicyConflict`] as [`open`](Self::open); [`Error::SchemaTooNew`] if a
-    /// newer build of this crate wrote the tables; [`Error::SchemaTooOld`] or
+    /// newer build of this crate took a contract step past this one (a newer schema
+    /// that still accepts it is written as it is); [`Error::SchemaTooOld`] or
     /// [`Error::NotAnOutbox`] if upgrades are off and the schema needs one;
     /// [`Error::Migration`] if the tables could not be made (nothing of them is then
     /// left behind).
@@ -231,7 +235,7 @@ impl Outbox {
     ///
     /// As [`connect`](Self::connect); [`Error::NotAnOutbox`], [`Error::SchemaTooOld`]
     /// or [`Error::SchemaTooNew`] unless the schema holds an outbox of this build's
-    /// version.
+    /// version, or a newer one that still accepts this build.
     pub fn connect_read_only(url: &str, options: OutboxOptions) -> Result<Outbox> {
         Outbox::connect_postgres(url, options, true)
     }

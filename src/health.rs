@@ -9,6 +9,7 @@ use serde::Serialize;
 use crate::clock::to_datetime;
 use crate::error::Result;
 use crate::outbox::Outbox;
+use crate::registry::Process;
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::HealthRows;
 
@@ -120,6 +121,9 @@ pub struct Health {
     /// Set when the snapshot was read from a PostgreSQL standby (a replica): its
     /// counts are the primary's as of the last transaction it replayed.
     pub replica: Option<Replica>,
+    /// The processes writing the outbox now, each with its build, oldest build first
+    /// (see [`Outbox::processes`]): during a rolling upgrade, which releases still run.
+    pub processes: Vec<Process>,
 }
 
 /// How far behind its primary the standby a snapshot was read from is.
@@ -152,7 +156,11 @@ impl Outbox {
     /// Database errors.
     pub fn health(&self) -> Result<Health> {
         let now = self.options().now_ms();
-        Ok(snapshot(self.read(|tx| tx.health_rows(now))?, now))
+        let since = now - crate::registry::PROCESS_LEASE.as_millis() as i64;
+        let (rows, processes) = self.read(|tx| Ok((tx.health_rows(now)?, tx.processes(since)?)))?;
+        let mut health = snapshot(rows, now);
+        health.processes = processes.into_iter().map(Process::from).collect();
+        Ok(health)
     }
 }
 
@@ -277,6 +285,19 @@ const FAMILIES: &[Family] = &[
 ];
 
 impl Health {
+    /// The releases of the processes writing the outbox, oldest build first, each with
+    /// how many of its processes run.
+    pub fn builds(&self) -> Vec<(&str, usize)> {
+        let mut builds: Vec<(&str, usize)> = Vec::new();
+        for process in &self.processes {
+            match builds.last_mut() {
+                Some((release, count)) if *release == process.release => *count += 1,
+                _ => builds.push((&process.release, 1)),
+            }
+        }
+        builds
+    }
+
     /// The snapshot in the Prometheus text exposition format, a `channel` label per
     /// channel: one gauge family per count, and what the file keeps that only grows —
     /// `outbox_file_finalized_total` (counter) and `outbox_file_reply_latency_seconds`
@@ -306,6 +327,18 @@ impl Health {
                         escape_label(channel)
                     ));
                 }
+            }
+        }
+        if !self.processes.is_empty() {
+            let name = "outbox_processes";
+            out.push_str(&format!(
+                "# HELP {name} Processes writing the outbox, by the release of their build.\n# TYPE {name} gauge\n"
+            ));
+            for (release, count) in self.builds() {
+                out.push_str(&format!(
+                    "{name}{{release=\"{}\"}} {count}\n",
+                    escape_label(release)
+                ));
             }
         }
         if self.replica.is_some() {
@@ -449,6 +482,7 @@ fn snapshot(rows: HealthRows, now: i64) -> Health {
         totals,
         channels,
         replica: rows.replica,
+        processes: Vec::new(),
     }
 }
 

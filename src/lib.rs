@@ -176,6 +176,7 @@ mod options;
 mod outbox;
 mod outcome;
 pub mod platforms;
+pub mod registry;
 mod reply;
 mod retention;
 pub mod rules;

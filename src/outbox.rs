@@ -10,9 +10,10 @@ use crate::finalize;
 use crate::ids::{ClaimantId, DeliveryId};
 use crate::lane;
 use crate::options::OutboxOptions;
+use crate::registry::{self, ContractStep, Process, Registration};
 use crate::rules::{self, ChannelPolicy, FileRules, RetryPolicy, Rules, Stored};
-use crate::store::StoreTx;
 use crate::store::connections::{Announce, ChangeWatch, Notifier, Store, Wakeups, Write};
+use crate::store::{ProcessRow, StoreTx};
 
 /// How often a claim of a handle that hears no notification looks for replies staged
 /// by applications' transactions unasked (see [`Outbox::take_staged_hint`]): the
@@ -50,6 +51,34 @@ struct Inner {
     claims: AtomicU32,
     /// The stored rules as last read, with the version they were read at.
     stored: Mutex<Arc<Stored>>,
+    /// This process's row in the registry of processes, renewed by a heartbeat while
+    /// the handle lives (a writing handle on a file or a server only).
+    registration: Mutex<Option<Registration>>,
+}
+
+impl Drop for Inner {
+    /// The last clone of a registered handle removes its row: the process no longer
+    /// writes through it. (A failure leaves the row to lapse.)
+    fn drop(&mut self) {
+        let registration = self
+            .registration
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if registration.is_none() {
+            return;
+        }
+        drop(registration);
+        let id = self.claimant.to_string();
+        let how = Write {
+            change_rules: false,
+            announce: Announce::No,
+        };
+        let _ = self.store.write_with(how, |tx| {
+            tx.lock_rules(false)?;
+            tx.forget_process(&id)
+        });
+    }
 }
 
 impl std::fmt::Debug for Outbox {
@@ -84,14 +113,82 @@ impl Outbox {
                 claimant: ClaimantId::random(),
                 claims: AtomicU32::new(0),
                 stored: Mutex::new(Arc::new(stored)),
+                registration: Mutex::new(None),
             }),
         };
         if !read_only {
             outbox
                 .reconcile()
                 .map_err(|e| outbox.inner.store.locate(e))?;
+            if outbox.store().capabilities().shared {
+                outbox.register();
+            }
+            match outbox.contract_step(false) {
+                Ok(ContractStep::Waiting {
+                    writable_from,
+                    older,
+                }) => tracing::warn!(
+                    writable_from,
+                    older = older.len(),
+                    "outbox: a contract step waits for processes of older builds (outbox migrate lists them)"
+                ),
+                Ok(_) => {}
+                Err(e) => return Err(outbox.inner.store.locate(e)),
+            }
         }
         Ok(outbox)
+    }
+
+    /// Adds this process to the outbox's registry (see [`registry`](crate::registry)),
+    /// and starts the heartbeat that renews its row while the handle lives. A failure
+    /// is logged, not returned: the registry informs an upgrade, it guards nothing.
+    fn register(&self) {
+        let started = self.options().now_ms();
+        let row = registry::this_process(
+            self.claimant().to_string(),
+            self.store().schema_version(),
+            started,
+            started,
+        );
+        let beat = move |inner: &Arc<Inner>| {
+            let outbox = Outbox {
+                inner: inner.clone(),
+            };
+            let now = outbox.options().now_ms();
+            let row = ProcessRow {
+                seen_at: now,
+                ..row.clone()
+            };
+            let gone_before = now - 10 * registry::PROCESS_LEASE.as_millis() as i64;
+            outbox.write(|tx, _| tx.note_process(&row, gone_before))
+        };
+        if let Err(e) = beat(&self.inner) {
+            tracing::warn!(error = %e, "outbox: this process could not register itself");
+        }
+        let heartbeat = Registration::start(
+            Arc::downgrade(&self.inner),
+            registry::PROCESS_HEARTBEAT,
+            beat,
+        );
+        *self
+            .inner
+            .registration
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(heartbeat);
+    }
+
+    /// The processes writing the outbox now (seen within [`registry::PROCESS_LEASE`]),
+    /// each with its build, oldest build first: what a contract step would stop (see
+    /// docs/OPERATING.md "Upgrades"). Builds of a schema before the registry (SQLite
+    /// 15, PostgreSQL 10) do not register.
+    ///
+    /// # Errors
+    ///
+    /// Database errors.
+    pub fn processes(&self) -> Result<Vec<Process>> {
+        let since = self.options().now_ms() - registry::PROCESS_LEASE.as_millis() as i64;
+        let rows = self.read(|tx| tx.processes(since))?;
+        Ok(rows.into_iter().map(Process::from).collect())
     }
 
     /// The store this handle's rules run on.
@@ -393,6 +490,16 @@ impl Outbox {
         self.transact(true, Announce::Yes, f)?;
         self.wake();
         Ok(())
+    }
+
+    /// As [`change_rules`](Self::change_rules), for work that returns a value.
+    pub(crate) fn change_rules_with<T: Send>(
+        &self,
+        mut f: impl FnMut(&dyn StoreTx) -> Result<T> + Send,
+    ) -> Result<T> {
+        let value = self.transact(true, Announce::Yes, |tx, _| f(tx))?;
+        self.wake();
+        Ok(value)
     }
 
     /// One write transaction: the rules locked (shared, or exclusive for a change of

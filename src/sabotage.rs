@@ -41,6 +41,13 @@ pub const FAILOVER_FAULTS: &[&str] = &["lost_commit_asked_anywhere"];
 #[cfg(feature = "sabotage")]
 pub const COUNT_FAULTS: &[&str] = &["dead_letters_miscounted"];
 
+/// Faults of a rolling upgrade: `contract_step` makes this build's schema a contract
+/// step (it accepts no older build), for the tests of what waits for older processes
+/// (`tests/upgrade.rs`); `expand_refuses_old_writers` makes the newest migration refuse
+/// the builds it should keep writing, which the mixed-version run must catch.
+#[cfg(feature = "sabotage")]
+pub const UPGRADE_FAULTS: &[&str] = &["contract_step", "expand_refuses_old_writers"];
+
 /// Whether the fault `name` (one of the lists above) is planted in this process.
 #[cfg(feature = "sabotage")]
 pub fn planted(name: &str) -> bool {

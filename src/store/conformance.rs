@@ -2184,6 +2184,65 @@ pub(super) fn an_unasked_part_carries_the_platform_id_before_it(fresh: Fresh) {
 }
 
 /// Makes one test of each contract for a store.
+/// [`ProcessStore`](crate::store::ProcessStore): a process is added once and renewed
+/// after; `processes` lists those seen since a time, oldest build first; a row long
+/// gone is removed by the next note; a closed process is forgotten.
+pub(super) fn processes_are_noted_renewed_pruned_and_forgotten(fresh: Fresh) {
+    let ob = fresh_at_t0(fresh);
+    let process = |id: &str, level: i64, seen_at: i64| crate::store::ProcessRow {
+        id: id.into(),
+        schema_level: level,
+        release: format!("r{level}"),
+        program: "bot".into(),
+        host: "h".into(),
+        pid: 7,
+        started_at: T0,
+        seen_at,
+    };
+    let ids = |rows: Vec<crate::store::ProcessRow>| -> Vec<(String, i64)> {
+        rows.into_iter().map(|p| (p.id, p.seen_at)).collect()
+    };
+    // A shared store's handle registered itself: out of the way.
+    write(&ob, |tx| tx.forget_process(&ob.claimant().to_string()));
+    write(&ob, |tx| {
+        tx.note_process(&process("new", 16, T0), 0)?;
+        tx.note_process(&process("old", 15, T0 + 1), 0)?;
+        // Renewed: only its `seen_at` moves.
+        tx.note_process(&process("new", 99, T0 + 5), 0)
+    });
+    let read = |since| ob.read(|tx| tx.processes(since)).unwrap();
+    let all = read(0);
+    assert_eq!(
+        ids(all.clone()),
+        [("old".into(), T0 + 1), ("new".into(), T0 + 5)]
+    );
+    assert_eq!((all[1].schema_level, all[1].release.as_str()), (16, "r16"));
+    assert_eq!(ids(read(T0 + 2)), [("new".into(), T0 + 5)]);
+    // A note removes the rows seen before its cutoff first.
+    write(&ob, |tx| {
+        tx.note_process(&process("third", 16, T0 + 9), T0 + 2)
+    });
+    assert_eq!(
+        ids(read(0)),
+        [("new".into(), T0 + 5), ("third".into(), T0 + 9)]
+    );
+    write(&ob, |tx| tx.forget_process("new"));
+    assert_eq!(ids(read(0)), [("third".into(), T0 + 9)]);
+}
+
+/// [`RuleStore::writable_from`](crate::store::RuleStore::writable_from) reads what the
+/// migrations left, and a contract step raises it and names the release to upgrade to.
+pub(super) fn the_oldest_writer_is_read_and_raised(fresh: Fresh) {
+    let ob = fresh_at_t0(fresh);
+    let first = ob.read(|tx| tx.writable_from()).unwrap();
+    assert_eq!(first, ob.store().writable_from());
+    assert!(first <= ob.schema_version());
+    write(&ob, |tx| {
+        tx.set_writable_from(first + 1, "chunked-outbox 9.9.9")
+    });
+    assert_eq!(ob.read(|tx| tx.writable_from()).unwrap(), first + 1);
+}
+
 macro_rules! conformance {
     ($store:ident, $fresh:expr) => {
         conformance!($store, $fresh, true);
@@ -2237,6 +2296,8 @@ macro_rules! conformance {
                 lanes_are_entered_as_their_reads_say,
                 staged_replies_are_listed_taken_and_renumbered,
                 uncertain_chunks_are_asked_about_once,
+                processes_are_noted_renewed_pruned_and_forgotten,
+                the_oldest_writer_is_read_and_raised,
             );
         }
     };

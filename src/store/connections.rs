@@ -19,6 +19,9 @@ pub(crate) struct Capabilities {
     /// Applications' own transactions may stage replies that the outbox's
     /// transactions then make deliveries of (PostgreSQL's `outbound_enqueue`).
     pub staged_replies: bool,
+    /// Other processes may open it (a file, a server; not memory): its writing
+    /// handles say who they are in its registry of processes.
+    pub shared: bool,
 }
 
 /// How one write transaction begins and ends.
@@ -56,6 +59,11 @@ pub(crate) trait Store: Send + Sync {
     fn name(&self) -> &'static str;
     /// What it can do (see [`Capabilities`]).
     fn capabilities(&self) -> Capabilities;
+    /// The schema version this build writes on it.
+    fn schema_version(&self) -> i64;
+    /// The oldest build (schema version) this build's schema accepts as a writer: a
+    /// schema that accepts older ones is due a contract step.
+    fn writable_from(&self) -> i64;
     /// The salt of this database's delivery uids (see
     /// [`DeliveryId::for_row`](crate::ids::DeliveryId::for_row)), read when it opened.
     fn id_salt(&self) -> i64;

@@ -192,6 +192,52 @@ macro_rules! mark_cancelled_sql {
         )
     };
 }
+macro_rules! note_process_sql {
+    ($p:ident) => {
+        concat!(
+            "INSERT INTO outbound_processes
+                 (id, schema_level, release, program, host, pid, started_at, seen_at)
+             VALUES (",
+            $p!(1),
+            ", ",
+            $p!(2),
+            ", ",
+            $p!(3),
+            ", ",
+            $p!(4),
+            ", ",
+            $p!(5),
+            ", ",
+            $p!(6),
+            ", ",
+            $p!(7),
+            ", ",
+            $p!(8),
+            ")
+             ON CONFLICT (id) DO UPDATE SET seen_at = excluded.seen_at"
+        )
+    };
+}
+macro_rules! prune_processes_sql {
+    ($p:ident) => {
+        concat!("DELETE FROM outbound_processes WHERE seen_at < ", $p!(1))
+    };
+}
+macro_rules! forget_process_sql {
+    ($p:ident) => {
+        concat!("DELETE FROM outbound_processes WHERE id = ", $p!(1))
+    };
+}
+macro_rules! processes_sql {
+    ($p:ident) => {
+        concat!(
+            "SELECT id, schema_level, release, program, host, pid, started_at, seen_at
+             FROM outbound_processes WHERE seen_at >= ",
+            $p!(1),
+            " ORDER BY schema_level, release, started_at, id"
+        )
+    };
+}
 macro_rules! set_queued_sql {
     ($p:ident) => {
         concat!(
@@ -230,8 +276,9 @@ macro_rules! purgeable_sql {
 #[cfg(feature = "postgres")]
 pub(crate) use pg_param;
 pub(crate) use {
-    chunk_stride, count_delivered_sql, finished_sql, held_sql, mark_cancelled_sql,
-    mark_finalized_sql, mark_unfinalized_sql, previous_replies_read, purgeable_sql,
+    chunk_stride, count_delivered_sql, finished_sql, forget_process_sql, held_sql,
+    mark_cancelled_sql, mark_finalized_sql, mark_unfinalized_sql, note_process_sql,
+    previous_replies_read, processes_sql, prune_processes_sql, purgeable_sql,
     set_delivery_aside_sql, set_queued_sql, sqlite_param,
 };
 
@@ -292,6 +339,29 @@ pub(crate) struct LaneEntry {
     /// The end of its pause or interval ([`LaneStore::lane_due_time`] of the earliest
     /// time there is): a send may start at `max(earliest, free_at)`.
     pub free_at: i64,
+}
+
+/// What a build of schema `schema_level` says of itself, in the registry of processes
+/// and as the release to upgrade to: `chunked-outbox 0.1.0 (schema 15)`.
+pub(crate) fn release(schema_level: i64) -> String {
+    format!(
+        "chunked-outbox {} (schema {schema_level})",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// A process that writes the outbox, as it registered itself (see `registry`): its
+/// build, and when it was last seen (the outbox's clock, ms).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ProcessRow {
+    pub id: String,
+    pub schema_level: i64,
+    pub release: String,
+    pub program: String,
+    pub host: String,
+    pub pid: i64,
+    pub started_at: i64,
+    pub seen_at: i64,
 }
 
 /// A chunk with the delivery facts its transitions need.
@@ -483,6 +553,11 @@ pub(crate) trait RuleStore {
     fn finalization_statement(&self) -> Result<Option<String>>;
     /// Stores (or clears) the application's finalization statement, raising the version.
     fn store_finalization_statement(&self, sql: Option<&str>) -> Result<()>;
+    /// The oldest build (schema version) the schema accepts as a writer.
+    fn writable_from(&self) -> Result<i64>;
+    /// A contract step: the schema accepts writers from `writable_from` on, and
+    /// `migrated_by` is the release to upgrade to.
+    fn set_writable_from(&self, writable_from: i64, migrated_by: &str) -> Result<()>;
 }
 
 /// Lanes: heads, due times, pauses.
@@ -1016,9 +1091,22 @@ impl HealthRows {
 }
 
 /// One transaction of a store: every primitive, and the dead letters its work made.
+/// The processes that write the outbox, each with its build (SQLite schema 15,
+/// PostgreSQL 10).
+pub(crate) trait ProcessStore {
+    /// Adds process `row`, or renews its `seen_at` if it is there; first removes every
+    /// row last seen before `gone_before` (processes long gone without closing).
+    fn note_process(&self, row: &ProcessRow, gone_before: i64) -> Result<()>;
+    /// Removes process `id`: it closed.
+    fn forget_process(&self, id: &str) -> Result<()>;
+    /// The processes seen at `since` or later, oldest build first.
+    fn processes(&self, since: i64) -> Result<Vec<ProcessRow>>;
+}
+
 pub(crate) trait StoreTx:
     Locks
     + RuleStore
+    + ProcessStore
     + LaneStore
     + ChunkStore
     + ClaimStore

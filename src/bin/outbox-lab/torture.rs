@@ -69,6 +69,14 @@ pub struct TortureArgs {
     /// A host whose clock is off must change nothing the verdict sees.
     #[arg(long, value_parser = parse_skew, allow_hyphen_values = true)]
     skew: Option<i64>,
+    /// A rolling upgrade: the roles start as this `outbox-lab` binary of an older
+    /// release (which creates the schema at its version), a quarter of the way through
+    /// this build migrates it, and from then on each process of the older build is
+    /// replaced by one of this build — SIGKILLed or stopped cleanly, one by one — while
+    /// the older ones still running keep writing. The verdict adds what the roll
+    /// costs: processes refused, enqueues during the roll, the longest pause in sending.
+    #[arg(long, value_name = "OUTBOX_LAB")]
+    upgrade_from: Option<PathBuf>,
 }
 
 /// A signed duration in milliseconds: `2m` ahead, `-2m` behind.
@@ -110,6 +118,29 @@ pub struct RoleArgs {
     /// This process's clock is off by this many milliseconds (see `--skew`).
     #[arg(long, allow_hyphen_values = true)]
     skew_ms: Option<i64>,
+}
+
+/// What a rolling upgrade cost (`--upgrade-from`), from what the processes and the
+/// platforms saw.
+#[derive(Debug, Default, Serialize)]
+struct Roll {
+    /// Role processes of either build that exited on their own with a failure: a
+    /// write refused (or any other error).
+    refused: u64,
+    /// Replies the producers confirmed between the migration and the moment the last
+    /// process of the older build was gone.
+    enqueues_during_roll: u64,
+    /// Processes of the older build replaced: killed, and stopped cleanly.
+    killed_old: u64,
+    stopped_old: u64,
+    /// The longest time, in that window, between two sends arriving at the platforms
+    /// (ms), and the lease (the bound it must stay within).
+    longest_send_pause_ms: u64,
+    lease_ms: u64,
+    /// Health's count of stored deliveries against the deliveries listed.
+    deliveries_miscounted: u64,
+    /// The builds health showed writing at the end.
+    builds_at_end: Vec<String>,
 }
 
 /// The verdict, printed as one JSON line. Every check can fail: each was seen failing
@@ -159,6 +190,9 @@ struct Verdict {
     /// Dead letters to chats that still exist: a send a real platform accepts was
     /// refused, or a refusal was misread.
     unexpected_dead_letters: u64,
+    /// A rolling upgrade's costs, with `--upgrade-from`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    roll: Option<Roll>,
     /// Health's dead-letter counts (dead letters, unacknowledged ones, failed parts)
     /// that differ from the dead letters the operator lists with their parts.
     dead_letters_miscounted: u64,
@@ -179,8 +213,11 @@ const OPERATOR_GRACE: Duration = Duration::from_secs(1);
 /// dispatcher held come back quickly (several dispatchers run, so recovery must defer
 /// to live leases and can only reclaim expired ones).
 fn torture_options() -> OutboxOptions {
-    sim_options().with_lease(Duration::from_millis(400))
+    sim_options().with_lease(TORTURE_LEASE)
 }
+
+/// The lease of the processes under torture.
+const TORTURE_LEASE: Duration = Duration::from_millis(400);
 
 fn stop_path(dir: &Path) -> PathBuf {
     dir.join("stop")
@@ -192,6 +229,7 @@ fn own_stop_path(dir: &Path, generation: u64) -> PathBuf {
 }
 
 fn spawn(
+    binary: &Path,
     role: Role,
     dir: &Path,
     seed: u64,
@@ -202,7 +240,7 @@ fn spawn(
     let skew: Vec<String> = skew_ms
         .map(|ms| vec!["--skew-ms".into(), ms.to_string()])
         .unwrap_or_default();
-    Ok(Command::new(std::env::current_exe()?)
+    Ok(Command::new(binary)
         .args(["torture-role", "--role"])
         .arg(format!("{role:?}").to_lowercase())
         .arg("--dir")
@@ -354,8 +392,21 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         dir.display(),
         outbox_target(&dir).describe()
     );
-    outbox_target(&dir).open(torture_options())?;
+    // On a rolling upgrade the older build's roles create the outbox at its version.
+    if args.upgrade_from.is_none() {
+        outbox_target(&dir).open(torture_options())?;
+    }
     open_platform(&dir.join("platform.db"))?;
+    let this_build = std::env::current_exe()?;
+    let mut roll = args.upgrade_from.as_ref().map(|_| RollState::default());
+    // Which build each role process runs.
+    let mut older: Vec<bool> = vec![args.upgrade_from.is_some(); 4];
+    let binary_of = |older: bool| -> &Path {
+        match (&args.upgrade_from, older) {
+            (Some(old), true) => old,
+            _ => &this_build,
+        }
+    };
 
     let replies = (args.kills * args.replies_per_kill).max(100);
     let roles = [
@@ -372,6 +423,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
             .enumerate()
             .map(|(i, r)| {
                 spawn(
+                    binary_of(older[i]),
                     *r,
                     &dir,
                     args.seed + i as u64,
@@ -413,17 +465,81 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
                 faults += 1;
             }
         }
-        // Most kills hit a dispatcher (sends in flight) or the producer (enqueues).
-        let victim = match rng.u32(0..10) {
+        // A process that ended on its own with a failure (a write refused) is counted
+        // and started again; a producer that finished is left finished.
+        for slot in 0..roles.len() {
+            let Some(status) = children.0[slot].try_wait()? else {
+                continue;
+            };
+            if status.success() {
+                continue;
+            }
+            if let Some(roll) = &mut roll {
+                roll.refused += 1;
+            }
+            eprintln!("torture: a {:?} process failed ({status})", roles[slot]);
+            generation += 1;
+            generations[slot] = generation;
+            born_at[slot] = faults;
+            let seed = if slot == 0 {
+                args.seed
+            } else {
+                args.seed.wrapping_add(generation)
+            };
+            children.0[slot] = spawn(
+                binary_of(older[slot]),
+                roles[slot],
+                &dir,
+                seed,
+                replies,
+                generation,
+                skew_of(slot),
+            )?;
+        }
+        // A rolling upgrade: a quarter of the way through, this build migrates.
+        if let Some(roll) = roll.as_mut().filter(|r| r.migrated.is_none())
+            && i >= args.kills / 4
+        {
+            roll.migrated = Some((wall_ms(), confirmed_lines(&dir)));
+            roll.handle = Some(open_outbox(&dir, None)?);
+        }
+        // Most kills hit a dispatcher (sends in flight) or the producer (enqueues);
+        // once migrated, the processes of the older build go first, one by one.
+        let replacing = roll
+            .as_ref()
+            .filter(|r| r.migrated.is_some())
+            .and_then(|_| older.iter().position(|o| *o));
+        let victim = replacing.unwrap_or_else(|| match rng.u32(0..10) {
             0..4 => 1 + rng.usize(0..2),
             4..8 => 0,
             _ => 3,
-        };
+        });
         let child = &mut children.0[victim];
+        let clean =
+            replacing.is_some() && roll.as_ref().is_some_and(|r| r.killed_old > r.stopped_old);
+        if clean {
+            // A clean stop: asked, and waited for.
+            std::fs::write(own_stop_path(&dir, generations[victim]), b"")?;
+            let give_up = Instant::now() + Duration::from_secs(30);
+            while child.try_wait()?.is_none() && Instant::now() < give_up {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
         child.kill()?;
         child.wait()?;
-        if roles[victim] == Role::Dispatcher {
+        if roles[victim] == Role::Dispatcher && !clean {
             killed_dispatchers.push((generations[victim], faults - born_at[victim]));
+        }
+        if let (Some(roll), Some(_)) = (&mut roll, replacing) {
+            if clean {
+                roll.stopped_old += 1;
+            } else {
+                roll.killed_old += 1;
+            }
+            older[victim] = false;
+            if !older.contains(&true) {
+                roll.rolled = Some((wall_ms(), confirmed_lines(&dir)));
+            }
         }
         generation += 1;
         generations[victim] = generation;
@@ -435,6 +551,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
             args.seed.wrapping_add(generation)
         };
         *child = spawn(
+            binary_of(older[victim]),
             roles[victim],
             &dir,
             seed,
@@ -472,6 +589,9 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
     }
 
     let mut verdict = verify(&dir, &outbox, args.seed, &killed_dispatchers)?;
+    if let Some(roll) = roll {
+        verdict.roll = Some(roll.verdict(&dir, &outbox)?);
+    }
     verdict.kills = args.kills;
     verdict.connections_killed = connections_killed;
     verdict.server_restarts = restarts;
@@ -493,8 +613,95 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         && verdict.wrong_finalizations == 0
         && verdict.unexplained_duplicates == 0
         && verdict.max_uncertain_per_kill <= verdict.max_sends_in_flight
-        && verdict.uncertain_left == 0;
+        && verdict.uncertain_left == 0
+        && verdict.roll.as_ref().is_none_or(Roll::held);
     Ok(if ok { 0 } else { 1 })
+}
+
+/// A rolling upgrade as it goes: when this build migrated and when the last process of
+/// the older build was gone (wall-clock ms, and the producers' confirmed replies then).
+#[derive(Default)]
+struct RollState {
+    migrated: Option<(i64, u64)>,
+    rolled: Option<(i64, u64)>,
+    /// This build's handle, opened to migrate.
+    handle: Option<Outbox>,
+    refused: u64,
+    killed_old: u64,
+    stopped_old: u64,
+}
+
+impl RollState {
+    fn verdict(self, dir: &Path, outbox: &Outbox) -> CliResult<Roll> {
+        let (from, before) = self.migrated.unwrap_or_default();
+        let (to, after) = self.rolled.unwrap_or((wall_ms(), confirmed_lines(dir)));
+        let platform = open_platform(&dir.join("platform.db"))?;
+        let mut at =
+            platform.prepare("SELECT at FROM received WHERE at BETWEEN ?1 AND ?2 ORDER BY at")?;
+        let times: Vec<i64> = at
+            .query_map([from, to], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        // From the migration to the first send after it, between sends, and from the
+        // last one to the end of the roll.
+        let longest = std::iter::once(from)
+            .chain(times)
+            .chain(std::iter::once(to))
+            .collect::<Vec<_>>()
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or_default();
+        let health = outbox.health()?;
+        let listed = outbox
+            .list(&chunked_outbox::monitoring::ListFilter::default().limit(1_000_000))?
+            .len() as u64;
+        Ok(Roll {
+            refused: self.refused,
+            enqueues_during_roll: after.saturating_sub(before),
+            killed_old: self.killed_old,
+            stopped_old: self.stopped_old,
+            longest_send_pause_ms: longest.max(0) as u64,
+            lease_ms: TORTURE_LEASE.as_millis() as u64,
+            deliveries_miscounted: u64::from(health.totals.total_deliveries != listed),
+            builds_at_end: health
+                .builds()
+                .iter()
+                .map(|(r, _)| (*r).to_owned())
+                .collect(),
+        }
+        .rolled(self.rolled.is_some()))
+    }
+}
+
+impl Roll {
+    /// Marks a roll that never replaced every older process as refused.
+    fn rolled(mut self, done: bool) -> Roll {
+        if !done {
+            self.refused += 1;
+        }
+        self
+    }
+
+    /// Whether the roll kept every promise: nothing refused, enqueues went on, sending
+    /// never paused past a lease, health's counts are the rows.
+    fn held(&self) -> bool {
+        self.refused == 0
+            && self.enqueues_during_roll > 0
+            && self.longest_send_pause_ms <= self.lease_ms
+            && self.deliveries_miscounted == 0
+    }
+}
+
+/// The replies the producers confirmed so far (lines of their log).
+fn confirmed_lines(dir: &Path) -> u64 {
+    std::fs::read_to_string(dir.join("producer.log"))
+        .map(|log| log.lines().count() as u64)
+        .unwrap_or_default()
+}
+
+/// Milliseconds since the epoch, on this machine's clock (the platforms' record's).
+fn wall_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
 }
 
 /// How many of health's dead-letter counts differ from what an operator lists: the

@@ -118,8 +118,14 @@ enum Command {
     #[command(subcommand)]
     Config(config::ConfigCommand),
     /// Create the database if needed and bring its schema up to date (the only command
-    /// that changes a schema).
-    Migrate,
+    /// that changes a schema); list the processes writing it, and take a contract step
+    /// once none of an older build is live (exit 1 while one is).
+    Migrate {
+        /// Take a contract step although processes of older builds are live: each of
+        /// their writes is refused from then on (`SchemaTooNew`).
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 #[derive(Args)]
@@ -403,21 +409,66 @@ fn run(cli: Cli) -> CliResult<u8> {
             };
             config::run(&outbox, &command)
         }
-        Command::Migrate => {
+        Command::Migrate { force } => {
             let target = Target::of(require_db(db)?);
-            target.open(OutboxOptions::default())?;
-            match target {
-                Target::File(path) => println!(
-                    "{} is at schema version {}",
-                    path.display(),
-                    chunked_outbox::store::sqlite::SCHEMA_VERSION
-                ),
-                Target::Postgres(_) => println!(
-                    "{} is at this build's PostgreSQL schema version",
-                    target.describe()
-                ),
+            let outbox = target.open(OutboxOptions::default())?;
+            let step = outbox.contract_step(force)?;
+            println!(
+                "{} is up to date for this build (schema {})",
+                target.describe(),
+                outbox.schema_version()
+            );
+            let others: Vec<_> = outbox
+                .processes()?
+                .into_iter()
+                .filter(|p| p.id != outbox.claimant().to_string())
+                .collect();
+            println!(
+                "{} writing it besides this one:",
+                plural(others.len() as u64, "process", "processes")
+            );
+            print!("{}", render::processes(&others, outbox.now()));
+            use chunked_outbox::registry::ContractStep;
+            match step {
+                ContractStep::NotDue => {
+                    println!("contract step: none due (older builds that it accepts keep writing)");
+                    Ok(0)
+                }
+                ContractStep::Applied {
+                    writable_from,
+                    stopped,
+                } => {
+                    println!(
+                        "contract step taken: it accepts builds of schema {writable_from} or later"
+                    );
+                    if !stopped.is_empty() {
+                        println!(
+                            "forced: {} of older builds can no longer write (each write is refused):",
+                            plural(stopped.len() as u64, "process", "processes")
+                        );
+                        print!("{}", render::processes(&stopped, outbox.now()));
+                    }
+                    Ok(0)
+                }
+                ContractStep::Waiting {
+                    writable_from,
+                    older,
+                } => {
+                    eprintln!(
+                        "contract step refused: it would stop {} of builds older than schema \
+                         {writable_from}, still live:",
+                        plural(older.len() as u64, "process", "processes")
+                    );
+                    eprint!("{}", render::processes(&older, outbox.now()));
+                    eprintln!(
+                        "upgrade them to chunked-outbox {} (schema {}) or later and run \
+                         `outbox migrate` again, or pass --force (their writes will be refused)",
+                        env!("CARGO_PKG_VERSION"),
+                        outbox.schema_version()
+                    );
+                    Ok(1)
+                }
             }
-            Ok(0)
         }
     }
 }

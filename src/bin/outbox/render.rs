@@ -144,6 +144,14 @@ pub fn health(h: &Health) -> String {
         h.totals.unfinalized_deliveries
     );
     let _ = writeln!(out, "snapshot at        {}", time(Some(h.generated_at)));
+    let builds: Vec<String> = h
+        .builds()
+        .iter()
+        .map(|(release, n)| format!("{} ({n})", clean(release)))
+        .collect();
+    if !builds.is_empty() {
+        let _ = writeln!(out, "builds writing     {}", builds.join(", "));
+    }
     if let Some(replica) = &h.replica {
         let lag = replica.replay_lag_ms.map_or("unknown".to_owned(), |ms| {
             format!("{:.1} s", ms as f64 / 1000.0)
@@ -156,6 +164,23 @@ pub fn health(h: &Health) -> String {
             } else {
                 ", and it has WAL still to replay"
             }
+        );
+    }
+    out
+}
+
+/// The processes writing an outbox, a line each: build, program, pid, host, when seen.
+pub fn processes(processes: &[chunked_outbox::registry::Process], now: DateTime<Utc>) -> String {
+    let mut out = String::new();
+    for p in processes {
+        let seen = (now - p.seen_at).num_seconds().max(0);
+        let _ = writeln!(
+            out,
+            "  {}  {} pid {} on {}, seen {seen} s ago",
+            clean(&p.release),
+            clean(&p.program),
+            p.pid,
+            clean(&p.host)
         );
     }
     out

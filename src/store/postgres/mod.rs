@@ -65,6 +65,7 @@ pub(crate) mod listen;
 pub(crate) mod operator;
 #[cfg(test)]
 mod plans;
+pub(crate) mod processes;
 pub(crate) mod reads;
 pub(crate) mod rules;
 pub(crate) mod runtime;

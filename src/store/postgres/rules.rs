@@ -162,4 +162,22 @@ impl RuleStore for PgTx<'_> {
         )?;
         Ok(())
     }
+
+    fn writable_from(&self) -> Result<i64> {
+        Ok(self
+            .query_one(
+                "SELECT writable_from FROM outbound_policy WHERE id = 1",
+                &[],
+            )?
+            .try_get(0)?)
+    }
+
+    fn set_writable_from(&self, writable_from: i64, migrated_by: &str) -> Result<()> {
+        self.execute(
+            "UPDATE outbound_policy SET writable_from = $1 WHERE id = 1",
+            &[&writable_from],
+        )?;
+        self.execute("UPDATE outbound_meta SET migrated_by = $1", &[&migrated_by])?;
+        Ok(())
+    }
 }

@@ -29,16 +29,11 @@ const WRITABLE_FROM_SINCE: i64 = 9;
 
 /// The oldest build (schema version) this build's schema accepts as a writer: what its
 /// migrations leave in `outbound_policy.writable_from`. Only a contract step raises it.
-#[cfg(test)]
-const WRITABLE_FROM: i64 = 9;
+pub(crate) const WRITABLE_FROM: i64 = 9;
 
 /// What `outbound_meta.migrated_by` says of this build: the release to upgrade to.
 fn this_release() -> String {
-    format!(
-        "chunked-outbox {} (schema {})",
-        env!("CARGO_PKG_VERSION"),
-        latest_version()
-    )
+    crate::store::release(latest_version())
 }
 
 /// The refusal of a schema at version `found` that accepts writers from
@@ -192,6 +187,10 @@ fn migrate_locked(
         "UPDATE outbound_meta SET migrated_by = $1",
         &[&this_release()],
     )?;
+    if crate::sabotage::planted("expand_refuses_old_writers") {
+        conn.client
+            .execute("UPDATE outbound_policy SET writable_from = $1", &[&latest])?;
+    }
     Ok(())
 }
 

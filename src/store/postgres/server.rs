@@ -94,7 +94,16 @@ impl Store for PgStore {
         Capabilities {
             nul_in_text: false,
             staged_replies: true,
+            shared: true,
         }
+    }
+
+    fn schema_version(&self) -> i64 {
+        super::schema::latest_version()
+    }
+
+    fn writable_from(&self) -> i64 {
+        super::schema::WRITABLE_FROM
     }
 
     fn id_salt(&self) -> i64 {

@@ -159,7 +159,16 @@ impl Store for SqliteStore {
         Capabilities {
             nul_in_text: true,
             staged_replies: false,
+            shared: self.path.is_some(),
         }
+    }
+
+    fn schema_version(&self) -> i64 {
+        schema::SCHEMA_VERSION
+    }
+
+    fn writable_from(&self) -> i64 {
+        schema::WRITABLE_FROM
     }
 
     fn id_salt(&self) -> i64 {

@@ -27,6 +27,7 @@ pub(crate) mod file;
 pub(crate) mod finalize;
 pub(crate) mod lanes;
 pub(crate) mod operator;
+pub(crate) mod processes;
 pub(crate) mod reads;
 pub(crate) mod retention;
 pub(crate) mod rules;

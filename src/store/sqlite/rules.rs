@@ -293,6 +293,20 @@ impl RuleStore for Tx<'_> {
         .execute([sql])?;
         Ok(())
     }
+
+    fn writable_from(&self) -> Result<i64> {
+        Ok(self
+            .prepare_cached("SELECT writable_from FROM outbound_policy WHERE id = 1")?
+            .query_row([], |r| r.get(0))?)
+    }
+
+    fn set_writable_from(&self, writable_from: i64, migrated_by: &str) -> Result<()> {
+        self.prepare_cached("UPDATE outbound_policy SET writable_from = ?1 WHERE id = 1")?
+            .execute([writable_from])?;
+        self.prepare_cached("UPDATE outbound_meta SET migrated_by = ?1")?
+            .execute([migrated_by])?;
+        Ok(())
+    }
 }
 
 fn bump(tx: &Tx<'_>) -> Result<()> {

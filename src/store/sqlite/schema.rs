@@ -57,6 +57,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0012_counted_by_the_writer.sql"),
     include_str!("../../../migrations/sqlite/0013_open_index_by_chat.sql"),
     include_str!("../../../migrations/sqlite/0014_writable_from.sql"),
+    include_str!("../../../migrations/sqlite/0015_process_registry.sql"),
 ];
 
 /// What migration `version` runs after its SQL, in its transaction, if anything:
@@ -188,8 +189,7 @@ const WRITABLE_FROM_SINCE: i64 = 14;
 /// The oldest build (schema version) this build's schema accepts as a writer: what
 /// its migrations leave in `outbound_policy.writable_from`. Only a contract step raises
 /// it.
-#[cfg(test)]
-const WRITABLE_FROM: i64 = 14;
+pub(crate) const WRITABLE_FROM: i64 = 14;
 
 fn user_version(conn: &Connection) -> Result<i64> {
     Ok(conn.query_row("PRAGMA user_version", [], |r| r.get(0))?)
@@ -264,10 +264,7 @@ pub(crate) fn refuse_newer(conn: &Connection) -> Result<()> {
 
 /// What `outbound_meta.migrated_by` says of this build: the release to upgrade to.
 fn this_release() -> String {
-    format!(
-        "chunked-outbox {} (schema {SCHEMA_VERSION})",
-        env!("CARGO_PKG_VERSION")
-    )
+    crate::store::release(SCHEMA_VERSION)
 }
 
 /// Brings the schema to [`SCHEMA_VERSION`], refusing a newer one before writing.
@@ -282,6 +279,13 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     let result = migrations().to_latest(conn);
     conn.set_transaction_behavior(TransactionBehavior::Deferred);
     let outcome = match result {
+        Ok(()) if crate::sabotage::planted("expand_refuses_old_writers") => conn
+            .execute_batch(&format!(
+                "UPDATE outbound_policy SET writable_from = {SCHEMA_VERSION};
+                 UPDATE outbound_meta SET migrated_by = '{}'",
+                this_release()
+            ))
+            .map_err(Error::from),
         Ok(()) => conn
             .execute(
                 "UPDATE outbound_meta SET migrated_by = ?1",
@@ -440,7 +444,7 @@ mod tests {
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 14);
+        assert_eq!(SCHEMA_VERSION, 15);
     }
 
     /// The first column of each row `sql` reads, as text.
