@@ -503,17 +503,21 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
             roll.migrated = Some((wall_ms(), confirmed_lines(&dir)));
             roll.handle = Some(open_outbox(&dir, None)?);
         }
-        // Most kills hit a dispatcher (sends in flight) or the producer (enqueues);
-        // once migrated, the processes of the older build go first, one by one.
+        // Most kills hit a dispatcher (sends in flight) or the producer (enqueues).
+        // Once migrated, every fourth replaces a process of the older build, one by
+        // one, the producer last (so the older build enqueues on the new schema for
+        // longest); whatever a kill hits comes back as this build.
         let replacing = roll
             .as_ref()
-            .filter(|r| r.migrated.is_some())
-            .and_then(|_| older.iter().position(|o| *o));
+            .and_then(|r| r.migrated.map(|_| i))
+            .filter(|i| i % 4 == 0)
+            .and_then(|_| older.iter().rposition(|o| *o));
         let victim = replacing.unwrap_or_else(|| match rng.u32(0..10) {
             0..4 => 1 + rng.usize(0..2),
             4..8 => 0,
             _ => 3,
         });
+        let old_victim = older[victim];
         let child = &mut children.0[victim];
         let clean =
             replacing.is_some() && roll.as_ref().is_some_and(|r| r.killed_old > r.stopped_old);
@@ -530,7 +534,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         if roles[victim] == Role::Dispatcher && !clean {
             killed_dispatchers.push((generations[victim], faults - born_at[victim]));
         }
-        if let (Some(roll), Some(_)) = (&mut roll, replacing) {
+        if let Some(roll) = roll.as_mut().filter(|r| r.migrated.is_some() && old_victim) {
             if clean {
                 roll.stopped_old += 1;
             } else {
@@ -653,7 +657,7 @@ impl RollState {
             .unwrap_or_default();
         let health = outbox.health()?;
         let listed = outbox
-            .list(&chunked_outbox::monitoring::ListFilter::default().limit(1_000_000))?
+            .list(&chunked_outbox::monitoring::ListFilter::default().limit(10_000))?
             .len() as u64;
         Ok(Roll {
             refused: self.refused,
