@@ -23,6 +23,12 @@ const SECRET: &str = "the secret reply text";
 fn outbox_with_a_dead_letter() -> (TestDb, DeliveryId) {
     let db = TestDb::default();
     let id = enqueue(&db.outbox, "chat-7", &[SECRET]);
+    fail_for_good(&db);
+    (db, id)
+}
+
+/// Claims the part due and records that it failed for good: the user blocked the bot.
+fn fail_for_good(db: &TestDb) {
     let claim = claim_one(&db.outbox);
     db.outbox
         .record(
@@ -32,7 +38,6 @@ fn outbox_with_a_dead_letter() -> (TestDb, DeliveryId) {
             },
         )
         .unwrap();
-    (db, id)
 }
 
 /// A token file readable by its owner only (or with `mode`).
@@ -1122,15 +1127,7 @@ fn the_console_table_is_what_serve_does() {
                 assert!(session.is_some(), "{row:?}");
                 assert_eq!(status(&acted), 303, "{row:?}: {acted}");
                 db.outbox.requeue_dead_letters(None).unwrap();
-                let claim = claim_one(&db.outbox);
-                db.outbox
-                    .record(
-                        &claim,
-                        Outcome::Permanent {
-                            error: "Forbidden: bot was blocked by the user".into(),
-                        },
-                    )
-                    .unwrap();
+                fail_for_good(&db);
             }
             "nobody" => assert!(matches!(status(&acted), 403 | 404), "{row:?}: {acted}"),
             other => panic!("{row:?}: who can act? {other:?}"),

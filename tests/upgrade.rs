@@ -139,3 +139,21 @@ fn migrate_waits_for_older_processes_before_a_contract_step() -> Result<()> {
     assert_eq!(writable_from(&db), level);
     Ok(())
 }
+
+/// The console's overview says which builds write the outbox.
+#[cfg(feature = "console")]
+#[test]
+fn the_console_shows_the_builds_writing() {
+    use chunked_outbox::console::{Console, Request};
+    let db = TestDb::default();
+    let _second = db.reopen(OutboxOptions::default());
+    let page = Console::new(db.outbox.clone()).respond(&Request::get("/console").from_owner());
+    assert_eq!(page.status, 200);
+    let release = this_release(&db.outbox);
+    assert!(
+        page.body
+            .contains(&format!("Builds writing: {release} (2).")),
+        "{}",
+        page.body
+    );
+}

@@ -173,7 +173,18 @@ pub(super) fn overview(viewer: &Viewer, o: &Overview) -> Markup {
         viewer,
         "Overview",
         html! {
-            p { "Snapshot taken " (time(Some(o.health.generated_at))) "." }
+            p {
+                "Snapshot taken " (time(Some(o.health.generated_at))) ". "
+                @let builds = o.health.builds();
+                @if !builds.is_empty() {
+                    "Builds writing: "
+                    @for (i, (release, count)) in builds.iter().enumerate() {
+                        @if i > 0 { ", " }
+                        (release) " (" (count) ")"
+                    }
+                    "."
+                }
+            }
             table {
                 (columns(&["channel", "due", "moving", "uncertain", "dead letters", "oldest due", "delivered", "last delivered", "pacing", "channel paused"]))
                 tbody {

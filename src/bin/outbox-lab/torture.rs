@@ -435,6 +435,24 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
             .collect::<CliResult<_>>()?,
     );
     let mut generations: Vec<u64> = (0..roles.len() as u64).collect();
+    // Role `slot` started again as `generation`, of the older build or this one. The
+    // producer keeps the run's seed: it decides which chat each reply goes to.
+    let start = |slot: usize, generation: u64, older: bool| {
+        let seed = if slot == 0 {
+            args.seed
+        } else {
+            args.seed.wrapping_add(generation)
+        };
+        spawn(
+            binary_of(older),
+            roles[slot],
+            &dir,
+            seed,
+            replies,
+            generation,
+            skew_of(slot),
+        )
+    };
     // Each dispatcher killed, with the server's faults it lived through.
     let mut killed_dispatchers = Vec::new();
     let mut rng = fastrand::Rng::with_seed(args.seed);
@@ -481,20 +499,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
             generation += 1;
             generations[slot] = generation;
             born_at[slot] = faults;
-            let seed = if slot == 0 {
-                args.seed
-            } else {
-                args.seed.wrapping_add(generation)
-            };
-            children.0[slot] = spawn(
-                binary_of(older[slot]),
-                roles[slot],
-                &dir,
-                seed,
-                replies,
-                generation,
-                skew_of(slot),
-            )?;
+            children.0[slot] = start(slot, generation, older[slot])?;
         }
         // A rolling upgrade: a quarter of the way through, this build migrates.
         if let Some(roll) = roll.as_mut().filter(|r| r.migrated.is_none())
@@ -548,21 +553,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         generation += 1;
         generations[victim] = generation;
         born_at[victim] = faults;
-        // The producer keeps the run's seed: it decides which chat each reply goes to.
-        let seed = if victim == 0 {
-            args.seed
-        } else {
-            args.seed.wrapping_add(generation)
-        };
-        *child = spawn(
-            binary_of(older[victim]),
-            roles[victim],
-            &dir,
-            seed,
-            replies,
-            generation,
-            skew_of(victim),
-        )?;
+        children.0[victim] = start(victim, generation, older[victim])?;
     }
 
     // No more kills: let everything settle, then stop the roles.

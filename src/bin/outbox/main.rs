@@ -413,8 +413,12 @@ fn run(cli: Cli) -> CliResult<u8> {
             let target = Target::of(require_db(db)?);
             let outbox = target.open(OutboxOptions::default())?;
             let step = outbox.contract_step(force)?;
+            let store = match target {
+                Target::File(_) => "SQLite",
+                Target::Postgres(_) => "PostgreSQL",
+            };
             println!(
-                "{} is up to date for this build (schema {})",
+                "{}: up to date for this build's {store} schema version {}",
                 target.describe(),
                 outbox.schema_version()
             );

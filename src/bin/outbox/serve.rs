@@ -798,7 +798,7 @@ mod tests {
         assert!(
             every
                 .to_string()
-                .ends_with("any address:9464, box.example:*"),
+                .ends_with("box.example:*, any address:9464"),
             "{every}"
         );
         // On port 80 a Host without a port is what browsers and curl send.

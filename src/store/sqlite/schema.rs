@@ -279,18 +279,20 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     let result = migrations().to_latest(conn);
     conn.set_transaction_behavior(TransactionBehavior::Deferred);
     let outcome = match result {
-        Ok(()) if crate::sabotage::planted("expand_refuses_old_writers") => conn
-            .execute_batch(&format!(
-                "UPDATE outbound_policy SET writable_from = {SCHEMA_VERSION};
-                 UPDATE outbound_meta SET migrated_by = '{}'",
-                this_release()
-            ))
-            .map_err(Error::from),
         Ok(()) => conn
             .execute(
                 "UPDATE outbound_meta SET migrated_by = ?1",
                 [this_release()],
             )
+            .and_then(|_| {
+                if !crate::sabotage::planted("expand_refuses_old_writers") {
+                    return Ok(0);
+                }
+                conn.execute(
+                    "UPDATE outbound_policy SET writable_from = ?1",
+                    [SCHEMA_VERSION],
+                )
+            })
             .map(drop)
             .map_err(Error::from),
         Err(_) if user_version(conn)? == SCHEMA_VERSION => Ok(()),
@@ -1039,11 +1041,14 @@ mod tests {
             SCHEMA_VERSION + 1,
             "not migrated"
         );
-        conn.execute_batch(&format!(
-            "UPDATE outbound_policy SET writable_from = {};
-             UPDATE outbound_meta SET migrated_by = 'chunked-outbox 9.9.9 (schema 99)'",
-            SCHEMA_VERSION + 1
-        ))
+        conn.execute(
+            "UPDATE outbound_policy SET writable_from = ?1",
+            [SCHEMA_VERSION + 1],
+        )
+        .unwrap();
+        conn.execute_batch(
+            "UPDATE outbound_meta SET migrated_by = 'chunked-outbox 9.9.9 (schema 99)'",
+        )
         .unwrap();
         let err = standing(&conn).unwrap_err();
         assert!(
