@@ -246,6 +246,30 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         assert_eq!(handle.load(Ordering::SeqCst), after, "stopped when dropped");
 
+        // Dropping it waits for the thread: what the thread owns is gone by then.
+        struct Owned(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Owned {
+            fn drop(&mut self) {
+                std::thread::sleep(Duration::from_millis(20));
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let owned = Owned(ended.clone());
+        let joined = Registration::start(
+            Arc::downgrade(&handle),
+            Duration::from_secs(60),
+            move |_| {
+                let _ = &owned;
+                Ok(())
+            },
+        );
+        drop(joined);
+        assert!(
+            ended.load(Ordering::SeqCst),
+            "joined before the drop returned"
+        );
+
         let gone = Arc::new(AtomicUsize::new(0));
         let orphan = Registration::start(Arc::downgrade(&gone), Duration::from_millis(1), |n| {
             n.fetch_add(1, Ordering::SeqCst);
