@@ -123,7 +123,14 @@ impl Outbox {
             if outbox.store().capabilities().shared {
                 outbox.register();
             }
-            match outbox.contract_step(false) {
+            // A handle that may upgrade the schema takes a contract step that is due
+            // (and waits for nobody); one opened without upgrades changes no schema.
+            let contract = if outbox.options().upgrade_schema {
+                outbox.contract_step(false)
+            } else {
+                Ok(ContractStep::NotDue)
+            };
+            match contract {
                 Ok(ContractStep::Waiting {
                     writable_from,
                     older,
