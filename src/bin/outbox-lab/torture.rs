@@ -70,10 +70,11 @@ pub struct TortureArgs {
     #[arg(long, value_parser = parse_skew, allow_hyphen_values = true)]
     skew: Option<i64>,
     /// A rolling upgrade: the roles start as this `outbox-lab` binary of an older
-    /// release (which creates the schema at its version), a quarter of the way through
-    /// this build migrates it, and from then on each process of the older build is
-    /// replaced by one of this build — SIGKILLed or stopped cleanly, one by one — while
-    /// the older ones still running keep writing. The verdict adds what the roll
+    /// release (which creates the schema at its version); once an eighth of the
+    /// replies are enqueued this build migrates it, and once the older producer has
+    /// enqueued on the new schema each process of the older build is replaced by one
+    /// of this build — SIGKILLed or stopped cleanly, one by one — while the older ones
+    /// still running keep writing. The verdict adds what the roll
     /// costs: processes refused, enqueues during the roll, the longest pause in sending.
     #[arg(long, value_name = "OUTBOX_LAB")]
     upgrade_from: Option<PathBuf>,
@@ -215,6 +216,10 @@ const OPERATOR_GRACE: Duration = Duration::from_secs(1);
 fn torture_options() -> OutboxOptions {
     sim_options().with_lease(TORTURE_LEASE)
 }
+
+/// Replies the older build's producer must enqueue on the migrated schema before the
+/// rolling upgrade replaces anything.
+const OLDER_ENQUEUES: u64 = 20;
 
 /// The lease of the processes under torture.
 const TORTURE_LEASE: Duration = Duration::from_millis(400);
@@ -501,21 +506,32 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
             born_at[slot] = faults;
             children.0[slot] = start(slot, generation, older[slot])?;
         }
-        // A rolling upgrade: a quarter of the way through, this build migrates.
+        // A rolling upgrade: once the producer has enqueued an eighth of its replies,
+        // this build migrates; then the older producer is given time to enqueue on the
+        // new schema (a number of replies, not a time: a producer that is refused, or
+        // a build too slow, shows in the verdict) before anything is replaced.
         if let Some(roll) = roll.as_mut().filter(|r| r.migrated.is_none())
-            && i >= args.kills / 4
+            && confirmed_lines(&dir) >= replies / 8
         {
-            roll.migrated = Some((wall_ms(), confirmed_lines(&dir)));
+            let before = confirmed_lines(&dir);
+            roll.migrated = Some((wall_ms(), before));
             roll.handle = Some(open_outbox(&dir, None)?);
+            let give_up = Instant::now() + Duration::from_secs(30);
+            while confirmed_lines(&dir) < before + OLDER_ENQUEUES
+                && children.0[0].try_wait()?.is_none()
+                && Instant::now() < give_up
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
         }
         // Most kills hit a dispatcher (sends in flight) or the producer (enqueues).
-        // Once migrated, every fourth replaces a process of the older build, one by
+        // Once migrated, every second replaces a process of the older build, one by
         // one, the producer last (so the older build enqueues on the new schema for
         // longest); whatever a kill hits comes back as this build.
         let replacing = roll
             .as_ref()
             .and_then(|r| r.migrated.map(|_| i))
-            .filter(|i| i % 4 == 0)
+            .filter(|i| i % 2 == 0)
             .and_then(|_| older.iter().rposition(|o| *o));
         let victim = replacing.unwrap_or_else(|| match rng.u32(0..10) {
             0..4 => 1 + rng.usize(0..2),
@@ -681,7 +697,7 @@ impl Roll {
     /// never paused past a lease, health's counts are the rows.
     fn held(&self) -> bool {
         self.refused == 0
-            && self.enqueues_during_roll > 0
+            && self.enqueues_during_roll >= OLDER_ENQUEUES
             && self.longest_send_pause_ms <= self.lease_ms
             && self.deliveries_miscounted == 0
     }
