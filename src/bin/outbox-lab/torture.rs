@@ -397,9 +397,25 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         dir.display(),
         outbox_target(&dir).describe()
     );
-    // On a rolling upgrade the older build's roles create the outbox at its version.
-    if args.upgrade_from.is_none() {
-        outbox_target(&dir).open(torture_options())?;
+    // On a rolling upgrade the older release's tool (`outbox`, beside its lab) creates
+    // the outbox at its version, as an operator would before starting its processes.
+    match &args.upgrade_from {
+        None => drop(outbox_target(&dir).open(torture_options())?),
+        Some(old) => {
+            let tool = old.with_file_name("outbox");
+            let status = Command::new(&tool)
+                .arg("--db")
+                .arg(outbox_target(&dir).as_arg())
+                .arg("migrate")
+                .stdout(Stdio::null())
+                .status()
+                .map_err(|e| format!("cannot run the older release's {}: {e}", tool.display()))?;
+            if !status.success() {
+                return Err(
+                    format!("the older release's `outbox migrate` failed: {status}").into(),
+                );
+            }
+        }
     }
     open_platform(&dir.join("platform.db"))?;
     let this_build = std::env::current_exe()?;
@@ -469,7 +485,10 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
     let mut born_at = roles.map(|_| 0);
     // The server's faults, spread evenly over the kills.
     let spread = |n: u64, i: u64| (i + 1) * n / args.kills.max(1) - i * n / args.kills.max(1);
-    for i in 0..args.kills {
+    // The kills, and on a rolling upgrade as many more as it takes to replace every
+    // process of the older build.
+    let mut i = 0;
+    while i < args.kills || roll.as_ref().is_some_and(|r| r.rolled.is_none()) {
         std::thread::sleep(Duration::from_millis(rng.u64(5..60)));
         if let Some(server) = &server {
             for _ in 0..spread(args.connection_kills, i) {
@@ -511,7 +530,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         // new schema (a number of replies, not a time: a producer that is refused, or
         // a build too slow, shows in the verdict) before anything is replaced.
         if let Some(roll) = roll.as_mut().filter(|r| r.migrated.is_none())
-            && confirmed_lines(&dir) >= replies / 8
+            && (confirmed_lines(&dir) >= replies / 8 || i >= args.kills / 2)
         {
             let before = confirmed_lines(&dir);
             roll.migrated = Some((wall_ms(), before));
@@ -570,6 +589,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
         generations[victim] = generation;
         born_at[victim] = faults;
         children.0[victim] = start(victim, generation, older[victim])?;
+        i += 1;
     }
 
     // No more kills: let everything settle, then stop the roles.
@@ -603,7 +623,7 @@ pub fn run(db: Option<&Path>, args: &TortureArgs) -> CliResult<u8> {
     if let Some(roll) = roll {
         verdict.roll = Some(roll.verdict(&dir, &outbox)?);
     }
-    verdict.kills = args.kills;
+    verdict.kills = i;
     verdict.connections_killed = connections_killed;
     verdict.server_restarts = restarts;
     verdict.seed = args.seed;
