@@ -10,7 +10,7 @@ use crate::finalize;
 use crate::ids::{ClaimantId, DeliveryId};
 use crate::lane;
 use crate::options::OutboxOptions;
-use crate::registry::{self, ContractStep, Process, Registration};
+use crate::registry::{self, Process, Registration};
 use crate::rules::{self, ChannelPolicy, FileRules, RetryPolicy, Rules, Stored};
 use crate::store::connections::{Announce, ChangeWatch, Notifier, Store, Wakeups, Write};
 use crate::store::{ProcessRow, StoreTx};
@@ -122,25 +122,6 @@ impl Outbox {
                 .map_err(|e| outbox.inner.store.locate(e))?;
             if outbox.store().capabilities().shared {
                 outbox.register();
-            }
-            // A handle that may upgrade the schema takes a contract step that is due
-            // (and waits for nobody); one opened without upgrades changes no schema.
-            let contract = if outbox.options().upgrade_schema {
-                outbox.contract_step(false)
-            } else {
-                Ok(ContractStep::NotDue)
-            };
-            match contract {
-                Ok(ContractStep::Waiting {
-                    writable_from,
-                    older,
-                }) => tracing::warn!(
-                    writable_from,
-                    older = older.len(),
-                    "outbox: a contract step waits for processes of older builds (outbox migrate lists them)"
-                ),
-                Ok(_) => {}
-                Err(e) => return Err(outbox.inner.store.locate(e)),
             }
         }
         Ok(outbox)

@@ -178,10 +178,8 @@ impl Outbox {
     /// migrations dropped the older builds' way for). It waits while a process of such
     /// a build is live (registered and seen within [`PROCESS_LEASE`]) unless `force`,
     /// which stops those processes' writes; builds from before the registry do not
-    /// register, so nothing is seen of them. A handle that may upgrade the schema
-    /// ([`OutboxOptions::with_schema_upgrade`](crate::OutboxOptions::with_schema_upgrade),
-    /// on by default) takes the step when it opens if none waits for it; `outbox
-    /// migrate` takes it, or says who it waits for.
+    /// register, so nothing is seen of them. No process takes it by opening the
+    /// outbox: `outbox migrate` takes it, or says who it waits for.
     ///
     /// # Errors
     ///

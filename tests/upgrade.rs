@@ -129,6 +129,29 @@ fn migrate_waits_for_older_processes_before_a_contract_step() -> Result<()> {
     let listed = String::from_utf8_lossy(&waiting.stdout);
     assert!(listed.contains("old-bot pid 4242"), "{listed}");
 
+    // A process of an older build gone past its lease holds nothing back.
+    let lapsed = TestDb::on_system_clock(OutboxOptions::default());
+    let lease = chunked_outbox::registry::PROCESS_LEASE.as_millis() as i64;
+    lapsed.raw().execute(
+        "INSERT INTO outbound_processes
+             (id, schema_level, release, program, host, pid, started_at, seen_at)
+         VALUES ('gone', ?1, 'chunked-outbox 0.0.9 (schema 14)', 'old-bot', 'box-3', 4343, ?2, ?2)",
+        rusqlite::params![level - 1, now - lease - 1_000],
+    )?;
+    let taken = assert_cmd::Command::cargo_bin("outbox")
+        .unwrap()
+        .arg("--db")
+        .arg(lapsed.path())
+        .arg("migrate")
+        .env("OUTBOX_SABOTAGE", "contract_step")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&taken.stdout);
+    assert!(taken.status.success(), "{said}");
+    assert!(said.contains("contract step taken"), "{said}");
+    assert!(!said.contains("old-bot"), "{said}");
+    assert_eq!(writable_from(&lapsed), level);
+
     let forced = migrate(true);
     let said = String::from_utf8_lossy(&forced.stdout);
     assert!(forced.status.success(), "{said}");
