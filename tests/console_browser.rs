@@ -370,10 +370,15 @@ async fn walk(b: &Browser, outbox: &Outbox, scene: &Scene) {
     let overview = b.text().await;
     assert!(overview.contains("Sign out"), "{overview}");
 
-    // The overview: what health says, per channel.
+    // The overview: what health says, per channel, and the builds writing (this test's
+    // handle and the server's).
     for channel in ["slack", "telegram", "viber", "discord", "all channels"] {
         assert!(overview.contains(channel), "{overview}");
     }
+    assert!(
+        overview.contains("Builds writing: chunked-outbox"),
+        "{overview}"
+    );
     b.screenshot("overview").await;
 
     // Held chats: why, and what frees them.
