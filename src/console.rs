@@ -77,7 +77,6 @@ use subtle::ConstantTimeEq;
 use crate::error::{Error, Result};
 use crate::ids::DeliveryId;
 use crate::inspect::{DeliveryView, ListFilter};
-use crate::lane::LaneHold;
 use crate::operator::Resolution;
 use crate::outbox::Outbox;
 use crate::status::{ChunkStatus, DeliveryStatus};
@@ -994,38 +993,26 @@ impl Console {
                         .unfinished()
                         .limit(crate::inspect::MAX_LIST_LIMIT),
                 )?;
-                // Oldest first. An uncertain reply holds its lane under `Block`, and on
-                // a channel that asks its platform until the answer is kept; a dead
-                // letter holds it under `Block` until it is dismissed
-                // (`LaneStore::lane_held`).
+                // Oldest first. The active reply holds its chat; one set aside holds it
+                // as the lanes decide, asked of the store as they ask it.
                 let (queued, others): (Vec<_>, Vec<_>) = unfinished
                     .into_iter()
                     .rev()
                     .partition(|view| view.status == DeliveryStatus::Queued);
-                let hold = LaneHold::of(&rules, &channel);
+                let held = self.outbox.lane_holder(&rules, &channel, &chat_id)?;
                 let mut holder = None;
                 for view in others {
                     let holds = match view.status {
-                        DeliveryStatus::Uncertain => hold != LaneHold::Nothing,
-                        DeliveryStatus::Failed => {
-                            hold == LaneHold::Everything && view.acknowledged_at.is_none()
+                        DeliveryStatus::Uncertain | DeliveryStatus::Failed => {
+                            held == Some(self.outbox.delivery_rowid(view.id))
                         }
                         _ => true,
                     };
-                    if !holds {
-                        continue;
+                    if holds {
+                        // Read whole for its parts.
+                        holder = Some(self.outbox.delivery(view.id)?.unwrap_or(view));
+                        break;
                     }
-                    // Read whole for its parts.
-                    let whole = self.outbox.delivery(view.id)?.unwrap_or(view);
-                    let answered = whole
-                        .chunks
-                        .iter()
-                        .any(|c| c.status == ChunkStatus::Uncertain && c.settlement.is_some());
-                    if hold == LaneHold::Asking && answered {
-                        continue; // held for a person, the chat went on
-                    }
-                    holder = Some(whole);
-                    break;
                 }
                 Ok(
                     (!holder.as_ref().is_some_and(|h| moving(h, now))).then_some(StuckChat {

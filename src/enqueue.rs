@@ -273,7 +273,7 @@ fn insert_keyless(
         for (lane, entry) in lanes.iter().zip(&entries) {
             heads.push(lane::head_of(
                 tx,
-                lane::LaneHold::of(&rules.policy, lane.channel),
+                crate::rules::LaneHold::of(&rules.policy, lane.channel),
                 *lane,
                 entry.head.clone(),
             )?);

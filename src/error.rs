@@ -319,7 +319,7 @@ pub enum Error {
 
     /// Any other PostgreSQL error (feature `postgres`).
     #[cfg(feature = "postgres")]
-    #[error("postgres error: {}", crate::store::postgres::message(.0))]
+    #[error("postgres error: {}", server_message(.0))]
     Postgres(postgres::Error),
 
     /// What was asked does not apply to this store (a file's checkpoint on
@@ -331,34 +331,6 @@ pub enum Error {
         /// The store of the outbox (`SQLite`, `PostgreSQL`).
         store: &'static str,
     },
-}
-
-#[cfg(feature = "postgres")]
-impl From<postgres::Error> for Error {
-    fn from(err: postgres::Error) -> Self {
-        crate::store::postgres::map_error(err)
-    }
-}
-
-impl From<r2d2::Error> for Error {
-    fn from(err: r2d2::Error) -> Self {
-        Error::Pool {
-            message: err.to_string(),
-        }
-    }
-}
-
-impl From<rusqlite::Error> for Error {
-    /// Maps the SQLite failures a caller can act on to their own variants.
-    fn from(err: rusqlite::Error) -> Self {
-        use rusqlite::ErrorCode as C;
-        match err.sqlite_error_code() {
-            Some(C::DatabaseBusy | C::DatabaseLocked) => Error::Busy,
-            Some(C::DiskFull) => Error::DiskFull,
-            Some(C::ReadOnly) => Error::ReadOnly(err.to_string()),
-            _ => Error::Sqlite(err),
-        }
-    }
 }
 
 impl Error {
@@ -379,5 +351,17 @@ impl Error {
             what,
             reason: reason.into(),
         }
+    }
+}
+
+/// The server's own message of a PostgreSQL error (with its detail), else the error's.
+#[cfg(feature = "postgres")]
+pub(crate) fn server_message(err: &postgres::Error) -> String {
+    match err.as_db_error() {
+        Some(db) => match db.detail() {
+            Some(detail) => format!("{} ({detail})", db.message()),
+            None => db.message().to_owned(),
+        },
+        None => err.to_string(),
     }
 }

@@ -12,6 +12,7 @@ use crate::outbox::Outbox;
 use crate::registry::Process;
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::HealthRows;
+pub use crate::views::Replica;
 
 /// Counts for one channel.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -124,17 +125,6 @@ pub struct Health {
     /// The processes writing the outbox now, each with its build, oldest build first
     /// (see [`Outbox::processes`]): during a rolling upgrade, which releases still run.
     pub processes: Vec<Process>,
-}
-
-/// How far behind its primary the standby a snapshot was read from is.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub struct Replica {
-    /// Time since the last transaction it replayed committed on the primary (`None`
-    /// before it replayed any). It grows while the primary writes nothing, too.
-    pub replay_lag_ms: Option<u64>,
-    /// Whether it has replayed all the WAL it received.
-    pub replayed_all_received: bool,
 }
 
 impl Outbox {

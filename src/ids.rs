@@ -1,12 +1,9 @@
 //! Typed ids, so a chunk id can never be passed where a delivery id is expected.
 
 use std::fmt;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
-
-use crate::error::{Error, Result};
 
 /// The public id of a delivery: a UUID v7 (time ordered), unique across databases.
 ///
@@ -84,17 +81,6 @@ impl fmt::Debug for DeliveryId {
     }
 }
 
-impl FromStr for DeliveryId {
-    type Err = Error;
-
-    /// Parses the hyphenated UUID form printed by `Display`.
-    fn from_str(s: &str) -> Result<Self> {
-        Uuid::parse_str(s)
-            .map(DeliveryId)
-            .map_err(|e| Error::invalid("delivery id", format!("{s:?} is not a UUID: {e}")))
-    }
-}
-
 impl From<Uuid> for DeliveryId {
     fn from(uuid: Uuid) -> Self {
         DeliveryId(uuid)
@@ -126,18 +112,6 @@ impl fmt::Display for ChunkId {
 impl fmt::Debug for ChunkId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "ChunkId({})", self.0)
-    }
-}
-
-impl FromStr for ChunkId {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        s.parse::<i64>()
-            .ok()
-            .filter(|n| *n > 0)
-            .map(ChunkId)
-            .ok_or_else(|| Error::invalid("chunk id", format!("{s:?} is not a positive integer")))
     }
 }
 

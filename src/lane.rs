@@ -18,8 +18,7 @@
 
 use crate::clock::duration_ms;
 use crate::error::Result;
-use crate::rules::{LaneFailurePolicy, LaneOrder, ReplayPolicy};
-use crate::rules::{Rules, Stored};
+use crate::rules::{LaneHold, LaneOrder, Rules, Stored};
 use crate::status::DeliveryStatus;
 use crate::store::{Activation, HeadRow, LaneRef, StoreTx, Waiting};
 
@@ -31,36 +30,6 @@ pub(crate) enum LaneHead {
     Next(Waiting),
     /// Nothing active and nothing queued.
     Idle,
-}
-
-/// What, besides an active delivery, keeps a FIFO lane's next reply waiting: the
-/// lane's failure policy, and whether its channel asks the platform about a part that
-/// may have been sent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum LaneHold {
-    /// Nothing: a reply set aside (dead letter, uncertain) lets the next one go
-    /// ([`LaneFailurePolicy::Skip`]).
-    Nothing,
-    /// A reply whose part is uncertain and its platform not asked yet: the chat waits
-    /// for the answer, and goes on once it is "hold" ([`LaneFailurePolicy::Skip`] on a
-    /// channel under [`ReplayPolicy::Ask`]).
-    Asking,
-    /// Every uncertain reply and every dead letter nobody acknowledged
-    /// ([`LaneFailurePolicy::Block`]).
-    Everything,
-}
-
-impl LaneHold {
-    /// What holds the lanes of `channel` under `rules`.
-    pub(crate) fn of(rules: &Rules, channel: &str) -> LaneHold {
-        match rules.lane_failure {
-            LaneFailurePolicy::Block => LaneHold::Everything,
-            LaneFailurePolicy::Skip if rules.channel(channel).replay == ReplayPolicy::Ask => {
-                LaneHold::Asking
-            }
-            LaneFailurePolicy::Skip => LaneHold::Nothing,
-        }
-    }
 }
 
 /// Decides who may send next in a lane, reading only its unfinished deliveries.
@@ -85,14 +54,22 @@ pub(crate) fn head_of(
         Some(HeadRow::Queued(waiting)) => Some(waiting),
         None => None,
     };
-    if hold != LaneHold::Nothing
-        && tx
-            .lane_held(lane, hold == LaneHold::Everything)?
-            .is_some_and(|held| next.as_ref().is_none_or(|n| held < n.position))
-    {
+    if held(tx, hold, lane)?.is_some_and(|held| next.as_ref().is_none_or(|n| held < n.position)) {
         return Ok(LaneHead::Busy);
     }
     Ok(next.map_or(LaneHead::Idle, LaneHead::Next))
+}
+
+/// The oldest delivery row that, set aside, holds `lane` under `hold` (an uncertain
+/// reply, a dead letter nobody dismissed: [`LaneStore::lane_held`]), if any. The
+/// console asks the same when it shows what holds a chat.
+///
+/// [`LaneStore::lane_held`]: crate::store::LaneStore::lane_held
+pub(crate) fn held(tx: &dyn StoreTx, hold: LaneHold, lane: LaneRef<'_>) -> Result<Option<i64>> {
+    if hold == LaneHold::Nothing {
+        return Ok(None);
+    }
+    tx.lane_held(lane, hold == LaneHold::Everything)
 }
 
 /// Activates the next queued delivery of a FIFO lane if the lane is free, making its

@@ -153,14 +153,14 @@ doctests!(
     PerformanceDoctests: "../docs/PERFORMANCE.md",
 );
 
-#[cfg(any(feature = "teloxide", feature = "serenity", feature = "slack-morphism"))]
-mod adapters;
 mod claim;
 mod classify;
 pub mod clock;
 #[cfg(feature = "console")]
 #[cfg_attr(docsrs, doc(cfg(feature = "console")))]
 pub mod console;
+#[cfg(test)]
+mod contracts;
 pub mod dispatch;
 mod enqueue;
 mod entry;
@@ -175,6 +175,7 @@ mod operator;
 mod options;
 mod outbox;
 mod outcome;
+mod parse;
 pub mod platforms;
 pub mod registry;
 mod reply;
@@ -189,6 +190,8 @@ mod status;
 mod step;
 pub mod store;
 mod telemetry;
+mod upgrade;
+mod views;
 
 // What every application touches. The rest is grouped in the modules below, by what a
 // user looks for.

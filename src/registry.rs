@@ -16,7 +16,6 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use crate::error::Result;
-use crate::outbox::Outbox;
 use crate::store::{ProcessRow, release};
 
 /// How often a running handle renews its row.
@@ -142,7 +141,7 @@ impl Drop for Registration {
     }
 }
 
-/// What a contract step did, or why it waits (see [`Outbox::contract_step`]).
+/// What a contract step did, or why it waits (see [`Outbox::contract_step`](crate::Outbox::contract_step)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ContractStep {
     /// None is due: the schema accepts no build older than this one's requires.
@@ -164,63 +163,6 @@ pub enum ContractStep {
         /// The live processes of older builds, each still writing.
         older: Vec<Process>,
     },
-}
-
-impl Outbox {
-    /// The schema version this build writes on this outbox's store (SQLite and
-    /// PostgreSQL count their own).
-    pub fn schema_version(&self) -> i64 {
-        self.store().schema_version()
-    }
-
-    /// Takes the contract step this build's schema is due, if any: the schema stops
-    /// accepting builds older than [`writable_from`](ContractStep::Applied) (what its
-    /// migrations dropped the older builds' way for). It waits while a process of such
-    /// a build is live (registered and seen within [`PROCESS_LEASE`]) unless `force`,
-    /// which stops those processes' writes; builds from before the registry do not
-    /// register, so nothing is seen of them. No process takes it by opening the
-    /// outbox: `outbox migrate` takes it, or says who it waits for.
-    ///
-    /// # Errors
-    ///
-    /// Database errors; [`Error::ReadOnly`](crate::Error::ReadOnly) through a
-    /// read-only handle.
-    pub fn contract_step(&self, force: bool) -> Result<ContractStep> {
-        let wanted = if crate::sabotage::planted("contract_step") {
-            // A test's build whose schema is a contract step (see `sabotage`).
-            self.store().schema_version()
-        } else {
-            self.store().writable_from()
-        };
-        if self.read(|tx| tx.writable_from())? >= wanted {
-            return Ok(ContractStep::NotDue);
-        }
-        let since = self.options().now_ms() - PROCESS_LEASE.as_millis() as i64;
-        let migrated_by = release(self.store().schema_version());
-        self.change_rules_with(|tx| {
-            let writable_from = tx.writable_from()?;
-            if writable_from >= wanted {
-                return Ok(ContractStep::NotDue);
-            }
-            let older: Vec<Process> = tx
-                .processes(since)?
-                .into_iter()
-                .filter(|p| p.schema_level < wanted)
-                .map(Process::from)
-                .collect();
-            if !older.is_empty() && !force {
-                return Ok(ContractStep::Waiting {
-                    writable_from: wanted,
-                    older,
-                });
-            }
-            tx.set_writable_from(wanted, &migrated_by)?;
-            Ok(ContractStep::Applied {
-                writable_from: wanted,
-                stopped: older,
-            })
-        })
-    }
 }
 
 #[cfg(test)]

@@ -720,6 +720,36 @@ pub(crate) fn parameter_index(name: &str) -> Option<usize> {
     FINALIZE_PARAMETERS.iter().position(|p| *p == name)
 }
 
+/// What, besides an active delivery, keeps a FIFO lane's next reply waiting: the
+/// lane's failure policy, and whether its channel asks the platform about a part that
+/// may have been sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LaneHold {
+    /// Nothing: a reply set aside (dead letter, uncertain) lets the next one go
+    /// ([`LaneFailurePolicy::Skip`]).
+    Nothing,
+    /// A reply whose part is uncertain and its platform not asked yet: the chat waits
+    /// for the answer, and goes on once it is "hold" ([`LaneFailurePolicy::Skip`] on a
+    /// channel under [`ReplayPolicy::Ask`]).
+    Asking,
+    /// Every uncertain reply and every dead letter nobody acknowledged
+    /// ([`LaneFailurePolicy::Block`]).
+    Everything,
+}
+
+impl LaneHold {
+    /// What holds the lanes of `channel` under `rules`.
+    pub(crate) fn of(rules: &Rules, channel: &str) -> LaneHold {
+        match rules.lane_failure {
+            LaneFailurePolicy::Block => LaneHold::Everything,
+            LaneFailurePolicy::Skip if rules.channel(channel).replay == ReplayPolicy::Ask => {
+                LaneHold::Asking
+            }
+            LaneFailurePolicy::Skip => LaneHold::Nothing,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

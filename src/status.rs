@@ -1,11 +1,8 @@
 //! Chunk and delivery statuses, as stored and as shown.
 
 use std::fmt;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
-
-use crate::error::Error;
 
 macro_rules! status_enum {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal,)+ }) => {
@@ -27,25 +24,19 @@ macro_rules! status_enum {
                     $($name::$variant => $text,)+
                 }
             }
+
+            /// The status `as_str` gives this word, if any.
+            pub(crate) fn from_word(word: &str) -> Option<Self> {
+                match word {
+                    $($text => Some($name::$variant),)+
+                    _ => None,
+                }
+            }
         }
 
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(self.as_str())
-            }
-        }
-
-        impl FromStr for $name {
-            type Err = Error;
-
-            fn from_str(s: &str) -> Result<Self, Error> {
-                match s {
-                    $($text => Ok($name::$variant),)+
-                    other => Err(Error::invalid(
-                        stringify!($name),
-                        format!("unknown status {other:?}"),
-                    )),
-                }
             }
         }
     };

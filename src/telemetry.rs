@@ -31,25 +31,22 @@ mod on {
             .increment(1);
     }
 
-    /// The send's duration — claims are made right before their send, so claim to
-    /// record is the send — and, for a finalized reply, its enqueue-to-finalization
+    /// The send's duration (a claim's lease ends `options.lease` after its claim) —
+    /// claims are made right before their send, so claim to record is the send — and, for a finalized reply, its enqueue-to-finalization
     /// latency. Computed only here, so a build without the feature reads no clock.
     pub(crate) fn timings(
         options: &crate::options::OutboxOptions,
-        claim: &crate::claim::Claim,
+        channel: &str,
+        lease_until: chrono::DateTime<chrono::Utc>,
+        delivery: &crate::ids::DeliveryId,
         finalized: bool,
     ) {
         let now = options.now_ms();
-        let claimed_at =
-            claim.lease_until.timestamp_millis() - crate::clock::duration_ms(options.lease);
-        seconds(
-            "outbox_send_duration_seconds",
-            &claim.channel,
-            now - claimed_at,
-        );
+        let claimed_at = lease_until.timestamp_millis() - crate::clock::duration_ms(options.lease);
+        seconds("outbox_send_duration_seconds", channel, now - claimed_at);
         if finalized {
-            let latency = now - claim.delivery_id.created_ms();
-            seconds("outbox_reply_latency_seconds", &claim.channel, latency);
+            let latency = now - delivery.created_ms();
+            seconds("outbox_reply_latency_seconds", channel, latency);
         }
     }
 
@@ -66,7 +63,14 @@ mod on {
     pub(crate) fn chunk_state(_: &'static str, _: &str) {}
     pub(crate) fn events(_: &'static str, _: u64) {}
     pub(crate) fn settled(_: &str, _: &'static str) {}
-    pub(crate) fn timings(_: &crate::options::OutboxOptions, _: &crate::claim::Claim, _: bool) {}
+    pub(crate) fn timings(
+        _: &crate::options::OutboxOptions,
+        _: &str,
+        _: chrono::DateTime<chrono::Utc>,
+        _: &crate::ids::DeliveryId,
+        _: bool,
+    ) {
+    }
 }
 
 pub(crate) use on::*;

@@ -805,7 +805,13 @@ impl Core {
         let c = &self.counters;
         let channel = claim.channel.as_str();
         telemetry::outcome(channel, kind);
-        telemetry::timings(self.outbox.options(), claim, recorded.finalized);
+        telemetry::timings(
+            self.outbox.options(),
+            channel,
+            claim.lease_until,
+            &claim.delivery_id,
+            recorded.finalized,
+        );
         match recorded.status {
             ChunkStatus::Delivered => {
                 bump(&c.delivered);

@@ -14,7 +14,9 @@
 //! serenity client and maps that library's error types (module `serenity`).
 
 #[cfg(feature = "serenity")]
-pub use crate::adapters::serenity::{self, DiscordAdapter};
+pub mod serenity;
+#[cfg(feature = "serenity")]
+pub use serenity::DiscordAdapter;
 
 use std::time::Duration;
 

@@ -213,6 +213,19 @@ fn delivered(reply: &HttpReply<'_>, id: &Value, field: &str) -> Outcome {
     }
 }
 
+/// The adapter's options in a claim's metadata (JSON; unknown fields are ignored), or
+/// the defaults when the delivery has none.
+#[cfg(any(feature = "teloxide", feature = "serenity", feature = "slack-morphism"))]
+pub(crate) fn adapter_options<T: serde::de::DeserializeOwned + Default>(
+    claim: &crate::claim::Claim,
+) -> Result<T, String> {
+    match &claim.metadata {
+        None => Ok(T::default()),
+        Some(metadata) => serde_json::from_str(metadata)
+            .map_err(|e| format!("metadata is not the adapter's JSON: {e}")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,7 +9,9 @@
 //! slack-morphism client and maps that library's error types (module `slack_morphism`).
 
 #[cfg(feature = "slack-morphism")]
-pub use crate::adapters::slack_morphism::{self, SlackAdapter};
+pub mod slack_morphism;
+#[cfg(feature = "slack-morphism")]
+pub use slack_morphism::SlackAdapter;
 
 use super::{HttpReply, Scope, delivered, rate_limited};
 use crate::outcome::Outcome;

@@ -8,7 +8,9 @@
 //! teloxide client and maps that library's error types (module `teloxide`).
 
 #[cfg(feature = "teloxide")]
-pub use crate::adapters::teloxide::{self, TelegramAdapter};
+pub mod teloxide;
+#[cfg(feature = "teloxide")]
+pub use teloxide::TelegramAdapter;
 
 use serde_json::Value;
 

@@ -299,6 +299,15 @@ pub(crate) fn pool_upkeep() -> Arc<scheduled_thread_pool::ScheduledThreadPool> {
         .clone()
 }
 
+/// The pool's own failure (no connection free within its timeout, say), on either store.
+impl From<r2d2::Error> for Error {
+    fn from(err: r2d2::Error) -> Self {
+        Error::Pool {
+            message: err.to_string(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -26,7 +26,7 @@
 // delivered"), not a statement: a backend answers each one its own way, with its own
 // keys and plans. The contract of each primitive — what it returns, what it changes,
 // what it must keep — is written on it and checked primitive by primitive in
-// `conformance`, for every store.
+// `src/contracts/`, for every store.
 //
 // **Locks are part of the rules.** Where a rule reads, decides and writes (the head of
 // a lane, a channel's rate slot, a caller key, the rules themselves), it first calls a
@@ -40,12 +40,10 @@
 // all of them: the rules take `&dyn StoreTx`.
 
 use crate::error::{Error, Result};
-use crate::inspect::{CorruptRow, DeliveryView, ListFilter};
 use crate::rules::{ChannelPolicy, FileRules, Rules, Stored};
 use crate::status::{ChunkStatus, DeliveryStatus};
+use crate::views::{CorruptRow, DeliveryView, ListFilter};
 
-#[cfg(test)]
-mod conformance;
 pub(crate) mod connections;
 #[cfg(feature = "postgres")]
 pub mod postgres;
@@ -572,7 +570,7 @@ pub(crate) trait LaneStore {
     /// ([`LaneFailurePolicy::Block`](crate::rules::LaneFailurePolicy::Block)) an
     /// uncertain one or a dead letter nobody acknowledged; without, an uncertain one
     /// whose platform nobody has asked about its part yet
-    /// ([`LaneHold::Asking`](crate::lane::LaneHold::Asking)).
+    /// ([`LaneHold::Asking`](crate::rules::LaneHold::Asking)).
     fn lane_held(&self, lane: LaneRef<'_>, block: bool) -> Result<Option<i64>>;
     /// [`lane_head`](Self::lane_head) of each lane, in one go where the store can.
     fn lane_heads(&self, lanes: &[LaneRef<'_>]) -> Result<Vec<Option<HeadRow>>> {
@@ -593,12 +591,12 @@ pub(crate) trait LaneStore {
     /// (the default) leaves it to the rules, which compose it from
     /// [`lane_heads`](Self::lane_heads), [`lane_held`](Self::lane_held) and
     /// [`activate_many`](Self::activate_many); one that does leaves the rows they would
-    /// leave (the conformance contract
+    /// leave (the contract
     /// `advancing_lanes_in_one_go_leaves_what_the_rules_leave`).
     fn advance_lanes(
         &self,
         _lanes: &[LaneRef<'_>],
-        _holds: &[crate::lane::LaneHold],
+        _holds: &[crate::rules::LaneHold],
         _earliest: i64,
     ) -> Result<bool> {
         Ok(false)
@@ -995,7 +993,7 @@ pub(crate) struct HealthRows {
     pub deliveries: Vec<DeliveryGroup>,
     pub chunks: Vec<ChunkGroup>,
     /// Read from a standby: how far behind it is.
-    pub replica: Option<crate::health::Replica>,
+    pub replica: Option<crate::views::Replica>,
 }
 
 /// The reads of monitoring and inspection: coarse, so each store answers them with its
@@ -1128,7 +1126,7 @@ pub(crate) trait StoreTx:
     /// The dead letters noted so far, taken.
     fn take_dead_letters(&self) -> Vec<(i64, String)>;
     /// Every row of the outbox's own tables, each as text, sorted: what two ways of
-    /// writing the same thing must both leave (the conformance suite compares them).
+    /// writing the same thing must both leave (the contract suite, `src/contracts/`, compares them).
     #[cfg(test)]
     fn table_rows(&self) -> Result<Vec<String>>;
     /// Stages `d` at `now` as an application's own transaction does (see
@@ -1219,7 +1217,7 @@ pub(crate) fn list_deliveries(
 }
 
 /// Each batched primitive composed of the one-at-a-time ones: what a store that has no
-/// version of its own does, and what the conformance suite compares a store's own
+/// version of its own does, and what the contract suite compares a store's own
 /// version with (the same rows must result).
 pub(crate) mod composed {
     use super::*;

@@ -93,7 +93,7 @@ pub(crate) fn returned(parts: Parts) -> Result<Returned> {
             sender,
             text,
             metadata,
-            status: super::status_of(&status)?,
+            status: super::tx::status_of(&status)?,
             chunks: chunks.unwrap_or_default().into_iter().map(Some).collect(),
         }),
         _ => None,

@@ -6,7 +6,8 @@ use crate::store::pg_param;
 use postgres::Row;
 
 use super::chunk_id;
-use super::{PgTx, chunk_key, chunk_status, count, owned};
+use super::pipeline::owned;
+use super::tx::{PgTx, chunk_key, chunk_status, count};
 use crate::error::Result;
 use crate::ids::DeliveryId;
 use crate::status::{ChunkStatus, DeliveryStatus};

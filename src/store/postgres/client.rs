@@ -123,9 +123,9 @@ impl Client {
             runtime
                 .block_on(config.connect(NoTls))
                 .map_err(|e| crate::Error::Connection {
-                    target: super::describe(config),
+                    target: describe(config),
                     // What the OS or the server said, not only "error connecting".
-                    message: super::with_causes(&e),
+                    message: with_causes(&e),
                 })?;
         Ok(Client {
             runtime,
@@ -232,6 +232,83 @@ impl Drop for Client {
             .runtime
             .block_on(std::future::poll_fn(|cx| connection.as_mut().poll(cx)));
     }
+}
+
+/// Column `i` of the last row a simple query answered, if it has one and it is not
+/// NULL.
+pub(crate) fn simple_column(answer: &[postgres::SimpleQueryMessage], i: usize) -> Option<&str> {
+    answer
+        .iter()
+        .rev()
+        .find_map(|m| match m {
+            postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        })
+        .and_then(|row| row.try_get(i).ok().flatten())
+}
+
+/// Hosts, ports and database of a connection string, never its password:
+/// `postgres://db.internal:5432/chat`, or for a Unix socket
+/// `postgres:///chat?host=/run/postgresql&port=5432`; with several hosts, each of them
+/// (`postgres://a:5432,b:5432/chat`, or `host=/a,/b port=5432,5432 dbname=chat` when a
+/// socket is among them).
+pub(crate) fn describe(config: &tokio_postgres::Config) -> String {
+    use postgres::config::Host;
+    let ports = config.get_ports();
+    let port = |i: usize| ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+    let db = config.get_dbname().unwrap_or("");
+    match config.get_hosts() {
+        [] => format!("postgres://localhost:{}/{db}", port(0)),
+        #[cfg(unix)]
+        [Host::Unix(path)] => format!("postgres:///{db}?host={}&port={}", path.display(), port(0)),
+        hosts if hosts.iter().all(|h| matches!(h, Host::Tcp(_))) => {
+            let each: Vec<String> = hosts
+                .iter()
+                .enumerate()
+                .map(|(i, h)| match h {
+                    Host::Tcp(name) => format!("{name}:{}", port(i)),
+                    #[cfg(unix)]
+                    Host::Unix(_) => unreachable!("only TCP hosts here"),
+                })
+                .collect();
+            format!("postgres://{}/{db}", each.join(","))
+        }
+        hosts => {
+            let (names, ports): (Vec<String>, Vec<String>) = hosts
+                .iter()
+                .enumerate()
+                .map(|(i, h)| {
+                    let name = match h {
+                        Host::Tcp(name) => name.clone(),
+                        #[cfg(unix)]
+                        Host::Unix(path) => path.display().to_string(),
+                    };
+                    (name, port(i).to_string())
+                })
+                .unzip();
+            format!(
+                "host={} port={} dbname={db}",
+                names.join(","),
+                ports.join(",")
+            )
+        }
+    }
+}
+
+/// An error with every cause it carries ("error connecting to server: Connection
+/// refused (os error 111)"), not only its first line.
+pub(crate) fn with_causes(err: &dyn std::error::Error) -> String {
+    let mut message = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        source = cause.source();
+    }
+    message
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! New deliveries and finalization on PostgreSQL.
 
+use super::pipeline::owned;
 use super::statement::{self, Value};
-use super::{PgTx, delivery_status, owned};
+use super::tx::{PgTx, delivery_status};
 use crate::clock::to_datetime;
 use crate::error::{Error, Result};
 use crate::reply::NewDelivery;

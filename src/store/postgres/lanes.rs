@@ -2,9 +2,10 @@
 //! the head of a lane read under that lock is the head as committed; each statement
 //! sees what was committed before it began (READ COMMITTED).
 
-use super::{PgTx, owned};
+use super::pipeline::owned;
+use super::tx::PgTx;
 use crate::error::Result;
-use crate::lane::LaneHold;
+use crate::rules::LaneHold;
 use crate::store::pg_param;
 use crate::store::{Activation, DeliveryLane, HeadRow, LaneRef, LaneStore, Waiting};
 
@@ -167,7 +168,7 @@ pub(crate) const ACTIVATE_MANY_SQL: &str = activate_sql!(
                           $5::text[], $6::text[]) AS u(id, head, earliest, ch, chat, status)"
 );
 
-/// [`lane::advance_lanes`](crate::lane::advance_lanes) of lanes `$1`, `$2` from
+/// What the rules' `advance_lanes` (`src/lane.rs`) does to lanes `$1`, `$2` from
 /// `$3` (`$4`: whether anything holds each lane, `$5`: whether everything does, under
 /// `LaneFailurePolicy::Block`) in one statement: the head of each lane as
 /// [`head_sql!`] reads it; a queued one, unless the lane is held (as [`HELD_SQL`]

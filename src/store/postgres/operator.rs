@@ -1,7 +1,7 @@
 //! Operator actions and retention on PostgreSQL.
 
 use super::chunks::{chunk_ref, chunk_ref_where};
-use super::{PgTx, chunk_status, count, delivery_status};
+use super::tx::{PgTx, chunk_key, chunk_status, count, delivery_status};
 use crate::error::Result;
 use crate::store::pg_param;
 use crate::store::{
@@ -73,7 +73,7 @@ impl OperatorStore for PgTx<'_> {
         settlement: &str,
         resend_by: Option<i64>,
     ) -> Result<bool> {
-        let (delivery, index) = super::chunk_key(chunk);
+        let (delivery, index) = chunk_key(chunk);
         let changed = self.execute(
             "UPDATE outbound_delivery_chunks c SET settlement = $4, resend_by = $5
              FROM outbound_deliveries d
@@ -85,7 +85,7 @@ impl OperatorStore for PgTx<'_> {
     }
 
     fn append_settlement(&self, chunk: i64, text: &str) -> Result<()> {
-        let (delivery, index) = super::chunk_key(chunk);
+        let (delivery, index) = chunk_key(chunk);
         self.execute(
             "UPDATE outbound_delivery_chunks
              SET settlement = CASE WHEN settlement IS NULL THEN $3 ELSE settlement || '; ' || $3 END

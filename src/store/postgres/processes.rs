@@ -1,6 +1,6 @@
 //! The processes that write the schema, on PostgreSQL.
 
-use super::PgTx;
+use super::tx::PgTx;
 use crate::error::Result;
 use crate::store::{ProcessRow, ProcessStore, pg_param};
 

@@ -7,16 +7,16 @@ use postgres::Row;
 use postgres::types::ToSql;
 
 use super::chunk_id;
-use super::{PgTx, chunk_status, count, delivery_status};
+use super::tx::{PgTx, chunk_status, count, delivery_status};
 use crate::clock::to_datetime;
 use crate::error::Result;
 use crate::ids::{ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
-use crate::inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::{
     ActivityRow, ChunkGroup, DeliveryGroup, HealthRows, ListFrom, ReadStore, StatsRow,
     list_deliveries,
 };
+use crate::views::{ChunkView, CorruptRow, DeliveryView, ListFilter};
 
 /// Each channel's counters, summed over its rows (see `V3__sharded_stats.sql`).
 pub(crate) const STATS_SQL: &str = "SELECT channel, sum(delivered)::bigint, max(last_delivered_at),
@@ -116,7 +116,7 @@ const CHUNKS_SQL: &str = concat!(
 );
 
 /// Whether the server is a standby, and then how far behind its primary it is (see
-/// [`crate::health::Replica`]).
+/// [`crate::views::Replica`]).
 const REPLICA_SQL: &str = "SELECT pg_is_in_recovery(),
             (extract(epoch FROM clock_timestamp() - pg_last_xact_replay_timestamp())
                  * 1000)::int8,
@@ -270,7 +270,7 @@ impl PgTx<'_> {
         let mut rows = HealthRows::default();
         let server = self.query_one(REPLICA_SQL, &[])?;
         if server.try_get(0)? {
-            rows.replica = Some(crate::health::Replica {
+            rows.replica = Some(crate::views::Replica {
                 replay_lag_ms: server
                     .try_get::<_, Option<i64>>(1)?
                     .map(|ms| ms.max(0) as u64),

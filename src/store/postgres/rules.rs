@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use super::PgTx;
+use super::tx::PgTx;
 use crate::error::Result;
 use crate::rules::{self, ChannelPolicy, FileColumns, FileRules, Rules, Stored};
 use crate::store::RuleStore;

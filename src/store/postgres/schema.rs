@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 
-use super::PgConn;
+use super::pool::PgConn;
 
 mod embedded {
     refinery::embed_migrations!("migrations/postgres");

@@ -5,13 +5,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use super::begin::Begin;
+use super::pool::PgStore;
+use super::tx::PgTx;
+use super::{runtime, schema};
 use crate::clock::ServerTime;
 use crate::error::{Error, Result};
 use crate::options::OutboxOptions;
 use crate::store::StoreTx;
 use crate::store::connections::{Capabilities, ChangeWatch, Store, Wakeups, Write};
 use crate::store::postgres::listen::{self, ListenState, RESYNC};
-use crate::store::postgres::{Begin, PgStore, PgTx, runtime, schema};
 
 impl PgStore {
     /// Connects to the outbox at `url` (see [`Outbox::connect`](crate::Outbox::connect)),

@@ -9,7 +9,8 @@ use std::error::Error as StdError;
 use bytes::BytesMut;
 use postgres::types::{IsNull, ToSql, Type, to_sql_checked};
 
-use super::{PgTx, message};
+use super::tx::PgTx;
+use crate::error::server_message as message;
 use crate::error::{Error, Result};
 use crate::rules::parameter_index;
 use crate::store::StatementShape;

@@ -3,32 +3,12 @@
 use crate::store::sqlite_param;
 use rusqlite::{OptionalExtension, Row, params};
 
+use super::chunks_of_delivery;
 use super::dead::Table;
 use super::tx::Tx;
 use crate::error::Result;
 use crate::status::{ChunkStatus, DeliveryStatus};
 use crate::store::{ChunkRef, ChunkStore};
-
-/// SQL condition: chunk row `c` belongs to delivery row `d` (a range of the chunk
-/// table's primary key: a chunk's id is `delivery row * CHUNK_STRIDE + index`).
-macro_rules! chunks_of_delivery {
-    ($c:literal, $d:literal) => {
-        concat!(
-            $c,
-            ".id BETWEEN ",
-            $d,
-            " * ",
-            $crate::store::chunk_stride!(),
-            " AND ",
-            $d,
-            " * ",
-            $crate::store::chunk_stride!(),
-            " + ",
-            $crate::store::chunk_stride!(last index)
-        )
-    };
-}
-pub(crate) use chunks_of_delivery;
 
 /// The one place the chunk row a queued reply does not have yet is supplied: a reply
 /// sent as one chunk of its whole text stores that row at its activation (see
@@ -41,7 +21,7 @@ macro_rules! chunks_supplied {
     ($d:literal) => {
         concat!(
             " LEFT JOIN outbound_delivery_chunks c ON ",
-            $crate::store::sqlite::chunks::chunks_of_delivery!("c", $d),
+            $crate::store::sqlite::chunks_of_delivery!("c", $d),
             " "
         )
     };
@@ -77,7 +57,7 @@ macro_rules! chunk_ref_where {
                     d.channel, d.chat_id, d.created_at, d.chunk_count
              FROM outbound_delivery_chunks c JOIN outbound_deliveries d
                   ON d.id = c.delivery_id AND ",
-            $crate::store::sqlite::chunks::chunks_of_delivery!("c", "d.id"),
+            $crate::store::sqlite::chunks_of_delivery!("c", "d.id"),
             " WHERE ",
             $condition
         )
@@ -336,6 +316,7 @@ impl ChunkStore for Tx<'_> {
 #[cfg(test)]
 mod tests {
     use crate::ids::CHUNK_STRIDE;
+    use crate::store::sqlite::chunks_of_delivery;
 
     #[test]
     fn the_sql_range_uses_the_chunk_stride() {

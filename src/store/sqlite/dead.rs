@@ -14,7 +14,7 @@
 use rusqlite::params;
 use rusqlite::types::{ToSqlOutput, ValueRef};
 
-use super::chunks::chunks_of_delivery;
+use super::chunks_of_delivery;
 use super::tx::Tx;
 use crate::error::Result;
 use crate::ids::CHUNK_STRIDE;

@@ -5,7 +5,7 @@ use crate::store::sqlite_param;
 use rusqlite::types::Value;
 use rusqlite::{Connection, params};
 
-use super::chunks::chunks_of_delivery;
+use super::chunks_of_delivery;
 use super::dead::Table;
 use super::schema::sqlite_message;
 use super::tx::Tx;

@@ -23,6 +23,7 @@ pub(crate) mod claims;
 pub(crate) mod connection;
 pub(crate) mod dead;
 pub(crate) mod deliveries;
+mod error;
 pub(crate) mod file;
 pub(crate) mod finalize;
 pub(crate) mod lanes;
@@ -47,3 +48,24 @@ macro_rules! status_from_sql {
     )*};
 }
 status_from_sql!(crate::status::ChunkStatus, crate::status::DeliveryStatus);
+
+/// SQL condition: chunk row `c` belongs to delivery row `d` (a range of the chunk
+/// table's primary key: a chunk's id is `delivery row * CHUNK_STRIDE + index`).
+macro_rules! chunks_of_delivery {
+    ($c:literal, $d:literal) => {
+        concat!(
+            $c,
+            ".id BETWEEN ",
+            $d,
+            " * ",
+            $crate::store::chunk_stride!(),
+            " AND ",
+            $d,
+            " * ",
+            $crate::store::chunk_stride!(),
+            " + ",
+            $crate::store::chunk_stride!(last index)
+        )
+    };
+}
+pub(crate) use chunks_of_delivery;

@@ -3,7 +3,8 @@
 use crate::store::sqlite_param;
 use rusqlite::{OptionalExtension, params};
 
-use super::chunks::{DELETE_CHUNKS_SQL, chunk_ref, chunk_ref_where, chunks_of_delivery};
+use super::chunks::{DELETE_CHUNKS_SQL, chunk_ref, chunk_ref_where};
+use super::chunks_of_delivery;
 use super::tx::Tx;
 use crate::error::Result;
 use crate::store::{ChunkProgress, ChunkRef, DeliveryState, OperatorStore, Unasked};

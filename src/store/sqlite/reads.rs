@@ -8,12 +8,12 @@ use super::tx::Tx;
 use crate::clock::to_datetime;
 use crate::error::Result;
 use crate::ids::{CHUNK_STRIDE, ChunkId, ClaimantId, DeliveryId, chunk_idempotency_key};
-use crate::inspect::{ChunkView, CorruptRow, DeliveryView, ListFilter};
 use crate::status::ChunkStatus;
 use crate::store::{
     ActivityRow, ChunkGroup, DeliveryGroup, HealthRows, ListFrom, ReadStore, StatsRow,
     list_deliveries,
 };
+use crate::views::{ChunkView, CorruptRow, DeliveryView, ListFilter};
 
 /// Counted per channel and delivery status, over the unfinished deliveries in flight or
 /// waiting for a person; the dead letters are counted by [`DEAD_LETTER_COUNTS_SQL`].

@@ -94,7 +94,7 @@ impl SendOptions {
     /// A message naming what could not be read; the adapter records it as a permanent
     /// failure (the same metadata fails on every attempt).
     pub fn from_claim(claim: &Claim) -> Result<SendOptions, String> {
-        let options: SendOptions = super::options_from(claim)?;
+        let options: SendOptions = crate::platforms::adapter_options(claim)?;
         if let Some(mode) = &options.parse_mode
             && !matches!(mode.as_str(), "HTML" | "MarkdownV2" | "Markdown")
         {

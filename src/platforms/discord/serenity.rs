@@ -30,7 +30,7 @@
 //! that is a new message. Under [`ReplayPolicy::Ask`](crate::rules::ReplayPolicy::Ask)
 //! the adapter's [`settle`](AsyncChannelAdapter::settle) says a possibly-sent part may
 //! be sent again while its first send is less than the nonce window ago
-//! ([`NONCE_WINDOW`](crate::platforms::discord::NONCE_WINDOW), 2 minutes; see
+//! ([`NONCE_WINDOW`], 2 minutes; see
 //! [`DiscordAdapter::with_nonce_window`]) and holds it for a person after.
 //! (`ReplayPolicy::Replay` resends whenever the retry schedule says, window or not.)
 //!
@@ -109,7 +109,7 @@ impl SendOptions {
     /// A message naming what could not be read; the adapter records it as a permanent
     /// failure (the same metadata fails on every attempt).
     pub fn from_claim(claim: &Claim) -> Result<SendOptions, String> {
-        super::options_from(claim)
+        crate::platforms::adapter_options(claim)
     }
 }
 

@@ -359,7 +359,7 @@ impl SendOptions {
     /// A message naming what could not be read; the adapter records it as a permanent
     /// failure (the same metadata fails on every attempt).
     pub fn from_claim(claim: &Claim) -> Result<SendOptions, String> {
-        super::options_from(claim)
+        crate::platforms::adapter_options(claim)
     }
 }
 

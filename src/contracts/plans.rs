@@ -1,27 +1,29 @@
-//! Plan tests: the store's statements read what they are about through an index —
+//! Plan tests of the PostgreSQL store: its statements read what they are about through an index —
 //! never a sequential scan, or a scan of a whole index, of the deliveries, chunks,
 //! history or lanes — beside a
 //! history of delivered rows, with fresh planner statistics and with stale ones (the
 //! history added after the last ANALYZE, autovacuum off), in the generic plan a
 //! prepared statement settles on.
 
-use super::chunks::{
-    CLAIM_SQL, CLAIMED_MANY_SQL, CLAIMED_SQL, DUE_IN_CHANNELS_SQL, EXPIRED_SQL, LOAD_CHUNK_SQL,
-    MARK_SENDING_MANY_SQL, NEXT_DUE_SQL,
-};
-use super::deliveries::{FINALIZE_DELIVERED_SQL, HISTORY_SQL, INSERT_SQL, SWEEP_SQL};
-use super::lanes::{
-    ACTIVATE_MANY_SQL, ADVANCE_SQL, ENTER_SQL, HEAD_SQL, HEADS_SQL, HELD_SQL, PAUSE_DUE_SQL,
-    QUEUED_ALL_SQL,
-};
-use super::operator::{DEAD_LETTER_CHUNKS_SQL, UNASKED_SQL};
-use super::reads::{
-    ACTIVITY_MINUTES_SQL, DEAD_LETTER_COUNTS_SQL, OPEN_CHUNKS_SQL, OPEN_DELIVERIES_SQL,
-};
-use super::{LOCK_LANES, TRY_LOCK_LANES};
 use crate::options::OutboxOptions;
 use crate::outbox::Outbox;
 use crate::reply::NewDelivery;
+use crate::store::postgres::chunks::{
+    CLAIM_SQL, CLAIMED_MANY_SQL, CLAIMED_SQL, DUE_IN_CHANNELS_SQL, EXPIRED_SQL, LOAD_CHUNK_SQL,
+    MARK_SENDING_MANY_SQL, NEXT_DUE_SQL,
+};
+use crate::store::postgres::deliveries::{
+    FINALIZE_DELIVERED_SQL, HISTORY_SQL, INSERT_SQL, SWEEP_SQL,
+};
+use crate::store::postgres::lanes::{
+    ACTIVATE_MANY_SQL, ADVANCE_SQL, ENTER_SQL, HEAD_SQL, HEADS_SQL, HELD_SQL, PAUSE_DUE_SQL,
+    QUEUED_ALL_SQL,
+};
+use crate::store::postgres::locks::{LOCK_LANES, TRY_LOCK_LANES};
+use crate::store::postgres::operator::{DEAD_LETTER_CHUNKS_SQL, UNASKED_SQL};
+use crate::store::postgres::reads::{
+    ACTIVITY_MINUTES_SQL, DEAD_LETTER_COUNTS_SQL, OPEN_CHUNKS_SQL, OPEN_DELIVERIES_SQL,
+};
 
 use crate::store::test_server as server;
 
