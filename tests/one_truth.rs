@@ -150,7 +150,12 @@ fn opener_process() {
 fn opening_and_dropping_outboxes_leaves_no_threads_behind() {
     let dir = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "thread_counting_process", "--nocapture"])
+        .args([
+            "--ignored",
+            "--exact",
+            "thread_counting_process",
+            "--nocapture",
+        ])
         .env("CHUNKED_OUTBOX_COUNT_THREADS", dir.path().join("outbox.db"))
         .output()
         .unwrap();
