@@ -1,7 +1,7 @@
 //! The [`Outbox`] handle: the rules' way into its store, and what every clone shares.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -54,6 +54,9 @@ struct Inner {
     /// This process's row in the registry of processes, renewed by a heartbeat while
     /// the handle lives (a writing handle on a file or a server only).
     registration: Mutex<Option<Registration>>,
+    /// The registry's heartbeats so far: commits of this handle that make nothing due,
+    /// which a dispatcher's watcher does not take for a sign of activity.
+    heartbeats: AtomicU64,
 }
 
 impl Drop for Inner {
@@ -114,6 +117,7 @@ impl Outbox {
                 claims: AtomicU32::new(0),
                 stored: Mutex::new(Arc::new(stored)),
                 registration: Mutex::new(None),
+                heartbeats: AtomicU64::new(0),
             }),
         };
         if !read_only {
@@ -148,7 +152,9 @@ impl Outbox {
                 ..row.clone()
             };
             let gone_before = now - 10 * registry::PROCESS_LEASE.as_millis() as i64;
-            outbox.write(|tx, _| tx.note_process(&row, gone_before))
+            let noted = outbox.write(|tx, _| tx.note_process(&row, gone_before));
+            inner.heartbeats.fetch_add(1, Ordering::SeqCst);
+            noted
         };
         if let Err(e) = beat(&self.inner) {
             tracing::warn!(error = %e, "outbox: this process could not register itself");
@@ -163,6 +169,12 @@ impl Outbox {
             .registration
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(heartbeat);
+    }
+
+    /// How many heartbeats of the registry this handle has written (see
+    /// [`dispatch::watch_others`](crate::dispatch)).
+    pub(crate) fn heartbeats(&self) -> u64 {
+        self.inner.heartbeats.load(Ordering::SeqCst)
     }
 
     /// The processes writing the outbox now (seen within [`registry::PROCESS_LEASE`]),

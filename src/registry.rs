@@ -19,10 +19,10 @@ use crate::error::Result;
 use crate::store::{ProcessRow, release};
 
 /// How often a running handle renews its row.
-pub const PROCESS_HEARTBEAT: Duration = Duration::from_secs(15);
+pub const PROCESS_HEARTBEAT: Duration = Duration::from_secs(30);
 /// How long a row counts after its last renewal: a process not seen for this long is
 /// taken to be gone.
-pub const PROCESS_LEASE: Duration = Duration::from_secs(60);
+pub const PROCESS_LEASE: Duration = Duration::from_secs(120);
 
 /// A process that writes the outbox, as it registered itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -129,12 +129,16 @@ impl Dispatcher {
         recorded
     }
 
-    /// Starts the worker threads and the thread that renews their leases.
+    /// Starts the worker threads, the thread that renews their leases, the one that
+    /// asks the platforms about uncertain parts and the one that watches for other
+    /// processes' commits.
     ///
     /// Each worker claims what it sends, sends it, and records the outcome together with
     /// its next claim; when nothing is due it sleeps until the next due time; an enqueue
     /// in this process wakes it at once, and a commit by another process within the poll
-    /// interval.
+    /// interval while commits come, within a second after a quiet spell (see
+    /// [`poll_interval`](DispatcherBuilder::poll_interval)). An idle dispatcher wakes
+    /// about once a second in all.
     ///
     /// # Errors
     ///
@@ -150,14 +154,15 @@ impl Dispatcher {
             workers: Vec::new(),
             keeper: None,
             settler: None,
+            watch: None,
             done,
         };
         let spawn_error = |source| crate::Error::Io {
             path: "dispatcher thread".into(),
             source,
         };
+        let watcher = self.shared.core.outbox.change_watcher()?;
         for n in 0..self.shared.core.settings.workers {
-            let watcher = self.shared.core.outbox.change_watcher()?;
             let (me, run) = (self.clone(), run.clone());
             let finished = Finished {
                 tx: finished.clone(),
@@ -168,7 +173,7 @@ impl Dispatcher {
                 .spawn(move || {
                     // Reports the worker's end, by returning or by panicking.
                     let _finished = finished;
-                    me.work(&run, watcher);
+                    me.work(&run);
                 })
                 .map_err(spawn_error)?;
             running.workers.push(thread);
@@ -186,18 +191,28 @@ impl Dispatcher {
             std::thread::Builder::new()
                 .name("outbox-settler".into())
                 .spawn(move || {
-                    super::every_while_live(&settler_run, interval, || {
-                        if !settler_run.stopping() {
-                            me.settle_once();
-                        }
+                    // Busy while a round asks something or the outbox is written.
+                    let notifier = me.shared.core.outbox.notifier();
+                    let mut seen = notifier.generation();
+                    super::settle_while_live(&settler_run, interval, || {
+                        let asked = !settler_run.stopping() && me.settle_once() > 0;
+                        let written = std::mem::replace(&mut seen, notifier.generation());
+                        asked || written != seen
                     })
                 })
+                .map_err(spawn_error)?,
+        );
+        let (me, watch_run) = (self.clone(), run.clone());
+        running.watch = Some(
+            std::thread::Builder::new()
+                .name("outbox-watch".into())
+                .spawn(move || super::watch_others(&me.shared.core, &watch_run, watcher))
                 .map_err(spawn_error)?,
         );
         Ok(running)
     }
 
-    fn work(&self, run: &Run, mut watcher: Box<dyn crate::store::connections::ChangeWatch>) {
+    fn work(&self, run: &Run) {
         let core = &self.shared.core;
         let notifier = core.outbox.notifier();
         let mut seen = notifier.generation();
@@ -236,15 +251,16 @@ impl Dispatcher {
                 continue;
             }
             // Idle: sleep until something of ours is due, an enqueue in this process,
-            // or a commit by another connection (seen by the watcher at each poll).
-            // Only those make it worth reading the next due time again.
+            // or a commit by another connection (which the run's watcher sees and
+            // wakes the workers for). Only those make it worth reading the next due
+            // time again.
             let mut next_due = core.next_due_in(run);
             while let Some(wait) = core.sleep_for(next_due) {
                 if run.stopping() {
                     break;
                 }
                 let now = notifier.wait(seen, wait);
-                if now != seen || watcher.changed().unwrap_or(true) {
+                if now != seen {
                     seen = now;
                     next_due = core.next_due_in(run);
                 }
@@ -525,6 +541,8 @@ pub struct RunningDispatcher {
     keeper: Option<JoinHandle<()>>,
     /// Asks the platforms about uncertain parts (see [`Dispatcher::settle_once`]).
     settler: Option<JoinHandle<()>>,
+    /// The run's look at other processes' commits (see `watch_others`).
+    watch: Option<JoinHandle<()>>,
     /// One message per worker that has ended: whether it panicked.
     done: mpsc::Receiver<bool>,
 }
@@ -584,6 +602,10 @@ impl RunningDispatcher {
         {
             // Woken as the keeper is; it returns once a question in progress is answered.
             let _ = settler.join();
+        }
+        if let Some(watch) = self.watch.take() {
+            // Woken by the stop; it returns at once (or after a look in progress).
+            let _ = watch.join();
         }
         if lost > 0 {
             warn!(workers = lost, "dispatcher workers ended by a panic");

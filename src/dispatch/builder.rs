@@ -52,12 +52,16 @@ impl<A: ?Sized> DispatcherBuilder<A> {
         self
     }
 
-    /// The longest an idle worker sleeps before checking for commits from other
-    /// processes (and so the bound on how late it notices them). Enqueues in this
-    /// process wake workers at once — except [`Outbox::enqueue_in`](crate::Outbox::enqueue_in),
-    /// whose reply exists only once the application commits its own transaction: call
+    /// How often the dispatcher looks for commits by other processes (and other
+    /// connections) while they come: one watcher looks for all the workers and wakes
+    /// them. While nothing changes it looks less and less often, doubling its wait, down
+    /// to once a second, so an idle dispatcher wakes about once a second, and a commit
+    /// after a quiet spell is noticed within a second. Enqueues in this process wake
+    /// workers at once — except [`Outbox::enqueue_in`](crate::Outbox::enqueue_in), whose
+    /// reply exists only once the application commits its own transaction: call
     /// [`Outbox::wake`](crate::Outbox::wake) after that commit, or the reply waits for
-    /// this interval. Default 50 ms.
+    /// the watcher's next look. On PostgreSQL with notifications on, other hosts'
+    /// commits wake the dispatcher as they come. Default 50 ms.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.settings.poll_interval = interval;
         self
@@ -67,7 +71,9 @@ impl<A: ?Sized> DispatcherBuilder<A> {
     /// channels whose stored replay policy is
     /// [`Ask`](crate::rules::ReplayPolicy::Ask) (see [`settle`](crate::settle)): each
     /// round asks about up to 16 parts of each such channel that nobody asked about yet.
-    /// Default 1 s.
+    /// While nothing is asked and nothing written, the rounds slow down, doubling, to
+    /// one every 30 intervals; a part this dispatcher records as uncertain is asked
+    /// about at once. Default 1 s.
     pub fn settle_interval(mut self, interval: Duration) -> Self {
         self.settings.settle_interval = interval;
         self

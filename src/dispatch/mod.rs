@@ -47,6 +47,7 @@ use crate::rules::ReplayPolicy;
 use crate::settle::{Decision, PossiblySent, Settlement};
 use crate::state::Recorded;
 use crate::status::ChunkStatus;
+use crate::store::connections::ChangeWatch;
 use crate::telemetry;
 
 #[cfg(feature = "tokio")]
@@ -372,8 +373,17 @@ pub(crate) struct Run {
     claim_turn: Mutex<()>,
     /// Workers still running; the keeper stops once none is left.
     live: AtomicUsize,
-    /// Wakes the keeper when the last worker ends.
+    /// Wakes the keeper, the settler and the watcher when the last worker ends (and
+    /// the keeper when a claim is held again, the settler when a part turned uncertain).
     keeper: (Mutex<()>, Condvar),
+    /// The keeper sleeps without a deadline, nothing being held: the next claim wakes
+    /// it (one wake-up per idle spell, not one per claim).
+    keeper_parked: AtomicBool,
+    /// Parts this run recorded as uncertain: a new one ends the settler's wait.
+    uncertain: AtomicU64,
+    /// The same for the async flavour's settler, a task.
+    #[cfg(feature = "tokio")]
+    pub(crate) settle_now: ::tokio::sync::Notify,
 }
 
 impl Run {
@@ -383,18 +393,42 @@ impl Run {
 
     pub(crate) fn stop(&self) {
         self.stopping.store(true, Ordering::SeqCst);
+        // The watcher returns at once rather than at its next look.
+        self.wake_keepers();
     }
 
     fn hold(&self, claims: &[Claim]) {
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        let mut suspects = self.suspects.lock().unwrap_or_else(|e| e.into_inner());
-        for c in claims {
-            let until = c.lease_until.timestamp_millis();
-            held.insert(c.chunk_id, (c.token, until, until));
-            if c.suspect {
-                suspects.insert(c.chunk_id);
+        {
+            let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+            let mut suspects = self.suspects.lock().unwrap_or_else(|e| e.into_inner());
+            for c in claims {
+                let until = c.lease_until.timestamp_millis();
+                held.insert(c.chunk_id, (c.token, until, until));
+                if c.suspect {
+                    suspects.insert(c.chunk_id);
+                }
             }
         }
+        // (After the claims are in: a keeper that parks after this finds them.)
+        if !claims.is_empty() && self.keeper_parked.swap(false, Ordering::SeqCst) {
+            self.wake_keepers();
+        }
+    }
+
+    /// Wakes the threads waiting on the run's condition (the keeper, the settler, the
+    /// watcher), under its lock so none misses it between its check and its wait.
+    fn wake_keepers(&self) {
+        let (lock, wake) = &self.keeper;
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        wake.notify_all();
+    }
+
+    /// Notes a part recorded as uncertain: the settler asks about it at once.
+    fn note_uncertain(&self) {
+        self.uncertain.fetch_add(1, Ordering::SeqCst);
+        self.wake_keepers();
+        #[cfg(feature = "tokio")]
+        self.settle_now.notify_one();
     }
 
     fn let_go(&self, chunk: ChunkId) {
@@ -460,11 +494,7 @@ pub(crate) struct WorkerGuard(Arc<Run>);
 impl Drop for WorkerGuard {
     fn drop(&mut self) {
         self.0.live.fetch_sub(1, Ordering::SeqCst);
-        // Under the keeper's lock, so the keeper cannot miss it between its check and
-        // its wait.
-        let (lock, wake) = &self.0.keeper;
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
-        wake.notify_all();
+        self.0.wake_keepers();
     }
 }
 
@@ -693,15 +723,15 @@ impl Core {
         }
     }
 
-    /// How long an idle worker may sleep: until `next_due`, at most the poll interval;
-    /// `None` when it is due now.
+    /// How long an idle worker may sleep: until `next_due`, at most [`IDLE_SLEEP`];
+    /// `None` when it is due now. What else wakes it is a write of this process and
+    /// the run's watcher ([`watch_others`]), which sees other processes' commits.
     pub(crate) fn sleep_for(&self, next_due: Option<i64>) -> Option<Duration> {
-        let poll = self.settings.poll_interval;
         let Some(due) = next_due else {
-            return Some(poll);
+            return Some(IDLE_SLEEP);
         };
         let left = due.saturating_sub(self.outbox.options().now_ms());
-        (left > 0).then(|| Duration::from_millis(left as u64).min(poll))
+        (left > 0).then(|| Duration::from_millis(left as u64).min(IDLE_SLEEP))
     }
 
     pub(crate) fn stats(&self) -> DispatchStats {
@@ -791,7 +821,12 @@ impl Core {
             let kind = outcome_kind(outcome);
             let _entered = Core::span(claim).entered();
             match result {
-                Ok(recorded) => self.count(claim, kind, &recorded),
+                Ok(recorded) => {
+                    self.count(claim, kind, &recorded);
+                    if recorded.status == ChunkStatus::Uncertain {
+                        run.note_uncertain();
+                    }
+                }
                 Err(e) => {
                     bump(&self.counters.errors);
                     telemetry::events("outbox_record_errors_total", 1);
@@ -1018,20 +1053,98 @@ impl Core {
 /// of its lease is left, until the run's last worker ended. Runs on a thread of its
 /// own in both flavours (it only does short database writes), so a busy worker — or
 /// an async runtime starved of threads — cannot keep it from renewing.
-/// Runs `round` every `interval` until the run's last worker has ended (woken by it, as
-/// the keeper is).
-pub(crate) fn every_while_live(run: &Run, interval: Duration, mut round: impl FnMut()) {
+/// Runs `round` until the run's last worker has ended (woken by it, as the keeper is):
+/// every `interval` while a round says it was busy, doubling the wait after each that
+/// was not up to [`SETTLE_BACKOFF`] times `interval`, and at once when the run records
+/// a part as uncertain.
+pub(crate) fn settle_while_live(run: &Run, interval: Duration, mut round: impl FnMut() -> bool) {
     let (lock, wake) = &run.keeper;
+    let mut wait = interval;
     loop {
         if run.live.load(Ordering::SeqCst) == 0 {
             return;
         }
-        round();
+        let uncertain = run.uncertain.load(Ordering::SeqCst);
+        wait = if round() {
+            interval
+        } else {
+            (wait * 2).min(interval * SETTLE_BACKOFF)
+        };
         let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = wake
-            .wait_timeout_while(guard, interval, |_| run.live.load(Ordering::SeqCst) > 0)
+        let (guard, timed_out) = wake
+            .wait_timeout_while(guard, wait, |_| {
+                run.live.load(Ordering::SeqCst) > 0
+                    && run.uncertain.load(Ordering::SeqCst) == uncertain
+            })
             .unwrap_or_else(|e| e.into_inner());
+        drop(guard);
+        if !timed_out.timed_out() {
+            wait = interval;
+        }
     }
+}
+
+/// How many times the settle interval an idle settler waits at most between rounds
+/// that find nothing to ask about.
+pub(crate) const SETTLE_BACKOFF: u32 = 30;
+
+/// The slowest the run's watcher looks for other processes' commits: every poll
+/// interval while anything changes, doubling its wait while nothing does, up to this.
+pub(crate) const IDLE_LOOK: Duration = Duration::from_secs(1);
+
+/// The longest an idle worker sleeps without being woken. What wakes it is its next due
+/// time, a write of this process and the run's watcher; this only bounds the cost of a
+/// wake-up the design missed.
+pub(crate) const IDLE_SLEEP: Duration = Duration::from_secs(30);
+
+/// The run's watcher: the one look at other processes' commits for all of its workers,
+/// which wait on the outbox's notifier. It looks every poll interval while commits come
+/// (its own process's included, read from the notifier's generation), backs off to
+/// [`IDLE_LOOK`] while none does (or to what `watcher` says it may wait, a healthy
+/// PostgreSQL listener's resync), and wakes the workers when it sees one.
+pub(crate) fn watch_others(core: &Core, run: &Run, mut watcher: Box<dyn ChangeWatch>) {
+    let poll = core.settings.poll_interval;
+    let notifier = core.outbox.notifier();
+    let mut seen = notifier.generation();
+    let mut beats = core.outbox.heartbeats();
+    let mut wait = poll;
+    let (lock, wake) = &run.keeper;
+    loop {
+        {
+            let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = wake
+                .wait_timeout_while(guard, wait, |_| {
+                    run.live.load(Ordering::SeqCst) > 0 && !run.stopping()
+                })
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        if run.live.load(Ordering::SeqCst) == 0 || run.stopping() {
+            return;
+        }
+        let ours = notifier.generation() != seen;
+        // The registry's heartbeat of this handle shows as a change too: the workers
+        // are woken (another process may have committed meanwhile), but the watcher
+        // goes on backing off.
+        let beat = std::mem::replace(&mut beats, core.outbox.heartbeats()) != beats;
+        let changed = watcher.changed().unwrap_or(true);
+        if changed {
+            notifier.notify();
+        }
+        wait = next_look(wait, poll, (changed && !beat) || ours, watcher.quiet_for());
+        seen = notifier.generation();
+    }
+}
+
+/// The watcher's next wait after one of `wait`: the poll interval after a change (its
+/// own process's writes count), else twice as long up to [`IDLE_LOOK`] (never below
+/// the poll interval), or as long as the store says nothing can change unseen.
+fn next_look(wait: Duration, poll: Duration, changed: bool, quiet: Option<Duration>) -> Duration {
+    if changed {
+        return poll;
+    }
+    (wait * 2)
+        .min(IDLE_LOOK.max(poll))
+        .max(quiet.unwrap_or_default())
 }
 
 /// An adapter's `settle` with its panic caught: a part the adapter panicked on is held
@@ -1053,9 +1166,28 @@ pub(crate) fn keep_leases(core: &Core, run: &Run) {
     loop {
         {
             let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
-            let _ = wake
-                .wait_timeout_while(guard, tick, |_| run.live.load(Ordering::SeqCst) > 0)
-                .unwrap_or_else(|e| e.into_inner());
+            // Nothing held: park until a claim is (`Run::hold` wakes it) or the run
+            // ends. Marked parked before the look, so a claim held meanwhile is seen.
+            run.keeper_parked.store(true, Ordering::SeqCst);
+            let idle = run
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty();
+            if idle {
+                drop(
+                    wake.wait_while(guard, |_| {
+                        run.live.load(Ordering::SeqCst) > 0
+                            && run.keeper_parked.load(Ordering::SeqCst)
+                    })
+                    .unwrap_or_else(|e| e.into_inner()),
+                );
+            } else {
+                run.keeper_parked.store(false, Ordering::SeqCst);
+                let _ = wake
+                    .wait_timeout_while(guard, tick, |_| run.live.load(Ordering::SeqCst) > 0)
+                    .unwrap_or_else(|e| e.into_inner());
+            }
         }
         if run.live.load(Ordering::SeqCst) == 0 {
             return;
@@ -1458,19 +1590,82 @@ mod tests {
         );
     }
 
+    /// With nothing held the keeper sleeps without a deadline; the first claim held
+    /// wakes it, and it renews that claim's lease.
     #[test]
-    fn an_idle_worker_sleeps_until_the_next_due_time_at_most_a_poll_interval() {
+    fn the_keeper_sleeps_while_nothing_is_held_and_wakes_for_a_claim() {
+        let (shared, clock) = setup(1);
+        let run = Arc::new(Run::default());
+        let live = run.enter();
+        let keeper = {
+            let (shared, run) = (shared.clone(), run.clone());
+            std::thread::spawn(move || keep_leases(&shared.core, &run))
+        };
+        // A bound on a hang, not a wait for time: the keeper parks at once.
+        let parked = |want: bool| {
+            let give_up = Instant::now() + Duration::from_secs(10);
+            while run.keeper_parked.load(Ordering::SeqCst) != want && Instant::now() < give_up {
+                std::thread::yield_now();
+            }
+            run.keeper_parked.load(Ordering::SeqCst) == want
+        };
+        assert!(parked(true), "nothing held: the keeper parks");
+        let claims = shared.core.step(&run, &mut Vec::new(), 1).unwrap();
+        assert_eq!(claims.len(), 1);
+        assert!(parked(false), "a claim held wakes it");
+        // Past half the lease on the outbox's clock: the keeper's next look renews it.
+        clock.advance(Duration::from_secs(25));
+        let give_up = Instant::now() + Duration::from_secs(10);
+        while shared.core.stats().renewed == 0 && Instant::now() < give_up {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(shared.core.stats().renewed, 1);
+        drop(live);
+        keeper.join().unwrap();
+    }
+
+    #[test]
+    fn the_watcher_looks_often_while_things_change_and_backs_off_while_nothing_does() {
+        let poll = Duration::from_millis(50);
+        let mut wait = poll;
+        let mut waits = Vec::new();
+        for _ in 0..7 {
+            wait = next_look(wait, poll, false, None);
+            waits.push(wait.as_millis());
+        }
+        assert_eq!(waits, [100, 200, 400, 800, 1000, 1000, 1000]);
+        assert_eq!(
+            next_look(wait, poll, true, None),
+            poll,
+            "a change: look again soon"
+        );
+        let resync = Duration::from_secs(7);
+        assert_eq!(
+            next_look(poll, poll, false, Some(resync)),
+            resync,
+            "a listener that hears every commit: look at the resync"
+        );
+        assert_eq!(next_look(resync, poll, true, Some(resync)), poll);
+        let slow = Duration::from_secs(3);
+        assert_eq!(
+            next_look(slow, slow, false, None),
+            slow,
+            "never below the poll interval"
+        );
+    }
+
+    #[test]
+    fn an_idle_worker_sleeps_until_the_next_due_time_at_most_the_idle_sleep() {
         let (shared, clock) = setup(0);
         let core = &shared.core;
-        let poll = core.settings.poll_interval;
         assert_eq!(core.next_due(), None, "nothing stored");
-        assert_eq!(core.sleep_for(None), Some(poll));
+        assert_eq!(core.sleep_for(None), Some(IDLE_SLEEP));
         let now = core.outbox.options().now_ms();
         assert_eq!(
             core.sleep_for(Some(now + 10)),
             Some(Duration::from_millis(10))
         );
-        assert_eq!(core.sleep_for(Some(now + 3_600_000)), Some(poll));
+        assert_eq!(core.sleep_for(Some(now + 3_600_000)), Some(IDLE_SLEEP));
         assert_eq!(core.sleep_for(Some(now)), None, "due now");
         assert_eq!(core.sleep_for(Some(now - 5)), None, "overdue");
 

@@ -5,7 +5,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
@@ -20,7 +20,7 @@ use crate::health::Health;
 use crate::outbox::Outbox;
 use crate::outcome::Outcome;
 use crate::settle::{PossiblySent, Settlement};
-use crate::store::connections::{ChangeWatch, on_blocking_pool};
+use crate::store::connections::on_blocking_pool;
 
 /// Claims admitted to be sent now, each with its adapter.
 type Admitted = Vec<(Claim, Arc<dyn AsyncChannelAdapter>)>;
@@ -343,12 +343,28 @@ impl AsyncDispatcher {
         recorded
     }
 
-    /// Asks the platforms every settle interval until the run stops.
+    /// Asks the platforms until the run stops: every settle interval while a round
+    /// finds something to ask about or the outbox is written, backing off to
+    /// `SETTLE_BACKOFF` intervals while neither, and at once when the run records a
+    /// part as uncertain.
     async fn settle_every(&self, run: &Run) {
         let interval = self.shared.core.settings.settle_interval;
+        let notifier = self.shared.core.outbox.notifier();
+        let mut seen = notifier.generation();
+        let mut wait = interval;
         while !run.stopping() {
-            self.settle_once().await;
-            tokio::time::sleep(interval).await;
+            let asked = self.settle_once().await > 0;
+            let written = std::mem::replace(&mut seen, notifier.generation());
+            // Busy while a round asks something or the outbox is written.
+            wait = if asked || written != seen {
+                interval
+            } else {
+                (wait * 2).min(interval * super::SETTLE_BACKOFF)
+            };
+            tokio::select! {
+                _ = run.settle_now.notified() => wait = interval,
+                _ = tokio::time::sleep(wait) => {}
+            }
         }
     }
 
@@ -366,27 +382,30 @@ impl AsyncDispatcher {
     pub fn start(&self) -> Result<RunningAsyncDispatcher> {
         let run = Arc::new(Run::default());
         let mut tasks = Vec::new();
-        let mut watchers = Vec::new();
-        for _ in 0..self.shared.core.settings.workers {
-            watchers.push(Arc::new(Mutex::new(
-                self.shared.core.outbox.change_watcher()?,
-            )));
-        }
-        let guards: Vec<_> = watchers.iter().map(|_| run.enter()).collect();
+        let watcher = self.shared.core.outbox.change_watcher()?;
+        let guards: Vec<_> = (0..self.shared.core.settings.workers)
+            .map(|_| run.enter())
+            .collect();
+        let spawn_error = |source| crate::Error::Io {
+            path: "dispatcher thread".into(),
+            source,
+        };
         let (me, keeper_run) = (self.clone(), run.clone());
         std::thread::Builder::new()
             .name("outbox-lease-keeper".into())
             .spawn(move || keep_leases(&me.shared.core, &keeper_run))
-            .map_err(|source| crate::Error::Io {
-                path: "dispatcher thread".into(),
-                source,
-            })?;
-        for (watcher, guard) in watchers.into_iter().zip(guards) {
+            .map_err(spawn_error)?;
+        let (me, watch_run) = (self.clone(), run.clone());
+        std::thread::Builder::new()
+            .name("outbox-watch".into())
+            .spawn(move || super::watch_others(&me.shared.core, &watch_run, watcher))
+            .map_err(spawn_error)?;
+        for guard in guards {
             let (me, run) = (self.clone(), run.clone());
             tasks.push(tokio::spawn(async move {
                 // Counts the worker out of its run however the task ends.
                 let _live = guard;
-                me.work(&run, watcher).await
+                me.work(&run).await
             }));
         }
         let (me, settler_run) = (self.clone(), run.clone());
@@ -416,7 +435,7 @@ impl AsyncDispatcher {
         Ok(running.shutdown(grace).await)
     }
 
-    async fn work(&self, run: &Arc<Run>, watcher: Arc<Mutex<Box<dyn ChangeWatch>>>) {
+    async fn work(&self, run: &Arc<Run>) {
         let core = &self.shared.core;
         let notifier = core.outbox.notifier();
         let mut seen = notifier.generation();
@@ -464,21 +483,14 @@ impl AsyncDispatcher {
                 let notified = notifier.async_changed.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
+                // A commit by another process wakes it through the notifier too (the
+                // run's watcher sees it).
                 let mut changed = notifier.generation() != seen;
                 if !changed {
                     tokio::select! {
                         _ = &mut notified => changed = true,
                         _ = tokio::time::sleep(wait) => {}
                     }
-                }
-                if !changed {
-                    let watcher = watcher.clone();
-                    changed = self
-                        .blocking(move |_| {
-                            let mut w = watcher.lock().unwrap_or_else(|e| e.into_inner());
-                            w.changed().unwrap_or(true)
-                        })
-                        .await;
                 }
                 if changed {
                     seen = notifier.generation();

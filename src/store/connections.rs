@@ -179,6 +179,13 @@ pub(crate) trait ChangeWatch: Send {
     /// Whether anything may have been committed since the last call that the
     /// dispatchers were not woken for.
     fn changed(&mut self) -> Result<bool>;
+
+    /// How long nothing can change unseen, as far as this watcher knows (a store whose
+    /// commits are announced, while it hears them): an idle dispatcher's watcher may wait
+    /// that long before it asks again. `None`: only asking tells.
+    fn quiet_for(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// A watcher of a database no other connection can write (in memory).

@@ -37,11 +37,16 @@ pub const APPLICATION_NAME: &str = "chunked-outbox listener";
 const STAGED: &str = "staged";
 
 /// How often an idle dispatcher reads the due times again while the listener is
-/// healthy.
-pub(crate) const RESYNC: Duration = Duration::from_secs(1);
+/// healthy (the watcher's only look then: see `dispatch::watch_others`).
+pub(crate) const RESYNC: Duration = Duration::from_secs(30);
 
-/// How long the listener waits for a notification before it checks its connection.
-const CHECK_EVERY: Duration = Duration::from_millis(250);
+/// How long the listener waits for a notification before it looks whether its handle
+/// was dropped: once a second, the one wake-up an idle listener makes.
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// How often a quiet listener asks the server whether its connection still works (a
+/// silent network never answers; TCP keepalives notice it too, within 25 s).
+const PROBE_EVERY: Duration = Duration::from_secs(30);
 
 /// The longest wait between two attempts to reconnect.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
@@ -156,6 +161,7 @@ fn subscribe(config: &postgres::Config) -> Result<postgres::Client, postgres::Er
 /// Wakes the handle's dispatchers for each notification until the connection fails or
 /// the handle is dropped.
 fn serve(client: &mut postgres::Client, wake: &Wake<'_>, state: &ListenState) {
+    let mut probed = Instant::now();
     loop {
         if state.stop.load(Ordering::Acquire) {
             return;
@@ -183,10 +189,18 @@ fn serve(client: &mut postgres::Client, wake: &Wake<'_>, state: &ListenState) {
                 }
             }
         }
-        // `None` also means the server went away: check, with a deadline (a silent
-        // network never answers).
-        if !woke && client.is_valid(CHECK_EVERY * 4).is_err() {
+        // `None` also means the server went away: a closed connection shows at once;
+        // a silent network only to a question, asked now and then with a deadline.
+        if client.is_closed() {
             return;
+        }
+        if woke {
+            probed = Instant::now();
+        } else if probed.elapsed() >= PROBE_EVERY {
+            if client.is_valid(CHECK_EVERY * 4).is_err() {
+                return;
+            }
+            probed = Instant::now();
         }
     }
 }

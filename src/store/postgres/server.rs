@@ -205,6 +205,11 @@ impl ChangeWatch for ServerWatch {
             .store(true, std::sync::atomic::Ordering::Release);
         Ok(true)
     }
+
+    fn quiet_for(&self) -> Option<std::time::Duration> {
+        let heard = self.listener.as_ref().is_some_and(|l| l.healthy());
+        heard.then(|| RESYNC.saturating_sub(self.resynced.elapsed()))
+    }
 }
 
 #[cfg(test)]
@@ -228,8 +233,15 @@ mod tests {
         };
         assert!(watcher.changed().unwrap(), "listener down: poll");
         assert!(watcher.changed().unwrap(), "still down: poll again");
+        assert_eq!(watcher.quiet_for(), None, "down: only a look tells");
         state.set_healthy(true);
         assert!(!watcher.changed().unwrap(), "listening: wait to be woken");
+        assert!(
+            watcher
+                .quiet_for()
+                .is_some_and(|q| q > RESYNC / 2 && q <= RESYNC),
+            "listening: nothing to look at before the resync"
+        );
         watcher.resynced -= RESYNC;
         assert!(watcher.changed().unwrap(), "a resync is due");
         assert!(!watcher.changed().unwrap(), "and then not again at once");

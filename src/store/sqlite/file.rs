@@ -185,7 +185,11 @@ impl Store for SqliteStore {
         let conn = self.writer();
         let tx = Tx::begin(&conn, "BEGIN IMMEDIATE")?;
         work(&tx)?;
-        Ok(tx.commit()?)
+        tx.commit()?;
+        if let Some(checkpointer) = &self.checkpointer {
+            checkpointer.note_write();
+        }
+        Ok(())
     }
 
     fn read(&self, work: &mut (dyn FnMut(&dyn StoreTx) -> Result<()> + Send)) -> Result<()> {
