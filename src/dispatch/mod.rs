@@ -1049,10 +1049,6 @@ impl Core {
     }
 }
 
-/// The keeper of a run's leases: renews every claim the run holds once less than half
-/// of its lease is left, until the run's last worker ended. Runs on a thread of its
-/// own in both flavours (it only does short database writes), so a busy worker — or
-/// an async runtime starved of threads — cannot keep it from renewing.
 /// Runs `round` until the run's last worker has ended (woken by it, as the keeper is):
 /// every `interval` while a round says it was busy, doubling the wait after each that
 /// was not up to [`SETTLE_BACKOFF`] times `interval`, and at once when the run records
@@ -1160,6 +1156,11 @@ pub(crate) fn adapter_panicked() -> Settlement {
     Settlement::hold("the adapter", "it panicked while asking its platform")
 }
 
+/// The keeper of a run's leases: renews every claim the run holds once less than half
+/// of its lease is left, until the run's last worker ended. Runs on a thread of its
+/// own in both flavours (it only does short database writes), so a busy worker — or
+/// an async runtime starved of threads — cannot keep it from renewing. While nothing is
+/// held it parks, and the first claim held wakes it.
 pub(crate) fn keep_leases(core: &Core, run: &Run) {
     let tick = renewal_tick(core.outbox.options().lease);
     let (lock, wake) = &run.keeper;
