@@ -305,8 +305,9 @@ impl OutboxOptions {
         self
     }
 
-    /// Passive WAL checkpoints on a background thread at this interval, so that the
-    /// checkpoint rarely falls inside a commit (which then stalls for an fsync). SQLite's
+    /// Passive WAL checkpoints on a background thread, this interval after every 8
+    /// commits of the handle (a minute after fewer; none while nothing is written), so
+    /// that the checkpoint rarely falls inside a commit (which then stalls for an fsync). SQLite's
     /// automatic checkpoint stays on as the bound under sustained writes, at
     /// [`BACKGROUND_AUTOCHECKPOINT_PAGES`](crate::store::sqlite::StorageSettings::BACKGROUND_AUTOCHECKPOINT_PAGES)
     /// instead of 1000. `None` leaves checkpoints to it alone, at SQLite's default.

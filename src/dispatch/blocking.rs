@@ -196,8 +196,8 @@ impl Dispatcher {
                     let mut seen = notifier.generation();
                     super::settle_while_live(&settler_run, interval, || {
                         let asked = !settler_run.stopping() && me.settle_once() > 0;
-                        let written = std::mem::replace(&mut seen, notifier.generation());
-                        asked || written != seen
+                        let before = std::mem::replace(&mut seen, notifier.generation());
+                        asked || before != seen
                     })
                 })
                 .map_err(spawn_error)?,

@@ -354,9 +354,9 @@ impl AsyncDispatcher {
         let mut wait = interval;
         while !run.stopping() {
             let asked = self.settle_once().await > 0;
-            let written = std::mem::replace(&mut seen, notifier.generation());
+            let before = std::mem::replace(&mut seen, notifier.generation());
             // Busy while a round asks something or the outbox is written.
-            wait = if asked || written != seen {
+            wait = if asked || before != seen {
                 interval
             } else {
                 (wait * 2).min(interval * super::SETTLE_BACKOFF)
